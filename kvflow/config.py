@@ -1,0 +1,102 @@
+"""`kv_connector_extra_config` -> a validated `KVFlowConfig`.
+
+Every error names the offending key and, where the value is one of a closed
+set, the valid choices, so a bad config fails at engine start with a message a
+user can act on.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal, TypeVar, get_args
+
+import msgspec
+
+__all__ = ["ConfigError", "KVFlowConfig", "default_cache_dir", "parse_config", "parse_options"]
+
+LoadMode = Literal["layer", "async"]
+Role = Literal["kv_both", "kv_producer", "kv_consumer"]
+
+
+class ConfigError(ValueError):
+    """A bad `kv_connector_extra_config`; the message names the key."""
+
+
+class KVFlowConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """kvflow's own keys of `kv_connector_extra_config` (see docs/configuration.md)."""
+
+    transport: str = "fs"
+    """Name of an installed transport (entry-point group `kvflow.transports`)."""
+    load_mode: LoadMode = "layer"
+    """`layer`: load inside the step, layer by layer, overlapping compute.
+    `async`: load between steps; the request waits until its KV has arrived."""
+    load_timeout_s: float = 30.0
+    save_timeout_s: float = 120.0
+    lookup_timeout_s: float = 5.0
+    max_concurrent_transfers: int = 16
+    save_partial_blocks: bool = True
+    """Save a prompt's trailing partial block, so a warm request recomputes one token."""
+    event_log: str = ""
+    """Append every event as a JSON line to this file (all runtimes may share it)."""
+    options: dict[str, Any] = msgspec.field(default_factory=dict)
+    """Options of the chosen transport, validated by the transport itself."""
+
+    def check(self) -> None:
+        for key in ("load_timeout_s", "save_timeout_s", "lookup_timeout_s"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"kv_connector_extra_config[{key!r}] must be > 0")
+        if self.max_concurrent_transfers < 1:
+            raise ConfigError("kv_connector_extra_config['max_concurrent_transfers'] must be >= 1")
+
+
+S = TypeVar("S", bound=msgspec.Struct)
+
+
+def _convert(raw: dict[str, Any], typ: type[S], where: str) -> S:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where} must be a JSON object, got {type(raw).__name__}")
+    fields = msgspec.structs.fields(typ)
+    names = [f.name for f in fields]
+    for key in raw:
+        if key not in names:
+            raise ConfigError(
+                f"{where}: unknown key {key!r}; valid keys: {', '.join(sorted(names))}"
+            )
+    try:
+        return msgspec.convert(raw, typ, str_keys=True)
+    except ConfigError:
+        raise
+    except msgspec.ValidationError as exc:
+        key = str(exc).rpartition("`$.")[2].rstrip("`").split(".")[0].split("[")[0]
+        hint = ""
+        for f in fields:
+            if f.name == key and getattr(f.type, "__origin__", None) is Literal:
+                hint = f"; valid choices: {', '.join(map(str, get_args(f.type)))}"
+        raise ConfigError(f"{where}[{key!r}]: {exc}{hint}") from None
+
+
+def parse_config(raw: dict[str, Any] | None, *, transports: list[str]) -> KVFlowConfig:
+    """Validate kvflow's keys; `transports` are the installed transport names."""
+    cfg = _convert(dict(raw or {}), KVFlowConfig, "kv_connector_extra_config")
+    cfg.check()
+    if cfg.transport not in transports:
+        raise ConfigError(
+            f"kv_connector_extra_config['transport']: {cfg.transport!r} is not an installed "
+            f"transport; valid choices: {', '.join(sorted(transports))}"
+        )
+    return cfg
+
+
+def parse_options(raw: dict[str, Any], typ: type[S], transport: str) -> S:
+    """Validate a transport's `options` against its Options Struct."""
+    return _convert(raw, typ, f"kv_connector_extra_config['options'] (transport {transport!r})")
+
+
+def default_cache_dir() -> Path:
+    """The per-user cache directory kvflow writes to unless told otherwise."""
+    base = os.environ.get("KVFLOW_CACHE_DIR")
+    if base:
+        return Path(base)
+    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(xdg) / "kvflow"

@@ -1,0 +1,198 @@
+"""The event vocabulary and the bus that carries it.
+
+Every vLLM call a connector receives becomes one of these msgspec Structs
+(a tagged union, so a stream of them decodes without pickle). Events are
+emitted on the runtime's trio thread only; subscribers (flow bookkeeping,
+stats, the live `kvflow inspect` stream) are called in order and must not
+block.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Literal
+
+import msgspec
+
+__all__ = [
+    "BlocksAllocated",
+    "BlocksReleased",
+    "CachesRegistered",
+    "Event",
+    "EventBus",
+    "LayerComputed",
+    "LayerLoaded",
+    "LoadStarted",
+    "LookupAnswered",
+    "LookupRequested",
+    "Origin",
+    "RequestFinished",
+    "SaveStarted",
+    "StepBound",
+    "StepPlanned",
+    "TransferDone",
+    "TransferFailed",
+    "decode_event",
+    "encode_event",
+]
+
+log = logging.getLogger("kvflow.events")
+
+Direction = Literal["load", "save"]
+
+
+class Origin(msgspec.Struct, frozen=True):
+    """Which runtime emitted an event."""
+
+    engine: str
+    role: Literal["scheduler", "worker"]
+    rank: int = 0
+
+
+_UNSET = Origin("", "scheduler")
+
+
+class _Base(msgspec.Struct, tag=True, kw_only=True):
+    ts: float = msgspec.field(default_factory=time.monotonic)
+    origin: Origin = _UNSET
+    req: str = ""
+
+
+# scheduler side
+class LookupRequested(_Base):
+    num_tokens: int
+    num_chunks: int
+
+
+class LookupAnswered(_Base):
+    hit_tokens: int
+    elapsed_s: float
+    error: str = ""
+
+
+class BlocksAllocated(_Base):
+    num_blocks: int
+    external_tokens: int
+
+
+class StepPlanned(_Base):
+    step: int
+    loads: int
+    saves: int
+
+
+class RequestFinished(_Base):
+    lent: bool
+
+
+# worker side
+class CachesRegistered(_Base):
+    num_layers: int
+    nbytes: int
+    memory: str
+    layout: str
+
+
+class StepBound(_Base):
+    step: int
+    loads: int
+    saves: int
+
+
+class LoadStarted(_Base):
+    chunks: int
+    tokens: int
+    nbytes: int
+    transport: str
+
+
+class LayerLoaded(_Base):
+    layer: int
+
+
+class LayerComputed(_Base):
+    step: int
+    layer: int
+
+
+class SaveStarted(_Base):
+    chunks: int
+    tokens: int
+    nbytes: int
+    transport: str
+
+
+class TransferDone(_Base):
+    direction: Direction
+    chunks: int
+    nbytes: int
+    elapsed_s: float
+
+
+class TransferFailed(_Base):
+    direction: Direction
+    reason: str
+    block_ids: list[int] = []
+    timed_out: bool = False
+
+
+class BlocksReleased(_Base):
+    pass
+
+
+Event = (
+    LookupRequested
+    | LookupAnswered
+    | BlocksAllocated
+    | StepPlanned
+    | RequestFinished
+    | CachesRegistered
+    | StepBound
+    | LoadStarted
+    | LayerLoaded
+    | LayerComputed
+    | SaveStarted
+    | TransferDone
+    | TransferFailed
+    | BlocksReleased
+)
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Event)
+
+
+def encode_event(event: Event) -> bytes:
+    return _encoder.encode(event)
+
+
+def decode_event(data: bytes) -> Event:
+    return _decoder.decode(data)
+
+
+Subscriber = Callable[[Event], None]
+
+
+class EventBus:
+    """Stamps events with their origin and hands them to subscribers in order.
+
+    A subscriber that raises is logged and kept; one bad consumer must not stop
+    the flows or the other consumers.
+    """
+
+    def __init__(self, origin: Origin) -> None:
+        self.origin = origin
+        self._subscribers: list[Subscriber] = []
+
+    def subscribe(self, fn: Subscriber) -> Callable[[], None]:
+        self._subscribers.append(fn)
+        return lambda: self._subscribers.remove(fn)
+
+    def emit(self, event: Event) -> None:
+        event.origin = self.origin
+        for fn in self._subscribers:
+            try:
+                fn(event)
+            except Exception:
+                log.exception("event subscriber %r failed on %s", fn, type(event).__name__)

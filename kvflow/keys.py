@@ -1,0 +1,86 @@
+"""Deterministic content keys for chunks of token ids.
+
+vLLM's own block hashes are salted per process unless PYTHONHASHSEED is set,
+so they cannot name bytes that outlive the process. kvflow keys are a chained
+BLAKE2b of the token ids of each chunk (one chunk per KV block), rooted in a
+*namespace*: a fingerprint of everything that makes KV bytes incompatible.
+The same tokens under the same configuration give the same key in any process;
+a different model, dtype, block size, layout or rank gives a different one.
+
+A trailing partial chunk (fewer tokens than a block) gets its own key, which
+differs from any full chunk's because the token count is hashed in.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Sequence
+
+import msgspec
+
+__all__ = ["ChunkKey", "Fingerprint", "chunk_keys", "chunk_token_counts"]
+
+ChunkKey = str
+"""Hex digest naming one chunk of KV bytes (32 hex characters)."""
+
+_DIGEST = 16
+
+
+class Fingerprint(msgspec.Struct, frozen=True, kw_only=True):
+    """Everything that makes KV bytes of one configuration unusable in another."""
+
+    model: str
+    dtype: str
+    block_size: int
+    num_layers: int
+    layout: str
+    bytes_per_token: int
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    extra: str = ""
+
+    def namespace(self) -> str:
+        """A short stable id of this fingerprint (hex)."""
+        raw = msgspec.json.encode(self)
+        return hashlib.blake2b(raw, digest_size=_DIGEST).hexdigest()
+
+
+def _tokens_bytes(tokens: Sequence[int]) -> bytes:
+    return array("q", tokens).tobytes()
+
+
+def chunk_keys(
+    namespace: str,
+    token_ids: Sequence[int],
+    block_size: int,
+    *,
+    salt: str = "",
+    include_partial: bool = True,
+) -> list[ChunkKey]:
+    """Keys of the consecutive `block_size` chunks of `token_ids`.
+
+    `salt` folds per-request inputs that change KV bytes without changing
+    token ids (LoRA adapter, cache salt, multimodal content) into the chain.
+    """
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    parent = hashlib.blake2b(f"{namespace}|{salt}".encode(), digest_size=_DIGEST).digest()
+    keys: list[ChunkKey] = []
+    n = len(token_ids)
+    end = n if include_partial else n - n % block_size
+    for start in range(0, end, block_size):
+        chunk = token_ids[start : min(start + block_size, end)]
+        h = hashlib.blake2b(parent, digest_size=_DIGEST)
+        h.update(len(chunk).to_bytes(4, "little"))
+        h.update(_tokens_bytes(chunk))
+        parent = h.digest()
+        keys.append(parent.hex())
+    return keys
+
+
+def chunk_token_counts(num_tokens: int, block_size: int) -> list[int]:
+    """Tokens held by each chunk of a `num_tokens` prefix: full blocks, then a partial tail."""
+    full, tail = divmod(num_tokens, block_size)
+    return [block_size] * full + ([tail] if tail else [])

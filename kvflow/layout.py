@@ -1,0 +1,164 @@
+"""KV memory geometry as byte spans.
+
+A layer's paged KV buffer is some strided tensor with a block dimension and a
+token dimension (e.g. `[2, num_blocks, block_size, heads, head_dim]` for NHD,
+`[2, num_blocks, heads, block_size, head_dim]` for HND). Whatever the attention
+backend, the bytes of `n` tokens of one block are a few contiguous *runs*, one
+per *plane* (a K or V half, a head in HND). `LayerGeometry` records planes by
+byte offset and strides, so transports move `memoryview` spans and never learn
+backend shapes.
+
+Some backends pack a block so that tokens are not separable (vLLM's CPU
+attention stores K transposed inside each block). Their geometry is
+*block-granular*: a chunk is always its whole block, one opaque run, and a
+partial chunk carries the whole block too (the slots past its tokens are
+never read: vLLM overwrites them as it computes those positions).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import msgspec
+
+__all__ = [
+    "KVLayout",
+    "LayerGeometry",
+    "LayoutError",
+    "block_geometry",
+    "geometry_from_strides",
+]
+
+
+class LayoutError(ValueError):
+    """Registered KV memory that kvflow cannot describe as spans."""
+
+
+class LayerGeometry(msgspec.Struct, frozen=True):
+    """Where one layer's tokens live in its buffer, in bytes."""
+
+    num_blocks: int
+    block_size: int
+    plane_offsets: tuple[int, ...]
+    block_stride: int
+    token_bytes: int
+    """Contiguous bytes of one token in one plane (0 when block-granular)."""
+    block_bytes: int = 0
+    """Non-zero for block-granular layouts: a block is one opaque run of this size."""
+
+    def chunk_nbytes(self, num_tokens: int) -> int:
+        """Bytes a chunk of `num_tokens` tokens occupies in this layer."""
+        if self.block_bytes:
+            return self.block_bytes
+        return num_tokens * len(self.plane_offsets) * self.token_bytes
+
+    def describe(self) -> str:
+        if self.block_bytes:
+            return f"block_bytes={self.block_bytes}"
+        return f"planes={len(self.plane_offsets)},token_bytes={self.token_bytes}"
+
+
+def geometry_from_strides(
+    shape: Sequence[int],
+    strides: Sequence[int],
+    itemsize: int,
+    *,
+    block_dim: int,
+    token_dim: int,
+) -> LayerGeometry:
+    """Describe a strided tensor whose `block_dim` indexes blocks and `token_dim` tokens.
+
+    Dimensions after `token_dim` must be dense (one token is one run); every
+    other dimension becomes a plane.
+    """
+    if not 0 <= block_dim < token_dim < len(shape):
+        raise LayoutError(f"need block_dim < token_dim in shape {tuple(shape)}")
+    inner = shape[token_dim + 1 :]
+    expect = itemsize
+    for size, stride in zip(reversed(inner), reversed(strides[token_dim + 1 :]), strict=True):
+        if size > 1 and stride * itemsize != expect:
+            raise LayoutError(f"token data is not contiguous in shape {tuple(shape)}")
+        expect *= size
+    token_bytes = itemsize * math.prod(inner)
+    if shape[token_dim] > 1 and strides[token_dim] * itemsize != token_bytes:
+        raise LayoutError(f"tokens of a block are not adjacent in shape {tuple(shape)}")
+    plane_dims = [d for d in range(token_dim) if d != block_dim]
+    offsets = [0]
+    for d in plane_dims:
+        offsets = [o + i * strides[d] * itemsize for o in offsets for i in range(shape[d])]
+    return LayerGeometry(
+        num_blocks=shape[block_dim],
+        block_size=shape[token_dim],
+        plane_offsets=tuple(offsets),
+        block_stride=strides[block_dim] * itemsize,
+        token_bytes=token_bytes,
+    )
+
+
+def block_geometry(
+    shape: Sequence[int], strides: Sequence[int], itemsize: int, *, block_dim: int = 0
+) -> LayerGeometry:
+    """Describe a tensor whose blocks (index `block_dim`) are each one dense run."""
+    if block_dim != 0:
+        raise LayoutError("block-granular layouts need the block dimension first")
+    expect = itemsize
+    for size, stride in zip(reversed(shape[1:]), reversed(strides[1:]), strict=True):
+        if size > 1 and stride * itemsize != expect:
+            raise LayoutError(f"blocks are not dense in shape {tuple(shape)}")
+        expect *= size
+    return LayerGeometry(
+        num_blocks=shape[0],
+        block_size=0,
+        plane_offsets=(0,),
+        block_stride=strides[0] * itemsize,
+        token_bytes=0,
+        block_bytes=expect,
+    )
+
+
+@dataclass
+class KVLayout:
+    """All registered layers: names in forward order, geometry and a flat byte view each."""
+
+    names: list[str]
+    geometries: list[LayerGeometry]
+    buffers: list[memoryview]
+    memory: str = "cpu"
+
+    def __post_init__(self) -> None:
+        self.index = {name: i for i, name in enumerate(self.names)}
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.names)
+
+    def describe(self) -> str:
+        """Stable text for fingerprints: what makes bytes of two layouts incompatible."""
+        kinds = sorted({g.describe() for g in self.geometries})
+        return f"{self.memory};layers={self.num_layers};" + "|".join(kinds)
+
+    block_size: int = 0
+
+    def chunk_nbytes(self, layer: int, num_tokens: int) -> int:
+        return self.geometries[layer].chunk_nbytes(num_tokens)
+
+    def nbytes(self, token_counts: Sequence[int]) -> int:
+        """Bytes of chunks holding `token_counts` tokens, over all layers."""
+        return sum(g.chunk_nbytes(n) for g in self.geometries for n in token_counts)
+
+    def is_block_granular(self) -> bool:
+        return any(g.block_bytes for g in self.geometries)
+
+    def spans(self, layer: int, block_id: int, num_tokens: int) -> list[memoryview]:
+        """The runs holding the first `num_tokens` tokens of `block_id` in `layer`."""
+        g = self.geometries[layer]
+        if not 0 <= block_id < g.num_blocks or not 0 < num_tokens <= self.block_size:
+            raise LayoutError(f"block {block_id} / {num_tokens} tokens out of range")
+        buf = self.buffers[layer]
+        base = block_id * g.block_stride
+        if g.block_bytes:
+            return [buf[base : base + g.block_bytes]]
+        n = num_tokens * g.token_bytes
+        return [buf[base + off : base + off + n] for off in g.plane_offsets]

@@ -1,0 +1,63 @@
+"""What the scheduler tells workers each step, as msgspec Structs.
+
+vLLM ships connector metadata to workers inside its (pickled) scheduler
+output. kvflow's metadata pickles as its msgspec bytes only, so nothing
+kvflow-defined ever rides in pickle, and decoding is strict and typed.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from .keys import ChunkKey
+
+__all__ = ["LoadSpec", "SaveSpec", "WorkerPlan", "decode_plan", "encode_plan"]
+
+
+class LoadSpec(msgspec.Struct, frozen=True, array_like=True):
+    """Load `keys[i]` (holding `token_counts[i]` tokens) into block `block_ids[i]`."""
+
+    req: str
+    keys: list[ChunkKey]
+    block_ids: list[int]
+    token_counts: list[int]
+    asynchronous: bool = False
+
+
+class SaveSpec(msgspec.Struct, frozen=True, array_like=True):
+    """Save block `block_ids[i]`'s first `token_counts[i]` tokens as `keys[i]`."""
+
+    req: str
+    keys: list[ChunkKey]
+    block_ids: list[int]
+    token_counts: list[int]
+
+
+class WorkerPlan(msgspec.Struct, frozen=True):
+    """One scheduler step's instructions to every worker."""
+
+    step: int
+    loads: list[LoadSpec] = []
+    saves: list[SaveSpec] = []
+    lent: list[str] = []
+    """Requests whose blocks vLLM lent to kvflow at finish; report them once saved."""
+    preempted: list[str] = []
+    """Requests whose blocks are about to be reused: stop reading them."""
+
+    def is_empty(self) -> bool:
+        return not (self.loads or self.saves or self.lent or self.preempted)
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(WorkerPlan)
+MAX_PLAN_BYTES = 64 << 20
+
+
+def encode_plan(plan: WorkerPlan) -> bytes:
+    return _encoder.encode(plan)
+
+
+def decode_plan(data: bytes) -> WorkerPlan:
+    if len(data) > MAX_PLAN_BYTES:
+        raise ValueError(f"kvflow plan of {len(data)} bytes exceeds {MAX_PLAN_BYTES}")
+    return _decoder.decode(data)

@@ -1,0 +1,227 @@
+"""One trio loop per connector instance, in a daemon thread: the only door from vLLM.
+
+vLLM calls connectors synchronously from its own threads. Those threads never
+run trio code: they hand work in with `submit` / `spawn` (a non-blocking
+`TrioToken.run_sync_soon`, a few microseconds) and read completions the flows
+publish. Only where vLLM's contract needs an answer now (shutdown, preemption)
+does a thread block, and then always with a timeout (`call`), so no caller
+ever waits on a loop that died.
+
+The loop starts lazily in the process that uses it. After `fork` the child
+has no loop thread, so the runtime resets itself and starts afresh on first
+use. Shutdown is explicit (`shutdown()`, with an atexit fallback): it cancels
+every task, then runs the registered closers (transports) under a shielded
+deadline, then joins the thread with a timeout.
+"""
+
+from __future__ import annotations
+
+import atexit
+import concurrent.futures
+import logging
+import os
+import threading
+import weakref
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import trio
+
+__all__ = ["Runtime", "RuntimeClosed"]
+
+log = logging.getLogger("kvflow.runtime")
+T = TypeVar("T")
+
+_RUNTIMES: weakref.WeakSet[Runtime] = weakref.WeakSet()
+
+
+class RuntimeClosed(RuntimeError):
+    """The runtime was shut down (or its loop died); the work was not done."""
+
+
+class _Loop:
+    """State of one started loop; replaced wholesale on fork or restart."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.ready = threading.Event()
+        self.thread: threading.Thread | None = None
+        self.token: trio.lowlevel.TrioToken | None = None
+        self.nursery: trio.Nursery | None = None
+        self.stop: trio.Event | None = None
+        self.closed = False
+
+
+class Runtime:
+    """A trio loop in a daemon thread with a root nursery that lives until `shutdown()`."""
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        close_timeout_s: float = 5.0,
+        clock: trio.abc.Clock | None = None,
+    ) -> None:
+        self.name = name
+        self.close_timeout_s = close_timeout_s
+        self.task_errors = 0
+        self._clock = clock
+        self._closers: list[Callable[[], Awaitable[None]]] = []
+        self._lock = threading.Lock()
+        self._loop: _Loop | None = None
+        self._shut = False
+        _RUNTIMES.add(self)
+
+    # -- lifecycle ---------------------------------------------------------
+    def start(self) -> None:
+        """Start the loop if this process has none yet (idempotent, fork-aware)."""
+        loop = self._loop
+        if loop is not None and loop.pid == os.getpid() and not loop.closed:
+            return
+        with self._lock:
+            if self._shut:
+                raise RuntimeClosed(f"runtime {self.name!r} was shut down")
+            loop = self._loop
+            if loop is not None and loop.pid == os.getpid() and not loop.closed:
+                return
+            loop = _Loop()
+            loop.thread = threading.Thread(
+                target=self._thread_main, args=(loop,), name=f"kvflow-{self.name}", daemon=True
+            )
+            self._loop = loop
+            loop.thread.start()
+        if not loop.ready.wait(10.0):
+            raise RuntimeClosed(f"runtime {self.name!r} did not start")
+
+    @property
+    def running(self) -> bool:
+        loop = self._loop
+        return loop is not None and loop.pid == os.getpid() and loop.ready.is_set() and not loop.closed
+
+    def in_loop_thread(self) -> bool:
+        loop = self._loop
+        return loop is not None and loop.thread is threading.current_thread()
+
+    def add_closer(self, closer: Callable[[], Awaitable[None]]) -> None:
+        """Run `closer()` on shutdown, after tasks are cancelled (last added runs first)."""
+        self._closers.append(closer)
+
+    def shutdown(self, timeout: float | None = None) -> bool:
+        """Cancel all tasks, run closers, join the thread. True if it ended in time."""
+        with self._lock:
+            self._shut = True
+            loop = self._loop
+        if loop is None or loop.pid != os.getpid() or loop.thread is None:
+            return True
+        if not loop.closed and loop.token is not None and loop.stop is not None:
+            try:
+                loop.token.run_sync_soon(loop.stop.set)
+            except trio.RunFinishedError:
+                pass
+        if loop.thread is threading.current_thread():
+            return False
+        loop.thread.join(self.close_timeout_s + 2.0 if timeout is None else timeout)
+        alive = loop.thread.is_alive()
+        if alive:
+            log.warning("kvflow runtime %r did not stop in time; abandoning its thread", self.name)
+        return not alive
+
+    # -- the door in -------------------------------------------------------
+    def submit(self, fn: Callable[..., object], *args: Any) -> None:
+        """Run `fn(*args)` on the loop thread soon. Never blocks; dropped if closed."""
+        loop = self._loop
+        if loop is None or loop.pid != os.getpid() or loop.closed:
+            self.start()
+            loop = self._loop
+        assert loop is not None and loop.token is not None
+        try:
+            loop.token.run_sync_soon(fn, *args)
+        except trio.RunFinishedError:
+            log.warning("kvflow runtime %r is closed; dropped %r", self.name, fn)
+
+    def spawn(self, async_fn: Callable[..., Awaitable[object]], *args: Any, name: str = "") -> None:
+        """Start `async_fn(*args)` as a task in the root nursery. Never blocks."""
+        self.submit(self._start_task, async_fn, args, name)
+
+    def call(self, async_fn: Callable[..., Awaitable[T]], *args: Any, timeout: float) -> T:
+        """Run `async_fn(*args)` in the loop and wait for its result, at most `timeout` s."""
+        if self.in_loop_thread():
+            raise RuntimeError("Runtime.call from the loop thread would deadlock")
+        fut: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+        async def runner() -> None:
+            try:
+                fut.set_result(await async_fn(*args))
+            except BaseException as exc:
+                fut.set_exception(exc)
+                if not isinstance(exc, Exception):
+                    raise
+
+        self.submit(self._start_task, runner, (), getattr(async_fn, "__name__", "call"))
+        try:
+            return fut.result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(f"kvflow runtime {self.name!r}: no answer in {timeout}s") from None
+        except trio.Cancelled:
+            raise RuntimeClosed(f"runtime {self.name!r} shut down during the call") from None
+
+    # -- inside the loop ---------------------------------------------------
+    def start_soon(self, async_fn: Callable[..., Awaitable[object]], *args: Any, name: str = "") -> None:
+        """From the loop thread: start a guarded task in the root nursery."""
+        self._start_task(async_fn, args, name)
+
+    def _start_task(self, async_fn: Callable[..., Awaitable[object]], args: tuple, name: str) -> None:
+        loop = self._loop
+        assert loop is not None and loop.nursery is not None
+        try:
+            loop.nursery.start_soon(self._guard, async_fn, args, name or async_fn.__name__)
+        except RuntimeError:  # the nursery closed: we are shutting down
+            log.warning("kvflow runtime %r is closing; dropped task %s", self.name, name)
+
+    async def _guard(self, async_fn: Callable[..., Awaitable[object]], args: tuple, name: str) -> None:
+        try:
+            await async_fn(*args)
+        except Exception:
+            self.task_errors += 1
+            log.exception("kvflow task %s failed in runtime %r", name, self.name)
+
+    def _thread_main(self, loop: _Loop) -> None:
+        try:
+            trio.run(self._main, loop, clock=self._clock)
+        except BaseException:
+            log.exception("kvflow runtime %r crashed", self.name)
+        finally:
+            loop.closed = True
+            loop.ready.set()
+
+    async def _main(self, loop: _Loop) -> None:
+        loop.token = trio.lowlevel.current_trio_token()
+        loop.stop = trio.Event()
+        try:
+            async with trio.open_nursery() as nursery:
+                loop.nursery = nursery
+                loop.ready.set()
+                await loop.stop.wait()
+                nursery.cancel_scope.cancel()
+        finally:
+            with trio.move_on_after(self.close_timeout_s, shield=True):
+                for closer in reversed(self._closers):
+                    try:
+                        await closer()
+                    except Exception:
+                        log.exception("kvflow runtime %r: closer %r failed", self.name, closer)
+
+
+def _after_fork_in_child() -> None:
+    for rt in list(_RUNTIMES):
+        rt._loop = None
+        rt._lock = threading.Lock()
+
+
+def _shutdown_all() -> None:
+    for rt in list(_RUNTIMES):
+        rt.shutdown(timeout=2.0)
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+atexit.register(_shutdown_all)

@@ -1,0 +1,244 @@
+"""Scheduler-side state machine: lookups, load plans, save plans, lent blocks.
+
+Called from vLLM's scheduler thread through the connector adapter, in kvflow
+types only. Lookups never block that thread: the first call starts a lookup
+task on the runtime and answers `None` ("ask again"); a later call returns
+the answer the task left behind.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import trio
+
+from .config import KVFlowConfig
+from .events import BlocksAllocated, EventBus, LookupAnswered, LookupRequested, RequestFinished
+from .events import StepPlanned
+from .keys import ChunkKey, chunk_keys, chunk_token_counts
+from .metadata import LoadSpec, SaveSpec, WorkerPlan
+from .runtime import Runtime
+from .transport import Transport
+
+__all__ = ["ScheduledRequest", "SchedulerEngine"]
+
+log = logging.getLogger("kvflow.scheduler")
+
+
+@dataclass
+class ScheduledRequest:
+    """One request in a scheduler step, in kvflow terms."""
+
+    req: str
+    num_computed: int
+    """Tokens already computed (or loaded) before this step."""
+    num_scheduled: int
+    new_block_ids: list[int]
+    replace_blocks: bool = False
+    """True for new and resumed requests: `new_block_ids` is the whole block list."""
+    token_ids: Sequence[int] | None = None
+    """Prompt token ids, for a request kvflow has not seen yet."""
+
+
+@dataclass
+class _Request:
+    keys: list[ChunkKey]
+    counts: list[int]
+    prompt_len: int
+    block_ids: list[int] = field(default_factory=list)
+    lookup_started: bool = False
+    hit_chunks: int | None = None
+    """Leading chunks the store holds; written by the lookup task."""
+    stored_upto: int = 0
+    """Chunks known to be in the store already; never saved again."""
+    saved_upto: int = 0
+    load_planned: bool = False
+    saves_issued: bool = False
+
+    def hit_tokens(self) -> int:
+        return sum(self.counts[: self.hit_chunks or 0])
+
+
+class SchedulerEngine:
+    """Owns per-request connector state in the scheduler process."""
+
+    def __init__(
+        self,
+        *,
+        config: KVFlowConfig,
+        transport: Transport,
+        runtime: Runtime,
+        bus: EventBus,
+        namespace: str,
+        block_size: int,
+        can_load: bool = True,
+        can_save: bool = True,
+    ) -> None:
+        self.config = config
+        self.transport = transport
+        self.runtime = runtime
+        self.bus = bus
+        self.namespace = namespace
+        self.block_size = block_size
+        self.can_load = can_load
+        self.can_save = can_save
+        self._reqs: dict[str, _Request] = {}
+        self._pending_loads: list[LoadSpec] = []
+        self._lent: list[str] = []
+        self._preempted: list[str] = []
+        self._step = 0
+
+    # -- vLLM thread -------------------------------------------------------
+    def add_request(self, req: str, token_ids: Sequence[int], salt: str = "") -> None:
+        """Key a new request's prompt (once; keys are reused by lookups and saves)."""
+        if req in self._reqs:
+            return
+        keys = chunk_keys(
+            self.namespace,
+            token_ids,
+            self.block_size,
+            salt=salt,
+            include_partial=self.config.save_partial_blocks,
+        )
+        counts = chunk_token_counts(len(token_ids), self.block_size)[: len(keys)]
+        st = self._reqs[req] = _Request(keys=keys, counts=counts, prompt_len=len(token_ids))
+        self._start_lookup(req, st)  # overlap the lookup with the request's wait in the queue
+
+    def _start_lookup(self, req: str, st: _Request) -> None:
+        if self.can_load and st.prompt_len >= 2 and not st.lookup_started:
+            st.lookup_started = True
+            self.runtime.spawn(self._lookup_task, req, st, name=f"lookup:{req}")
+
+    def lookup(self, req: str, num_computed: int) -> int | None:
+        """Tokens beyond `num_computed` the store can supply; None while the answer is pending."""
+        st = self._reqs.get(req)
+        if st is None or not self.can_load or st.prompt_len < 2 or not st.keys:
+            return 0
+        if st.hit_chunks is None:
+            self._start_lookup(req, st)
+            return None
+        # vLLM must compute at least one token itself to produce logits.
+        usable = min(st.hit_tokens(), st.prompt_len - 1)
+        return max(0, usable - num_computed)
+
+    def allocated(self, req: str, block_ids: Sequence[int], num_external: int) -> None:
+        """vLLM allocated blocks; plan the load of `num_external` tokens into them."""
+        st = self._reqs.get(req)
+        if st is None:
+            return
+        st.block_ids = list(block_ids)
+        st.stored_upto = max(st.stored_upto, st.hit_chunks or 0)
+        if num_external <= 0 or st.load_planned:
+            return
+        st.load_planned = True
+        end_tok = min(st.hit_tokens(), st.prompt_len - 1)
+        first = (end_tok - num_external) // self.block_size
+        last = -(-end_tok // self.block_size)
+        spec = LoadSpec(
+            req=req,
+            keys=st.keys[first:last],
+            block_ids=st.block_ids[first:last],
+            token_counts=st.counts[first:last],
+            asynchronous=self.config.load_mode == "async",
+        )
+        self._pending_loads.append(spec)
+        self.runtime.submit(
+            self.bus.emit,
+            BlocksAllocated(req=req, num_blocks=last - first, external_tokens=num_external),
+        )
+
+    def plan(
+        self,
+        scheduled: Iterable[ScheduledRequest],
+        preempted: Iterable[str] = (),
+    ) -> WorkerPlan:
+        """Build this step's WorkerPlan (resets the per-step lists)."""
+        self._step += 1
+        saves: list[SaveSpec] = []
+        for s in scheduled:
+            st = self._reqs.get(s.req)
+            if st is None and s.token_ids is not None:
+                self.add_request(s.req, s.token_ids)
+                st = self._reqs[s.req]
+            if st is None:
+                continue
+            if s.replace_blocks:
+                st.block_ids = list(s.new_block_ids)
+            else:
+                st.block_ids.extend(s.new_block_ids)
+            if self.can_save:
+                spec = self._plan_save(s.req, st, s.num_computed + s.num_scheduled)
+                if spec is not None:
+                    saves.append(spec)
+        for req in preempted:
+            st = self._reqs.get(req)
+            if st is not None:
+                st.saved_upto = st.stored_upto
+                self._preempted.append(req)
+        plan = WorkerPlan(
+            step=self._step,
+            loads=self._pending_loads,
+            saves=saves,
+            lent=self._lent,
+            preempted=self._preempted,
+        )
+        self._pending_loads, self._lent, self._preempted = [], [], []
+        if not plan.is_empty():
+            self.runtime.submit(
+                self.bus.emit,
+                StepPlanned(step=plan.step, loads=len(plan.loads), saves=len(plan.saves)),
+            )
+        return plan
+
+    def finished(self, req: str) -> bool:
+        """The request ended. True: vLLM lends its blocks until workers report it saved."""
+        st = self._reqs.pop(req, None)
+        lend = st is not None and st.saves_issued
+        if lend:
+            self._lent.append(req)
+        self.runtime.submit(self.bus.emit, RequestFinished(req=req, lent=lend))
+        return lend
+
+    # -- internals ---------------------------------------------------------
+    def _plan_save(self, req: str, st: _Request, computed_after: int) -> SaveSpec | None:
+        done = min(computed_after, st.prompt_len)
+        ready = done // self.block_size
+        if done == st.prompt_len and len(st.keys) > ready:
+            ready = len(st.keys)  # the prompt is complete: its partial tail is final too
+        start = max(st.saved_upto, st.stored_upto)
+        if ready <= start or len(st.block_ids) < ready:
+            return None
+        st.saved_upto = ready
+        st.saves_issued = True
+        return SaveSpec(
+            req=req,
+            keys=st.keys[start:ready],
+            block_ids=st.block_ids[start:ready],
+            token_counts=st.counts[start:ready],
+        )
+
+    async def _lookup_task(self, req: str, st: _Request) -> None:
+        self.bus.emit(LookupRequested(req=req, num_tokens=st.prompt_len, num_chunks=len(st.keys)))
+        t0 = time.perf_counter()
+        error = ""
+        hits = 0
+        with trio.move_on_after(self.config.lookup_timeout_s) as scope:
+            try:
+                hits = await self.transport.lookup(st.keys)
+            except Exception as exc:  # a failed lookup is a miss, never a crash
+                error = f"{type(exc).__name__}: {exc}"
+                log.warning("kvflow lookup for %s failed: %s", req, error)
+        if scope.cancelled_caught:
+            error = f"lookup timed out after {self.config.lookup_timeout_s}s"
+        st.hit_chunks = max(0, min(hits, len(st.keys)))
+        self.bus.emit(
+            LookupAnswered(
+                req=req,
+                hit_tokens=st.hit_tokens(),
+                elapsed_s=time.perf_counter() - t0,
+                error=error,
+            )
+        )

@@ -1,0 +1,181 @@
+"""The Transport ABC, the jobs it is handed, and the entry-point registry.
+
+A transport moves chunks of KV bytes, named by content keys, between paged KV
+memory and somewhere else. It never sees vLLM types: a save is a `SaveJob`
+that yields, layer by layer, the memory spans of each chunk as soon as vLLM
+has computed that layer; a load is a `LoadJob` that gives destination spans and
+takes a `layer_loaded(i)` signal, so attention on layer i can start while
+later layers still stream in.
+
+Transports are found through the `kvflow.transports` entry-point group, the
+same way for built-ins and third parties.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import msgspec
+
+from .keys import ChunkKey
+from .layout import KVLayout
+
+__all__ = [
+    "Capabilities",
+    "ChunkCorrupt",
+    "ChunkMissing",
+    "LoadJob",
+    "NoOptions",
+    "SaveJob",
+    "Transport",
+    "TransportContext",
+    "TransportError",
+    "TransportNotFound",
+    "available_transports",
+    "load_transport",
+]
+
+ENTRY_POINT_GROUP = "kvflow.transports"
+
+
+class TransportError(Exception):
+    """A transfer failed. `chunk` is the index of the first chunk it could not move."""
+
+    def __init__(self, message: str, *, chunk: int = 0, key: ChunkKey = "") -> None:
+        super().__init__(message)
+        self.chunk = chunk
+        self.key = key
+
+
+class ChunkMissing(TransportError):
+    """The store does not hold a chunk (never saved, or evicted since the lookup)."""
+
+
+class ChunkCorrupt(TransportError):
+    """A chunk's bytes failed validation: wrong key, layout, size or checksum."""
+
+
+class TransportNotFound(LookupError):
+    """No installed transport has that name; the message lists the ones that do."""
+
+
+class NoOptions(msgspec.Struct, forbid_unknown_fields=True):
+    """Options of a transport that takes none."""
+
+
+class Capabilities(msgspec.Struct, frozen=True):
+    """What a transport can do: store-style lookup/save/load, and which memory."""
+
+    store: bool = True
+    peer: bool = False
+    memory: frozenset[str] = frozenset({"cpu"})
+
+
+@dataclass
+class TransportContext:
+    """Where a transport instance runs and what it serves."""
+
+    engine_id: str
+    role: str
+    """`scheduler` or `worker`."""
+    namespace: str
+    """Fingerprint of the KV configuration; written into and checked against stored bytes."""
+    shard: str
+    """This worker's slice of each chunk (its TP/PP rank), e.g. `tp0of1`."""
+    shards: list[str]
+    """Every slice a chunk has; a lookup hit needs all of them."""
+    layout: KVLayout | None = None
+    """The registered KV memory (workers only)."""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class SaveJob:
+    """Chunks of one request to save; `layer(i)` waits until vLLM has computed layer i."""
+
+    req: str
+    keys: list[ChunkKey]
+    token_counts: list[int]
+    num_layers: int
+    layer_spans: Callable[[int], Awaitable[list[list[memoryview]]]]
+
+    async def layer(self, layer: int) -> list[list[memoryview]]:
+        """Spans of every chunk in `layer`, once that layer's KV is final."""
+        return await self.layer_spans(layer)
+
+
+@dataclass
+class LoadJob:
+    """Chunks of one request to load into `spans(i)`; call `layer_loaded(i)` as each lands."""
+
+    req: str
+    keys: list[ChunkKey]
+    token_counts: list[int]
+    num_layers: int
+    spans: Callable[[int], list[list[memoryview]]]
+    layer_loaded: Callable[[int], None]
+
+
+class Transport(ABC):
+    """Base class of every transport. Subclass, declare an entry point, pass `kvflow.testing`.
+
+    Contract, checked by the conformance suite:
+    - `lookup(keys)` returns how many *leading* keys are fully stored (all shards).
+    - `save(job)` stores every chunk or raises; a chunk is never visible half-written.
+    - `load(job)` fills every span of every chunk, calling `job.layer_loaded(i)` in
+      layer order, or raises `ChunkMissing` / `ChunkCorrupt` / `TransportError`
+      with `chunk` set to the first chunk that did not arrive intact.
+    - All methods are cancellable; a cancelled save leaves nothing visible.
+    """
+
+    name: ClassVar[str] = ""
+    Options: ClassVar[type[msgspec.Struct]] = NoOptions
+    capabilities: ClassVar[Capabilities] = Capabilities()
+
+    def __init__(self, options: Any, context: TransportContext) -> None:
+        self.options = options
+        self.context = context
+
+    async def open(self) -> None:  # noqa: B027 - optional hook
+        """Acquire resources; raise `TransportError` with a clear message on bad options."""
+
+    async def aclose(self) -> None:  # noqa: B027 - optional hook
+        """Release resources. Called once, also after cancelled transfers."""
+
+    @abstractmethod
+    async def lookup(self, keys: Sequence[ChunkKey]) -> int: ...
+
+    @abstractmethod
+    async def save(self, job: SaveJob) -> None: ...
+
+    @abstractmethod
+    async def load(self, job: LoadJob) -> None: ...
+
+
+def available_transports() -> dict[str, importlib.metadata.EntryPoint]:
+    """Installed transports by name."""
+    return {ep.name: ep for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def load_transport(name: str) -> type[Transport]:
+    """Import the transport registered as `name`."""
+    eps = available_transports()
+    if name not in eps:
+        raise TransportNotFound(
+            f"no kvflow transport named {name!r}; installed: {', '.join(sorted(eps)) or 'none'}"
+        )
+    try:
+        cls = eps[name].load()
+    except ImportError as exc:
+        dist = eps[name].dist.name if eps[name].dist else "its package"
+        raise TransportNotFound(
+            f"kvflow transport {name!r} is installed but cannot be imported ({exc}); "
+            f"reinstall {dist} with its dependencies"
+        ) from exc
+    if not (isinstance(cls, type) and issubclass(cls, Transport)):
+        raise TransportNotFound(f"entry point {name!r} does not name a kvflow Transport subclass")
+    return cls

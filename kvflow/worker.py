@@ -1,0 +1,396 @@
+"""Worker-side flows: every load and save is a trio task with its own deadline.
+
+vLLM's model-runner thread calls in through the connector adapter:
+`bind` (a step's plan), `wait_layer` (attention is about to read layer i),
+`layer_computed` (layer i's KV is final), `end_step`, `take_results`. Those
+calls hand work to the runtime and return; the only waits are the ones the
+contract demands (layer i's load before attention reads it, preemption before
+blocks are reused), each bounded by a timeout.
+
+Flows report through a lock-protected `TransferResults`; a failed load's
+block ids are recorded before (or with) its completion, so vLLM always learns
+which blocks to recompute no later than it learns the load ended.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import trio
+
+from .config import KVFlowConfig
+from .events import (
+    BlocksReleased,
+    CachesRegistered,
+    EventBus,
+    LayerComputed,
+    LoadStarted,
+    SaveStarted,
+    StepBound,
+    TransferDone,
+    TransferFailed,
+)
+from .layout import KVLayout
+from .metadata import LoadSpec, SaveSpec, WorkerPlan
+from .runtime import Runtime
+from .transport import LoadJob, SaveJob, Transport, TransportError
+
+__all__ = ["TransferResults", "WorkerEngine"]
+
+log = logging.getLogger("kvflow.worker")
+
+LayerReady = Callable[[], bool]
+"""Polled until True before a computed layer is read (e.g. a CUDA event's query)."""
+
+
+@dataclass
+class TransferResults:
+    """One step's snapshot of completions, in vLLM's terms."""
+
+    finished_sending: set[str] = field(default_factory=set)
+    finished_recving: set[str] = field(default_factory=set)
+    failed_recving: set[str] = field(default_factory=set)
+    error_block_ids: set[int] = field(default_factory=set)
+
+
+def _snapshot(spans: list[memoryview]) -> list[memoryview]:
+    return [memoryview(bytes(s)) for s in spans]
+
+
+class _LayerGate:
+    """Synchronous loads still owed per layer this step; vLLM's thread waits on it."""
+
+    def __init__(self, num_layers: int, pending: int) -> None:
+        self.events = [threading.Event() for _ in range(num_layers)]
+        self.remaining = [pending] * num_layers
+        if pending == 0:
+            for ev in self.events:
+                ev.set()
+
+    def loaded(self, layer: int) -> None:
+        self.remaining[layer] -= 1
+        if self.remaining[layer] <= 0:
+            self.events[layer].set()
+
+    def wait(self, layer: int, timeout: float) -> bool:
+        ev = self.events[layer]
+        return ev.is_set() or ev.wait(timeout)
+
+
+class _Step:
+    """Trio-side record of a step that saves: which layers are final."""
+
+    def __init__(self, num_layers: int, saves: int) -> None:
+        self.computed = [trio.Event() for _ in range(num_layers)]
+        self.ready: list[LayerReady | None] = [None] * num_layers
+        self.saves_left = saves
+
+    async def wait_computed(self, layer: int) -> None:
+        await self.computed[layer].wait()
+        ready = self.ready[layer]
+        delay = 20e-6
+        while ready is not None and not ready():
+            await trio.sleep(delay)
+            delay = min(delay * 2, 1e-3)
+
+
+class WorkerEngine:
+    """Runs a worker's transfers on its runtime."""
+
+    def __init__(
+        self, *, config: KVFlowConfig, transport: Transport, runtime: Runtime, bus: EventBus
+    ) -> None:
+        self.config = config
+        self.transport = transport
+        self.runtime = runtime
+        self.bus = bus
+        self.layout: KVLayout | None = None
+        self._gate = _LayerGate(0, 0)
+        self._step = 0
+        self._step_saves = False
+        self._step_load_blocks: set[int] = set()
+        self._lock = threading.Lock()
+        self._results = TransferResults()
+        # loop-thread state
+        self._steps: dict[int, _Step] = {}
+        self._pending_saves: dict[str, int] = {}
+        self._save_scopes: dict[str, set[trio.CancelScope]] = {}
+        self._lent: set[str] = set()
+        self._saves_changed: trio.Event | None = None
+        self._limiters: dict[str, trio.CapacityLimiter] = {}
+
+    # -- vLLM thread -------------------------------------------------------
+    def register(self, layout: KVLayout) -> None:
+        self.layout = layout
+        self.transport.context.layout = layout
+        nbytes = sum(len(b) for b in layout.buffers)
+        self.runtime.submit(
+            self.bus.emit,
+            CachesRegistered(
+                num_layers=layout.num_layers,
+                nbytes=nbytes,
+                memory=layout.memory,
+                layout=layout.describe(),
+            ),
+        )
+
+    def bind(self, plan: WorkerPlan) -> None:
+        """Start this step's transfers. Returns at once."""
+        layout = self._require_layout() if (plan.loads or plan.saves) else self.layout
+        sync_loads = sum(not spec.asynchronous for spec in plan.loads)
+        self._gate = _LayerGate(layout.num_layers if layout else 0, sync_loads)
+        self._step = plan.step
+        self._step_saves = bool(plan.saves)
+        self._step_load_blocks = {
+            b for spec in plan.loads if not spec.asynchronous for b in spec.block_ids
+        }
+        if not plan.is_empty():
+            self.runtime.submit(self._on_bind, plan, self._gate)
+
+    def wait_layer(self, layer: int) -> None:
+        """Block until this step's synchronous loads of `layer` have landed (or failed)."""
+        gate = self._gate
+        if layer < len(gate.events) and not gate.wait(layer, self.config.load_timeout_s + 5.0):
+            # The loop did not answer at all: fail the loads rather than hang vLLM.
+            log.error("kvflow: layer %d load did not finish; reporting a load error", layer)
+            self._fail_unfinished_step_loads()
+
+    def layer_computed(self, layer: int, ready: LayerReady | None = None) -> None:
+        """vLLM finished writing `layer` for this step; saves of it may start."""
+        if self._step_saves:
+            self.runtime.submit(self._on_layer_computed, self._step, layer, ready)
+
+    def end_step(self) -> None:
+        """The forward is over: every layer is final, every synchronous load settled."""
+        if self._step_saves:
+            self.runtime.submit(self._on_step_end, self._step)
+        for layer in range(len(self._gate.events)):
+            self.wait_layer(layer)
+
+    def take_results(self) -> TransferResults:
+        """Completions since the last call (each reported exactly once)."""
+        with self._lock:
+            snap = self._results
+            self._results = TransferResults(error_block_ids=snap.error_block_ids)
+        snap.error_block_ids = set()  # those are taken by take_error_blocks
+        return snap
+
+    def take_error_blocks(self) -> set[int]:
+        """Block ids whose load failed since the last call (vLLM recomputes them)."""
+        with self._lock:
+            blocks, self._results.error_block_ids = self._results.error_block_ids, set()
+        return blocks
+
+    def preempt(self, reqs: list[str]) -> None:
+        """Stop every save reading blocks of `reqs` before vLLM reuses them."""
+        if reqs and self.runtime.running:
+            try:
+                self.runtime.call(self._cancel_saves, reqs, timeout=self.config.save_timeout_s)
+            except TimeoutError:
+                log.error("kvflow: saves of preempted %s did not stop in time", reqs)
+
+    # -- loop thread -------------------------------------------------------
+    def _require_layout(self) -> KVLayout:
+        if self.layout is None:
+            raise RuntimeError("kvflow worker got a transfer before register_kv_caches")
+        return self.layout
+
+    def _limiter(self, kind: str) -> trio.CapacityLimiter:
+        lim = self._limiters.get(kind)
+        if lim is None:
+            lim = self._limiters[kind] = trio.CapacityLimiter(self.config.max_concurrent_transfers)
+        return lim
+
+    def _notify_saves_changed(self) -> None:
+        if self._saves_changed is not None:
+            self._saves_changed.set()
+            self._saves_changed = None
+
+    def _on_bind(self, plan: WorkerPlan, gate: _LayerGate) -> None:
+        self.bus.emit(StepBound(step=plan.step, loads=len(plan.loads), saves=len(plan.saves)))
+        for spec in plan.loads:
+            self.runtime.start_soon(self._load_flow, spec, gate, name=f"load:{spec.req}")
+        if plan.saves:
+            step = self._steps[plan.step] = _Step(self._require_layout().num_layers, len(plan.saves))
+            for save in plan.saves:
+                self._pending_saves[save.req] = self._pending_saves.get(save.req, 0) + 1
+                self.runtime.start_soon(self._save_flow, save, plan.step, step, name=f"save:{save.req}")
+        for req in plan.lent:
+            self._lent.add(req)
+            self._maybe_release(req)
+
+    def _on_layer_computed(self, step_no: int, layer: int, ready: LayerReady | None) -> None:
+        step = self._steps.get(step_no)
+        if step is not None and not step.computed[layer].is_set():
+            step.ready[layer] = ready
+            step.computed[layer].set()
+            self.bus.emit(LayerComputed(step=step_no, layer=layer))
+
+    def _on_step_end(self, step_no: int) -> None:
+        step = self._steps.get(step_no)
+        if step is not None:
+            for ev in step.computed:
+                ev.set()
+
+    def _maybe_release(self, req: str) -> None:
+        if req in self._lent and self._pending_saves.get(req, 0) == 0:
+            self._lent.discard(req)
+            self._pending_saves.pop(req, None)
+            with self._lock:
+                self._results.finished_sending.add(req)
+            self.bus.emit(BlocksReleased(req=req))
+
+    def _fail_unfinished_step_loads(self) -> None:
+        gate = self._gate
+        for ev in gate.events:
+            ev.set()
+        with self._lock:
+            self._results.error_block_ids.update(self._step_load_blocks)
+
+    async def _load_flow(self, spec: LoadSpec, gate: _LayerGate) -> None:
+        layout = self._require_layout()
+        num_layers = layout.num_layers
+        signalled = [False] * num_layers
+        sync_gate = None if spec.asynchronous else gate
+
+        def layer_loaded(layer: int) -> None:
+            if not signalled[layer]:
+                signalled[layer] = True
+                if sync_gate is not None:
+                    sync_gate.loaded(layer)
+
+        def spans(layer: int) -> list[list[memoryview]]:
+            return [
+                layout.spans(layer, b, n)
+                for b, n in zip(spec.block_ids, spec.token_counts, strict=True)
+            ]
+
+        tokens = sum(spec.token_counts)
+        nbytes = layout.nbytes(spec.token_counts)
+        self.bus.emit(
+            LoadStarted(
+                req=spec.req,
+                chunks=len(spec.keys),
+                tokens=tokens,
+                nbytes=nbytes,
+                transport=self.transport.name,
+            )
+        )
+        job = LoadJob(spec.req, spec.keys, spec.token_counts, num_layers, spans, layer_loaded)
+        t0 = time.perf_counter()
+        error, intact, timed_out = "", 0, False
+        try:
+            with trio.move_on_after(self.config.load_timeout_s) as deadline:
+                async with self._limiter("load"):
+                    await self.transport.load(job)
+            if deadline.cancelled_caught:
+                error, timed_out = f"load timed out after {self.config.load_timeout_s}s", True
+            elif not all(signalled):
+                error = "transport returned before loading every layer"
+        except TransportError as exc:
+            error, intact = f"{type(exc).__name__}: {exc}", max(0, exc.chunk)
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+            log.exception("kvflow load of %s failed", spec.req)
+        except BaseException:
+            error = "cancelled (kvflow shutting down)"
+            raise
+        finally:
+            self._finish_load(spec, error, intact, timed_out, time.perf_counter() - t0, nbytes)
+            for layer in range(num_layers):
+                layer_loaded(layer)
+
+    def _finish_load(
+        self, spec: LoadSpec, error: str, intact: int, timed_out: bool, elapsed: float, nbytes: int
+    ) -> None:
+        failed = spec.block_ids[intact:] if error else []
+        with self._lock:
+            self._results.error_block_ids.update(failed)
+            if spec.asynchronous:
+                self._results.finished_recving.add(spec.req)
+                if error:
+                    self._results.failed_recving.add(spec.req)
+        if error:
+            log.warning("kvflow load of %s failed (%s); vLLM will recompute", spec.req, error)
+            self.bus.emit(
+                TransferFailed(
+                    req=spec.req, direction="load", reason=error, block_ids=failed, timed_out=timed_out
+                )
+            )
+        else:
+            self.bus.emit(
+                TransferDone(
+                    req=spec.req, direction="load", chunks=len(spec.keys), nbytes=nbytes, elapsed_s=elapsed
+                )
+            )
+
+    async def _save_flow(self, spec: SaveSpec, step_no: int, step: _Step) -> None:
+        layout = self._require_layout()
+
+        async def layer_spans(layer: int) -> list[list[memoryview]]:
+            await step.wait_computed(layer)
+            return [
+                _snapshot(layout.spans(layer, b, n))
+                # a block-granular partial block keeps changing as vLLM decodes into it
+                if n < layout.block_size and layout.geometries[layer].block_bytes
+                else layout.spans(layer, b, n)
+                for b, n in zip(spec.block_ids, spec.token_counts, strict=True)
+            ]
+
+        tokens = sum(spec.token_counts)
+        nbytes = layout.nbytes(spec.token_counts)
+        self.bus.emit(
+            SaveStarted(
+                req=spec.req, chunks=len(spec.keys), tokens=tokens, nbytes=nbytes,
+                transport=self.transport.name,
+            )
+        )
+        job = SaveJob(spec.req, spec.keys, spec.token_counts, layout.num_layers, layer_spans)
+        t0 = time.perf_counter()
+        error, timed_out = "", False
+        scope = trio.CancelScope()
+        self._save_scopes.setdefault(spec.req, set()).add(scope)
+        try:
+            with scope, trio.move_on_after(self.config.save_timeout_s) as deadline:
+                async with self._limiter("save"):
+                    await self.transport.save(job)
+            if deadline.cancelled_caught:
+                error, timed_out = f"save timed out after {self.config.save_timeout_s}s", True
+            elif scope.cancelled_caught:
+                error = "cancelled: request preempted"
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+            log.warning("kvflow save of %s failed: %s", spec.req, error)
+        finally:
+            self._save_scopes[spec.req].discard(scope)
+            if not self._save_scopes[spec.req]:
+                del self._save_scopes[spec.req]
+            step.saves_left -= 1
+            if step.saves_left == 0:
+                self._steps.pop(step_no, None)
+            self._pending_saves[spec.req] -= 1
+            self._maybe_release(spec.req)
+            self._notify_saves_changed()
+        if error:
+            self.bus.emit(
+                TransferFailed(req=spec.req, direction="save", reason=error, timed_out=timed_out)
+            )
+        else:
+            self.bus.emit(
+                TransferDone(
+                    req=spec.req, direction="save", chunks=len(spec.keys), nbytes=nbytes,
+                    elapsed_s=time.perf_counter() - t0,
+                )
+            )
+
+    async def _cancel_saves(self, reqs: list[str]) -> None:
+        for req in reqs:
+            for scope in self._save_scopes.get(req, ()):
+                scope.cancel()
+        while any(self._pending_saves.get(r, 0) > 0 for r in reqs):
+            self._saves_changed = self._saves_changed or trio.Event()
+            await self._saves_changed.wait()

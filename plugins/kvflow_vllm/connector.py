@@ -1,0 +1,336 @@
+"""`KVFlowConnector`: vLLM's `KVConnectorBase_V1`, translated into kvflow's engines.
+
+Each instance (the scheduler's, and one per worker) builds a `Runtime`, an
+`EventBus`, the configured transport and the role's engine, then forwards
+every vLLM call as plain kvflow data. Nothing here blocks on I/O except where
+vLLM's contract requires an answer now.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+
+from kvflow.config import ConfigError, KVFlowConfig, parse_config, parse_options
+from kvflow.eventlog import JsonlEventLog
+from kvflow.events import EventBus, Origin
+from kvflow.keys import Fingerprint
+from kvflow.layout import KVLayout, LayoutError, block_geometry
+from kvflow.metadata import WorkerPlan, decode_plan, encode_plan
+from kvflow.runtime import Runtime
+from kvflow.scheduler import ScheduledRequest, SchedulerEngine
+from kvflow.transport import (
+    TransportContext,
+    TransportError,
+    TransportNotFound,
+    available_transports,
+    load_transport,
+)
+from kvflow.worker import WorkerEngine
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger("kvflow.vllm")
+
+
+class KVFlowMetadata(KVConnectorMetadata):
+    """Carries a `WorkerPlan`; pickles as its msgspec bytes, nothing else."""
+
+    def __init__(self, plan: WorkerPlan) -> None:
+        self.plan = plan
+
+    def __reduce__(self) -> tuple[Any, tuple[bytes]]:
+        return (_metadata_from_bytes, (encode_plan(self.plan),))
+
+
+def _metadata_from_bytes(data: bytes) -> KVFlowMetadata:
+    return KVFlowMetadata(decode_plan(data))
+
+
+def request_salt(request: Request) -> str:
+    """Per-request inputs that change KV bytes without changing token ids."""
+    parts = []
+    lora = getattr(request, "lora_request", None)
+    if lora is not None:
+        parts.append(f"lora={lora.lora_name}:{getattr(lora, 'lora_path', '')}")
+    salt = getattr(request, "cache_salt", None)
+    if salt:
+        parts.append(f"salt={salt}")
+    for f in getattr(request, "mm_features", None) or ():
+        parts.append(f"mm={f.identifier}@{f.mm_position.offset}")
+    return ";".join(parts)
+
+
+def fingerprint(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Fingerprint:
+    """What makes this engine's KV bytes (in)compatible with another's."""
+    mc = vllm_config.model_config
+    group = kv_cache_config.kv_cache_groups[0]
+    spec = group.kv_cache_spec
+    load_format = str(getattr(vllm_config.load_config, "load_format", ""))
+    return Fingerprint(
+        model=f"{mc.model}@{mc.revision or ''}",
+        dtype=f"{mc.dtype}/{vllm_config.cache_config.cache_dtype}/{mc.quantization or ''}",
+        block_size=spec.block_size,
+        num_layers=len(group.layer_names),
+        layout=str(kv_cache_config.kv_cache_layout or "default"),
+        bytes_per_token=spec.page_size_bytes // spec.block_size,
+        tp_size=vllm_config.parallel_config.tensor_parallel_size,
+        extra=f"{type(spec).__name__};load_format={load_format}"
+        if load_format == "dummy"
+        else type(spec).__name__,
+    )
+
+
+def _shard(tp_rank: int, tp_size: int, pp_rank: int) -> str:
+    return f"tp{tp_rank}of{tp_size}pp{pp_rank}"
+
+
+def layout_from_tensors(
+    kv_caches: dict[str, torch.Tensor], num_blocks: int, block_size: int
+) -> KVLayout:
+    """Describe vLLM's per-layer KV tensors as byte spans (see kvflow.layout).
+
+    On CPU (vLLM's CPU_ATTN backend, `[blocks, heads, block_size, 2*head_size]`
+    with K packed per instruction set) blocks are opaque, so the geometry is
+    block-granular. Elsewhere the block and token dimensions are found by size.
+    """
+    names, geos, bufs = [], [], []
+    memory = "cpu"
+    for name, t in kv_caches.items():
+        shape, strides = list(t.shape), list(t.stride())
+        memory = t.device.type
+        if memory != "cpu":
+            raise LayoutError(
+                f"kvflow: layer {name} is in {memory} memory; this version moves CPU KV "
+                "caches only (CUDA staging is planned)"
+            )
+        if shape[0] != num_blocks:
+            raise LayoutError(
+                f"kvflow: layer {name} has shape {tuple(shape)}; expected {num_blocks} blocks first"
+            )
+        geos.append(block_geometry(shape, strides, t.element_size()))
+        whole = torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage())
+        start = t.storage_offset() * t.element_size()
+        bufs.append(memoryview(whole.numpy()).cast("B")[start:])
+        names.append(name)
+    return KVLayout(
+        names=names, geometries=geos, buffers=bufs, memory=memory, block_size=block_size
+    )
+
+
+class KVFlowConnector(KVConnectorBase_V1):
+    """kvflow as a vLLM KV connector (both roles)."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig,
+    ) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        ktc = self._kv_transfer_config
+        try:
+            self.config: KVFlowConfig = parse_config(
+                ktc.kv_connector_extra_config, transports=list(available_transports())
+            )
+            transport_cls = load_transport(self.config.transport)
+            options = parse_options(self.config.options, transport_cls.Options, self.config.transport)
+        except (ConfigError, TransportNotFound) as exc:
+            raise ConfigError(f"KVFlowConnector: {exc}") from None
+        kv_role = ktc.kv_role or "kv_both"
+        self.engine_id = str(ktc.engine_id)
+        self.block_size = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
+        fp = fingerprint(vllm_config, kv_cache_config)
+        pc = vllm_config.parallel_config
+        is_scheduler = role == KVConnectorRole.SCHEDULER
+        if is_scheduler:
+            tp_rank, pp_rank = 0, 0
+        else:
+            from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+            tp_rank, pp_rank = get_tp_group().rank_in_group, get_pp_group().rank_in_group
+        side = "scheduler" if is_scheduler else "worker"
+        self.runtime = Runtime(f"{self.engine_id[:8]}-{side}{'' if is_scheduler else tp_rank}")
+        self.bus = EventBus(Origin(self.engine_id, side, tp_rank))
+        if self.config.event_log:
+            self.bus.subscribe(JsonlEventLog(self.config.event_log))
+        ctx = TransportContext(
+            engine_id=self.engine_id,
+            role=side,
+            namespace=fp.namespace(),
+            shard=_shard(tp_rank, pc.tensor_parallel_size, pp_rank),
+            shards=[
+                _shard(r, pc.tensor_parallel_size, p)
+                for p in range(pc.pipeline_parallel_size)
+                for r in range(pc.tensor_parallel_size)
+            ],
+        )
+        self.transport = transport_cls(options, ctx)
+        try:
+            self.runtime.call(self.transport.open, timeout=60.0)
+        except TransportError as exc:
+            self.runtime.shutdown()
+            raise ConfigError(f"KVFlowConnector: transport {self.config.transport!r}: {exc}") from None
+        self.runtime.add_closer(self.transport.aclose)
+        self._scheduler: SchedulerEngine | None = None
+        self._worker: WorkerEngine | None = None
+        if is_scheduler:
+            self._scheduler = SchedulerEngine(
+                config=self.config,
+                transport=self.transport,
+                runtime=self.runtime,
+                bus=self.bus,
+                namespace=ctx.namespace,
+                block_size=self.block_size,
+                can_load=kv_role in ("kv_both", "kv_consumer"),
+                can_save=kv_role in ("kv_both", "kv_producer"),
+            )
+        else:
+            self._worker = WorkerEngine(
+                config=self.config, transport=self.transport, runtime=self.runtime, bus=self.bus
+            )
+        self._num_blocks = kv_cache_config.num_blocks
+        log.info(
+            "kvflow %s ready: transport=%s namespace=%s load_mode=%s",
+            side, self.config.transport, ctx.namespace, self.config.load_mode,
+        )
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a store is a cache: a dropped save is a later miss, never an error
+
+    @property
+    def sched(self) -> SchedulerEngine:
+        assert self._scheduler is not None, "scheduler-side call on a worker connector"
+        return self._scheduler
+
+    @property
+    def worker(self) -> WorkerEngine:
+        assert self._worker is not None, "worker-side call on a scheduler connector"
+        return self._worker
+
+    # ------------------------------------------------------------ scheduler
+    def on_new_request(self, request: Request) -> None:
+        self.sched.add_request(request.request_id, request.prompt_token_ids or [], request_salt(request))
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        self.on_new_request(request)  # no-op when already known
+        n = self.sched.lookup(request.request_id, num_computed_tokens)
+        if n is None:
+            return None, False
+        return n, n > 0 and self.config.load_mode == "async"
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        self.sched.allocated(request.request_id, blocks.get_block_ids()[0], num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        so = scheduler_output
+        scheduled = [
+            ScheduledRequest(
+                req=r.req_id,
+                num_computed=r.num_computed_tokens,
+                num_scheduled=so.num_scheduled_tokens.get(r.req_id, 0),
+                new_block_ids=list(r.block_ids[0]),
+                replace_blocks=True,
+                token_ids=r.prompt_token_ids,
+            )
+            for r in so.scheduled_new_reqs
+        ]
+        cached = so.scheduled_cached_reqs
+        for i, req in enumerate(cached.req_ids):
+            new_blocks = cached.new_block_ids[i]
+            scheduled.append(
+                ScheduledRequest(
+                    req=req,
+                    num_computed=cached.num_computed_tokens[i],
+                    num_scheduled=so.num_scheduled_tokens.get(req, 0),
+                    new_block_ids=list(new_blocks[0]) if new_blocks else [],
+                    replace_blocks=req in cached.resumed_req_ids,
+                )
+            )
+        plan = self.sched.plan(scheduled, preempted=so.preempted_req_ids or ())
+        return KVFlowMetadata(plan)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self.sched.finished(request.request_id), None
+
+    # --------------------------------------------------------------- worker
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        layout = layout_from_tensors(kv_caches, self._num_blocks, self.block_size)
+        self.worker.register(layout)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        assert isinstance(connector_metadata, KVFlowMetadata)
+        self.worker.bind(connector_metadata.plan)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        assert isinstance(kv_connector_metadata, KVFlowMetadata)
+        self.worker.preempt(kv_connector_metadata.plan.preempted)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        return  # loads start in bind_connector_metadata, as early as the plan is known
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        layout = self.worker.layout
+        if layout is not None and (i := layout.index.get(layer_name)) is not None:
+            self.worker.wait_layer(i)
+
+    def save_kv_layer(
+        self,
+        layer_name: str,
+        kv_layer: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        **kwargs: Any,
+    ) -> None:
+        layout = self.worker.layout
+        if layout is None or (i := layout.index.get(layer_name)) is None:
+            return
+        ready = None
+        if kv_layer.is_cuda:
+            event = torch.cuda.Event()
+            event.record()
+            ready = event.query
+        self.worker.layer_computed(i, ready)
+
+    def wait_for_save(self) -> None:
+        self.worker.end_step()
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        r = self.worker.take_results()
+        return KVConnectorTransferResults(
+            finished_sending=r.finished_sending,
+            finished_recving=r.finished_recving,
+            failed_recving=r.failed_recving,
+        )
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        r = self.get_transfer_results(finished_req_ids)
+        return r.finished_sending or None, r.finished_recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.take_error_blocks()
+
+    def shutdown(self) -> None:
+        self.runtime.shutdown()

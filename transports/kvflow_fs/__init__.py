@@ -1,0 +1,16 @@
+"""`fs`: content-addressed KV chunk files in a local or shared directory.
+
+kvflow's embedded default. One file per chunk and shard:
+`<root>/<namespace>/<key[:2]>/<key>.<shard>.kv`, holding a 4 KiB header
+(magic, key, namespace, shard, token count, per-layer byte counts and CRC32s)
+and then the layers' bytes, page-aligned. Files appear atomically (temp file +
+rename), are read with `preadv` straight into vLLM's KV blocks, and are
+validated on read: a missing, truncated, foreign or corrupt file becomes a
+load error that vLLM recomputes. A size cap evicts least-recently-used files.
+"""
+
+from __future__ import annotations
+
+from ._transport import FsOptions, FsTransport
+
+__all__ = ["FsOptions", "FsTransport"]
