@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
+import contextlib
 import logging
 import os
 import threading
@@ -96,7 +97,9 @@ class Runtime:
     @property
     def running(self) -> bool:
         loop = self._loop
-        return loop is not None and loop.pid == os.getpid() and loop.ready.is_set() and not loop.closed
+        return (
+            loop is not None and loop.pid == os.getpid() and loop.ready.is_set() and not loop.closed
+        )
 
     def in_loop_thread(self) -> bool:
         loop = self._loop
@@ -114,10 +117,8 @@ class Runtime:
         if loop is None or loop.pid != os.getpid() or loop.thread is None:
             return True
         if not loop.closed and loop.token is not None and loop.stop is not None:
-            try:
+            with contextlib.suppress(trio.RunFinishedError):
                 loop.token.run_sync_soon(loop.stop.set)
-            except trio.RunFinishedError:
-                pass
         if loop.thread is threading.current_thread():
             return False
         loop.thread.join(self.close_timeout_s + 2.0 if timeout is None else timeout)
@@ -166,11 +167,15 @@ class Runtime:
             raise RuntimeClosed(f"runtime {self.name!r} shut down during the call") from None
 
     # -- inside the loop ---------------------------------------------------
-    def start_soon(self, async_fn: Callable[..., Awaitable[object]], *args: Any, name: str = "") -> None:
+    def start_soon(
+        self, async_fn: Callable[..., Awaitable[object]], *args: Any, name: str = ""
+    ) -> None:
         """From the loop thread: start a guarded task in the root nursery."""
         self._start_task(async_fn, args, name)
 
-    def _start_task(self, async_fn: Callable[..., Awaitable[object]], args: tuple, name: str) -> None:
+    def _start_task(
+        self, async_fn: Callable[..., Awaitable[object]], args: tuple, name: str
+    ) -> None:
         loop = self._loop
         assert loop is not None and loop.nursery is not None
         try:
@@ -178,7 +183,9 @@ class Runtime:
         except RuntimeError:  # the nursery closed: we are shutting down
             log.warning("kvflow runtime %r is closing; dropped task %s", self.name, name)
 
-    async def _guard(self, async_fn: Callable[..., Awaitable[object]], args: tuple, name: str) -> None:
+    async def _guard(
+        self, async_fn: Callable[..., Awaitable[object]], args: tuple, name: str
+    ) -> None:
         try:
             await async_fn(*args)
         except Exception:

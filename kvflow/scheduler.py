@@ -16,8 +16,14 @@ from dataclasses import dataclass, field
 import trio
 
 from .config import KVFlowConfig
-from .events import BlocksAllocated, EventBus, LookupAnswered, LookupRequested, RequestFinished
-from .events import StepPlanned
+from .events import (
+    BlocksAllocated,
+    EventBus,
+    LookupAnswered,
+    LookupRequested,
+    RequestFinished,
+    StepPlanned,
+)
 from .keys import ChunkKey, chunk_keys, chunk_token_counts
 from .metadata import LoadSpec, SaveSpec, WorkerPlan
 from .runtime import Runtime
@@ -201,6 +207,14 @@ class SchedulerEngine:
             self._lent.append(req)
         self.runtime.submit(self.bus.emit, RequestFinished(req=req, lent=lend))
         return lend
+
+    def loads_failed(self, reqs: Iterable[str]) -> None:
+        """Asynchronous loads of `reqs` failed: never offer the same hit again."""
+        for req in reqs:
+            st = self._reqs.get(req)
+            if st is not None:
+                st.hit_chunks = 0
+                st.stored_upto = 0
 
     # -- internals ---------------------------------------------------------
     def _plan_save(self, req: str, st: _Request, computed_after: int) -> SaveSpec | None:

@@ -171,7 +171,8 @@ def load_transport(name: str) -> type[Transport]:
     try:
         cls = eps[name].load()
     except ImportError as exc:
-        dist = eps[name].dist.name if eps[name].dist else "its package"
+        d = eps[name].dist
+        dist = d.name if d is not None else "its package"
         raise TransportNotFound(
             f"kvflow transport {name!r} is installed but cannot be imported ({exc}); "
             f"reinstall {dist} with its dependencies"

@@ -193,7 +193,21 @@ class WorkerEngine:
             except TimeoutError:
                 log.error("kvflow: saves of preempted %s did not stop in time", reqs)
 
+    def close(self, drain_s: float) -> None:
+        """Let in-flight saves finish (at most `drain_s`), then stop the runtime."""
+        if self.runtime.running:
+            try:
+                self.runtime.call(self._drain, timeout=drain_s)
+            except TimeoutError:
+                log.warning("kvflow: saves still running after %.1fs; cancelling them", drain_s)
+        self.runtime.shutdown()
+
     # -- loop thread -------------------------------------------------------
+    async def _drain(self) -> None:
+        while any(n > 0 for n in self._pending_saves.values()):
+            self._saves_changed = self._saves_changed or trio.Event()
+            await self._saves_changed.wait()
+
     def _require_layout(self) -> KVLayout:
         if self.layout is None:
             raise RuntimeError("kvflow worker got a transfer before register_kv_caches")
@@ -215,10 +229,14 @@ class WorkerEngine:
         for spec in plan.loads:
             self.runtime.start_soon(self._load_flow, spec, gate, name=f"load:{spec.req}")
         if plan.saves:
-            step = self._steps[plan.step] = _Step(self._require_layout().num_layers, len(plan.saves))
+            step = self._steps[plan.step] = _Step(
+                self._require_layout().num_layers, len(plan.saves)
+            )
             for save in plan.saves:
                 self._pending_saves[save.req] = self._pending_saves.get(save.req, 0) + 1
-                self.runtime.start_soon(self._save_flow, save, plan.step, step, name=f"save:{save.req}")
+                self.runtime.start_soon(
+                    self._save_flow, save, plan.step, step, name=f"save:{save.req}"
+                )
         for req in plan.lent:
             self._lent.add(req)
             self._maybe_release(req)
@@ -318,13 +336,21 @@ class WorkerEngine:
             log.warning("kvflow load of %s failed (%s); vLLM will recompute", spec.req, error)
             self.bus.emit(
                 TransferFailed(
-                    req=spec.req, direction="load", reason=error, block_ids=failed, timed_out=timed_out
+                    req=spec.req,
+                    direction="load",
+                    reason=error,
+                    block_ids=failed,
+                    timed_out=timed_out,
                 )
             )
         else:
             self.bus.emit(
                 TransferDone(
-                    req=spec.req, direction="load", chunks=len(spec.keys), nbytes=nbytes, elapsed_s=elapsed
+                    req=spec.req,
+                    direction="load",
+                    chunks=len(spec.keys),
+                    nbytes=nbytes,
+                    elapsed_s=elapsed,
                 )
             )
 
@@ -345,7 +371,10 @@ class WorkerEngine:
         nbytes = layout.nbytes(spec.token_counts)
         self.bus.emit(
             SaveStarted(
-                req=spec.req, chunks=len(spec.keys), tokens=tokens, nbytes=nbytes,
+                req=spec.req,
+                chunks=len(spec.keys),
+                tokens=tokens,
+                nbytes=nbytes,
                 transport=self.transport.name,
             )
         )
@@ -382,7 +411,10 @@ class WorkerEngine:
         else:
             self.bus.emit(
                 TransferDone(
-                    req=spec.req, direction="save", chunks=len(spec.keys), nbytes=nbytes,
+                    req=spec.req,
+                    direction="save",
+                    chunks=len(spec.keys),
+                    nbytes=nbytes,
                     elapsed_s=time.perf_counter() - t0,
                 )
             )

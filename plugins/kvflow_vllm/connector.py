@@ -9,7 +9,7 @@ vLLM's contract requires an answer now.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 log = logging.getLogger("kvflow.vllm")
@@ -126,7 +127,7 @@ def layout_from_tensors(
         geos.append(block_geometry(shape, strides, t.element_size()))
         whole = torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage())
         start = t.storage_offset() * t.element_size()
-        bufs.append(memoryview(whole.numpy()).cast("B")[start:])
+        bufs.append(memoryview(whole.numpy()).cast("B")[start:])  # type: ignore[arg-type]
         names.append(name)
     return KVLayout(
         names=names, geometries=geos, buffers=bufs, memory=memory, block_size=block_size
@@ -149,7 +150,9 @@ class KVFlowConnector(KVConnectorBase_V1):
                 ktc.kv_connector_extra_config, transports=list(available_transports())
             )
             transport_cls = load_transport(self.config.transport)
-            options = parse_options(self.config.options, transport_cls.Options, self.config.transport)
+            options = parse_options(
+                self.config.options, transport_cls.Options, self.config.transport
+            )
         except (ConfigError, TransportNotFound) as exc:
             raise ConfigError(f"KVFlowConnector: {exc}") from None
         kv_role = ktc.kv_role or "kv_both"
@@ -164,7 +167,7 @@ class KVFlowConnector(KVConnectorBase_V1):
             from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 
             tp_rank, pp_rank = get_tp_group().rank_in_group, get_pp_group().rank_in_group
-        side = "scheduler" if is_scheduler else "worker"
+        side: Literal["scheduler", "worker"] = "scheduler" if is_scheduler else "worker"
         self.runtime = Runtime(f"{self.engine_id[:8]}-{side}{'' if is_scheduler else tp_rank}")
         self.bus = EventBus(Origin(self.engine_id, side, tp_rank))
         if self.config.event_log:
@@ -185,7 +188,9 @@ class KVFlowConnector(KVConnectorBase_V1):
             self.runtime.call(self.transport.open, timeout=60.0)
         except TransportError as exc:
             self.runtime.shutdown()
-            raise ConfigError(f"KVFlowConnector: transport {self.config.transport!r}: {exc}") from None
+            raise ConfigError(
+                f"KVFlowConnector: transport {self.config.transport!r}: {exc}"
+            ) from None
         self.runtime.add_closer(self.transport.aclose)
         self._scheduler: SchedulerEngine | None = None
         self._worker: WorkerEngine | None = None
@@ -207,7 +212,10 @@ class KVFlowConnector(KVConnectorBase_V1):
         self._num_blocks = kv_cache_config.num_blocks
         log.info(
             "kvflow %s ready: transport=%s namespace=%s load_mode=%s",
-            side, self.config.transport, ctx.namespace, self.config.load_mode,
+            side,
+            self.config.transport,
+            ctx.namespace,
+            self.config.load_mode,
         )
 
     @property
@@ -226,7 +234,9 @@ class KVFlowConnector(KVConnectorBase_V1):
 
     # ------------------------------------------------------------ scheduler
     def on_new_request(self, request: Request) -> None:
-        self.sched.add_request(request.request_id, request.prompt_token_ids or [], request_salt(request))
+        self.sched.add_request(
+            request.request_id, request.prompt_token_ids or [], request_salt(request)
+        )
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -274,6 +284,10 @@ class KVFlowConnector(KVConnectorBase_V1):
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         return self.sched.finished(request.request_id), None
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        if connector_output.failed_recving:
+            self.sched.loads_failed(connector_output.failed_recving)
 
     # --------------------------------------------------------------- worker
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -333,4 +347,7 @@ class KVFlowConnector(KVConnectorBase_V1):
         return self.worker.take_error_blocks()
 
     def shutdown(self) -> None:
-        self.runtime.shutdown()
+        if self._worker is not None:
+            self._worker.close(self.config.shutdown_drain_s)
+        else:
+            self.runtime.shutdown()

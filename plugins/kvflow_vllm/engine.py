@@ -49,9 +49,9 @@ def make_llm(
     if connector is not None:
         kv = KVTransferConfig(
             kv_connector=connector,
-            kv_role=kv_role,
+            kv_role=kv_role,  # type: ignore[arg-type]  # validated by vLLM
             kv_connector_extra_config=dict(extra_config or {}),
-            kv_load_failure_policy=failure_policy,
+            kv_load_failure_policy=failure_policy,  # type: ignore[arg-type]
         )
     args: dict[str, Any] = dict(
         model=model or tiny_model_dir(),

@@ -169,7 +169,11 @@ class FsTransport(Transport):
         return crcs
 
     def _commit(
-        self, fds: list[int | None], headers: list[ChunkHeader], tmps: list[Path], finals: list[Path]
+        self,
+        fds: list[int | None],
+        headers: list[ChunkHeader],
+        tmps: list[Path],
+        finals: list[Path],
     ) -> int:
         written = 0
         for fd, h, tmp, final in zip(fds, headers, tmps, finals, strict=True):
@@ -228,11 +232,16 @@ class FsTransport(Transport):
                 h = read_header(fd)
                 expect = [layout.chunk_nbytes(i, count) for i in range(job.num_layers)]
                 problem = (
-                    "key mismatch" if h.key != key
-                    else "written by another configuration" if h.namespace != self.context.namespace
-                    else "shard mismatch" if h.shard != self.context.shard
-                    else "token count mismatch" if h.num_tokens != count
-                    else "layer sizes do not match this KV layout" if h.layer_nbytes != expect
+                    "key mismatch"
+                    if h.key != key
+                    else "written by another configuration"
+                    if h.namespace != self.context.namespace
+                    else "shard mismatch"
+                    if h.shard != self.context.shard
+                    else "token count mismatch"
+                    if h.num_tokens != count
+                    else "layer sizes do not match this KV layout"
+                    if h.layer_nbytes != expect
                     else "truncated payload"
                     if os.fstat(fd).st_size < HEADER_SIZE + h.payload_nbytes()
                     else ""
