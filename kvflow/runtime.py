@@ -22,6 +22,7 @@ import contextlib
 import logging
 import os
 import threading
+import time
 import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -75,7 +76,10 @@ class Runtime:
 
     # -- lifecycle ---------------------------------------------------------
     def start(self) -> None:
-        """Start the loop if this process has none yet (idempotent, fork-aware)."""
+        """Start the loop if this process has none yet (idempotent, fork-aware).
+
+        Raises `RuntimeClosed` after `shutdown()` or after the loop crashed.
+        """
         loop = self._loop
         if loop is not None and loop.pid == os.getpid() and not loop.closed:
             return
@@ -91,7 +95,7 @@ class Runtime:
             )
             self._loop = loop
             loop.thread.start()
-        if not loop.ready.wait(10.0):
+        if not loop.ready.wait(10.0) or loop.closed:
             raise RuntimeClosed(f"runtime {self.name!r} did not start")
 
     @property
@@ -110,58 +114,100 @@ class Runtime:
         self._closers.append(closer)
 
     def shutdown(self, timeout: float | None = None) -> bool:
-        """Cancel all tasks, run closers, join the thread. True if it ended in time."""
+        """Cancel all tasks, run closers, join the thread. True if it ended in time.
+
+        Idempotent. Later `submit` / `spawn` calls are dropped, `call` raises
+        `RuntimeClosed`. From the loop thread itself it only requests the stop
+        (and returns False: a thread cannot join itself).
+        """
         with self._lock:
             self._shut = True
             loop = self._loop
         if loop is None or loop.pid != os.getpid() or loop.thread is None:
             return True
-        if not loop.closed and loop.token is not None and loop.stop is not None:
-            with contextlib.suppress(trio.RunFinishedError):
-                loop.token.run_sync_soon(loop.stop.set)
         if loop.thread is threading.current_thread():
+            self._request_stop(loop)
             return False
-        loop.thread.join(self.close_timeout_s + 2.0 if timeout is None else timeout)
+        wait = self.close_timeout_s + 2.0 if timeout is None else timeout
+        deadline = time.monotonic() + wait
+        loop.ready.wait(wait)  # a loop still starting has no token to stop it with yet
+        self._request_stop(loop)
+        loop.thread.join(max(0.0, deadline - time.monotonic()))
         alive = loop.thread.is_alive()
         if alive:
             log.warning("kvflow runtime %r did not stop in time; abandoning its thread", self.name)
         return not alive
 
+    @staticmethod
+    def _request_stop(loop: _Loop) -> None:
+        if not loop.closed and loop.token is not None and loop.stop is not None:
+            with contextlib.suppress(trio.RunFinishedError):
+                loop.token.run_sync_soon(loop.stop.set)
+
     # -- the door in -------------------------------------------------------
     def submit(self, fn: Callable[..., object], *args: Any) -> None:
-        """Run `fn(*args)` on the loop thread soon. Never blocks; dropped if closed."""
+        """Run `fn(*args)` on the loop thread soon. Never blocks, never raises.
+
+        Dropped (with a log line) once the runtime is shut down. If `fn` raises,
+        the error is logged and counted in `task_errors`; the loop goes on.
+        """
+        self._post(fn, args)
+
+    def _post(self, fn: Callable[..., object], args: tuple) -> bool:
+        """Queue `fn(*args)` on the loop thread; False if it was dropped."""
         loop = self._loop
         if loop is None or loop.pid != os.getpid() or loop.closed:
-            self.start()
+            try:
+                self.start()
+            except RuntimeClosed:
+                log.debug("kvflow runtime %r is closed; dropped %r", self.name, fn)
+                return False
             loop = self._loop
         assert loop is not None and loop.token is not None
         try:
-            loop.token.run_sync_soon(fn, *args)
+            loop.token.run_sync_soon(self._run_guarded, fn, args)
         except trio.RunFinishedError:
-            log.warning("kvflow runtime %r is closed; dropped %r", self.name, fn)
+            log.debug("kvflow runtime %r is closed; dropped %r", self.name, fn)
+            return False
+        return True
 
     def spawn(self, async_fn: Callable[..., Awaitable[object]], *args: Any, name: str = "") -> None:
-        """Start `async_fn(*args)` as a task in the root nursery. Never blocks."""
-        self.submit(self._start_task, async_fn, args, name)
+        """Start `async_fn(*args)` as a task in the root nursery. Never blocks, never raises."""
+        self._post(self._start_task, (async_fn, args, name))
 
     def call(self, async_fn: Callable[..., Awaitable[T]], *args: Any, timeout: float) -> T:
-        """Run `async_fn(*args)` in the loop and wait for its result, at most `timeout` s."""
+        """Run `async_fn(*args)` in the loop and wait for its result, at most `timeout` s.
+
+        Returns its value or raises its exception. Raises `TimeoutError` (and
+        cancels the task) when no answer came in time, `RuntimeClosed` when the
+        runtime is shut down or shuts down during the call, and `RuntimeError`
+        from the loop thread itself (it would deadlock).
+        """
         if self.in_loop_thread():
             raise RuntimeError("Runtime.call from the loop thread would deadlock")
         fut: concurrent.futures.Future[T] = concurrent.futures.Future()
+        scope = trio.CancelScope()
+        name = _name_of(async_fn)
 
         async def runner() -> None:
-            try:
-                fut.set_result(await async_fn(*args))
-            except BaseException as exc:
-                fut.set_exception(exc)
-                if not isinstance(exc, Exception):
-                    raise
+            with scope:
+                try:
+                    fut.set_result(await async_fn(*args))
+                except BaseException as exc:
+                    fut.set_exception(exc)
+                    if not isinstance(exc, Exception):
+                        raise
 
-        self.submit(self._start_task, runner, (), getattr(async_fn, "__name__", "call"))
+        def launch() -> None:
+            if not self._start_task(runner, (), name):
+                fut.set_exception(RuntimeClosed(f"runtime {self.name!r} is shutting down"))
+
+        if not self._post(launch, ()):
+            raise RuntimeClosed(f"runtime {self.name!r} was shut down")
         try:
             return fut.result(timeout)
         except concurrent.futures.TimeoutError:
+            self._post(scope.cancel, ())
             raise TimeoutError(f"kvflow runtime {self.name!r}: no answer in {timeout}s") from None
         except trio.Cancelled:
             raise RuntimeClosed(f"runtime {self.name!r} shut down during the call") from None
@@ -173,15 +219,26 @@ class Runtime:
         """From the loop thread: start a guarded task in the root nursery."""
         self._start_task(async_fn, args, name)
 
+    def _run_guarded(self, fn: Callable[..., object], args: tuple) -> None:
+        # An exception escaping a run_sync_soon callback would abort trio.run.
+        try:
+            fn(*args)
+        except Exception:
+            self.task_errors += 1
+            log.exception("kvflow callback %s failed in runtime %r", _name_of(fn), self.name)
+
     def _start_task(
         self, async_fn: Callable[..., Awaitable[object]], args: tuple, name: str
-    ) -> None:
+    ) -> bool:
         loop = self._loop
         assert loop is not None and loop.nursery is not None
+        name = name or _name_of(async_fn)
         try:
-            loop.nursery.start_soon(self._guard, async_fn, args, name or async_fn.__name__)
+            loop.nursery.start_soon(self._guard, async_fn, args, name, name=name)
         except RuntimeError:  # the nursery closed: we are shutting down
             log.warning("kvflow runtime %r is closing; dropped task %s", self.name, name)
+            return False
+        return True
 
     async def _guard(
         self, async_fn: Callable[..., Awaitable[object]], args: tuple, name: str
@@ -196,7 +253,9 @@ class Runtime:
         try:
             trio.run(self._main, loop, clock=self._clock)
         except BaseException:
-            log.exception("kvflow runtime %r crashed", self.name)
+            # Tasks and closers are gone: never start a loop on that state again.
+            self._shut = True
+            log.exception("kvflow runtime %r crashed; its transfers are disabled", self.name)
         finally:
             loop.closed = True
             loop.ready.set()
@@ -217,6 +276,10 @@ class Runtime:
                         await closer()
                     except Exception:
                         log.exception("kvflow runtime %r: closer %r failed", self.name, closer)
+
+
+def _name_of(fn: object) -> str:
+    return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
 
 
 def _after_fork_in_child() -> None:

@@ -1,0 +1,358 @@
+"""kvflow.runtime: the one door from vLLM's threads into a trio loop."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import signal
+import statistics
+import threading
+import time
+from collections.abc import Callable
+
+import pytest
+import trio
+import trio.testing
+
+from kvflow.runtime import Runtime, RuntimeClosed
+
+MakeRuntime = Callable[..., Runtime]
+WAIT = 10.0  # generous bound on anything that should happen "soon"
+
+
+def loop_threads(name: str) -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == f"kvflow-{name}"]
+
+
+async def answer(x: int = 42) -> int:
+    return x
+
+
+# -- start, submit, spawn, call --------------------------------------------
+
+
+def test_lazy_start_no_thread_before_first_use(make_runtime: MakeRuntime) -> None:
+    rt = make_runtime("lazy")
+    assert not rt.running
+    assert loop_threads("lazy") == []
+    rt.submit(lambda: None)
+    assert rt.running
+    assert len(loop_threads("lazy")) == 1
+    rt.start()  # idempotent: no second loop
+    assert len(loop_threads("lazy")) == 1
+
+
+def test_submit_and_spawn_run_on_the_loop_thread(make_runtime: MakeRuntime) -> None:
+    rt = make_runtime("where")
+    seen: dict[str, tuple[threading.Thread, bool]] = {}
+    done = {"submit": threading.Event(), "spawn": threading.Event()}
+
+    def sync_fn(tag: str) -> None:
+        seen[tag] = (threading.current_thread(), rt.in_loop_thread())
+        done[tag].set()
+
+    async def async_fn(tag: str) -> None:
+        await trio.lowlevel.checkpoint()
+        sync_fn(tag)
+
+    rt.submit(sync_fn, "submit")
+    rt.spawn(async_fn, "spawn", name="spawned")
+    assert done["submit"].wait(WAIT) and done["spawn"].wait(WAIT)
+    (loop_thread,) = loop_threads("where")
+    for tag in ("submit", "spawn"):
+        thread, in_loop = seen[tag]
+        assert thread is loop_thread and thread is not threading.current_thread()
+        assert in_loop
+    assert not rt.in_loop_thread()
+
+
+def test_call_returns_the_value(make_runtime: MakeRuntime) -> None:
+    rt = make_runtime("call")
+    assert rt.call(answer, 7, timeout=WAIT) == 7
+
+
+def test_call_propagates_the_exception(make_runtime: MakeRuntime) -> None:
+    rt = make_runtime("raise")
+
+    async def fails() -> None:
+        await trio.lowlevel.checkpoint()
+        raise KeyError("no such chunk")
+
+    with pytest.raises(KeyError, match="no such chunk"):
+        rt.call(fails, timeout=WAIT)
+    assert rt.call(answer, timeout=WAIT) == 42  # the loop is still fine
+    assert rt.task_errors == 0  # an error handed back to the caller is not a task crash
+
+
+def test_call_times_out_and_cancels_the_task(make_runtime: MakeRuntime) -> None:
+    rt = make_runtime("timeout")
+    cancelled = threading.Event()
+
+    async def never_answers() -> None:
+        try:
+            await trio.sleep_forever()
+        finally:
+            cancelled.set()
+
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match="no answer"):
+        rt.call(never_answers, timeout=0.2)
+    assert time.monotonic() - t0 < WAIT
+    assert cancelled.wait(WAIT), "the abandoned task kept running"
+
+
+def test_call_from_the_loop_thread_raises(make_runtime: MakeRuntime) -> None:
+    rt = make_runtime("reentrant")
+    outcome: list[BaseException | None] = []
+    done = threading.Event()
+
+    def inside() -> None:
+        try:
+            rt.call(answer, timeout=1.0)
+            outcome.append(None)
+        except BaseException as exc:
+            outcome.append(exc)
+        done.set()
+
+    rt.submit(inside)
+    assert done.wait(WAIT)
+    assert isinstance(outcome[0], RuntimeError) and "deadlock" in str(outcome[0])
+
+
+# -- errors inside the loop ------------------------------------------------
+
+
+def test_failing_task_is_logged_and_counted(
+    make_runtime: MakeRuntime, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.ERROR, logger="kvflow.runtime")
+    rt = make_runtime("crashy")
+
+    async def bad_task() -> None:
+        await trio.lowlevel.checkpoint()
+        raise ValueError("disk on fire")
+
+    rt.spawn(bad_task, name="save:req-7")
+    rt.call(trio.testing.wait_all_tasks_blocked, timeout=WAIT)  # bad_task has run by now
+    assert rt.task_errors == 1
+    (rec,) = [r for r in caplog.records if "save:req-7" in r.getMessage()]
+    assert rec.exc_info is not None and isinstance(rec.exc_info[1], ValueError)
+    assert rt.running
+    assert rt.call(answer, timeout=WAIT) == 42
+
+
+def test_failing_submitted_callback_does_not_kill_the_loop(make_runtime: MakeRuntime) -> None:
+    rt = make_runtime("cb")
+    rt.start()
+    (thread,) = loop_threads("cb")
+
+    def bad_callback() -> None:
+        raise ValueError("subscriber bug")
+
+    rt.submit(bad_callback)
+    rt.spawn(functools.partial(answer, 1))  # a callable without __name__ must not crash it
+    assert rt.call(answer, timeout=WAIT) == 42
+    assert rt.task_errors == 1
+    assert loop_threads("cb") == [thread], "the loop died and was replaced"
+
+
+# -- shutdown --------------------------------------------------------------
+
+
+def test_shutdown_cancels_tasks_then_runs_closers(make_runtime: MakeRuntime) -> None:
+    rt = make_runtime("shutdown", close_timeout_s=5.0)
+    order: list[str] = []
+    sleeper_cancelled = threading.Event()
+    work_started, release_work = threading.Event(), threading.Event()
+
+    async def sleeper() -> None:
+        try:
+            await trio.sleep_forever()
+        finally:
+            order.append("sleeper cancelled")
+            sleeper_cancelled.set()
+
+    def bounded_work() -> str:
+        work_started.set()
+        release_work.wait(WAIT)
+        return "done"
+
+    async def in_thread() -> None:
+        try:
+            await trio.to_thread.run_sync(bounded_work)
+            await trio.sleep_forever()
+        except trio.Cancelled:
+            order.append("thread task cancelled")
+            raise
+
+    async def closer() -> None:
+        await trio.lowlevel.checkpoint()  # a closer may await (shielded)
+        order.append("closer")
+
+    rt.add_closer(closer)
+    rt.spawn(sleeper)
+    rt.spawn(in_thread)
+    assert work_started.wait(WAIT)
+    (thread,) = loop_threads("shutdown")
+
+    result: list[bool] = []
+    stopper = threading.Thread(target=lambda: result.append(rt.shutdown(timeout=WAIT)))
+    t0 = time.monotonic()
+    stopper.start()
+    assert sleeper_cancelled.wait(WAIT)
+    assert "closer" not in order  # closers wait for every task, even one in a thread
+    release_work.set()
+    stopper.join(WAIT + 1)
+    assert result == [True]
+    assert time.monotonic() - t0 < WAIT
+    assert order == ["sleeper cancelled", "thread task cancelled", "closer"]
+    assert not thread.is_alive()
+    assert not rt.running
+
+
+def test_shutdown_never_hangs_on_a_stuck_thread(make_runtime: MakeRuntime) -> None:
+    rt = make_runtime("stuck", close_timeout_s=0.2)
+    started, release = threading.Event(), threading.Event()
+
+    def stuck() -> None:
+        started.set()
+        release.wait(WAIT)
+
+    rt.spawn(trio.to_thread.run_sync, stuck)
+    assert started.wait(WAIT)
+    t0 = time.monotonic()
+    assert rt.shutdown(timeout=0.3) is False  # reported, not waited for
+    assert time.monotonic() - t0 < 2.0
+    release.set()
+    assert rt.shutdown(timeout=WAIT) is True  # idempotent; now it ends
+
+
+def test_call_in_flight_at_shutdown_raises_runtime_closed(make_runtime: MakeRuntime) -> None:
+    rt = make_runtime("inflight")
+    entered = threading.Event()
+    outcome: list[BaseException] = []
+
+    async def waits() -> None:
+        entered.set()
+        await trio.sleep_forever()
+
+    def caller() -> None:
+        try:
+            rt.call(waits, timeout=WAIT)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    t = threading.Thread(target=caller)
+    t.start()
+    assert entered.wait(WAIT)
+    assert rt.shutdown(timeout=WAIT)
+    t.join(WAIT)
+    assert not t.is_alive()
+    assert len(outcome) == 1 and isinstance(outcome[0], RuntimeClosed)
+
+
+def test_use_after_shutdown_neither_raises_nor_hangs(make_runtime: MakeRuntime) -> None:
+    rt = make_runtime("after")
+    assert rt.call(answer, timeout=WAIT) == 42
+    assert rt.shutdown(timeout=WAIT)
+    ran = threading.Event()
+    outcome: list[object] = []
+
+    def use() -> None:
+        rt.submit(ran.set)
+        rt.spawn(answer)
+        try:
+            rt.call(answer, timeout=WAIT)
+        except RuntimeClosed as exc:
+            outcome.append(exc)
+
+    t = threading.Thread(target=use)
+    t0 = time.monotonic()
+    t.start()
+    t.join(WAIT)
+    assert not t.is_alive()
+    assert time.monotonic() - t0 < 2.0  # `call` fails fast rather than waiting out its timeout
+    assert len(outcome) == 1 and isinstance(outcome[0], RuntimeClosed)
+    assert not ran.is_set() and not rt.running
+    assert loop_threads("after") == []
+
+
+def test_shutdown_of_a_never_started_runtime(make_runtime: MakeRuntime) -> None:
+    rt = make_runtime("never")
+    assert rt.shutdown(timeout=1.0) is True
+    assert loop_threads("never") == []
+
+
+# -- deadlines under a mock clock ------------------------------------------
+
+
+def test_mock_clock_deadline_fires_instantly(make_runtime: MakeRuntime) -> None:
+    rt = make_runtime("mock", clock=trio.testing.MockClock(autojump_threshold=0))
+
+    async def deadline() -> tuple[bool, float]:
+        t0 = trio.current_time()
+        with trio.move_on_after(30) as scope:
+            await trio.sleep_forever()
+        return scope.cancelled_caught, trio.current_time() - t0
+
+    w0 = time.monotonic()
+    caught, virtual = rt.call(deadline, timeout=WAIT)
+    wall = time.monotonic() - w0
+    assert caught
+    assert virtual >= 30.0
+    assert wall < 5.0
+
+
+# -- fork ------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_forked_child_gets_a_fresh_loop(make_runtime: MakeRuntime) -> None:
+    rt = make_runtime("fork")
+    parent_pid = os.getpid()
+
+    async def where() -> int:
+        await trio.to_thread.run_sync(lambda: None)  # trio's thread cache works there too
+        return os.getpid()
+
+    assert rt.call(where, timeout=WAIT) == parent_pid
+    pid = os.fork()
+    if pid == 0:  # child: never return into pytest
+        code = 1
+        try:
+            signal.alarm(20)  # backstop: a hung child dies instead of hanging the parent
+            ok = not rt.running and rt.call(where, timeout=WAIT) == os.getpid() and rt.running
+            code = 0 if ok and rt.shutdown(timeout=WAIT) else 3
+        except BaseException:
+            code = 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert rt.call(where, timeout=WAIT) == parent_pid  # the parent's loop is untouched
+
+
+# -- cost ------------------------------------------------------------------
+
+
+def test_submit_cost(make_runtime: MakeRuntime) -> None:
+    rt = make_runtime("cost")
+    rt.start()
+    count = [0]
+
+    def tick() -> None:
+        count[0] += 1
+
+    samples = []
+    n = 5000
+    for _ in range(n):
+        t0 = time.perf_counter_ns()
+        rt.submit(tick)
+        samples.append(time.perf_counter_ns() - t0)
+    rt.call(answer, timeout=WAIT)  # FIFO: every tick has run before this answers
+    assert count[0] == n
+    median_us = statistics.median(samples) / 1000
+    p99_us = statistics.quantiles(samples, n=100)[98] / 1000
+    print(f"\nRuntime.submit: median {median_us:.2f} us, p99 {p99_us:.2f} us over {n} calls")
+    assert median_us < 200.0
