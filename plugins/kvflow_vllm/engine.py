@@ -1,32 +1,114 @@
 """Start a small real vLLM engine with kvflow: used by `kvflow demo`, tests and benchmarks.
 
-The tiny model config ships in the `kvflow` package; weights are vLLM's
-deterministic dummy weights, so two engine processes with the same config
-compute the same KV bytes and the same tokens.
+The tiny model config ships in the `kvflow` package; its weights are seeded
+random tensors written once under the user's cache dir, so two engine
+processes compute the same KV bytes and the same tokens.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
+import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from importlib import resources
+from pathlib import Path
 from typing import Any
 
-__all__ = ["GenResult", "generate", "make_llm", "tiny_model_dir"]
+import msgspec
+
+__all__ = ["GenResult", "Scenario", "ScenarioResult", "generate", "make_llm", "run_scenario"]
 
 
 def tiny_model_dir() -> str:
-    """Directory of the shipped 4-layer Llama config (dummy weights)."""
-    return str(resources.files("kvflow") / "data" / "tiny-llama")
+    """A 4-layer, 256-hidden Llama with seeded random weights, materialised once per user.
+
+    vLLM's `load_format="dummy"` weights are uniform in +-1e-3, which makes every
+    next-token distribution nearly flat: generated tokens would barely depend on
+    the KV cache, a weak check of a KV connector. These weights (normal, std 0.05,
+    seed 0) give peaked, prompt-dependent outputs, so wrong KV bytes show up as
+    different tokens and log-probabilities.
+    """
+    import json
+
+    from kvflow.config import default_cache_dir
+
+    src = resources.files("kvflow") / "data" / "tiny-llama" / "config.json"
+    config = json.loads(src.read_text())
+    tag = hashlib.blake2b(src.read_bytes() + _WEIGHTS_RECIPE.encode(), digest_size=6).hexdigest()
+    out = default_cache_dir() / "models" / f"tiny-llama-{tag}"
+    if not (out / "model.safetensors").exists():
+        _write_weights(out, config)
+    return str(out)
 
 
-@dataclass
-class GenResult:
+_WEIGHTS_RECIPE = "normal(0,0.05) seed=0 norms=1"
+
+
+def _write_weights(out: Path, config: dict[str, Any]) -> None:
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    h, inter = config["hidden_size"], config["intermediate_size"]
+    hd = config["head_dim"]
+    q, kv = config["num_attention_heads"] * hd, config["num_key_value_heads"] * hd
+    vocab = config["vocab_size"]
+    g = torch.Generator().manual_seed(0)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * 0.05
+
+    w: dict[str, torch.Tensor] = {"model.embed_tokens.weight": torch.randn(vocab, h, generator=g)}
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        w[p + "self_attn.q_proj.weight"] = rand(q, h)
+        w[p + "self_attn.k_proj.weight"] = rand(kv, h)
+        w[p + "self_attn.v_proj.weight"] = rand(kv, h)
+        w[p + "self_attn.o_proj.weight"] = rand(h, q)
+        w[p + "mlp.gate_proj.weight"] = rand(inter, h)
+        w[p + "mlp.up_proj.weight"] = rand(inter, h)
+        w[p + "mlp.down_proj.weight"] = rand(h, inter)
+        w[p + "input_layernorm.weight"] = torch.ones(h)
+        w[p + "post_attention_layernorm.weight"] = torch.ones(h)
+    w["model.norm.weight"] = torch.ones(h)
+    w["lm_head.weight"] = torch.randn(vocab, h, generator=g) * 0.2
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / f"model.safetensors.tmp{os.getpid()}"
+    save_file({k: v.contiguous() for k, v in w.items()}, str(tmp))
+    (out / "config.json").write_text(json.dumps(config))
+    os.replace(tmp, out / "model.safetensors")
+
+
+class GenResult(msgspec.Struct):
+    request_id: str
     tokens: list[int]
+    logprobs: list[float]
+    """Log-probability of each generated token: a sensitive check that KV bytes are right."""
     seconds: float
     error: str = ""
+
+
+class Scenario(msgspec.Struct, forbid_unknown_fields=True):
+    """One engine process: start it, run batches of prompts in order, report."""
+
+    batches: list[list[list[int]]]
+    connector: bool = True
+    extra_config: dict[str, Any] = {}
+    kv_role: str = "kv_both"
+    failure_policy: str = "recompute"
+    max_tokens: int = 8
+    one_by_one: bool = False
+    """Run each prompt alone (for per-request TTFT) instead of the batch at once."""
+    model: str = ""
+    connector_name: str = "KVFlowConnector"
+
+
+class ScenarioResult(msgspec.Struct):
+    startup_s: float
+    batches: list[list[GenResult]]
 
 
 def make_llm(
@@ -55,7 +137,6 @@ def make_llm(
         )
     args: dict[str, Any] = dict(
         model=model or tiny_model_dir(),
-        load_format="dummy",
         skip_tokenizer_init=True,
         enforce_eager=True,
         dtype="float32",
@@ -71,11 +152,11 @@ def make_llm(
 
 
 def generate(llm: Any, prompts: Sequence[Sequence[int]], max_tokens: int = 8) -> list[GenResult]:
-    """Greedy-decode each prompt in one batch; per-request errors are returned, not raised."""
+    """Greedy-decode the prompts in one batch; per-request errors are returned, not raised."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=1)
     t0 = time.perf_counter()
     outs = llm.generate(
         [TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False
@@ -84,6 +165,41 @@ def generate(llm: Any, prompts: Sequence[Sequence[int]], max_tokens: int = 8) ->
     results = []
     for o in outs:
         c = o.outputs[0]
+        lps = [float(lp[t].logprob) for t, lp in zip(c.token_ids, c.logprobs or [], strict=False)]
         err = "" if c.finish_reason in ("length", "stop") else str(c.finish_reason)
-        results.append(GenResult(tokens=list(c.token_ids), seconds=dt, error=err))
+        results.append(GenResult(o.request_id, list(c.token_ids), lps, dt, err))
     return results
+
+
+def run_scenario(sc: Scenario) -> ScenarioResult:
+    t0 = time.perf_counter()
+    llm = make_llm(
+        model=sc.model or None,
+        connector=sc.connector_name if sc.connector else None,
+        extra_config=sc.extra_config,
+        kv_role=sc.kv_role,
+        failure_policy=sc.failure_policy,
+    )
+    startup = time.perf_counter() - t0
+    batches = []
+    for prompts in sc.batches:
+        if sc.one_by_one:
+            batches.append([generate(llm, [p], sc.max_tokens)[0] for p in prompts])
+        else:
+            batches.append(generate(llm, prompts, sc.max_tokens))
+    llm.llm_engine.engine_core.shutdown()  # connectors drain their saves here
+    return ScenarioResult(startup_s=startup, batches=batches)
+
+
+def main(argv: list[str]) -> int:
+    """`python -m kvflow_vllm.engine SCENARIO.json RESULT.json`: one engine process."""
+    with open(argv[0], "rb") as f:
+        sc = msgspec.json.decode(f.read(), type=Scenario)
+    res = run_scenario(sc)
+    with open(argv[1], "wb") as f:
+        f.write(msgspec.json.encode(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

