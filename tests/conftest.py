@@ -12,11 +12,11 @@ from kvflow.runtime import Runtime
 
 @pytest.fixture
 def make_runtime() -> Iterator[Callable[..., Runtime]]:
-    """`make_runtime(name, **kwargs)` -> a `Runtime` shut down (and checked joined) at teardown."""
+    """`make_runtime(name, cls=Runtime, **kwargs)` -> a runtime shut down (and joined) at teardown."""
     made: list[Runtime] = []
 
-    def make(name: str, **kwargs: Any) -> Runtime:
-        rt = Runtime(name, **kwargs)
+    def make(name: str, cls: type[Runtime] = Runtime, **kwargs: Any) -> Runtime:
+        rt = cls(name, **kwargs)
         made.append(rt)
         return rt
 
