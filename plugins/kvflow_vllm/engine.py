@@ -89,6 +89,8 @@ class GenResult(msgspec.Struct):
     """Log-probability of each generated token: a sensitive check that KV bytes are right."""
     seconds: float
     error: str = ""
+    ttft_s: float = 0.0
+    """vLLM's own first-token latency for the request (arrival to first token)."""
 
 
 class Scenario(msgspec.Struct, forbid_unknown_fields=True):
@@ -146,6 +148,7 @@ def make_llm(
         max_num_seqs=16,
         kv_transfer_config=kv,
         seed=0,
+        disable_log_stats=False,  # per-request first-token latency
     )
     args.update(kwargs)
     return LLM(**args)
@@ -167,7 +170,8 @@ def generate(llm: Any, prompts: Sequence[Sequence[int]], max_tokens: int = 8) ->
         c = o.outputs[0]
         lps = [float(lp[t].logprob) for t, lp in zip(c.token_ids, c.logprobs or [], strict=False)]
         err = "" if c.finish_reason in ("length", "stop") else str(c.finish_reason)
-        results.append(GenResult(o.request_id, list(c.token_ids), lps, dt, err))
+        ttft = float(getattr(o.metrics, "first_token_latency", 0.0) or 0.0)
+        results.append(GenResult(o.request_id, list(c.token_ids), lps, dt, err, ttft))
     return results
 
 
@@ -181,6 +185,7 @@ def run_scenario(sc: Scenario) -> ScenarioResult:
         failure_policy=sc.failure_policy,
     )
     startup = time.perf_counter() - t0
+    generate(llm, [[1, 2, 3]], 1)  # first forward pays one-off warm-up costs
     batches = []
     for prompts in sc.batches:
         if sc.one_by_one:

