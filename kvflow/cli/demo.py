@@ -70,7 +70,7 @@ def run_demo(*, cache_dir: str, num_prompts: int, prompt_len: int, max_tokens: i
         warm_events = _by_request(read_event_log(str(tmp / "warm.events.jsonl")))
     cold = runs["cold"]["batches"][0]  # type: ignore[index]
     warm = runs["warm"]["batches"][0]  # type: ignore[index]
-    rows = []
+    rows: list[tuple[int, int, float, float, float, float, bool]] = []
     for c, w in zip(cold, warm, strict=True):
         ev = warm_events.get(w["request_id"], [])
         for e in ev:

@@ -36,7 +36,7 @@ def make_layout(
             geo = geometry_from_strides(arr.shape, strides, arr.itemsize, block_dim=1, token_dim=2)
         names.append(f"model.layers.{i}.self_attn.attn")
         geos.append(geo)
-        bufs.append(memoryview(arr.reshape(-1).view(np.uint8)))
+        bufs.append(memoryview(arr.reshape(-1).view(np.uint8)))  # type: ignore[arg-type]
     return KVLayout(names=names, geometries=geos, buffers=bufs, memory="cpu", block_size=block_size)
 
 
