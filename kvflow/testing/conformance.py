@@ -176,6 +176,17 @@ def _span_ranges(layout: KVLayout, layer: int, num_tokens: int) -> list[tuple[in
     return [(off, off + n) for off in g.plane_offsets]
 
 
+def _locate(layout: KVLayout, layer: int, index: int) -> tuple[int | None, int]:
+    """The block holding byte `index` of a layer's buffer, and the byte's offset from the
+    block's start (as `_span_ranges` counts it); `None` if no block holds it."""
+    g = layout.geometries[layer]
+    for b in range(g.num_blocks):
+        rel = index - b * g.block_stride
+        if any(lo <= rel < hi for lo, hi in _span_ranges(layout, layer, layout.block_size)):
+            return b, rel
+    return None, index
+
+
 def _shadow(layout: KVLayout, buffers: Sequence[bytes]) -> KVLayout:
     """A writable copy of `layout` over copies of `buffers`."""
     return KVLayout(
@@ -467,50 +478,56 @@ class Harness:
         *,
         layers: Iterable[int] | None = None,
         layout: KVLayout | None = None,
+        unspecified: Iterable[int] = (),
         promise: str = Promise.LOAD,
     ) -> None:
         """Check that the buffers of `layout` equal `before` with every span of each `dst`
-        chunk replaced by the same span of its `src` chunk as it was in `source`."""
+        chunk replaced by the same span of its `src` chunk as it was in `source`.
+
+        Blocks in `unspecified` (those of chunks a failed load did not deliver) may hold
+        anything."""
         layout = layout or self.layout
         src_view = _shadow(layout, source)
         expected = _shadow(layout, before)
         layers = range(layout.num_layers) if layers is None else list(layers)
+        unspecified = list(unspecified)
         for layer in layers:
             for s, d, n in zip(src.blocks, dst.blocks, dst.token_counts, strict=True):
                 for out, inp in zip(
                     expected.spans(layer, d, n), src_view.spans(layer, s, n), strict=True
                 ):
                     out[:] = inp
+            for b in unspecified:
+                for out, inp in zip(
+                    expected.spans(layer, b, layout.block_size),
+                    layout.spans(layer, b, layout.block_size),
+                    strict=True,
+                ):
+                    out[:] = inp
             got = _as_array(layout.buffers[layer])
-            want = _as_array(expected.buffers[layer])
-            diff = np.flatnonzero(got != want)
+            diff = np.flatnonzero(got != _as_array(expected.buffers[layer]))
             if not len(diff):
                 continue
-            g = layout.geometries[layer]
-            first = int(diff[0])
-            block, offset = divmod(first, g.block_stride)
-            where = [c for c, b in enumerate(dst.blocks) if b == block]
-            if not where:
+            block, offset = _locate(layout, layer, int(diff[0]))
+            changed = f"{len(diff)} bytes of the layer differ"
+            if block not in dst.blocks:
                 violated(
                     promise,
-                    f"layer {layer}: block {block} changed at byte {offset}, "
-                    "though no chunk of the load targets it",
-                    block_ids=[block],
+                    f"layer {layer}: block {block} changed at byte {offset} of the block, "
+                    f"though no chunk of the load targets it ({changed})",
+                    block_ids=[block] if block is not None else [],
                 )
-            c = where[0]
-            inside = any(
-                lo <= offset < hi for lo, hi in _span_ranges(layout, layer, dst.token_counts[c])
-            )
+            c = dst.blocks.index(block)
+            ranges = _span_ranges(layout, layer, dst.token_counts[c])
             what = (
                 "holds other bytes than were saved"
-                if inside
+                if any(lo <= offset < hi for lo, hi in ranges)
                 else f"was written outside the spans of its {dst.token_counts[c]} tokens"
             )
             violated(
                 promise,
-                f"layer {layer}: destination block {block} {what} "
-                f"(first difference at byte {offset} of the block, "
-                f"{len(diff)} bytes differ in the layer); saved from block {src.blocks[c]}",
+                f"layer {layer}: destination block {block} {what} (first difference at byte "
+                f"{offset} of the block; {changed}); saved from block {src.blocks[c]}",
                 chunks=[c],
                 keys=[dst.keys[c]],
                 block_ids=[block],
@@ -837,6 +854,7 @@ class TransportConformance:
             before,
             src.take(intact),
             dst.take(intact),
+            unspecified=dst.blocks[missing:],
             promise=Promise.LOAD_ERROR,
         )
 
