@@ -6,7 +6,8 @@ kvflow's embedded default. One file per chunk and shard:
 and then the layers' bytes, page-aligned. Files appear atomically (temp file +
 rename), are read with `preadv` straight into vLLM's KV blocks, and are
 validated on read: a missing, truncated, foreign or corrupt file becomes a
-load error that vLLM recomputes. A size cap evicts least-recently-used files.
+load error that vLLM recomputes, and a bad file is deleted so that the next
+save of its key writes it again. A size cap evicts least-recently-used files.
 """
 
 from __future__ import annotations

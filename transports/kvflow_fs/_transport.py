@@ -8,6 +8,7 @@ import os
 import secrets
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
@@ -29,6 +30,15 @@ from kvflow.transport import (
 from ._format import HEADER_SIZE, BadHeader, ChunkHeader, crc_of, encode_header, read_header
 
 log = logging.getLogger("kvflow.fs")
+
+
+@dataclass(frozen=True)
+class _Failure:
+    """Why a load stops at `chunk`; `kind` is the error it raises."""
+
+    chunk: int
+    kind: type[TransportError]
+    reason: str
 
 
 class FsOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -106,13 +116,14 @@ class FsTransport(Transport):
         n = len(job.keys)
         finals = [self.path(k) for k in job.keys]
         tmps = [p.with_name(f"{p.name}.tmp.{os.getpid()}.{secrets.token_hex(4)}") for p in finals]
-        fds: list[int | None] = await trio.to_thread.run_sync(self._create, finals, tmps)
+        fds: list[int | None] = [None] * n
         layer_nbytes = [
             [layout.chunk_nbytes(i, c) for i in range(job.num_layers)] for c in job.token_counts
         ]
         crcs: list[list[int]] = [[] for _ in range(n)]
         committed = False
         try:
+            await trio.to_thread.run_sync(self._create, finals, tmps, fds)
             if not any(fd is not None for fd in fds):
                 return
             for layer in range(job.num_layers):
@@ -134,27 +145,30 @@ class FsTransport(Transport):
             ]
             written = await trio.to_thread.run_sync(self._commit, fds, headers, tmps, finals)
             committed = True
-            self._usage += written
-            if self.max_bytes and self._usage > self.max_bytes and not self._evicting:
-                self._evicting = True
-                try:
-                    self._usage = await trio.to_thread.run_sync(self._evict)
-                finally:
-                    self._evicting = False
+        except OSError as exc:
+            raise TransportError(f"fs save under {self.dir}: {exc}") from exc
         finally:
             if not committed:
                 with trio.CancelScope(shield=True):
                     await trio.to_thread.run_sync(self._discard, fds, tmps)
+        self._usage += written
+        if self.max_bytes and self._usage > self.max_bytes and not self._evicting:
+            self._evicting = True
+            try:
+                self._usage = await trio.to_thread.run_sync(self._evict)
+            except OSError as exc:  # the chunks are stored; a failed eviction is not the save's
+                log.warning("kvflow fs: eviction under %s failed: %s", self.root, exc)
+            finally:
+                self._evicting = False
 
-    def _create(self, finals: list[Path], tmps: list[Path]) -> list[int | None]:
-        fds: list[int | None] = []
-        for final, tmp in zip(finals, tmps, strict=True):
+    def _create(self, finals: list[Path], tmps: list[Path], fds: list[int | None]) -> None:
+        """Open a temp file for each chunk not stored yet, into `fds` (so that a failure
+        half-way leaves `fds` naming what `_discard` must clean up)."""
+        for c, (final, tmp) in enumerate(zip(finals, tmps, strict=True)):
             if final.exists():  # same key, same bytes: someone saved it already
-                fds.append(None)
                 continue
             final.parent.mkdir(parents=True, exist_ok=True)
-            fds.append(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
-        return fds
+            fds[c] = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
 
     def _write_layer(
         self, fds: list[int | None], spans: list[list[memoryview]], offsets: list[int]
@@ -176,96 +190,141 @@ class FsTransport(Transport):
         finals: list[Path],
     ) -> int:
         written = 0
-        for fd, h, tmp, final in zip(fds, headers, tmps, finals, strict=True):
+        for c, (fd, h, tmp, final) in enumerate(zip(fds, headers, tmps, finals, strict=True)):
             if fd is None:
                 continue
             os.pwrite(fd, encode_header(h), 0)
             if self.options.fsync:
                 os.fsync(fd)
+            fds[c] = None  # closed: `_discard` must not close this number again
             os.close(fd)
             os.replace(tmp, final)
             written += HEADER_SIZE + h.payload_nbytes()
         return written
 
     def _discard(self, fds: list[int | None], tmps: list[Path]) -> None:
+        """Close what is still open and remove every temp file (committed ones are gone)."""
         for fd, tmp in zip(fds, tmps, strict=True):
             if fd is not None:
                 with contextlib.suppress(OSError):
                     os.close(fd)
-                with contextlib.suppress(OSError):
-                    tmp.unlink()
+            with contextlib.suppress(OSError):
+                tmp.unlink()
 
     # -- load --------------------------------------------------------------
     async def load(self, job: LoadJob) -> None:
-        layout = self.context.layout
-        assert layout is not None, "fs load needs registered KV caches"
-        fds, headers, intact, reason = await trio.to_thread.run_sync(self._open_chunks, job)
+        assert self.context.layout is not None, "fs load needs registered KV caches"
+        paths = [self.path(k) for k in job.keys]
+        fds: list[int] = []
+        headers: list[ChunkHeader] = []
         try:
+            failure = await trio.to_thread.run_sync(self._open_chunks, job, paths, fds, headers)
             for layer in range(job.num_layers):
+                intact = len(fds) if failure is None else failure.chunk
                 if intact:
                     spans = job.spans(layer)[:intact]
-                    intact, why = await trio.to_thread.run_sync(
-                        self._read_layer, fds[:intact], headers[:intact], spans, layer
+                    failure = (
+                        await trio.to_thread.run_sync(
+                            self._read_layer, fds[:intact], headers[:intact], paths, spans, layer
+                        )
+                        or failure
                     )
-                    reason = why or reason
                 job.layer_loaded(layer)
         finally:
             with trio.CancelScope(shield=True):
                 await trio.to_thread.run_sync(self._close, fds)
-        if intact < len(job.keys):
-            key = job.keys[intact]
-            cls = ChunkMissing if reason.startswith("missing") else ChunkCorrupt
-            raise cls(f"chunk {intact} ({key}): {reason}", chunk=intact, key=key)
+        if failure is not None:
+            key = job.keys[failure.chunk]
+            raise failure.kind(
+                f"chunk {failure.chunk} ({key}): {failure.reason}", chunk=failure.chunk, key=key
+            )
 
-    def _open_chunks(self, job: LoadJob) -> tuple[list[int], list[ChunkHeader], int, str]:
+    def _open_chunks(
+        self, job: LoadJob, paths: list[Path], fds: list[int], headers: list[ChunkHeader]
+    ) -> _Failure | None:
+        """Open and validate each chunk's file into `fds` / `headers`, up to the first bad one."""
         layout = self.context.layout
         assert layout is not None
-        fds: list[int] = []
-        headers: list[ChunkHeader] = []
-        for key, count in zip(job.keys, job.token_counts, strict=True):
-            path = self.path(key)
+        for c, (key, count, path) in enumerate(zip(job.keys, job.token_counts, paths, strict=True)):
             try:
                 fd = os.open(path, os.O_RDONLY)
             except FileNotFoundError:
-                return fds, headers, len(fds), f"missing file {path}"
+                return _Failure(c, ChunkMissing, f"missing file {path}")
+            except OSError as exc:
+                return _Failure(c, TransportError, f"cannot open {path}: {exc}")
             try:
                 h = read_header(fd)
                 expect = [layout.chunk_nbytes(i, count) for i in range(job.num_layers)]
-                problem = (
-                    "key mismatch"
-                    if h.key != key
-                    else "written by another configuration"
-                    if h.namespace != self.context.namespace
-                    else "shard mismatch"
-                    if h.shard != self.context.shard
-                    else "token count mismatch"
-                    if h.num_tokens != count
-                    else "layer sizes do not match this KV layout"
-                    if h.layer_nbytes != expect
-                    else "truncated payload"
-                    if os.fstat(fd).st_size < HEADER_SIZE + h.payload_nbytes()
-                    else ""
-                )
+                problem = self._header_problem(h, key, count, expect)
+                if not problem and os.fstat(fd).st_size < HEADER_SIZE + h.payload_nbytes():
+                    problem = "truncated payload"
             except BadHeader as exc:
                 problem = str(exc)
-            if problem:
+            except OSError as exc:
                 os.close(fd)
-                return fds, headers, len(fds), f"{problem} in {path}"
+                return _Failure(c, TransportError, f"cannot read {path}: {exc}")
+            if problem:
+                failure = self._corrupt(c, fd, path, problem)
+                os.close(fd)
+                return failure
             fds.append(fd)
             headers.append(h)
-        return fds, headers, len(fds), ""
+        return None
+
+    def _header_problem(self, h: ChunkHeader, key: ChunkKey, count: int, expect: list[int]) -> str:
+        ctx = self.context
+        if h.key != key:
+            return f"key mismatch (header names {h.key})"
+        if h.namespace != ctx.namespace:
+            return (
+                f"written by another configuration (namespace {h.namespace}, not {ctx.namespace})"
+            )
+        if h.shard != ctx.shard:
+            return f"shard mismatch (written by {h.shard}, this is {ctx.shard})"
+        if h.num_tokens != count:
+            return f"token count mismatch ({h.num_tokens} tokens stored, {count} expected)"
+        if h.layer_nbytes != expect:
+            return "layer sizes do not match this KV layout"
+        return ""
 
     def _read_layer(
-        self, fds: list[int], headers: list[ChunkHeader], spans: list[list[memoryview]], layer: int
-    ) -> tuple[int, str]:
+        self,
+        fds: list[int],
+        headers: list[ChunkHeader],
+        paths: list[Path],
+        spans: list[list[memoryview]],
+        layer: int,
+    ) -> _Failure | None:
         for c, (fd, h, chunk_spans) in enumerate(zip(fds, headers, spans, strict=True)):
             want = h.layer_nbytes[layer]
-            got = os.preadv(fd, chunk_spans, h.layer_offset(layer))
+            try:
+                got = os.preadv(fd, chunk_spans, h.layer_offset(layer))
+            except OSError as exc:
+                return _Failure(
+                    c, TransportError, f"cannot read layer {layer} of {paths[c]}: {exc}"
+                )
             if got != want:
-                return c, f"short read ({got} of {want} bytes) in layer {layer}"
+                return self._corrupt(
+                    c, fd, paths[c], f"short read ({got} of {want} bytes) in layer {layer}"
+                )
             if self.options.verify and crc_of(chunk_spans) != h.layer_crc[layer]:
-                return c, f"checksum mismatch in layer {layer}"
-        return len(fds), ""
+                return self._corrupt(c, fd, paths[c], f"checksum mismatch in layer {layer}")
+        return None
+
+    def _corrupt(self, chunk: int, fd: int, path: Path, problem: str) -> _Failure:
+        """A chunk file that failed validation: delete it, so that the next save of its key
+        writes it again instead of every later load failing on it."""
+        deleted = False
+        with contextlib.suppress(OSError):
+            st, now = os.fstat(fd), os.stat(path)
+            # unless a writer has renamed a new file into place since we opened this one
+            if (st.st_dev, st.st_ino) == (now.st_dev, now.st_ino):
+                os.unlink(path)
+                deleted = True
+                log.warning("kvflow fs: deleted bad chunk file %s (%s)", path, problem)
+        return _Failure(
+            chunk, ChunkCorrupt, f"{problem} in {path}{'; deleted it' if deleted else ''}"
+        )
 
     def _close(self, fds: list[int]) -> None:
         now = time.time()

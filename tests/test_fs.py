@@ -1,0 +1,369 @@
+"""The `fs` transport on real files: validation, repair, cleanup, size cap, bad paths."""
+
+from __future__ import annotations
+
+import os
+import stat
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import trio
+import trio.testing
+from kvflow_fs import FsOptions, FsTransport
+from kvflow_fs._format import HEADER_SIZE, encode_header, read_header
+
+from kvflow.testing.conformance import Chunks, GatedSave, Harness, TransportConformance
+from kvflow.transport import (
+    ChunkCorrupt,
+    ChunkMissing,
+    TransportContext,
+    TransportError,
+)
+
+PATH_OPTION = "kv_connector_extra_config['options']['path']"
+
+
+class Factory:
+    """Makes fs transports over one store; `options` apply to instances made after."""
+
+    def __init__(self, store: Path) -> None:
+        self.store = store
+        self.options: dict[str, Any] = {}
+
+    def __call__(self, context: TransportContext) -> FsTransport:
+        return FsTransport(FsOptions(path=str(self.store), **self.options), context)
+
+
+@pytest.fixture
+def factory(tmp_path: Path) -> Factory:
+    return Factory(tmp_path / "store")
+
+
+@pytest.fixture
+async def kv(factory: Factory) -> AsyncIterator[Harness]:
+    suite = TransportConformance()
+    async with suite.harness(factory, suite.build_layout(False)) as harness:
+        yield harness
+
+
+async def fs_worker(kv: Harness, **kw: Any) -> FsTransport:
+    worker = await kv.worker(**kw)
+    assert isinstance(worker, FsTransport)
+    return worker
+
+
+async def saved(kv: Harness, worker: FsTransport, n: int, partial: int = 0) -> Chunks:
+    chunks = kv.chunks(n, partial=partial)
+    await kv.save(worker, chunks)
+    return chunks
+
+
+def files(store: Path) -> list[Path]:
+    return sorted(p for p in store.rglob("*") if p.is_file())
+
+
+def layer_offset(kv: Harness, chunk: Chunks, c: int, layer: int) -> int:
+    """File offset of `layer` of chunk `c`."""
+    return HEADER_SIZE + sum(kv.layout.chunk_nbytes(i, chunk.token_counts[c]) for i in range(layer))
+
+
+async def load_fails(
+    kv: Harness, worker: FsTransport, src: Chunks, bad: int, error: type[TransportError]
+) -> TransportError:
+    """Load `src` into new blocks: it must fail at chunk `bad` with the chunks before it intact."""
+    source = kv.snapshot()
+    dst = src.at(kv.blocks(len(src)))
+    kv.poison(dst.blocks)
+    before = kv.snapshot()
+    exc = await kv.load_error(worker, dst)
+    assert type(exc) is error, repr(exc)
+    assert exc.chunk == bad, repr(exc)
+    assert exc.key == src.keys[bad]
+    assert f"chunk {bad} " in str(exc)
+    good = list(range(bad))
+    kv.expect_loaded(source, before, src.take(good), dst.take(good), unspecified=dst.blocks[bad:])
+    return exc
+
+
+async def repaired(kv: Harness, worker: FsTransport, src: Chunks, bad: int) -> None:
+    """The bad file is gone, so saving again rewrites it and everything loads."""
+    assert not worker.path(src.keys[bad]).exists()
+    sched = await kv.scheduler()
+    await kv.lookup(sched, src.keys, bad)
+    await kv.save(worker, src)
+    await kv.lookup(sched, src.keys, len(src))
+    await kv.round_trip(worker, worker, src)
+
+
+# -- validation on load ---------------------------------------------------------------
+
+
+async def test_flipped_payload_byte_is_checksum_error_and_file_is_deleted(kv: Harness) -> None:
+    worker = await fs_worker(kv)
+    src = await saved(kv, worker, 3, partial=2)
+    path = worker.path(src.keys[2])
+    with path.open("r+b") as f:
+        f.seek(layer_offset(kv, src, 2, 1) + 5)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x01]))
+    exc = await load_fails(kv, worker, src, 2, ChunkCorrupt)
+    assert "checksum mismatch in layer 1" in str(exc)
+    assert "deleted" in str(exc)
+    await repaired(kv, worker, src, 2)
+
+
+async def test_verify_false_skips_the_checksum(kv: Harness, factory: Factory) -> None:
+    factory.options["verify"] = False
+    worker = await fs_worker(kv)
+    src = await saved(kv, worker, 2)
+    offset = layer_offset(kv, src, 1, 0) + 3
+    with worker.path(src.keys[1]).open("r+b") as f:
+        f.seek(offset)
+        f.write(b"\x00\xff\x00")
+    source = kv.snapshot()
+    dst = src.at(kv.blocks(2))
+    await kv.load(worker, dst)  # no error: the CRC was not checked ...
+    got = bytes(kv.layout.spans(0, dst.blocks[1], src.token_counts[1])[0][3:6])
+    want = bytes(memoryview(source[0])[src.blocks[1] * kv.layout.geometries[0].block_stride :][3:6])
+    assert got == b"\x00\xff\x00" != want  # ... and the bytes on disk were what it read
+    assert worker.path(src.keys[1]).exists()
+
+
+@pytest.mark.parametrize("keep", ["half-payload", "part-header", "nothing"])
+async def test_truncated_file_fails_that_chunk_and_is_deleted(kv: Harness, keep: str) -> None:
+    worker = await fs_worker(kv)
+    src = await saved(kv, worker, 3)
+    path = worker.path(src.keys[1])
+    size = {"half-payload": (HEADER_SIZE + path.stat().st_size) // 2, "part-header": 20}
+    os.truncate(path, size.get(keep, 0))
+    exc = await load_fails(kv, worker, src, 1, ChunkCorrupt)
+    assert "truncated" in str(exc) or "shorter than its header" in str(exc)
+    await repaired(kv, worker, src, 1)
+
+
+async def test_file_from_another_namespace_is_rejected(kv: Harness) -> None:
+    mine = await fs_worker(kv)
+    other = await fs_worker(kv, namespace="another-configuration")
+    src = kv.chunks(2)
+    await kv.save(mine, src.take([0]))
+    await kv.save(other, src)  # same key strings, another configuration's bytes
+    mine.path(src.keys[1]).parent.mkdir(parents=True, exist_ok=True)
+    os.replace(other.path(src.keys[1]), mine.path(src.keys[1]))
+    exc = await load_fails(kv, mine, src, 1, ChunkCorrupt)
+    assert "another configuration" in str(exc)
+    assert "another-configuration" in str(exc)
+    await repaired(kv, mine, src, 1)
+
+
+async def test_file_from_another_shard_is_rejected(kv: Harness) -> None:
+    shards = ["tp0of2pp0", "tp1of2pp0"]
+    rank0 = await fs_worker(kv, shard=shards[0], shards=shards)
+    rank1 = await fs_worker(kv, shard=shards[1], shards=shards)
+    src = kv.chunks(1)
+    await kv.save(rank1, src)
+    os.link(rank1.path(src.keys[0]), rank0.path(src.keys[0]))
+    exc = await load_fails(kv, rank0, src, 0, ChunkCorrupt)
+    assert "shard mismatch (written by tp1of2pp0" in str(exc)
+    assert not rank0.path(src.keys[0]).exists()
+    assert rank1.path(src.keys[0]).exists()  # its own file is untouched
+    await kv.round_trip(rank1, rank1, src)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("num_tokens", 3, "token count mismatch (3 tokens stored, 4 expected)"),
+        ("key", "0" * 32, "key mismatch"),
+        ("layer_nbytes", [1, 2, 3], "layer sizes do not match"),
+    ],
+    ids=["num_tokens", "key", "layer_nbytes"],
+)
+async def test_foreign_header_is_rejected(
+    kv: Harness, field: str, value: object, message: str
+) -> None:
+    worker = await fs_worker(kv)
+    src = await saved(kv, worker, 2)
+    path = worker.path(src.keys[1])
+    fd = os.open(path, os.O_RDWR)
+    try:
+        header = read_header(fd)
+        os.pwrite(fd, encode_header(msgspec.structs.replace(header, **{field: value})), 0)
+    finally:
+        os.close(fd)
+    exc = await load_fails(kv, worker, src, 1, ChunkCorrupt)
+    assert message in str(exc)
+    await repaired(kv, worker, src, 1)
+
+
+async def test_not_a_chunk_file_is_rejected(kv: Harness) -> None:
+    worker = await fs_worker(kv)
+    src = await saved(kv, worker, 2)
+    worker.path(src.keys[0]).write_bytes(b"not kvflow " * 1000)
+    exc = await load_fails(kv, worker, src, 0, ChunkCorrupt)
+    assert "bad magic" in str(exc)
+    await repaired(kv, worker, src, 0)
+
+
+async def test_missing_file_is_chunk_missing(kv: Harness) -> None:
+    worker = await fs_worker(kv)
+    src = await saved(kv, worker, 4, partial=1)
+    worker.path(src.keys[2]).unlink()
+    exc = await load_fails(kv, worker, src, 2, ChunkMissing)
+    assert "missing file" in str(exc)
+
+
+async def test_unreadable_chunk_is_transport_error_and_not_deleted(kv: Harness) -> None:
+    worker = await fs_worker(kv)
+    src = await saved(kv, worker, 2)
+    path = worker.path(src.keys[1])
+    path.unlink()
+    path.mkdir()  # opens, but reading fails with EISDIR
+    exc = await load_fails(kv, worker, src, 1, TransportError)
+    assert "cannot read" in str(exc)
+    assert path.is_dir()
+
+
+async def test_bad_file_replaced_meanwhile_is_not_deleted(kv: Harness) -> None:
+    """A load that opened a bad file deletes it only if it is still the file at its path."""
+    worker = await fs_worker(kv)
+    src = await saved(kv, worker, 1)
+    path = worker.path(src.keys[0])
+    good = path.read_bytes()
+    path.write_bytes(b"garbage")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fresh = path.with_name("fresh")
+        fresh.write_bytes(good)
+        os.replace(fresh, path)  # a writer renames a good file into place
+        failure = worker._corrupt(0, fd, path, "bad magic")
+    finally:
+        os.close(fd)
+    assert "deleted" not in failure.reason
+    assert path.read_bytes() == good
+
+
+# -- save cleanup ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("at", ["first", "last"])
+async def test_cancelled_save_leaves_no_files(kv: Harness, factory: Factory, at: str) -> None:
+    worker = await fs_worker(kv)
+    src = kv.chunks(3, partial=2)
+    gated = GatedSave(kv, src)
+    stop = 0 if at == "first" else kv.layout.num_layers - 1
+    with trio.CancelScope() as scope:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(worker.save, gated.job)
+            for layer in range(stop):
+                await gated.wait_asked(layer)
+                gated.give(layer)
+            await gated.wait_asked(stop)
+            await trio.testing.wait_all_tasks_blocked()
+            tmp = [p for p in files(factory.store) if ".tmp." in p.name]
+            assert len(tmp) == 3, tmp  # the save was writing its temp files
+            scope.cancel()
+    assert scope.cancelled_caught
+    assert files(factory.store) == []
+
+
+async def test_failed_save_leaves_no_files(kv: Harness, factory: Factory) -> None:
+    worker = await fs_worker(kv)
+    src = kv.chunks(3)
+    blocker = worker.path(src.keys[2]).parent
+    blocker.parent.mkdir(parents=True, exist_ok=True)
+    blocker.write_bytes(b"")  # the key's directory cannot be made
+    with pytest.raises(TransportError, match=r"fs save under .*File exists"):
+        await worker.save(kv.save_job(src))
+    assert files(factory.store) == [blocker]
+    await kv.lookup(await kv.scheduler(), src.keys, 0)
+
+
+async def test_saving_a_stored_key_again_keeps_the_file(kv: Harness) -> None:
+    worker = await fs_worker(kv)
+    src = await saved(kv, worker, 1)
+    inode = worker.path(src.keys[0]).stat().st_ino
+    await kv.save(worker, src)
+    assert worker.path(src.keys[0]).stat().st_ino == inode
+
+
+# -- size cap ------------------------------------------------------------------------------
+
+
+async def test_size_cap_evicts_least_recently_used(kv: Harness, factory: Factory) -> None:
+    file_bytes = HEADER_SIZE + kv.layout.nbytes([kv.layout.block_size])
+    factory.options["max_gb"] = 4.2 * file_bytes / (1 << 30)  # room for 4 files, not 5
+    worker = await fs_worker(kv)
+    sched = await kv.scheduler()
+    a, b, c, d = [await saved(kv, worker, 1) for _ in range(4)]
+    assert len(files(factory.store)) == 4  # nothing evicted under the cap
+    now = time.time()
+    for age, chunk in zip([400, 300, 200, 100], [a, b, c, d], strict=True):
+        os.utime(worker.path(chunk.keys[0]), (now - age, now - age))
+    await kv.round_trip(worker, worker, a)  # a is the oldest save, but now the latest load
+    e = await saved(kv, worker, 1)  # over the cap: evict down to 90% of it, oldest first
+    present = {
+        name: await sched.lookup(chunk.keys)
+        for name, chunk in zip("abcde", [a, b, c, d, e], strict=True)
+    }
+    assert present == {"a": 1, "b": 0, "c": 0, "d": 1, "e": 1}
+    assert sum(p.stat().st_size for p in files(factory.store)) <= 0.9 * 4.2 * file_bytes
+    await kv.round_trip(worker, worker, d)
+
+
+async def test_size_cap_counts_files_already_in_the_store(kv: Harness, factory: Factory) -> None:
+    file_bytes = HEADER_SIZE + kv.layout.nbytes([kv.layout.block_size])
+    first = await fs_worker(kv)
+    old = [await saved(kv, first, 1) for _ in range(4)]
+    now = time.time()
+    for age, chunk in enumerate(old):
+        os.utime(first.path(chunk.keys[0]), (now - 100 + age, now - 100 + age))
+    factory.options["max_gb"] = 4.2 * file_bytes / (1 << 30)
+    restarted = await fs_worker(kv)  # scans the store at open
+    new = await saved(kv, restarted, 1)
+    sched = await kv.scheduler()
+    assert [await sched.lookup(ch.keys) for ch in [*old, new]] == [0, 0, 1, 1, 1]
+
+
+# -- bad paths --------------------------------------------------------------------------------
+
+
+async def open_fails(path: Path | str, role: str = "worker") -> TransportError:
+    ctx = TransportContext("e", role, "ns", "tp0of1pp0", ["tp0of1pp0"])
+    transport = FsTransport(FsOptions(path=str(path)), ctx)
+    with pytest.raises(TransportError) as caught:
+        await transport.open()
+    message = str(caught.value)
+    assert PATH_OPTION in message, message
+    assert str(path) in message, message
+    return caught.value
+
+
+@pytest.mark.parametrize("role", ["scheduler", "worker"])
+async def test_path_that_is_a_file_fails_at_open(tmp_path: Path, role: str) -> None:
+    path = tmp_path / "cache"
+    path.write_text("")
+    await open_fails(path, role)
+    await open_fails(path / "below", role)
+
+
+async def test_unwritable_directory_fails_at_open(tmp_path: Path) -> None:
+    path = tmp_path / "locked"
+    path.mkdir()
+    path.chmod(stat.S_IRUSR | stat.S_IXUSR)
+    try:
+        if os.access(path, os.W_OK):  # root ignores permission bits
+            pytest.skip("permission bits do not stop this user")
+        await open_fails(path)
+    finally:
+        path.chmod(stat.S_IRWXU)
+
+
+@pytest.mark.skipif(not os.path.isdir("/sys/kernel"), reason="needs Linux sysfs")
+async def test_read_only_filesystem_fails_at_open() -> None:
+    """sysfs refuses new files and directories to every user, root included."""
+    await open_fails("/sys/kernel/kvflow-cache")
