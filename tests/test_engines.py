@@ -75,11 +75,12 @@ class Recorder:
         with self._cond:
             return [e for e in self.events if isinstance(e, typ) and req in (None, e.req)]
 
-    def wait_for(self, typ: type[E], req: str | None = None) -> E:
+    def wait_for(self, typ: type[E], req: str | None = None, count: int = 1) -> E:
+        """The first `typ` event (of `req`), once `count` of them have arrived."""
         with self._cond:
-            ok = self._cond.wait_for(lambda: bool(self.of(typ, req)), WAIT)
+            ok = self._cond.wait_for(lambda: len(self.of(typ, req)) >= count, WAIT)
             seen = [type(e).__name__ for e in self.events]
-        assert ok, f"no {typ.__name__} for {req!r} within {WAIT}s; saw {seen}"
+        assert ok, f"no {count} {typ.__name__} for {req!r} within {WAIT}s; saw {seen}"
         return self.of(typ, req)[0]
 
 
@@ -361,6 +362,64 @@ def test_lookup_caps_at_prompt_len_minus_one_and_skips_computed_tokens(
         assert block_bytes(b.layout, layer, 6) == block_bytes(a.layout, layer, 2)
         assert not any(block_bytes(b.layout, layer, 5))
     assert b.worker.take_error_blocks() == set()
+
+
+def test_chunked_prefill_saves_each_chunk_once_it_is_complete(
+    start_engine: Callable[..., Engine],
+) -> None:
+    e = start_engine("chunked")
+    keys = e.keys(PROMPT)
+    assert lookup(e, "c", PROMPT) == 0
+    e.sched.allocated("c", [1, 2], 0)
+    first = e.sched.plan(
+        [ScheduledRequest("c", 0, 6, [1, 2], replace_blocks=True, token_ids=PROMPT)]
+    )
+    assert first.saves == [SaveSpec("c", keys[:1], [1], [4])]  # block 2 is half computed
+    fill_blocks(e.layout, [1, 2, 3], seed=5)
+    run_step(e, first)
+    second = e.sched.plan([ScheduledRequest("c", 6, 4, [3])])  # blocks are appended
+    assert second.saves == [SaveSpec("c", keys[1:], [2, 3], [4, 2])]
+    run_step(e, second)
+    e.worker_events.wait_for(TransferDone, "c", count=2)
+    assert sorted(d.chunks for d in e.worker_events.of(TransferDone, "c")) == [1, 2]
+    assert e.sched.plan([ScheduledRequest("c", 10, 1, [])]).saves == []
+    fs = e.worker_transport
+    assert isinstance(fs, FsTransport)
+    assert all(fs.path(k).exists() for k in keys)
+
+
+def test_without_partial_blocks_only_full_chunks_are_saved_and_hit(
+    start_engine: Callable[..., Engine],
+) -> None:
+    cfg = KVFlowConfig(save_partial_blocks=False)
+    a = start_engine("a", config=cfg)
+    plan = prefill_cold(a, "r1", PROMPT, [1, 2, 3])
+    assert plan.saves == [SaveSpec("r1", a.keys(PROMPT)[:2], [1, 2], [4, 4])]
+    run_step(a, plan)
+    a.worker_events.wait_for(TransferDone, "r1")
+    b = start_engine("b", config=cfg)
+    assert lookup(b, "r2", PROMPT) == 8  # two full blocks; the last 2 tokens are recomputed
+
+
+def test_async_load_is_reported_as_finished_recving_once(
+    start_engine: Callable[..., Engine],
+) -> None:
+    a = start_engine("a")
+    save_prompt(a, "r1", PROMPT, [1, 2, 3])
+    b = start_engine("b", config=KVFlowConfig(load_mode="async"))
+    assert lookup(b, "r2", PROMPT) == 9
+    b.sched.allocated("r2", [5, 6, 7], 9)
+    plan = b.sched.plan([])  # the request waits for its KV instead of being scheduled
+    assert plan.loads == [LoadSpec("r2", b.keys(PROMPT), [5, 6, 7], COUNTS, asynchronous=True)]
+    run_step(b, plan)  # nothing in the step waits for an asynchronous load
+    b.worker_events.wait_for(TransferDone, "r2")
+    results = b.worker.take_results()
+    assert results.finished_recving == {"r2"} and results.failed_recving == set()
+    assert b.worker.take_results().finished_recving == set()
+    assert b.worker.take_error_blocks() == set()
+    for layer in range(LAYERS):
+        for src, dst, n in zip([1, 2, 3], [5, 6, 7], COUNTS, strict=True):
+            assert block_bytes(b.layout, layer, dst, n) == block_bytes(a.layout, layer, src, n)
 
 
 def test_lookup_of_unknown_or_tiny_requests_is_zero(start_engine: Callable[..., Engine]) -> None:
