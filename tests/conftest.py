@@ -12,7 +12,7 @@ from kvflow.runtime import Runtime
 
 @pytest.fixture
 def make_runtime() -> Iterator[Callable[..., Runtime]]:
-    """`make_runtime(name, cls=Runtime, **kwargs)` -> a runtime shut down (and joined) at teardown."""
+    """`make_runtime(name, cls=Runtime, **kwargs)`: a runtime shut down and joined at teardown."""
     made: list[Runtime] = []
 
     def make(name: str, cls: type[Runtime] = Runtime, **kwargs: Any) -> Runtime:
