@@ -204,11 +204,12 @@ class Runtime:
 
         if not self._post(launch, ()):
             raise RuntimeClosed(f"runtime {self.name!r} was shut down")
-        try:
-            return fut.result(timeout)
-        except concurrent.futures.TimeoutError:
+        # Wait apart from fut.result(): a TimeoutError the task raised is its own answer.
+        if not concurrent.futures.wait([fut], timeout).done:
             self._post(scope.cancel, ())
-            raise TimeoutError(f"kvflow runtime {self.name!r}: no answer in {timeout}s") from None
+            raise TimeoutError(f"kvflow runtime {self.name!r}: no answer in {timeout}s")
+        try:
+            return fut.result()
         except trio.Cancelled:
             raise RuntimeClosed(f"runtime {self.name!r} shut down during the call") from None
 

@@ -85,6 +85,17 @@ def test_call_propagates_the_exception(make_runtime: MakeRuntime) -> None:
     assert rt.task_errors == 0  # an error handed back to the caller is not a task crash
 
 
+def test_call_passes_on_a_timeout_error_the_task_raised(make_runtime: MakeRuntime) -> None:
+    rt = make_runtime("own-timeout")
+
+    async def peer_timed_out() -> None:
+        await trio.lowlevel.checkpoint()
+        raise TimeoutError("peer did not answer")
+
+    with pytest.raises(TimeoutError, match="peer did not answer"):
+        rt.call(peer_timed_out, timeout=WAIT)
+
+
 def test_call_times_out_and_cancels_the_task(make_runtime: MakeRuntime) -> None:
     rt = make_runtime("timeout")
     cancelled = threading.Event()
