@@ -429,6 +429,42 @@ def test_lookup_of_unknown_or_tiny_requests_is_zero(start_engine: Callable[..., 
     assert e.sched.lookup("one-token", 0) == 0  # nothing to load: vLLM computes it anyway
 
 
+class BadLookup(HangingTransport):
+    """A store whose lookup hangs (`hang`) or raises."""
+
+    hang = True
+
+    async def lookup(self, keys: Sequence[ChunkKey]) -> int:
+        if self.hang:
+            await trio.sleep_forever()
+        raise OSError("store unreachable")
+
+
+@pytest.mark.parametrize("hang", [True, False], ids=["hangs", "raises"])
+def test_a_failed_lookup_is_a_miss(make_runtime: MakeRuntime, hang: bool) -> None:
+    rt = make_runtime("lookup", clock=trio.testing.MockClock(autojump_threshold=0))
+    bus, rec = EventBus(Origin("lookup", "scheduler")), Recorder()
+    bus.subscribe(rec)
+    transport = BadLookup(None, _context("scheduler", "ns", None))
+    transport.hang = hang
+    sched = SchedulerEngine(
+        config=KVFlowConfig(lookup_timeout_s=5.0),
+        transport=transport,
+        runtime=rt,
+        bus=bus,
+        namespace="ns",
+        block_size=BS,
+    )
+    t0 = time.monotonic()
+    sched.add_request("r", PROMPT)
+    answered = rec.wait_for(LookupAnswered, "r")
+    assert time.monotonic() - t0 < 5.0  # 5 s of mock time
+    assert answered.hit_tokens == 0
+    assert ("timed out" if hang else "store unreachable") in answered.error
+    assert sched.lookup("r", 0) == 0
+    assert rt.task_errors == 0  # handled, not a crashed task
+
+
 # -- lent blocks -----------------------------------------------------------
 
 
