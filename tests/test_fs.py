@@ -75,10 +75,7 @@ async def load_fails(
     kv: Harness, worker: FsTransport, src: Chunks, bad: int, error: type[TransportError]
 ) -> TransportError:
     """Load `src` into new blocks: it must fail at chunk `bad` with the chunks before it intact."""
-    source = kv.snapshot()
-    dst = src.at(kv.blocks(len(src)))
-    kv.poison(dst.blocks)
-    before = kv.snapshot()
+    dst, source, before = kv.destination(src)
     exc = await kv.load_error(worker, dst)
     assert type(exc) is error, repr(exc)
     assert exc.chunk == bad, repr(exc)

@@ -351,6 +351,16 @@ class Harness:
     def snapshot(self, layout: KVLayout | None = None) -> list[bytes]:
         return [bytes(b) for b in (layout or self.layout).buffers]
 
+    def destination(
+        self, src: Chunks, layout: KVLayout | None = None
+    ) -> tuple[Chunks, list[bytes], list[bytes]]:
+        """New poisoned blocks to load `src` into, with snapshots of the memory before the
+        poison (`source`) and after it (`before`), as `expect_loaded` takes them."""
+        source = self.snapshot(layout)
+        dst = src.at(self.blocks(len(src), layout))
+        self.poison(dst.blocks, layout=layout)
+        return dst, source, self.snapshot(layout)
+
     # -- jobs ------------------------------------------------------------------
     def save_job(self, chunks: Chunks, layout: KVLayout | None = None) -> SaveJob:
         layout = layout or self.layout
@@ -827,10 +837,7 @@ class TransportConformance:
         src = kv.chunks(4, partial=2)
         stored = [i for i in range(len(src)) if i != missing]
         await kv.save(worker, src.take(stored))
-        source = kv.snapshot()
-        dst = src.at(kv.blocks(len(src)))
-        kv.poison(dst.blocks)
-        before = kv.snapshot()
+        dst, source, before = kv.destination(src)
         exc = await kv.load_error(worker, dst)
         if exc.chunk != missing:
             violated(
@@ -888,7 +895,6 @@ class TransportConformance:
         a = kv.chunks(3, partial=2, fill=False)
         b = a.at(kv.blocks(len(a)))  # same keys, other source blocks,
         kv.copy(a, b)  # same bytes: a key always names the same bytes
-        source = kv.snapshot()
         saves = [GatedSave(kv, a, fill=False), GatedSave(kv, b, fill=False)]
 
         async def lockstep() -> None:  # open each layer to both saves at once
@@ -905,9 +911,7 @@ class TransportConformance:
             ]
         )
         await kv.lookup(sched, a.keys, len(a))
-        dst = a.at(kv.blocks(len(a)))
-        kv.poison(dst.blocks)
-        before = kv.snapshot()
+        dst, source, before = kv.destination(a)
         await kv.load(first, dst)
         kv.expect_loaded(source, before, a, dst)
 
@@ -988,10 +992,7 @@ class TransportConformance:
                 keys=src.keys,
             )
         await kv.round_trip(worker, worker, kv.chunks(1))
-        source = kv.snapshot()
-        dst = src.at(kv.blocks(len(src)))
-        kv.poison(dst.blocks)
-        before = kv.snapshot()
+        dst, source, before = kv.destination(src)
         await kv.load(worker, dst)
         kv.expect_loaded(source, before, src, dst)
 
@@ -1034,13 +1035,10 @@ class TransportConformance:
                 keys=src.keys,
             )
         # the other namespace may hold other bytes under the same key strings
-        source = kv.snapshot()
         theirs = src.at(kv.blocks(len(src)))
         kv.fill(theirs)
         await kv.save(other, theirs)
-        dst = src.at(kv.blocks(len(src)))
-        kv.poison(dst.blocks)
-        before = kv.snapshot()
+        dst, source, before = kv.destination(src)
         await kv.load(mine, dst)
         kv.expect_loaded(source, before, src, dst, promise=Promise.NAMESPACE)
 
@@ -1067,9 +1065,6 @@ class TransportConformance:
         await kv.save(workers[1], parts[1], layouts[1])
         await kv.lookup(sched, parts[0].keys, 2)
         for w, part, lay in zip(workers, parts, layouts, strict=True):
-            source = kv.snapshot(lay)
-            dst = part.at(kv.blocks(len(part), lay))
-            kv.poison(dst.blocks, layout=lay)
-            before = kv.snapshot(lay)
+            dst, source, before = kv.destination(part, lay)
             await kv.load(w, dst, lay)
             kv.expect_loaded(source, before, part, dst, layout=lay, promise=Promise.SHARDS)
