@@ -69,7 +69,9 @@ from ..transport import LoadJob, SaveJob, Transport, TransportContext, Transport
 from .layouts import make_layout
 
 __all__ = [
+    "Chunks",
     "ContractViolation",
+    "GatedSave",
     "Harness",
     "Promise",
     "TransportConformance",
