@@ -655,6 +655,45 @@ def test_close_drains_in_flight_saves(start_engine: Callable[..., Engine]) -> No
     assert all(gated.path(k).exists() for k in keys)
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="worker._drain/_cancel_saves do `self._saves_changed or trio.Event()`; bool() of a "
+    "trio.Event raises NotImplementedError once a waiter was left behind (see report)",
+)
+def test_close_after_a_timed_out_preempt_still_drains(start_engine: Callable[..., Engine]) -> None:
+    e = start_engine(
+        "stuck-io",
+        config=KVFlowConfig(save_timeout_s=0.3),
+        worker_transport=GatedFs,
+        worker_runtime_cls=CallSpyRuntime,
+    )
+    gated, rt = e.worker_transport, e.worker.runtime
+    assert isinstance(gated, GatedFs) and isinstance(rt, CallSpyRuntime)
+    errors: list[BaseException] = []
+
+    def close() -> None:
+        try:
+            e.worker.close(WAIT)
+        except BaseException as exc:
+            errors.append(exc)
+
+    closer = threading.Thread(target=close)
+    try:
+        run_step(e, prefill_cold(e, "d", PROMPT, [1, 2, 3]))
+        assert gated.entered.wait(WAIT)  # the save is blocked in a thread: not cancellable
+        e.worker.preempt(["d"])  # gives up after save_timeout_s, as designed
+        rt.called.clear()
+        closer.start()
+        assert rt.called.wait(WAIT)
+        rt.call(trio.testing.wait_all_tasks_blocked, timeout=WAIT)  # the drain is waiting
+    finally:
+        gated.release.set()
+    closer.join(WAIT)
+    assert not closer.is_alive()
+    assert errors == []
+    assert not rt.running
+
+
 def test_close_gives_up_on_a_stuck_save_after_drain_s(
     start_engine: Callable[..., Engine], store: Path
 ) -> None:
