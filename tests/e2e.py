@@ -2,44 +2,18 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
-import msgspec
-from kvflow_vllm.engine import GenResult, Scenario, ScenarioResult
+from kvflow_vllm.engine import GenResult, Scenario, ScenarioResult, spawn_engine
 
 from kvflow.eventlog import read_event_log
 from kvflow.events import Event
 
-ENGINE_TIMEOUT_S = 400
-
-
-class EngineFailed(RuntimeError):
-    def __init__(self, returncode: int, log: str) -> None:
-        super().__init__(f"engine process exited with {returncode}")
-        self.log = log
-
 
 def run_engine(tmp: Path, name: str, **scenario: Any) -> ScenarioResult:
-    """Start a fresh engine process for `scenario`; raise EngineFailed with its log on error."""
-    spec, out, log = tmp / f"{name}.json", tmp / f"{name}.out.json", tmp / f"{name}.log"
-    spec.write_bytes(msgspec.json.encode(Scenario(**scenario)))
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    with open(log, "wb") as f:
-        proc = subprocess.run(
-            [sys.executable, "-m", "kvflow_vllm.engine", str(spec), str(out)],
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            env=env,
-            timeout=ENGINE_TIMEOUT_S,
-        )
-    text = log.read_text(errors="replace")
-    if proc.returncode != 0:
-        raise EngineFailed(proc.returncode, text)
-    return msgspec.json.decode(out.read_bytes(), type=ScenarioResult)
+    """A fresh engine process running `Scenario(**scenario)`."""
+    return spawn_engine(tmp, name, Scenario(**scenario))
 
 
 def events_for(path: Path, result: GenResult) -> list[Event]:

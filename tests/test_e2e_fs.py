@@ -13,7 +13,7 @@ import random
 from pathlib import Path
 
 import pytest
-from kvflow_vllm.engine import GenResult, ScenarioResult
+from kvflow_vllm.engine import EngineFailed, GenResult, ScenarioResult
 
 from kvflow.events import (
     BlocksAllocated,
@@ -24,7 +24,7 @@ from kvflow.events import (
 )
 from kvflow.keys import chunk_keys
 
-from .e2e import EngineFailed, assert_same_generation, events_for, run_engine
+from .e2e import assert_same_generation, events_for, run_engine
 
 pytestmark = pytest.mark.engine
 

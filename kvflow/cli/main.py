@@ -29,7 +29,11 @@ def _cmd_transports(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from .demo import run_demo
+    try:  # the demo drives vLLM, so it lives in the vLLM adapter package
+        from kvflow_vllm.demo import run_demo
+    except ImportError as exc:
+        print(f"kvflow demo needs vLLM and kvflow's vLLM adapter: {exc}", file=sys.stderr)
+        return 2
 
     return run_demo(
         cache_dir=args.cache_dir,

@@ -7,38 +7,17 @@ fresh random token ids every run, so the cold run is really cold.
 
 from __future__ import annotations
 
-import os
 import random
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-import msgspec
+from kvflow.config import default_cache_dir
+from kvflow.eventlog import read_event_log
+from kvflow.events import Event, LoadStarted, TransferDone, TransferFailed
 
-from ..config import default_cache_dir
-from ..eventlog import read_event_log
-from ..events import Event, LoadStarted, TransferDone, TransferFailed
+from .engine import EngineFailed, Scenario, spawn_engine
 
 __all__ = ["run_demo"]
-
-
-def _engine(tmp: Path, name: str, scenario: dict[str, object]) -> dict[str, object]:
-    spec, out, log = tmp / f"{name}.json", tmp / f"{name}.out.json", tmp / f"{name}.log"
-    spec.write_bytes(msgspec.json.encode(scenario))
-    print(f"  starting the {name} engine (a fresh vLLM process) ...", flush=True)
-    with open(log, "wb") as f:
-        rc = subprocess.run(
-            [sys.executable, "-m", "kvflow_vllm.engine", str(spec), str(out)],
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            env=dict(os.environ, PYTHONUNBUFFERED="1"),
-        ).returncode
-    if rc != 0:
-        tail = log.read_text(errors="replace").splitlines()[-30:]
-        raise SystemExit(f"the {name} engine failed (exit {rc}); log tail:\n" + "\n".join(tail))
-    result: dict[str, object] = msgspec.json.decode(out.read_bytes())
-    return result
 
 
 def _by_request(events: list[Event]) -> dict[str, list[Event]]:
@@ -57,25 +36,31 @@ def run_demo(*, cache_dir: str, num_prompts: int, prompt_len: int, max_tokens: i
         tmp = Path(t)
         runs = {}
         for name in ("cold", "warm"):
-            scenario = {
-                "batches": [prompts],
-                "one_by_one": True,
-                "max_tokens": max_tokens,
-                "extra_config": {
+            print(f"  starting the {name} engine (a fresh vLLM process) ...", flush=True)
+            sc = Scenario(
+                batches=[prompts],
+                one_by_one=True,
+                max_tokens=max_tokens,
+                extra_config={
                     "options": {"path": str(cache)},
                     "event_log": str(tmp / f"{name}.events.jsonl"),
                 },
-            }
-            runs[name] = _engine(tmp, name, scenario)
+            )
+            try:
+                runs[name] = spawn_engine(tmp, name, sc)
+            except EngineFailed as exc:
+                print("\n".join(exc.log.splitlines()[-30:]))
+                print(f"{exc}")
+                return 1
         warm_events = _by_request(read_event_log(str(tmp / "warm.events.jsonl")))
-    cold = runs["cold"]["batches"][0]  # type: ignore[index]
-    warm = runs["warm"]["batches"][0]  # type: ignore[index]
+    cold = runs["cold"].batches[0]
+    warm = runs["warm"].batches[0]
     rows: list[tuple[int, int, float, float, float, float, bool]] = []
     for c, w in zip(cold, warm, strict=True):
-        ev = warm_events.get(w["request_id"], [])
+        ev = warm_events.get(w.request_id, [])
         for e in ev:
             if isinstance(e, TransferFailed):
-                print(f"  request {w['request_id']}: {e.direction} failed: {e.reason}")
+                print(f"  request {w.request_id}: {e.direction} failed: {e.reason}")
         loaded = sum(e.tokens for e in ev if isinstance(e, LoadStarted))
         done = [e for e in ev if isinstance(e, TransferDone) and e.direction == "load"]
         nbytes = sum(e.nbytes for e in done)
@@ -84,11 +69,11 @@ def run_demo(*, cache_dir: str, num_prompts: int, prompt_len: int, max_tokens: i
             (
                 len(prompts[len(rows)]),
                 loaded,
-                c["ttft_s"] * 1e3,
-                w["ttft_s"] * 1e3,
+                c.ttft_s * 1e3,
+                w.ttft_s * 1e3,
                 nbytes / 2**20,
                 nbytes / secs / 1e9 if secs else 0.0,
-                c["tokens"] == w["tokens"] and not w["error"],
+                c.tokens == w.tokens and not w.error,
             )
         )
     _print_table(rows)

@@ -18,7 +18,16 @@ from typing import Any
 
 import msgspec
 
-__all__ = ["GenResult", "Scenario", "ScenarioResult", "generate", "make_llm", "run_scenario"]
+__all__ = [
+    "EngineFailed",
+    "GenResult",
+    "Scenario",
+    "ScenarioResult",
+    "generate",
+    "make_llm",
+    "run_scenario",
+    "spawn_engine",
+]
 
 
 def tiny_model_dir() -> str:
@@ -194,6 +203,33 @@ def run_scenario(sc: Scenario) -> ScenarioResult:
             batches.append(generate(llm, prompts, sc.max_tokens))
     llm.llm_engine.engine_core.shutdown()  # connectors drain their saves here
     return ScenarioResult(startup_s=startup, batches=batches)
+
+
+class EngineFailed(RuntimeError):
+    """An engine process exited non-zero; `log` holds its output."""
+
+    def __init__(self, name: str, returncode: int, log: str) -> None:
+        super().__init__(f"the {name} engine process exited with {returncode}")
+        self.log = log
+
+
+def spawn_engine(tmp: Path, name: str, sc: Scenario, timeout: float = 600) -> ScenarioResult:
+    """Run `sc` in a fresh engine process (`python -m kvflow_vllm.engine`)."""
+    import subprocess
+
+    spec, out, log = tmp / f"{name}.json", tmp / f"{name}.out.json", tmp / f"{name}.log"
+    spec.write_bytes(msgspec.json.encode(sc))
+    with open(log, "wb") as f:
+        rc = subprocess.run(
+            [sys.executable, "-m", "kvflow_vllm.engine", str(spec), str(out)],
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            env=dict(os.environ, PYTHONUNBUFFERED="1"),
+            timeout=timeout,
+        ).returncode
+    if rc != 0:
+        raise EngineFailed(name, rc, log.read_text(errors="replace"))
+    return msgspec.json.decode(out.read_bytes(), type=ScenarioResult)
 
 
 def main(argv: list[str]) -> int:
