@@ -46,7 +46,7 @@ class KVFlowConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     def check(self) -> None:
         for key in ("load_timeout_s", "save_timeout_s", "lookup_timeout_s", "shutdown_drain_s"):
-            if getattr(self, key) <= 0:
+            if not getattr(self, key) > 0:  # NaN too
                 raise ConfigError(f"kv_connector_extra_config[{key!r}] must be > 0")
         if self.max_concurrent_transfers < 1:
             raise ConfigError("kv_connector_extra_config['max_concurrent_transfers'] must be >= 1")
@@ -80,7 +80,7 @@ def _convert(raw: dict[str, Any], typ: type[S], where: str) -> S:
 
 def parse_config(raw: dict[str, Any] | None, *, transports: list[str]) -> KVFlowConfig:
     """Validate kvflow's keys; `transports` are the installed transport names."""
-    cfg = _convert(dict(raw or {}), KVFlowConfig, "kv_connector_extra_config")
+    cfg = _convert({} if raw is None else raw, KVFlowConfig, "kv_connector_extra_config")
     cfg.check()
     if cfg.transport not in transports:
         raise ConfigError(

@@ -143,6 +143,10 @@ class Transport(ABC):
     async def open(self) -> None:  # noqa: B027 - optional hook
         """Acquire resources; raise `TransportError` with a clear message on bad options."""
 
+    async def register(self, layout: KVLayout) -> None:
+        """Workers: vLLM's KV memory is allocated. Override to register it (NIXL, CUDA IPC)."""
+        self.context.layout = layout
+
     async def aclose(self) -> None:  # noqa: B027 - optional hook
         """Release resources. Called once, also after cancelled transfers."""
 

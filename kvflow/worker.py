@@ -67,9 +67,13 @@ class _LayerGate:
     def __init__(self, num_layers: int, pending: int) -> None:
         self.events = [threading.Event() for _ in range(num_layers)]
         self.remaining = [pending] * num_layers
+        self.unsettled = pending
+        self.settled = threading.Event()
+        """Set once every load has recorded its outcome (its error blocks included)."""
         if pending == 0:
             for ev in self.events:
                 ev.set()
+            self.settled.set()
 
     def loaded(self, layer: int) -> None:
         self.remaining[layer] -= 1
@@ -79,6 +83,11 @@ class _LayerGate:
     def wait(self, layer: int, timeout: float) -> bool:
         ev = self.events[layer]
         return ev.is_set() or ev.wait(timeout)
+
+    def load_settled(self) -> None:
+        self.unsettled -= 1
+        if self.unsettled <= 0:
+            self.settled.set()
 
 
 class _Step:
@@ -126,7 +135,7 @@ class WorkerEngine:
     # -- vLLM thread -------------------------------------------------------
     def register(self, layout: KVLayout) -> None:
         self.layout = layout
-        self.transport.context.layout = layout
+        self.runtime.call(self.transport.register, layout, timeout=60.0)
         nbytes = sum(len(b) for b in layout.buffers)
         self.runtime.submit(
             self.bus.emit,
@@ -168,8 +177,10 @@ class WorkerEngine:
         """The forward is over: every layer is final, every synchronous load settled."""
         if self._step_saves:
             self.runtime.submit(self._on_step_end, self._step)
-        for layer in range(len(self._gate.events)):
-            self.wait_layer(layer)
+        # Not just every layer's gate: vLLM reads the load errors right after this returns.
+        if not self._gate.settled.wait(self.config.load_timeout_s + 5.0):
+            log.error("kvflow: this step's loads did not finish; reporting load errors")
+            self._fail_unfinished_step_loads()
 
     def take_results(self) -> TransferResults:
         """Completions since the last call (each reported exactly once)."""
@@ -205,8 +216,7 @@ class WorkerEngine:
     # -- loop thread -------------------------------------------------------
     async def _drain(self) -> None:
         while any(n > 0 for n in self._pending_saves.values()):
-            self._saves_changed = self._saves_changed or trio.Event()
-            await self._saves_changed.wait()
+            await self._saves_change()
 
     def _require_layout(self) -> KVLayout:
         if self.layout is None:
@@ -218,6 +228,12 @@ class WorkerEngine:
         if lim is None:
             lim = self._limiters[kind] = trio.CapacityLimiter(self.config.max_concurrent_transfers)
         return lim
+
+    async def _saves_change(self) -> None:
+        """Wait until some save ends (any number of waiters)."""
+        if self._saves_changed is None:
+            self._saves_changed = trio.Event()
+        await self._saves_changed.wait()
 
     def _notify_saves_changed(self) -> None:
         if self._saves_changed is not None:
@@ -234,8 +250,11 @@ class WorkerEngine:
             )
             for save in plan.saves:
                 self._pending_saves[save.req] = self._pending_saves.get(save.req, 0) + 1
+                # registered now, not when the task first runs: a preempt may come first
+                scope = trio.CancelScope()
+                self._save_scopes.setdefault(save.req, set()).add(scope)
                 self.runtime.start_soon(
-                    self._save_flow, save, plan.step, step, name=f"save:{save.req}"
+                    self._save_flow, save, plan.step, step, scope, name=f"save:{save.req}"
                 )
         for req in plan.lent:
             self._lent.add(req)
@@ -321,6 +340,8 @@ class WorkerEngine:
             self._finish_load(spec, error, intact, timed_out, time.perf_counter() - t0, nbytes)
             for layer in range(num_layers):
                 layer_loaded(layer)
+            if sync_gate is not None:
+                sync_gate.load_settled()
 
     def _finish_load(
         self, spec: LoadSpec, error: str, intact: int, timed_out: bool, elapsed: float, nbytes: int
@@ -354,7 +375,9 @@ class WorkerEngine:
                 )
             )
 
-    async def _save_flow(self, spec: SaveSpec, step_no: int, step: _Step) -> None:
+    async def _save_flow(
+        self, spec: SaveSpec, step_no: int, step: _Step, scope: trio.CancelScope
+    ) -> None:
         layout = self._require_layout()
 
         async def layer_spans(layer: int) -> list[list[memoryview]]:
@@ -381,8 +404,6 @@ class WorkerEngine:
         job = SaveJob(spec.req, spec.keys, spec.token_counts, layout.num_layers, layer_spans)
         t0 = time.perf_counter()
         error, timed_out = "", False
-        scope = trio.CancelScope()
-        self._save_scopes.setdefault(spec.req, set()).add(scope)
         try:
             with scope, trio.move_on_after(self.config.save_timeout_s) as deadline:
                 async with self._limiter("save"):
@@ -424,5 +445,4 @@ class WorkerEngine:
             for scope in self._save_scopes.get(req, ()):
                 scope.cancel()
         while any(self._pending_saves.get(r, 0) > 0 for r in reqs):
-            self._saves_changed = self._saves_changed or trio.Event()
-            await self._saves_changed.wait()
+            await self._saves_change()

@@ -100,9 +100,6 @@ def test_non_positive_timeouts_are_rejected_by_name(key: str, value: float) -> N
         parse_config({key: value}, transports=INSTALLED)
 
 
-@pytest.mark.xfail(
-    strict=True, reason="config.check uses `<= 0`, which lets NaN through (see report)"
-)
 def test_nan_timeout_is_rejected_by_name() -> None:
     with pytest.raises(ConfigError, match=r"\['save_timeout_s'\]"):
         parse_config({"save_timeout_s": math.nan}, transports=INSTALLED)
@@ -133,9 +130,6 @@ def test_a_config_that_is_not_an_object_is_a_config_error() -> None:
         parse_options([], FsOptions, "fs")  # type: ignore[arg-type]
 
 
-@pytest.mark.xfail(
-    strict=True, reason="parse_config calls dict(raw) before _convert's type check (see report)"
-)
 @pytest.mark.parametrize("raw", ["fs", [("transport", "fs")]])
 def test_parse_config_rejects_non_objects(raw: Any) -> None:
     with pytest.raises(ConfigError, match="JSON object"):

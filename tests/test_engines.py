@@ -546,11 +546,6 @@ def test_missing_chunk_reports_its_blocks_and_never_hangs(
         assert block_bytes(b.layout, layer, 5) == block_bytes(a.layout, layer, 1)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="worker.end_step returns once every layer gate opened, before a failed load's "
-    "block ids are recorded; fs opens the gates before it raises (see report)",
-)
 def test_load_errors_are_known_when_the_step_ends(start_engine: Callable[..., Engine]) -> None:
     """vLLM reads get_block_ids_with_load_errors right after wait_for_save (end_step)."""
     _, b, plan = _warm_engine_missing_chunk(start_engine, worker_transport=SlowCloseFs)
@@ -655,11 +650,6 @@ def test_close_drains_in_flight_saves(start_engine: Callable[..., Engine]) -> No
     assert all(gated.path(k).exists() for k in keys)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="worker._drain/_cancel_saves do `self._saves_changed or trio.Event()`; bool() of a "
-    "trio.Event raises NotImplementedError once a waiter was left behind (see report)",
-)
 def test_close_after_a_timed_out_preempt_still_drains(start_engine: Callable[..., Engine]) -> None:
     e = start_engine(
         "stuck-io",

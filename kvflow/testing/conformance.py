@@ -27,7 +27,7 @@ depend on any other fixture (`tmp_path`, an async fixture that starts a
 server). The suite then drives each instance the way kvflow does:
 
 - `await transport.open()`, with `context.layout` still `None`;
-- on workers, `context.layout` is set after `open()` returns, as
+- on workers, `await transport.register(layout)` follows `open()`, as
   `kvflow.worker.WorkerEngine.register` does when vLLM registers its caches;
 - lookups go to the scheduler instance, saves and loads to workers;
 - `await transport.aclose()` once at the end of the test, also after
@@ -257,7 +257,7 @@ class Harness:
         shards: Sequence[str] | None = None,
         layout: KVLayout | None = None,
     ) -> Transport:
-        """A new opened instance; on workers `context.layout` is set after `open()`."""
+        """A new opened instance; on workers `register(layout)` follows `open()`."""
         ctx = TransportContext(
             engine_id=f"conformance-engine-{next(self._engines)}",
             role=role,
@@ -275,7 +275,7 @@ class Harness:
         await transport.open()
         self.stack.push_async_callback(transport.aclose)
         if role == "worker":
-            transport.context.layout = layout or self.layout
+            await transport.register(layout or self.layout)
         return transport
 
     async def scheduler(self, **kw: Any) -> Transport:
