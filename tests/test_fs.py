@@ -364,3 +364,28 @@ async def test_unwritable_directory_fails_at_open(tmp_path: Path) -> None:
 async def test_read_only_filesystem_fails_at_open() -> None:
     """sysfs refuses new files and directories to every user, root included."""
     await open_fails("/sys/kernel/kvflow-cache")
+
+
+async def test_open_sweeps_temp_files_a_crashed_writer_left(tmp_path: Path) -> None:
+    from kvflow_fs._transport import STALE_TMP_S
+
+    from kvflow.testing.layouts import make_layout
+
+    layout = make_layout()
+    t = FsTransport(
+        FsOptions(path=str(tmp_path)), TransportContext("e", "worker", "ns", "s", ["s"], layout)
+    )
+    await t.open()
+    sub = t.dir / "ab"
+    sub.mkdir()
+    old, fresh = sub / "ab01.s.kv.tmp.1.aa", sub / "ab02.s.kv.tmp.1.bb"
+    old.write_bytes(b"x")
+    fresh.write_bytes(b"x")
+    past = time.time() - STALE_TMP_S - 10
+    os.utime(old, (past, past))
+    again = FsTransport(
+        FsOptions(path=str(tmp_path)), TransportContext("e", "worker", "ns", "s", ["s"], layout)
+    )
+    await again.open()
+    assert not old.exists(), "a temp file older than STALE_TMP_S is swept at open"
+    assert fresh.exists(), "a live writer's temp file is left alone"

@@ -54,6 +54,10 @@ class FsOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """fsync each file before it becomes visible (survives power loss; slower)."""
 
 
+STALE_TMP_S = 3600.0
+"""A temp file untouched this long belongs to a writer that died; swept at open."""
+
+
 def _write_all(fd: int, spans: Sequence[memoryview], offset: int) -> None:
     total = sum(len(s) for s in spans)
     n = os.pwritev(fd, spans, offset)
@@ -92,7 +96,7 @@ class FsTransport(Transport):
             raise TransportError(
                 f"{where}: {str(self.root)!r} is not a writable directory ({exc.strerror or exc})"
             ) from None
-        if self.context.role == "worker" and self.max_bytes:
+        if self.context.role == "worker":
             self._usage = await trio.to_thread.run_sync(self._scan_usage)
 
     # -- paths -------------------------------------------------------------
@@ -335,7 +339,7 @@ class FsTransport(Transport):
                 os.close(fd)
 
     # -- capacity ----------------------------------------------------------
-    def _files(self) -> list[os.DirEntry[str]]:
+    def _walk(self) -> list[os.DirEntry[str]]:
         out: list[os.DirEntry[str]] = []
         if not self.root.is_dir():
             return out
@@ -344,11 +348,22 @@ class FsTransport(Transport):
                 continue
             for sub in os.scandir(ns.path):
                 if sub.is_dir():
-                    out.extend(e for e in os.scandir(sub.path) if e.name.endswith(".kv"))
+                    out.extend(os.scandir(sub.path))
         return out
 
+    def _files(self) -> list[os.DirEntry[str]]:
+        return [e for e in self._walk() if e.name.endswith(".kv")]
+
     def _scan_usage(self) -> int:
-        return sum(e.stat().st_size for e in self._files())
+        """Bytes of chunk files in the store; sweeps temp files a crashed writer left."""
+        usage, cutoff = 0, time.time() - STALE_TMP_S
+        for e in self._walk():
+            with contextlib.suppress(FileNotFoundError):
+                if e.name.endswith(".kv"):
+                    usage += e.stat().st_size
+                elif ".kv.tmp." in e.name and e.stat().st_mtime < cutoff:
+                    os.unlink(e.path)
+        return usage
 
     def _evict(self) -> int:
         """Delete least-recently-used chunk files until usage is 90% of the cap."""
