@@ -25,13 +25,20 @@ __all__ = [
     "ScenarioResult",
     "generate",
     "make_llm",
+    "model_dir",
     "run_scenario",
     "spawn_engine",
 ]
 
 
 def tiny_model_dir() -> str:
-    """A 4-layer, 256-hidden Llama with seeded random weights, materialised once per user.
+    """The 4-layer, 256-hidden test model (see `model_dir`)."""
+    return model_dir("tiny-llama")
+
+
+def model_dir(name: str) -> str:
+    """A shipped Llama config (`tiny-llama`, `bench-llama`) with seeded random weights,
+    materialised once per user.
 
     vLLM's `load_format="dummy"` weights are uniform in +-1e-3, which makes every
     next-token distribution nearly flat: generated tokens would barely depend on
@@ -43,10 +50,10 @@ def tiny_model_dir() -> str:
 
     from kvflow.config import default_cache_dir
 
-    src = resources.files("kvflow") / "data" / "tiny-llama" / "config.json"
+    src = resources.files("kvflow") / "data" / name / "config.json"
     config = json.loads(src.read_text())
     tag = hashlib.blake2b(src.read_bytes() + _WEIGHTS_RECIPE.encode(), digest_size=6).hexdigest()
-    out = default_cache_dir() / "models" / f"tiny-llama-{tag}"
+    out = default_cache_dir() / "models" / f"{name}-{tag}"
     if not (out / "model.safetensors").exists():
         _write_weights(out, config)
     return str(out)
