@@ -1,0 +1,43 @@
+"""`kvflow demo`, the README's first command, run for real (two engine processes)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.engine
+
+
+def test_demo_reports_warm_loads_and_identical_tokens(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvflow.cli.main",
+            "demo",
+            "--cache-dir",
+            str(tmp_path),
+            "--prompts",
+            "2",
+            "--prompt-len",
+            "300",
+            "--max-tokens",
+            "8",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    out = proc.stdout
+    assert proc.returncode == 0, out + proc.stderr[-3000:]
+    rows = [line for line in out.splitlines() if line.startswith("│")]
+    assert len(rows) == 2, out
+    for row in rows:
+        cells = [c.strip() for c in row.strip("│").split("│")]
+        assert cells[0] == cells[1] == "300", f"every prompt token loaded: {row}"
+        assert cells[-1] == "yes", f"warm tokens identical to cold: {row}"
+    assert "result: OK" in out
+    assert list(tmp_path.rglob("*.kv")), "the demo wrote to the cache dir it was given"
