@@ -28,6 +28,7 @@ from .events import (
     CachesRegistered,
     EventBus,
     LayerComputed,
+    LayerLoaded,
     LoadStarted,
     SaveStarted,
     StepBound,
@@ -300,6 +301,11 @@ class WorkerEngine:
                 if sync_gate is not None:
                     sync_gate.loaded(layer)
 
+        def transport_loaded(layer: int) -> None:
+            if not signalled[layer]:
+                self.bus.emit(LayerLoaded(req=spec.req, layer=layer))
+            layer_loaded(layer)
+
         def spans(layer: int) -> list[list[memoryview]]:
             return [
                 layout.spans(layer, b, n)
@@ -317,7 +323,7 @@ class WorkerEngine:
                 transport=self.transport.name,
             )
         )
-        job = LoadJob(spec.req, spec.keys, spec.token_counts, num_layers, spans, layer_loaded)
+        job = LoadJob(spec.req, spec.keys, spec.token_counts, num_layers, spans, transport_loaded)
         t0 = time.perf_counter()
         error, intact, timed_out = "", 0, False
         try:
