@@ -122,6 +122,7 @@ class Scenario(msgspec.Struct, forbid_unknown_fields=True):
     """Run each prompt alone (for per-request TTFT) instead of the batch at once."""
     model: str = ""
     connector_name: str = "KVFlowConnector"
+    block_size: int = 32
 
 
 class ScenarioResult(msgspec.Struct):
@@ -199,6 +200,7 @@ def run_scenario(sc: Scenario) -> ScenarioResult:
         extra_config=sc.extra_config,
         kv_role=sc.kv_role,
         failure_policy=sc.failure_policy,
+        block_size=sc.block_size,
     )
     startup = time.perf_counter() - t0
     generate(llm, [[1, 2, 3]], 1)  # first forward pays one-off warm-up costs

@@ -41,6 +41,11 @@ class _Failure:
     reason: str
 
 
+def _first(found: list[_Failure | None]) -> _Failure | None:
+    """The failure at the earliest chunk: every chunk before it is intact."""
+    return min((f for f in found if f is not None), key=lambda f: f.chunk, default=None)
+
+
 class FsOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Options of the `fs` transport (`kv_connector_extra_config["options"]`)."""
 
@@ -217,31 +222,46 @@ class FsTransport(Transport):
 
     # -- load --------------------------------------------------------------
     async def load(self, job: LoadJob) -> None:
+        """Read layer by layer straight into KV memory, signalling each layer as it lands.
+
+        CRCs are checked off the critical path: layer i is signalled once read, and its
+        check runs in a second thread while layer i+1 is read (and attention runs on
+        layer i). A mismatch still fails the load before it ends, so vLLM learns of it
+        in the same step and discards what it computed from those blocks.
+        """
         assert self.context.layout is not None, "fs load needs registered KV caches"
         paths = [self.path(k) for k in job.keys]
         fds: list[int] = []
         headers: list[ChunkHeader] = []
+        found: list[_Failure | None] = []
         try:
-            failure = await trio.to_thread.run_sync(self._open_chunks, job, paths, fds, headers)
-            for layer in range(job.num_layers):
-                intact = len(fds) if failure is None else failure.chunk
-                if intact:
-                    spans = job.spans(layer)[:intact]
-                    failure = (
-                        await trio.to_thread.run_sync(
-                            self._read_layer, fds[:intact], headers[:intact], paths, spans, layer
-                        )
-                        or failure
-                    )
-                job.layer_loaded(layer)
+            found.append(await trio.to_thread.run_sync(self._open_chunks, job, paths, fds, headers))
+            checker = trio.CapacityLimiter(1)
+            async with trio.open_nursery() as checks:
+                for layer in range(job.num_layers):
+                    first = _first(found)
+                    intact = len(fds) if first is None else first.chunk
+                    if intact:
+                        spans = job.spans(layer)[:intact]
+                        args = (fds[:intact], headers[:intact], paths, spans, layer)
+                        found.append(await trio.to_thread.run_sync(self._read_layer, *args))
+                        if self.options.verify:
+                            checks.start_soon(self._check_layer, checker, args, found)
+                    job.layer_loaded(layer)
         finally:
             with trio.CancelScope(shield=True):
                 await trio.to_thread.run_sync(self._close, fds)
+        failure = _first(found)
         if failure is not None:
             key = job.keys[failure.chunk]
             raise failure.kind(
                 f"chunk {failure.chunk} ({key}): {failure.reason}", chunk=failure.chunk, key=key
             )
+
+    async def _check_layer(
+        self, limiter: trio.CapacityLimiter, args: tuple, found: list[_Failure | None]
+    ) -> None:
+        found.append(await trio.to_thread.run_sync(self._verify_layer, *args, limiter=limiter))
 
     def _open_chunks(
         self, job: LoadJob, paths: list[Path], fds: list[int], headers: list[ChunkHeader]
@@ -311,7 +331,18 @@ class FsTransport(Transport):
                 return self._corrupt(
                     c, fd, paths[c], f"short read ({got} of {want} bytes) in layer {layer}"
                 )
-            if self.options.verify and crc_of(chunk_spans) != h.layer_crc[layer]:
+        return None
+
+    def _verify_layer(
+        self,
+        fds: list[int],
+        headers: list[ChunkHeader],
+        paths: list[Path],
+        spans: list[list[memoryview]],
+        layer: int,
+    ) -> _Failure | None:
+        for c, (fd, h, chunk_spans) in enumerate(zip(fds, headers, spans, strict=True)):
+            if crc_of(chunk_spans) != h.layer_crc[layer]:
                 return self._corrupt(c, fd, paths[c], f"checksum mismatch in layer {layer}")
         return None
 
