@@ -27,10 +27,13 @@ from kvflow.events import TransferDone
 from kvflow_vllm.engine import Scenario, ScenarioResult, model_dir, spawn_engine
 
 
-
-def _run(tmp: Path, name: str, prompts: list[list[int]], model: str, **kw: object) -> ScenarioResult:
+def _run(
+    tmp: Path, name: str, prompts: list[list[int]], model: str, **kw: object
+) -> ScenarioResult:
     print(f"  {name} ...", flush=True)
-    sc = Scenario(batches=[prompts], one_by_one=True, max_tokens=4, model=model, block_size=BLOCK, **kw)  # type: ignore[arg-type]
+    sc = Scenario(
+        batches=[prompts], one_by_one=True, max_tokens=4, model=model, block_size=BLOCK, **kw
+    )  # type: ignore[arg-type]
     return spawn_engine(tmp, name, sc)
 
 
@@ -81,7 +84,9 @@ def hot_path_us(iterations: int = 200_000) -> dict[str, float]:
     ctx = TransportContext("bench", "worker", "ns", "tp0of1pp0", ["tp0of1pp0"])
     transport = FsTransport(FsOptions(path=tmp, max_gb=0), ctx)
     rt.call(transport.open, timeout=10)
-    worker = WorkerEngine(config=cfg, transport=transport, runtime=rt, bus=EventBus(Origin("b", "worker")))
+    worker = WorkerEngine(
+        config=cfg, transport=transport, runtime=rt, bus=EventBus(Origin("b", "worker"))
+    )
     worker.register(layout)
     conn = KVFlowConnector.__new__(KVFlowConnector)  # the adapter's methods, no vLLM engine
     conn._worker, conn._scheduler, conn.config = worker, None, cfg
@@ -101,11 +106,15 @@ def hot_path_us(iterations: int = 200_000) -> dict[str, float]:
     out = {}
     worker.bind(WorkerPlan(step=1))
     out["save_kv_layer (step saves nothing)"] = per_call(lambda: conn.save_kv_layer(name, kv, None))
-    out["wait_for_layer_load (layer already there)"] = per_call(lambda: conn.wait_for_layer_load(name))
+    out["wait_for_layer_load (layer already there)"] = per_call(
+        lambda: conn.wait_for_layer_load(name)
+    )
     out["get_finished (nothing new)"] = per_call(lambda: conn.get_finished(set()))
     # a step with a save: save_kv_layer hands one event to the trio loop
     worker.bind(WorkerPlan(step=2, saves=[SaveSpec("r", ["k" * 32], [1], [BLOCK])]))
-    out["save_kv_layer (step with saves)"] = per_call(lambda: conn.save_kv_layer(name, kv, None), 20_000)
+    out["save_kv_layer (step with saves)"] = per_call(
+        lambda: conn.save_kv_layer(name, kv, None), 20_000
+    )
     conn.wait_for_save()  # end the step: the save runs and finishes
     worker.close(5.0)
     return out
@@ -137,15 +146,42 @@ def main() -> int:
         prompts = [[rng.randrange(3, 1000) for _ in range(n)] for n in lens]
         tmp = Path(tempfile.mkdtemp(prefix="kvflow-bench-"))
         ex_dir, kv_dir = tmp / "example", tmp / "kvflow"
-        kv_extra = {"options": {"path": str(kv_dir), "max_gb": 0}, "event_log": str(tmp / "warm.ev")}
+        kv_extra = {
+            "options": {"path": str(kv_dir), "max_gb": 0},
+            "event_log": str(tmp / "warm.ev"),
+        }
         ex_extra = {"shared_storage_path": str(ex_dir)}
         none = _run(tmp, "no-connector", prompts, model, connector=False)
-        _run(tmp, "example-cold", prompts, model, connector_name="ExampleConnector", extra_config=ex_extra)
-        ex = _run(tmp, "example-warm", prompts, model, connector_name="ExampleConnector", extra_config=ex_extra)
-        _run(tmp, "kvflow-cold", prompts, model, extra_config={**kv_extra, "event_log": str(tmp / "cold.ev")})
+        _run(
+            tmp,
+            "example-cold",
+            prompts,
+            model,
+            connector_name="ExampleConnector",
+            extra_config=ex_extra,
+        )
+        ex = _run(
+            tmp,
+            "example-warm",
+            prompts,
+            model,
+            connector_name="ExampleConnector",
+            extra_config=ex_extra,
+        )
+        _run(
+            tmp,
+            "kvflow-cold",
+            prompts,
+            model,
+            extra_config={**kv_extra, "event_log": str(tmp / "cold.ev")},
+        )
         kvw = _run(tmp, "kvflow-warm", prompts, model, extra_config=kv_extra)
 
-        loads = [e for e in read_event_log(str(tmp / "warm.ev")) if isinstance(e, TransferDone) and e.direction == "load"]
+        loads = [
+            e
+            for e in read_event_log(str(tmp / "warm.ev"))
+            if isinstance(e, TransferDone) and e.direction == "load"
+        ]
         nbytes = sum(e.nbytes for e in loads)
         kv_gbs = nbytes / sum(e.elapsed_s for e in loads) / 1e9
         files = sorted(kv_dir.rglob("*.kv"))
@@ -158,18 +194,31 @@ def main() -> int:
             "vLLM ExampleConnector": (_ttft_ms(ex), ex_tokens * per_token, None),
             "kvflow fs": (_ttft_ms(kvw), per_prompt, kv_gbs),
         }
-        print(f"\nworkload: {args.model}, block size {BLOCK}, prompts of {lens} tokens, "
-              f"KV {per_prompt / 2**20:.1f} MiB per prompt (mean)\n")
-        print(f"{'':<24}{'warm TTFT ms':>14}{'KV loaded MiB':>15}{'effective GB/s':>16}{'transfer GB/s':>15}")
+        print(
+            f"\nworkload: {args.model}, block size {BLOCK}, prompts of {lens} tokens, "
+            f"KV {per_prompt / 2**20:.1f} MiB per prompt (mean)\n"
+        )
+        print(
+            f"{'':<24}{'warm TTFT ms':>14}{'KV loaded MiB':>15}{'effective GB/s':>16}{'transfer GB/s':>15}"
+        )
         table = {}
         for name, (ttft, b, gbs) in rows.items():
             eff = b / (ttft / 1e3) / 1e9 if b else 0.0
-            table[name] = {"warm_ttft_ms": ttft, "kv_loaded_mib": b / 2**20, "effective_gbs": eff, "transfer_gbs": gbs}
-            print(f"{name:<24}{ttft:>14.1f}{b / 2**20:>15.1f}{eff:>16.2f}{(f'{gbs:.2f}' if gbs else '-'):>15}")
+            table[name] = {
+                "warm_ttft_ms": ttft,
+                "kv_loaded_mib": b / 2**20,
+                "effective_gbs": eff,
+                "transfer_gbs": gbs,
+            }
+            print(
+                f"{name:<24}{ttft:>14.1f}{b / 2**20:>15.1f}{eff:>16.2f}{(f'{gbs:.2f}' if gbs else '-'):>15}"
+            )
         print(f"\nplain file read of the same {len(files)} files: {raw_gbs:.2f} GB/s")
         print(f"kvflow fs load throughput / plain file read: {kv_gbs / raw_gbs:.2f}")
-        print(f"warm TTFT speed-up vs no connector: kvflow {rows['no connector'][0] / rows['kvflow fs'][0]:.1f}x, "
-              f"ExampleConnector {rows['no connector'][0] / rows['vLLM ExampleConnector'][0]:.1f}x")
+        print(
+            f"warm TTFT speed-up vs no connector: kvflow {rows['no connector'][0] / rows['kvflow fs'][0]:.1f}x, "
+            f"ExampleConnector {rows['no connector'][0] / rows['vLLM ExampleConnector'][0]:.1f}x"
+        )
         results.update(table=table, plain_read_gbs=raw_gbs, kvflow_vs_plain_read=kv_gbs / raw_gbs)
         tokens_equal = [a.tokens for a in none.batches[0]] == [b.tokens for b in kvw.batches[0]]
         print(f"kvflow warm tokens identical to no-connector run: {tokens_equal}")

@@ -5,10 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from kvflow_vllm.engine import GenResult, Scenario, ScenarioResult, spawn_engine
-
 from kvflow.eventlog import read_event_log
 from kvflow.events import Event
+from kvflow_vllm.engine import GenResult, Scenario, ScenarioResult, spawn_engine
 
 
 def run_engine(tmp: Path, name: str, **scenario: Any) -> ScenarioResult:

@@ -8,7 +8,6 @@ from typing import Any, Literal
 
 import msgspec
 import pytest
-from kvflow_fs import FsOptions, FsTransport
 
 from kvflow.config import (
     ConfigError,
@@ -18,6 +17,7 @@ from kvflow.config import (
     parse_options,
 )
 from kvflow.transport import TransportNotFound, available_transports, load_transport
+from kvflow_fs import FsOptions, FsTransport
 
 INSTALLED = ["fs", "zmq"]
 KNOWN_KEYS = sorted(f.name for f in msgspec.structs.fields(KVFlowConfig))

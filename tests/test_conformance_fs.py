@@ -15,7 +15,6 @@ from typing import Any
 
 import pytest
 import trio
-from kvflow_fs import FsOptions, FsTransport
 
 from kvflow.keys import ChunkKey
 from kvflow.testing.conformance import ContractViolation, Promise, TransportConformance
@@ -27,6 +26,7 @@ from kvflow.transport import (
     Transport,
     TransportContext,
 )
+from kvflow_fs import FsOptions, FsTransport
 
 
 class TestFsConformance(TransportConformance):

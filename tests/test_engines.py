@@ -19,7 +19,6 @@ from typing import Any, TypeVar
 import pytest
 import trio
 import trio.testing
-from kvflow_fs import FsOptions, FsTransport
 
 from kvflow.config import KVFlowConfig
 from kvflow.events import (
@@ -41,6 +40,7 @@ from kvflow.scheduler import ScheduledRequest, SchedulerEngine
 from kvflow.testing.layouts import fill_blocks, make_layout
 from kvflow.transport import LoadJob, SaveJob, Transport, TransportContext
 from kvflow.worker import WorkerEngine
+from kvflow_fs import FsOptions, FsTransport
 
 WAIT = 10.0
 BS = 4

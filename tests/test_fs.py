@@ -13,8 +13,6 @@ import msgspec
 import pytest
 import trio
 import trio.testing
-from kvflow_fs import FsOptions, FsTransport
-from kvflow_fs._format import HEADER_SIZE, encode_header, read_header
 
 from kvflow.testing.conformance import Chunks, GatedSave, Harness, TransportConformance
 from kvflow.transport import (
@@ -23,6 +21,8 @@ from kvflow.transport import (
     TransportContext,
     TransportError,
 )
+from kvflow_fs import FsOptions, FsTransport
+from kvflow_fs._format import HEADER_SIZE, encode_header, read_header
 
 PATH_OPTION = "kv_connector_extra_config['options']['path']"
 
@@ -367,9 +367,8 @@ async def test_read_only_filesystem_fails_at_open() -> None:
 
 
 async def test_open_sweeps_temp_files_a_crashed_writer_left(tmp_path: Path) -> None:
-    from kvflow_fs._transport import STALE_TMP_S
-
     from kvflow.testing.layouts import make_layout
+    from kvflow_fs._transport import STALE_TMP_S
 
     layout = make_layout()
     t = FsTransport(

@@ -1,0 +1,87 @@
+"""The vLLM adapter's pieces that need no engine: metadata pickling, plugin registration,
+layout discovery on tensors shaped like vLLM's CPU cache."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+
+from kvflow.metadata import LoadSpec, SaveSpec, WorkerPlan, encode_plan
+
+connector = pytest.importorskip("kvflow_vllm.connector", reason="needs vLLM installed")
+
+
+def test_metadata_pickles_as_its_msgspec_bytes_only() -> None:
+    plan = WorkerPlan(
+        step=7,
+        loads=[LoadSpec("r1", ["a" * 32], [3], [32])],
+        saves=[SaveSpec("r2", ["b" * 32, "c" * 32], [4, 5], [32, 9])],
+        lent=["r0"],
+        preempted=["r9"],
+    )
+    meta = connector.KVFlowMetadata(plan)
+    fn, args = meta.__reduce__()
+    assert args == (encode_plan(plan),), "the only state pickle carries is msgspec bytes"
+    assert fn is connector._metadata_from_bytes
+    again = pickle.loads(pickle.dumps(meta))
+    assert again.plan == plan
+
+
+def test_plugin_registration_is_idempotent() -> None:
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    from kvflow_vllm.plugin import CONNECTOR_NAME, register
+
+    register()
+    register()  # vLLM loads general plugins once per process, but never trust that
+    cls = KVConnectorFactory.get_connector_class_by_name(CONNECTOR_NAME)
+    assert cls is connector.KVFlowConnector
+
+
+def test_plugin_is_an_entry_point() -> None:
+    from importlib.metadata import entry_points
+
+    (ep,) = [e for e in entry_points(group="vllm.general_plugins") if e.name == "kvflow"]
+    assert ep.value == "kvflow_vllm.plugin:register"
+
+
+def test_layout_of_vllm_cpu_cache_addresses_each_block() -> None:
+    """vLLM's CPU cache: one int8 buffer, each layer a [blocks, heads, bs, 2*hd] view."""
+    blocks, heads, bs, hd = 6, 2, 32, 8
+    page = heads * bs * 2 * hd * 4
+    backing = torch.zeros(2 * blocks * page, dtype=torch.int8)
+    layers = {
+        f"l{i}": backing[i * blocks * page : (i + 1) * blocks * page]
+        .view(torch.float32)
+        .view(blocks, heads, bs, 2 * hd)
+        for i in range(2)
+    }
+    layout = connector.layout_from_tensors(layers, blocks, bs)
+    assert layout.describe() == f"cpu;layers=2;block_bytes={page}"
+    layers["l1"][4].fill_(3.5)
+    (span,) = layout.spans(1, 4, 5)  # a partial chunk still moves its whole block
+    assert len(span) == page
+    assert bytes(span) == layers["l1"][4].numpy().tobytes()
+    (other,) = layout.spans(0, 4, bs)
+    assert bytes(other) == bytes(page), "layer 0 is a different region of the backing buffer"
+
+
+def test_layout_refuses_a_tensor_without_blocks_first() -> None:
+    t = torch.zeros(2, 6, 32, 4)
+    with pytest.raises(ValueError, match="expected 6 blocks first"):
+        connector.layout_from_tensors({"l0": t}, 6, 32)
+
+
+def test_transports_command_lists_fs() -> None:
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "kvflow.cli.main", "transports"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert out.startswith("fs ") and "kvflow_fs:FsTransport" in out and "store" in out, out
