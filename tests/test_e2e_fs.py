@@ -159,3 +159,15 @@ def test_bad_config_fails_at_start_naming_key_and_choices(run: Run) -> None:
         err.value.log
     )
     assert "valid choices: fs" in err.value.log
+
+
+def test_async_load_mode_loads_between_steps_with_identical_tokens(run: Run) -> None:
+    res = run_engine(
+        run.tmp, "async", batches=[[P1, P2]], extra_config=run.extra("async", load_mode="async")
+    )
+    for got, prompt, name in zip(res.batches[0], [P1, P2], ["P1", "P2"], strict=True):
+        assert_same_generation(got, base(run, prompt), f"async {name}")
+        ev = events_for(run.events("async"), got)
+        (alloc,) = [e for e in ev if isinstance(e, BlocksAllocated)]
+        assert alloc.external_tokens == len(prompt) - 1
+        assert any(isinstance(e, TransferDone) and e.direction == "load" for e in ev), ev

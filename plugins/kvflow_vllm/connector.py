@@ -218,6 +218,10 @@ class KVFlowConnector(KVConnectorBase_V1):
             self.config.load_mode,
         )
 
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        return True  # wait_for_layer_load / save_kv_layer run between layers
+
     @property
     def requires_kv_delivery(self) -> bool:
         return False  # a store is a cache: a dropped save is a later miss, never an error
