@@ -182,7 +182,10 @@ class SchedulerEngine:
         for req in preempted:
             st = self._reqs.get(req)
             if st is not None:
+                # vLLM freed its blocks: a resumed request is looked up and loaded afresh
                 st.saved_upto = st.stored_upto
+                st.load_planned = False
+                st.block_ids = []
                 self._preempted.append(req)
         plan = WorkerPlan(
             step=self._step,

@@ -698,3 +698,23 @@ def test_close_gives_up_on_a_stuck_save_after_drain_s(
     assert hanging.cancelled.is_set()
     assert not e.worker.runtime.running
     assert stored_files(store) == []
+
+
+def test_a_preempted_request_is_loaded_afresh_when_it_resumes(
+    start_engine: Callable[..., Engine],
+) -> None:
+    """vLLM frees a preempted request's blocks; on resume it asks again and the hit must
+    be loaded into the new blocks, not assumed to be there."""
+    a = start_engine("a")
+    save_prompt(a, "src", PROMPT, [1, 2, 3])
+    b = start_engine("b")
+    keys = b.keys(PROMPT)
+    assert lookup(b, "r", PROMPT) == len(PROMPT) - 1
+    b.sched.allocated("r", [5, 6, 7], len(PROMPT) - 1)
+    first = b.sched.plan([ScheduledRequest("r", 9, 1, [5, 6, 7], True, PROMPT)])
+    assert first.loads == [LoadSpec("r", keys, [5, 6, 7], COUNTS)]
+    assert b.sched.plan([], preempted=["r"]).preempted == ["r"]
+    assert b.sched.lookup("r", 0) == len(PROMPT) - 1  # resumed: asked again
+    b.sched.allocated("r", [10, 11, 12], len(PROMPT) - 1)
+    resumed = b.sched.plan([ScheduledRequest("r", 9, 1, [10, 11, 12], True)])
+    assert resumed.loads == [LoadSpec("r", keys, [10, 11, 12], COUNTS)]
