@@ -100,6 +100,10 @@ class Promise:
     LOAD_ORDER = (
         "load(job) calls job.layer_loaded(i) once per layer, in layer order, after layer i landed"
     )
+    LOAD_HANDS_OFF = (
+        "once job.layer_loaded(i) is called the transport neither reads nor writes layer i's "
+        "spans again: vLLM computes into them right away"
+    )
     LOAD_ERROR = (
         "a load that cannot move a chunk raises ChunkMissing / ChunkCorrupt / TransportError "
         "with .chunk = the first chunk that did not arrive intact, the chunks before it intact"
@@ -741,6 +745,43 @@ class TransportConformance:
                 block_ids=dst.blocks,
             )
         kv.expect_loaded(source, before, src, dst)
+
+    async def test_load_leaves_a_layer_alone_once_it_is_signalled(self, kv: Harness) -> None:
+        """vLLM writes the last prompt token's KV into the last loaded block as soon as the
+        layer is signalled; a transport that still checks or fills that memory afterwards
+        reports a false corruption or clobbers vLLM's write."""
+        worker = await kv.worker()
+        src = kv.chunks(3, partial=2)
+        dst, _, _ = kv.destination(src)
+        await kv.save(worker, src)
+        scribble: dict[int, bytes] = {}
+
+        def on_layer(layer: int) -> None:  # what vLLM's forward does to the last block
+            last = _spans(kv.layout, layer, dst)[-1][-1]
+            pattern = bytes([0xA5 ^ layer]) * len(last)
+            last[:] = pattern
+            scribble[layer] = pattern
+
+        job, _ = kv.load_job(dst, on_layer=on_layer)
+        try:
+            await worker.load(job)
+        except Exception as exc:
+            violated(
+                Promise.LOAD_HANDS_OFF,
+                f"load raised {type(exc).__name__}: {exc} after vLLM wrote into a signalled layer",
+                keys=dst.keys,
+                block_ids=dst.blocks,
+            )
+        for layer, pattern in scribble.items():
+            last = _spans(kv.layout, layer, dst)[-1][-1]
+            if bytes(last) != pattern:
+                violated(
+                    Promise.LOAD_HANDS_OFF,
+                    f"layer {layer} of the last block changed after layer_loaded({layer})",
+                    chunks=[len(dst) - 1],
+                    keys=dst.keys[-1:],
+                    block_ids=dst.blocks[-1:],
+                )
 
     # -- save ordering ---------------------------------------------------------
     async def test_save_reads_each_layer_only_after_it_is_given(self, kv: Harness) -> None:

@@ -222,12 +222,12 @@ class FsTransport(Transport):
 
     # -- load --------------------------------------------------------------
     async def load(self, job: LoadJob) -> None:
-        """Read layer by layer straight into KV memory, signalling each layer as it lands.
+        """Read layer by layer straight into KV memory, signalling each layer once verified.
 
-        CRCs are checked off the critical path: layer i is signalled once read, and its
-        check runs in a second thread while layer i+1 is read (and attention runs on
-        layer i). A mismatch still fails the load before it ends, so vLLM learns of it
-        in the same step and discards what it computed from those blocks.
+        vLLM may write into a loaded block as soon as its layer is signalled (the last
+        prompt token's slot), so a layer's CRC is checked before `layer_loaded`. The
+        check runs in a second thread while the next layer is read, so reads and checks
+        overlap and attention on layer i overlaps both.
         """
         assert self.context.layout is not None, "fs load needs registered KV caches"
         paths = [self.path(k) for k in job.keys]
@@ -236,18 +236,21 @@ class FsTransport(Transport):
         found: list[_Failure | None] = []
         try:
             found.append(await trio.to_thread.run_sync(self._open_chunks, job, paths, fds, headers))
-            checker = trio.CapacityLimiter(1)
             async with trio.open_nursery() as checks:
+                signalled = trio.Event()
+                signalled.set()
                 for layer in range(job.num_layers):
                     first = _first(found)
                     intact = len(fds) if first is None else first.chunk
+                    args: tuple | None = None
                     if intact:
                         spans = job.spans(layer)[:intact]
                         args = (fds[:intact], headers[:intact], paths, spans, layer)
                         found.append(await trio.to_thread.run_sync(self._read_layer, *args))
-                        if self.options.verify:
-                            checks.start_soon(self._check_layer, checker, args, found)
-                    job.layer_loaded(layer)
+                    after, signalled = signalled, trio.Event()
+                    checks.start_soon(
+                        self._check_then_signal, job, layer, args, found, after, signalled
+                    )
         finally:
             with trio.CancelScope(shield=True):
                 await trio.to_thread.run_sync(self._close, fds)
@@ -258,10 +261,21 @@ class FsTransport(Transport):
                 f"chunk {failure.chunk} ({key}): {failure.reason}", chunk=failure.chunk, key=key
             )
 
-    async def _check_layer(
-        self, limiter: trio.CapacityLimiter, args: tuple, found: list[_Failure | None]
+    async def _check_then_signal(
+        self,
+        job: LoadJob,
+        layer: int,
+        args: tuple | None,
+        found: list[_Failure | None],
+        after: trio.Event,
+        signalled: trio.Event,
     ) -> None:
-        found.append(await trio.to_thread.run_sync(self._verify_layer, *args, limiter=limiter))
+        """Verify `layer` (if read), then signal it once every earlier layer was signalled."""
+        if args is not None and self.options.verify:
+            found.append(await trio.to_thread.run_sync(self._verify_layer, *args))
+        await after.wait()
+        job.layer_loaded(layer)
+        signalled.set()
 
     def _open_chunks(
         self, job: LoadJob, paths: list[Path], fds: list[int], headers: list[ChunkHeader]
