@@ -24,6 +24,7 @@ from pathlib import Path
 
 from kvflow.eventlog import read_event_log
 from kvflow.events import TransferDone
+from kvflow.keys import chunk_keys
 from kvflow_vllm.engine import Scenario, ScenarioResult, model_dir, spawn_engine
 
 
@@ -177,16 +178,25 @@ def main() -> int:
         )
         kvw = _run(tmp, "kvflow-warm", prompts, model, extra_config=kv_extra)
 
+        measured = {g.request_id for g in kvw.batches[0]}  # not the warm-up request
         loads = [
             e
             for e in read_event_log(str(tmp / "warm.ev"))
-            if isinstance(e, TransferDone) and e.direction == "load"
+            if isinstance(e, TransferDone)
+            and e.direction == "load"
+            and e.req.split("-")[0] in measured
         ]
         nbytes = sum(e.nbytes for e in loads)
         kv_gbs = nbytes / sum(e.elapsed_s for e in loads) / 1e9
-        files = sorted(kv_dir.rglob("*.kv"))
+        (ns_dir,) = [d for d in kv_dir.iterdir() if d.is_dir()]
+        files = [
+            next(ns_dir.glob(f"{k[:2]}/{k}.*.kv"))
+            for p in prompts
+            for k in chunk_keys(ns_dir.name, p, BLOCK)
+        ]
         raw_gbs = _plain_read_gbs(files)
         per_prompt = nbytes / len(loads)
+        assert len(loads) == len(prompts), f"expected one load per prompt, got {len(loads)}"
         per_token = nbytes / sum(lens)
         ex_tokens = statistics.mean((n - 1) // BLOCK * BLOCK for n in lens)
         rows = {

@@ -308,7 +308,11 @@ class KVFlowConnector(KVConnectorBase_V1):
         self.worker.preempt(kv_connector_metadata.plan.preempted)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        return  # loads start in bind_connector_metadata, as early as the plan is known
+        # Loads started in bind_connector_metadata. vLLM writes a layer's new KV
+        # (unified_kv_cache_update) *before* it calls wait_for_layer_load for that layer,
+        # so a layer must have landed before the forward reaches it: layer 0 now, layer
+        # i+1 at the end of layer i (save_kv_layer). See docs/decisions.md.
+        self.worker.wait_layer(0)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         layout = self.worker.layout
@@ -331,6 +335,8 @@ class KVFlowConnector(KVConnectorBase_V1):
             event.record()
             ready = event.query
         self.worker.layer_computed(i, ready)
+        if i + 1 < layout.num_layers:
+            self.worker.wait_layer(i + 1)  # before vLLM writes layer i+1's new tokens
 
     def wait_for_save(self) -> None:
         self.worker.end_step()
