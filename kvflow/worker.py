@@ -283,11 +283,13 @@ class WorkerEngine:
             self.bus.emit(BlocksReleased(req=req))
 
     def _fail_unfinished_step_loads(self) -> None:
+        """vLLM's thread gives up on this step's loads: report them all, wait no more."""
+        with self._lock:
+            self._results.error_block_ids.update(self._step_load_blocks)
         gate = self._gate
         for ev in gate.events:
             ev.set()
-        with self._lock:
-            self._results.error_block_ids.update(self._step_load_blocks)
+        gate.settled.set()
 
     async def _load_flow(self, spec: LoadSpec, gate: _LayerGate) -> None:
         layout = self._require_layout()
