@@ -1,0 +1,67 @@
+"""pyzmq sockets driven from trio, without threads or a zmq poller.
+
+pyzmq has no trio integration. What works: one trio task owns each socket; it
+sends and receives with `zmq.NOBLOCK`, and on `zmq.Again` waits for the
+socket's FD to become readable. That FD is edge-triggered and signals *any*
+change of `zmq.EVENTS`, so the loop re-checks `EVENTS` before every wait and
+never sleeps on an edge it already consumed. Never share a socket across tasks
+or threads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import trio
+import zmq
+
+__all__ = ["TrioSocket", "bind_loopback"]
+
+
+class TrioSocket:
+    """A zmq socket whose sends and receives are trio checkpoints."""
+
+    def __init__(self, sock: zmq.Socket[Any]) -> None:
+        self.sock = sock
+
+    async def _ready(self, flag: int) -> None:
+        while not (int(self.sock.getsockopt(zmq.EVENTS)) & flag):
+            await trio.lowlevel.wait_readable(self.sock.FD)
+
+    async def send_multipart(
+        self, frames: Sequence[Any], *, copy: bool = True, track: bool = False
+    ) -> zmq.MessageTracker | None:
+        await trio.lowlevel.checkpoint_if_cancelled()
+        while True:
+            try:
+                return self.sock.send_multipart(frames, zmq.NOBLOCK, copy=copy, track=track)
+            except zmq.Again:
+                await self._ready(zmq.POLLOUT)
+
+    async def recv_multipart(self, *, copy: bool = True) -> list[Any]:
+        await trio.lowlevel.checkpoint_if_cancelled()
+        while True:
+            try:
+                return self.sock.recv_multipart(zmq.NOBLOCK, copy=copy)
+            except zmq.Again:
+                await self._ready(zmq.POLLIN)
+
+    def close(self, linger_ms: int = 0) -> None:
+        self.sock.close(linger=linger_ms)
+
+
+def bind_loopback(sock: zmq.Socket[Any], host: str = "127.0.0.1", port: int = 0) -> str:
+    """Bind `sock` on `host:port` (0: a free ephemeral port) and return the real endpoint.
+
+    A taken fixed port is an error that names it, never a silent clash.
+    """
+    try:
+        if port:
+            sock.bind(f"tcp://{host}:{port}")
+            return f"tcp://{host}:{port}"
+        sock.bind(f"tcp://{host}:*")
+    except zmq.ZMQError as exc:
+        raise OSError(f"cannot bind tcp://{host}:{port or '*'}: {exc}") from None
+    endpoint = sock.getsockopt(zmq.LAST_ENDPOINT)
+    return endpoint.decode() if isinstance(endpoint, bytes) else str(endpoint)
