@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import msgspec
+import trio
 
 from .keys import ChunkKey
 from .layout import KVLayout
@@ -30,6 +31,8 @@ __all__ = [
     "ChunkMissing",
     "LoadJob",
     "NoOptions",
+    "Offer",
+    "PeerSource",
     "SaveJob",
     "Transport",
     "TransportContext",
@@ -108,6 +111,18 @@ class SaveJob:
         return await self.layer_spans(layer)
 
 
+class PeerSource(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Where a peer transport pulls one request's KV from (prefill/decode disaggregation)."""
+
+    engine_id: str
+    address: str
+    """The producer worker's endpoint for this shard, e.g. `tcp://10.0.0.5:41234`."""
+    req: str
+    """The request id on the producer."""
+    block_ids: list[int]
+    """The producer's blocks, one per chunk."""
+
+
 @dataclass
 class LoadJob:
     """Chunks of one request to load into `spans(i)`; call `layer_loaded(i)` as each lands."""
@@ -118,6 +133,19 @@ class LoadJob:
     num_layers: int
     spans: Callable[[int], list[list[memoryview]]]
     layer_loaded: Callable[[int], None]
+    source: PeerSource | None = None
+    """For peer transports: the producer to pull from (store transports ignore it)."""
+
+
+@dataclass
+class Offer:
+    """Blocks a producer holds for one request until a peer has pulled them."""
+
+    req: str
+    block_ids: list[int]
+    token_counts: list[int]
+    num_layers: int
+    spans: Callable[[int], list[list[memoryview]]]
 
 
 class Transport(ABC):
@@ -149,6 +177,16 @@ class Transport(ABC):
 
     async def aclose(self) -> None:  # noqa: B027 - optional hook
         """Release resources. Called once, also after cancelled transfers."""
+
+    async def serve(self) -> None:
+        """Peer transports: answer peers until cancelled (the worker runs it as a task)."""
+        await trio.sleep_forever()
+
+    async def offer(self, offer: Offer) -> str:
+        """Peer transports: serve `offer` to one consumer; return once it is done with the
+        blocks ("done" or the consumer's failure reason). When cancelled (the hold
+        deadline), return only after no pull of the blocks is in flight."""
+        raise NotImplementedError(f"transport {self.name!r} is not a peer transport")
 
     @abstractmethod
     async def lookup(self, keys: Sequence[ChunkKey]) -> int: ...

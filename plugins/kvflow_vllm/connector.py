@@ -155,6 +155,15 @@ class KVFlowConnector(KVConnectorBase_V1):
             )
         except (ConfigError, TransportNotFound) as exc:
             raise ConfigError(f"KVFlowConnector: {exc}") from None
+        if not transport_cls.capabilities.store:
+            raise ConfigError(
+                f"KVFlowConnector: kv_connector_extra_config['transport']: "
+                f"{self.config.transport!r} is a peer (prefill/decode) transport, which this "
+                "release of the connector does not drive yet; valid choices: "
+                + ", ".join(
+                    n for n in available_transports() if load_transport(n).capabilities.store
+                )
+            )
         kv_role = ktc.kv_role or "kv_both"
         self.engine_id = str(ktc.engine_id)
         self.block_size = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size

@@ -1,0 +1,79 @@
+"""The `zmq` transport's control frames: msgspec msgpack, typed, size-bounded. No pickle.
+
+A pull is one DEALER->ROUTER conversation:
+
+    consumer -> producer   Pull(req)
+    producer -> consumer   Layer(req, layer, sizes) + one raw frame per span, per layer
+                           (or Refused(req, reason))
+    consumer -> producer   Done(req) | Failed(req, reason)
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+WIRE_VERSION = 1
+MAX_CONTROL_BYTES = 64 << 10
+
+
+class Pull(msgspec.Struct, tag=True, frozen=True):
+    req: str
+    version: int = WIRE_VERSION
+
+
+class Layer(msgspec.Struct, tag=True, frozen=True):
+    req: str
+    layer: int
+    sizes: list[int]
+    """Byte size of each data frame that follows, chunk by chunk, span by span."""
+
+
+class Refused(msgspec.Struct, tag=True, frozen=True):
+    req: str
+    reason: str
+
+
+class Done(msgspec.Struct, tag=True, frozen=True):
+    req: str
+
+
+class Failed(msgspec.Struct, tag=True, frozen=True):
+    req: str
+    reason: str
+
+
+ToProducer = Pull | Done | Failed
+ToConsumer = Layer | Refused
+
+_encoder = msgspec.msgpack.Encoder()
+_to_producer = msgspec.msgpack.Decoder(ToProducer)
+_to_consumer = msgspec.msgpack.Decoder(ToConsumer)
+
+
+class BadFrame(ValueError):
+    """A control frame that is too large or does not decode."""
+
+
+def encode(msg: ToProducer | ToConsumer) -> bytes:
+    return _encoder.encode(msg)
+
+
+def _check(data: bytes | memoryview) -> None:
+    if len(data) > MAX_CONTROL_BYTES:
+        raise BadFrame(f"control frame of {len(data)} bytes exceeds {MAX_CONTROL_BYTES}")
+
+
+def decode_to_producer(data: bytes | memoryview) -> ToProducer:
+    _check(data)
+    try:
+        return _to_producer.decode(data)
+    except msgspec.DecodeError as exc:
+        raise BadFrame(f"undecodable control frame: {exc}") from None
+
+
+def decode_to_consumer(data: bytes | memoryview) -> ToConsumer:
+    _check(data)
+    try:
+        return _to_consumer.decode(data)
+    except msgspec.DecodeError as exc:
+        raise BadFrame(f"undecodable control frame: {exc}") from None
