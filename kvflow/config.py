@@ -34,6 +34,8 @@ class KVFlowConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     load_timeout_s: float = 30.0
     save_timeout_s: float = 120.0
     lookup_timeout_s: float = 5.0
+    hold_timeout_s: float = 120.0
+    """P/D producer: how long a finished request's blocks wait for a consumer's pull."""
     shutdown_drain_s: float = 10.0
     """At shutdown, how long in-flight saves may finish before they are cancelled."""
     max_concurrent_transfers: int = 16
@@ -45,7 +47,13 @@ class KVFlowConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Options of the chosen transport, validated by the transport itself."""
 
     def check(self) -> None:
-        for key in ("load_timeout_s", "save_timeout_s", "lookup_timeout_s", "shutdown_drain_s"):
+        for key in (
+            "load_timeout_s",
+            "save_timeout_s",
+            "lookup_timeout_s",
+            "hold_timeout_s",
+            "shutdown_drain_s",
+        ):
             if not getattr(self, key) > 0:  # NaN too
                 raise ConfigError(f"kv_connector_extra_config[{key!r}] must be > 0")
         if self.max_concurrent_transfers < 1:

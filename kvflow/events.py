@@ -40,7 +40,7 @@ __all__ = [
 
 log = logging.getLogger("kvflow.events")
 
-Direction = Literal["load", "save"]
+Direction = Literal["load", "save", "send"]
 
 
 class Origin(msgspec.Struct, frozen=True):

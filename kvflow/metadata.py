@@ -10,8 +10,9 @@ from __future__ import annotations
 import msgspec
 
 from .keys import ChunkKey
+from .transport import PeerSource
 
-__all__ = ["LoadSpec", "SaveSpec", "WorkerPlan", "decode_plan", "encode_plan"]
+__all__ = ["LoadSpec", "OfferSpec", "SaveSpec", "WorkerPlan", "decode_plan", "encode_plan"]
 
 
 class LoadSpec(msgspec.Struct, frozen=True, array_like=True):
@@ -22,6 +23,16 @@ class LoadSpec(msgspec.Struct, frozen=True, array_like=True):
     block_ids: list[int]
     token_counts: list[int]
     asynchronous: bool = False
+    source: PeerSource | None = None
+    """Set for prefill/decode loads: the producer to pull from."""
+
+
+class OfferSpec(msgspec.Struct, frozen=True, array_like=True):
+    """Producer side of P/D: hold `block_ids` for a consumer to pull (request finished)."""
+
+    req: str
+    block_ids: list[int]
+    token_counts: list[int]
 
 
 class SaveSpec(msgspec.Struct, frozen=True, array_like=True):
@@ -43,9 +54,10 @@ class WorkerPlan(msgspec.Struct, frozen=True):
     """Requests whose blocks vLLM lent to kvflow at finish; report them once saved."""
     preempted: list[str] = []
     """Requests whose blocks are about to be reused: stop reading them."""
+    offers: list[OfferSpec] = []
 
     def is_empty(self) -> bool:
-        return not (self.loads or self.saves or self.lent or self.preempted)
+        return not (self.loads or self.saves or self.lent or self.preempted or self.offers)
 
 
 _encoder = msgspec.msgpack.Encoder()

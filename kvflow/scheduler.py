@@ -25,9 +25,10 @@ from .events import (
     StepPlanned,
 )
 from .keys import ChunkKey, chunk_keys, chunk_token_counts
-from .metadata import LoadSpec, SaveSpec, WorkerPlan
+from .metadata import LoadSpec, OfferSpec, SaveSpec, WorkerPlan
+from .pd import PD_VERSION, PdParams, consumer_params
 from .runtime import Runtime
-from .transport import Transport
+from .transport import PeerSource, Transport
 
 __all__ = ["ScheduledRequest", "SchedulerEngine"]
 
@@ -63,6 +64,8 @@ class _Request:
     saved_upto: int = 0
     load_planned: bool = False
     saves_issued: bool = False
+    pd: PdParams | None = None
+    """Set when a producer prefilled this request: pull its prompt KV from there."""
 
     def hit_tokens(self) -> int:
         return sum(self.counts[: self.hit_chunks or 0])
@@ -82,6 +85,9 @@ class SchedulerEngine:
         block_size: int,
         can_load: bool = True,
         can_save: bool = True,
+        can_pull: bool = False,
+        can_offer: bool = False,
+        engine_id: str = "",
     ) -> None:
         self.config = config
         self.transport = transport
@@ -91,6 +97,12 @@ class SchedulerEngine:
         self.block_size = block_size
         self.can_load = can_load
         self.can_save = can_save
+        self.can_pull = can_pull
+        self.can_offer = can_offer
+        self.engine_id = engine_id
+        self.peer_addresses: list[str] = []
+        """This engine's worker endpoints by shard, learned from the workers' handshake."""
+        self._offers: list[OfferSpec] = []
         self._reqs: dict[str, _Request] = {}
         self._pending_loads: list[LoadSpec] = []
         self._lent: list[str] = []
@@ -98,9 +110,22 @@ class SchedulerEngine:
         self._step = 0
 
     # -- vLLM thread -------------------------------------------------------
-    def add_request(self, req: str, token_ids: Sequence[int], salt: str = "") -> None:
+    def add_request(
+        self, req: str, token_ids: Sequence[int], salt: str = "", pd: PdParams | None = None
+    ) -> None:
         """Key a new request's prompt (once; keys are reused by lookups and saves)."""
         if req in self._reqs:
+            return
+        if pd is not None and self.can_pull:
+            n = min(pd.num_tokens, len(token_ids))
+            counts = chunk_token_counts(n, self.block_size)[: len(pd.block_ids)]
+            self._reqs[req] = _Request(
+                keys=[""] * len(counts),
+                counts=counts,
+                prompt_len=len(token_ids),
+                hit_chunks=len(counts),
+                pd=pd,
+            )
             return
         keys = chunk_keys(
             self.namespace,
@@ -118,11 +143,18 @@ class SchedulerEngine:
             st.lookup_started = True
             self.runtime.spawn(self._lookup_task, req, st, name=f"lookup:{req}")
 
+    def is_remote(self, req: str) -> bool:
+        """Whether `req`'s prompt KV comes from a P/D producer."""
+        st = self._reqs.get(req)
+        return st is not None and st.pd is not None
+
     def lookup(self, req: str, num_computed: int) -> int | None:
         """Tokens beyond `num_computed` the store can supply; None while the answer is pending."""
         st = self._reqs.get(req)
         if st is None or not self.can_load or st.prompt_len < 2 or not st.keys:
             return 0
+        if st.pd is not None:  # loaded asynchronously; vLLM recomputes the last token
+            return max(0, st.hit_tokens() - num_computed)
         if st.hit_chunks is None:
             self._start_lookup(req, st)
             return None
@@ -140,15 +172,20 @@ class SchedulerEngine:
         if num_external <= 0 or st.load_planned:
             return
         st.load_planned = True
-        end_tok = min(st.hit_tokens(), st.prompt_len - 1)
+        end_tok = st.hit_tokens() if st.pd else min(st.hit_tokens(), st.prompt_len - 1)
         first = (end_tok - num_external) // self.block_size
         last = -(-end_tok // self.block_size)
+        source = None
+        if st.pd is not None:
+            pd = st.pd
+            source = PeerSource(pd.engine_id, pd.addresses, pd.req, pd.block_ids[first:last])
         spec = LoadSpec(
             req=req,
             keys=st.keys[first:last],
             block_ids=st.block_ids[first:last],
             token_counts=st.counts[first:last],
-            asynchronous=self.config.load_mode == "async",
+            asynchronous=self.config.load_mode == "async" or source is not None,
+            source=source,
         )
         self._pending_loads.append(spec)
         self.runtime.submit(
@@ -193,8 +230,9 @@ class SchedulerEngine:
             saves=saves,
             lent=self._lent,
             preempted=self._preempted,
+            offers=self._offers,
         )
-        self._pending_loads, self._lent, self._preempted = [], [], []
+        self._pending_loads, self._lent, self._preempted, self._offers = [], [], [], []
         if not plan.is_empty():
             self.runtime.submit(
                 self.bus.emit,
@@ -202,14 +240,33 @@ class SchedulerEngine:
             )
         return plan
 
-    def finished(self, req: str) -> bool:
-        """The request ended. True: vLLM lends its blocks until workers report it saved."""
+    def finished(
+        self, req: str, block_ids: Sequence[int] = (), remote_decode: bool = False
+    ) -> tuple[bool, dict[str, object] | None]:
+        """The request ended. True: vLLM lends its blocks until workers report them done.
+
+        With `remote_decode` (a P/D producer's request) the blocks are offered to a
+        consumer, and the returned params tell the proxy where to pull them from.
+        """
         st = self._reqs.pop(req, None)
-        lend = st is not None and st.saves_issued
+        params = None
+        if remote_decode and self.can_offer and st is not None and block_ids:
+            counts = chunk_token_counts(st.prompt_len, self.block_size)[: len(block_ids)]
+            self._offers.append(OfferSpec(req, list(block_ids[: len(counts)]), counts))
+            pd = PdParams(
+                version=PD_VERSION,
+                engine_id=self.engine_id,
+                addresses=self.peer_addresses,
+                req=req,
+                block_ids=list(block_ids[: len(counts)]),
+                num_tokens=sum(counts),
+            )
+            params = consumer_params(pd)
+        lend = st is not None and (st.saves_issued or params is not None)
         if lend:
             self._lent.append(req)
         self.runtime.submit(self.bus.emit, RequestFinished(req=req, lent=lend))
-        return lend
+        return lend, params
 
     def loads_failed(self, reqs: Iterable[str]) -> None:
         """Asynchronous loads of `reqs` failed: never offer the same hit again."""

@@ -115,8 +115,8 @@ class PeerSource(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Where a peer transport pulls one request's KV from (prefill/decode disaggregation)."""
 
     engine_id: str
-    address: str
-    """The producer worker's endpoint for this shard, e.g. `tcp://10.0.0.5:41234`."""
+    addresses: list[str]
+    """The producer's worker endpoints, one per shard in `TransportContext.shards` order."""
     req: str
     """The request id on the producer."""
     block_ids: list[int]

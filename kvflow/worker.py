@@ -36,9 +36,9 @@ from .events import (
     TransferFailed,
 )
 from .layout import KVLayout
-from .metadata import LoadSpec, SaveSpec, WorkerPlan
+from .metadata import LoadSpec, OfferSpec, SaveSpec, WorkerPlan
 from .runtime import Runtime
-from .transport import LoadJob, SaveJob, Transport, TransportError
+from .transport import LoadJob, Offer, SaveJob, Transport, TransportError
 
 __all__ = ["TransferResults", "WorkerEngine"]
 
@@ -137,6 +137,8 @@ class WorkerEngine:
     def register(self, layout: KVLayout) -> None:
         self.layout = layout
         self.runtime.call(self.transport.register, layout, timeout=60.0)
+        if self.transport.capabilities.peer:
+            self.runtime.spawn(self.transport.serve, name=f"{self.transport.name}:serve")
         nbytes = sum(len(b) for b in layout.buffers)
         self.runtime.submit(
             self.bus.emit,
@@ -257,6 +259,9 @@ class WorkerEngine:
                 self.runtime.start_soon(
                     self._save_flow, save, plan.step, step, scope, name=f"save:{save.req}"
                 )
+        for o in plan.offers:  # held like a save: released when the offer ends
+            self._pending_saves[o.req] = self._pending_saves.get(o.req, 0) + 1
+            self.runtime.start_soon(self._offer_flow, o, name=f"offer:{o.req}")
         for req in plan.lent:
             self._lent.add(req)
             self._maybe_release(req)
@@ -325,7 +330,9 @@ class WorkerEngine:
                 transport=self.transport.name,
             )
         )
-        job = LoadJob(spec.req, spec.keys, spec.token_counts, num_layers, spans, transport_loaded)
+        job = LoadJob(
+            spec.req, spec.keys, spec.token_counts, num_layers, spans, transport_loaded, spec.source
+        )
         t0 = time.perf_counter()
         error, intact, timed_out = "", 0, False
         try:
@@ -446,6 +453,46 @@ class WorkerEngine:
                     nbytes=nbytes,
                     elapsed_s=time.perf_counter() - t0,
                 )
+            )
+
+    async def _offer_flow(self, spec: OfferSpec) -> None:
+        """P/D producer: hold the blocks until the consumer is done, failed, or never came."""
+        layout = self._require_layout()
+
+        def spans(layer: int) -> list[list[memoryview]]:
+            return [
+                layout.spans(layer, b, n)
+                for b, n in zip(spec.block_ids, spec.token_counts, strict=True)
+            ]
+
+        offer = Offer(spec.req, spec.block_ids, spec.token_counts, layout.num_layers, spans)
+        t0 = time.perf_counter()
+        outcome = ""
+        try:
+            with trio.move_on_after(self.config.hold_timeout_s):
+                outcome = await self.transport.offer(offer)
+        except Exception as exc:
+            outcome = f"{type(exc).__name__}: {exc}"
+            log.warning("kvflow offer of %s failed: %s", spec.req, outcome)
+        finally:
+            self._pending_saves[spec.req] -= 1
+            self._maybe_release(spec.req)
+            self._notify_saves_changed()
+        if outcome == "done":
+            nbytes = layout.nbytes(spec.token_counts)
+            self.bus.emit(
+                TransferDone(
+                    req=spec.req,
+                    direction="send",
+                    chunks=len(spec.block_ids),
+                    nbytes=nbytes,
+                    elapsed_s=time.perf_counter() - t0,
+                )
+            )
+        else:
+            reason = outcome or f"no consumer within hold_timeout_s={self.config.hold_timeout_s}"
+            self.bus.emit(
+                TransferFailed(req=spec.req, direction="send", reason=reason, timed_out=not outcome)
             )
 
     async def _cancel_saves(self, reqs: list[str]) -> None:

@@ -338,7 +338,7 @@ def test_saved_prompt_is_loaded_by_a_fresh_engine(
     assert not any(any(block_bytes(b.layout, i, blk)) for i in range(LAYERS) for blk in untouched)
     results = b.worker.take_results()
     assert not (results.finished_recving or results.failed_recving or results.finished_sending)
-    assert b.sched.finished("r2") is False  # nothing saved: no blocks to lend
+    assert b.sched.finished("r2")[0] is False  # nothing saved: no blocks to lend
 
 
 def test_lookup_caps_at_prompt_len_minus_one_and_skips_computed_tokens(
@@ -474,7 +474,7 @@ def test_lent_blocks_are_reported_once_after_the_lent_plan_is_bound(
     e = start_engine("lend")
     save_prompt(e, "r", PROMPT, [1, 2, 3])
     assert e.worker.take_results().finished_sending == set()
-    assert e.sched.finished("r") is True  # vLLM lends the blocks to kvflow
+    assert e.sched.finished("r")[0] is True  # vLLM lends the blocks to kvflow
     assert e.worker.take_results().finished_sending == set()  # the worker has not heard yet
     plan = e.sched.plan([])
     assert plan.lent == ["r"]
@@ -492,7 +492,7 @@ def test_lent_blocks_wait_for_an_in_flight_save(start_engine: Callable[..., Engi
     try:
         run_step(e, prefill_cold(e, "r", PROMPT, [1, 2, 3]))
         assert gated.entered.wait(WAIT)
-        assert e.sched.finished("r") is True
+        assert e.sched.finished("r")[0] is True
         plan = e.sched.plan([])
         assert plan.lent == ["r"]
         run_step(e, plan)

@@ -69,7 +69,7 @@ async def test_consumer_pulls_held_blocks_layer_by_layer(
         cons.num_layers,
         _spans(cons, [7, 8, 9], COUNTS),
         signalled.append,
-        PeerSource("e", producer.address, "p-req", [1, 2, 3]),
+        PeerSource("e", [producer.address], "p-req", [1, 2, 3]),
     )
     outcome: list[str] = []
     released = trio.Event()
@@ -103,7 +103,7 @@ async def test_pull_of_an_unknown_request_is_refused(
         cons.num_layers,
         _spans(cons, [7], [4]),
         lambda _: None,
-        PeerSource("e", producer.address, "never-offered", [1]),
+        PeerSource("e", [producer.address], "never-offered", [1]),
     )
     with trio.fail_after(10):
         async with trio.open_nursery() as nursery:
@@ -139,7 +139,7 @@ async def test_a_dead_producer_makes_the_load_time_out_not_hang(
         cons.num_layers,
         _spans(cons, [7], [4]),
         lambda _: None,
-        PeerSource("e", address, "p", [1]),
+        PeerSource("e", [address], "p", [1]),
     )
     with trio.move_on_after(0.3) as load_deadline:
         await consumer.load(job)

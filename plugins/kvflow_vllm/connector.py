@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
@@ -25,6 +26,7 @@ from kvflow.events import EventBus, Origin
 from kvflow.keys import Fingerprint
 from kvflow.layout import KVLayout, LayoutError, block_geometry
 from kvflow.metadata import WorkerPlan, decode_plan, encode_plan
+from kvflow.pd import PdParamsError, parse_pd_params
 from kvflow.runtime import Runtime
 from kvflow.scheduler import ScheduledRequest, SchedulerEngine
 from kvflow.transport import (
@@ -61,6 +63,16 @@ class KVFlowMetadata(KVConnectorMetadata):
 
 def _metadata_from_bytes(data: bytes) -> KVFlowMetadata:
     return KVFlowMetadata(decode_plan(data))
+
+
+class KVFlowHandshake(KVConnectorHandshakeMetadata):
+    """A worker's peer endpoint, sent to its scheduler once at start (as a plain string)."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        return (KVFlowHandshake, (self.address,))
 
 
 def request_salt(request: Request) -> str:
@@ -155,15 +167,6 @@ class KVFlowConnector(KVConnectorBase_V1):
             )
         except (ConfigError, TransportNotFound) as exc:
             raise ConfigError(f"KVFlowConnector: {exc}") from None
-        if not transport_cls.capabilities.store:
-            raise ConfigError(
-                f"KVFlowConnector: kv_connector_extra_config['transport']: "
-                f"{self.config.transport!r} is a peer (prefill/decode) transport, which this "
-                "release of the connector does not drive yet; valid choices: "
-                + ", ".join(
-                    n for n in available_transports() if load_transport(n).capabilities.store
-                )
-            )
         kv_role = ktc.kv_role or "kv_both"
         self.engine_id = str(ktc.engine_id)
         self.block_size = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
@@ -201,6 +204,9 @@ class KVFlowConnector(KVConnectorBase_V1):
                 f"KVFlowConnector: transport {self.config.transport!r}: {exc}"
             ) from None
         self.runtime.add_closer(self.transport.aclose)
+        caps = transport_cls.capabilities
+        consumes = kv_role in ("kv_both", "kv_consumer")
+        produces = kv_role in ("kv_both", "kv_producer")
         self._scheduler: SchedulerEngine | None = None
         self._worker: WorkerEngine | None = None
         if is_scheduler:
@@ -211,8 +217,11 @@ class KVFlowConnector(KVConnectorBase_V1):
                 bus=self.bus,
                 namespace=ctx.namespace,
                 block_size=self.block_size,
-                can_load=kv_role in ("kv_both", "kv_consumer"),
-                can_save=kv_role in ("kv_both", "kv_producer"),
+                can_load=consumes and caps.store,
+                can_save=produces and caps.store,
+                can_pull=consumes and caps.peer,
+                can_offer=produces and caps.peer,
+                engine_id=self.engine_id,
             )
         else:
             self._worker = WorkerEngine(
@@ -247,8 +256,13 @@ class KVFlowConnector(KVConnectorBase_V1):
 
     # ------------------------------------------------------------ scheduler
     def on_new_request(self, request: Request) -> None:
+        pd = None
+        try:
+            pd = parse_pd_params(request.kv_transfer_params)
+        except PdParamsError as exc:  # computed locally instead: slower, never wrong
+            log.error("kvflow: request %s: %s; computing its prompt here", request.request_id, exc)
         self.sched.add_request(
-            request.request_id, request.prompt_token_ids or [], request_salt(request)
+            request.request_id, request.prompt_token_ids or [], request_salt(request), pd
         )
 
     def get_num_new_matched_tokens(
@@ -258,7 +272,8 @@ class KVFlowConnector(KVConnectorBase_V1):
         n = self.sched.lookup(request.request_id, num_computed_tokens)
         if n is None:
             return None, False
-        return n, n > 0 and self.config.load_mode == "async"
+        remote = self.sched.is_remote(request.request_id)
+        return n, n > 0 and (remote or self.config.load_mode == "async")
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -296,13 +311,27 @@ class KVFlowConnector(KVConnectorBase_V1):
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        return self.sched.finished(request.request_id), None
+        params = request.kv_transfer_params or {}
+        return self.sched.finished(
+            request.request_id, block_ids, remote_decode=bool(params.get("do_remote_decode"))
+        )
+
+    def set_xfer_handshake_metadata(
+        self, metadata: dict[int, KVConnectorHandshakeMetadata]
+    ) -> None:
+        self.sched.peer_addresses = [
+            m.address for _, m in sorted(metadata.items()) if isinstance(m, KVFlowHandshake)
+        ]
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         if connector_output.failed_recving:
             self.sched.loads_failed(connector_output.failed_recving)
 
     # --------------------------------------------------------------- worker
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        address = getattr(self.transport, "address", "")
+        return KVFlowHandshake(address) if address else None
+
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         layout = layout_from_tensors(kv_caches, self._num_blocks, self.block_size)
         self.worker.register(layout)

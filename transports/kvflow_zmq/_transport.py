@@ -147,19 +147,20 @@ class ZmqTransport(Transport):
             raise TransportError("a zmq load needs a PeerSource (kv_transfer_params)")
         sock = TrioSocket(self._zmq.socket(zmq.DEALER))
         ok = False
+        address = src.addresses[self.context.shards.index(self.context.shard)]
         try:
-            sock.sock.connect(src.address)
+            sock.sock.connect(address)
             await sock.send_multipart([wire.encode(wire.Pull(src.req))])
             for layer in range(job.num_layers):
                 frames: list[Any] = await sock.recv_multipart(copy=False)
                 msg = wire.decode_to_consumer(frames[0].buffer)
                 if isinstance(msg, wire.Refused):
-                    raise ChunkMissing(f"producer {src.address} refused {src.req}: {msg.reason}")
+                    raise ChunkMissing(f"producer {address} refused {src.req}: {msg.reason}")
                 dest = [s for chunk in job.spans(layer) for s in chunk]
                 sizes = [len(d) for d in dest]
                 if msg.layer != layer or msg.sizes != sizes or len(frames) != len(dest) + 1:
                     raise ChunkCorrupt(
-                        f"producer {src.address} sent layer {msg.layer} with spans {msg.sizes}; "
+                        f"producer {address} sent layer {msg.layer} with spans {msg.sizes}; "
                         f"expected layer {layer} with {sizes}"
                     )
                 for d, f in zip(dest, frames[1:], strict=True):
@@ -167,7 +168,7 @@ class ZmqTransport(Transport):
                 job.layer_loaded(layer)
             ok = True
         except wire.BadFrame as exc:
-            raise ChunkCorrupt(f"producer {src.address}: {exc}") from None
+            raise ChunkCorrupt(f"producer {address}: {exc}") from None
         finally:
             reply = wire.Done(src.req) if ok else wire.Failed(src.req, "consumer gave up")
             try:
