@@ -151,10 +151,10 @@ class SchedulerEngine:
     def lookup(self, req: str, num_computed: int) -> int | None:
         """Tokens beyond `num_computed` the store can supply; None while the answer is pending."""
         st = self._reqs.get(req)
+        if st is not None and st.pd is not None:  # loaded asynchronously; vLLM recomputes
+            return max(0, st.hit_tokens() - num_computed)  # the last token itself
         if st is None or not self.can_load or st.prompt_len < 2 or not st.keys:
             return 0
-        if st.pd is not None:  # loaded asynchronously; vLLM recomputes the last token
-            return max(0, st.hit_tokens() - num_computed)
         if st.hit_chunks is None:
             self._start_lookup(req, st)
             return None

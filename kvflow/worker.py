@@ -362,12 +362,6 @@ class WorkerEngine:
         self, spec: LoadSpec, error: str, intact: int, timed_out: bool, elapsed: float, nbytes: int
     ) -> None:
         failed = spec.block_ids[intact:] if error else []
-        with self._lock:
-            self._results.error_block_ids.update(failed)
-            if spec.asynchronous:
-                self._results.finished_recving.add(spec.req)
-                if error:
-                    self._results.failed_recving.add(spec.req)
         if error:
             log.warning("kvflow load of %s failed (%s); vLLM will recompute", spec.req, error)
             self.bus.emit(
@@ -389,6 +383,13 @@ class WorkerEngine:
                     elapsed_s=elapsed,
                 )
             )
+        # only now may vLLM learn of it: whoever reads the events sees them first
+        with self._lock:
+            self._results.error_block_ids.update(failed)
+            if spec.asynchronous:
+                self._results.finished_recving.add(spec.req)
+                if error:
+                    self._results.failed_recving.add(spec.req)
 
     async def _save_flow(
         self, spec: SaveSpec, step_no: int, step: _Step, scope: trio.CancelScope
@@ -475,25 +476,26 @@ class WorkerEngine:
             outcome = f"{type(exc).__name__}: {exc}"
             log.warning("kvflow offer of %s failed: %s", spec.req, outcome)
         finally:
+            if outcome == "done":
+                self.bus.emit(
+                    TransferDone(
+                        req=spec.req,
+                        direction="send",
+                        chunks=len(spec.block_ids),
+                        nbytes=layout.nbytes(spec.token_counts),
+                        elapsed_s=time.perf_counter() - t0,
+                    )
+                )
+            else:
+                why = outcome or f"no consumer within hold_timeout_s={self.config.hold_timeout_s}"
+                self.bus.emit(
+                    TransferFailed(
+                        req=spec.req, direction="send", reason=why, timed_out=not outcome
+                    )
+                )
             self._pending_saves[spec.req] -= 1
             self._maybe_release(spec.req)
             self._notify_saves_changed()
-        if outcome == "done":
-            nbytes = layout.nbytes(spec.token_counts)
-            self.bus.emit(
-                TransferDone(
-                    req=spec.req,
-                    direction="send",
-                    chunks=len(spec.block_ids),
-                    nbytes=nbytes,
-                    elapsed_s=time.perf_counter() - t0,
-                )
-            )
-        else:
-            reason = outcome or f"no consumer within hold_timeout_s={self.config.hold_timeout_s}"
-            self.bus.emit(
-                TransferFailed(req=spec.req, direction="send", reason=reason, timed_out=not outcome)
-            )
 
     async def _cancel_saves(self, reqs: list[str]) -> None:
         for req in reqs:

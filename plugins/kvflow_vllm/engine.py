@@ -107,6 +107,7 @@ class GenResult(msgspec.Struct):
     error: str = ""
     ttft_s: float = 0.0
     """vLLM's own first-token latency for the request (arrival to first token)."""
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class Scenario(msgspec.Struct, forbid_unknown_fields=True):
@@ -171,12 +172,20 @@ def make_llm(
     return LLM(**args)
 
 
-def generate(llm: Any, prompts: Sequence[Sequence[int]], max_tokens: int = 8) -> list[GenResult]:
+def generate(
+    llm: Any,
+    prompts: Sequence[Sequence[int]],
+    max_tokens: int = 8,
+    kv_transfer_params: dict[str, Any] | None = None,
+) -> list[GenResult]:
     """Greedy-decode the prompts in one batch; per-request errors are returned, not raised."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=1)
+    extra = {"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None
+    params = SamplingParams(
+        max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=1, extra_args=extra
+    )
     t0 = time.perf_counter()
     outs = llm.generate(
         [TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False
@@ -188,7 +197,9 @@ def generate(llm: Any, prompts: Sequence[Sequence[int]], max_tokens: int = 8) ->
         lps = [float(lp[t].logprob) for t, lp in zip(c.token_ids, c.logprobs or [], strict=False)]
         err = "" if c.finish_reason in ("length", "stop") else str(c.finish_reason)
         ttft = float(getattr(o.metrics, "first_token_latency", 0.0) or 0.0)
-        results.append(GenResult(o.request_id, list(c.token_ids), lps, dt, err, ttft))
+        results.append(
+            GenResult(o.request_id, list(c.token_ids), lps, dt, err, ttft, o.kv_transfer_params)
+        )
     return results
 
 
@@ -241,8 +252,50 @@ def spawn_engine(tmp: Path, name: str, sc: Scenario, timeout: float = 600) -> Sc
     return msgspec.json.decode(out.read_bytes(), type=ScenarioResult)
 
 
+class ServeRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """One line on a serving engine's stdin."""
+
+    prompt: list[int]
+    max_tokens: int = 8
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+def serve(sc: Scenario) -> None:
+    """Answer `ServeRequest` JSON lines on stdin with `GenResult` lines on stdout, until EOF.
+
+    A long-running engine for tests and demos that need two live engines at once
+    (prefill/decode): the caller plays the proxy. Prints `READY` once started.
+    """
+    llm = make_llm(
+        model=sc.model or None,
+        connector=sc.connector_name if sc.connector else None,
+        extra_config=sc.extra_config,
+        kv_role=sc.kv_role,
+        failure_policy=sc.failure_policy,
+        block_size=sc.block_size,
+    )
+    generate(llm, [[1, 2, 3]], 1)
+    out = sys.__stdout__
+    assert out is not None
+    out.write("READY\n")
+    out.flush()
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        req = msgspec.json.decode(line, type=ServeRequest)
+        (res,) = generate(llm, [req.prompt], req.max_tokens, req.kv_transfer_params)
+        out.write(msgspec.json.encode(res).decode() + "\n")
+        out.flush()
+    llm.llm_engine.engine_core.shutdown()
+
+
 def main(argv: list[str]) -> int:
-    """`python -m kvflow_vllm.engine SCENARIO.json RESULT.json`: one engine process."""
+    """`python -m kvflow_vllm.engine SCENARIO.json RESULT.json`: one engine process.
+    `python -m kvflow_vllm.engine --serve SCENARIO.json`: serve requests on stdin."""
+    if argv[0] == "--serve":
+        with open(argv[1], "rb") as f:
+            serve(msgspec.json.decode(f.read(), type=Scenario))
+        return 0
     with open(argv[0], "rb") as f:
         sc = msgspec.json.decode(f.read(), type=Scenario)
     res = run_scenario(sc)
