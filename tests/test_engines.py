@@ -718,3 +718,27 @@ def test_a_preempted_request_is_loaded_afresh_when_it_resumes(
     b.sched.allocated("r", [10, 11, 12], len(PROMPT) - 1)
     resumed = b.sched.plan([ScheduledRequest("r", 9, 1, [10, 11, 12], True)])
     assert resumed.loads == [LoadSpec("r", keys, [10, 11, 12], COUNTS)]
+
+
+def test_a_producer_hands_blocks_back_when_no_consumer_comes(
+    start_engine: Callable[..., Engine],
+) -> None:
+    """P/D: held blocks go back to vLLM after hold_timeout_s (trio's MockClock: instantly)."""
+    from kvflow.events import BlocksReleased
+    from kvflow.metadata import OfferSpec
+    from kvflow_zmq import ZmqOptions, ZmqTransport
+
+    e = start_engine(
+        "producer",
+        config=KVFlowConfig(hold_timeout_s=30.0),
+        worker_transport=lambda _o, ctx: ZmqTransport(ZmqOptions(), ctx),
+        worker_clock=trio.testing.MockClock(autojump_threshold=0),
+    )
+    t0 = time.monotonic()
+    run_step(e, WorkerPlan(step=1, offers=[OfferSpec("r", [1, 2], [4, 4])], lent=["r"]))
+    failed = e.worker_events.wait_for(TransferFailed, "r")
+    assert failed.direction == "send" and failed.timed_out, failed
+    assert "hold_timeout_s=30.0" in failed.reason
+    e.worker_events.wait_for(BlocksReleased, "r")
+    assert e.worker.take_results().finished_sending == {"r"}
+    assert time.monotonic() - t0 < 10, "the 30 s hold ran on trio's virtual clock"
