@@ -52,6 +52,8 @@ class ServingEngine:
             stderr=self._log,
             text=True,
             env=dict(os.environ, PYTHONUNBUFFERED="1"),
+            # no start_new_session: with it, vLLM's CPU engine stalled its worker for
+            # 20-120 s before binding an async load (kill() walks the process tree instead)
         )
         self._lines: queue.Queue[str] = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()
