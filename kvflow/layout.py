@@ -144,6 +144,12 @@ class KVLayout:
     def chunk_nbytes(self, layer: int, num_tokens: int) -> int:
         return self.geometries[layer].chunk_nbytes(num_tokens)
 
+    def chunk_spans(
+        self, layer: int, block_ids: Sequence[int], token_counts: Sequence[int]
+    ) -> list[list[memoryview]]:
+        """`spans` of each chunk (block `block_ids[i]` holding `token_counts[i]` tokens)."""
+        return [self.spans(layer, b, n) for b, n in zip(block_ids, token_counts, strict=True)]
+
     def nbytes(self, token_counts: Sequence[int]) -> int:
         """Bytes of chunks holding `token_counts` tokens, over all layers."""
         return sum(g.chunk_nbytes(n) for g in self.geometries for n in token_counts)

@@ -314,10 +314,7 @@ class WorkerEngine:
             layer_loaded(layer)
 
         def spans(layer: int) -> list[list[memoryview]]:
-            return [
-                layout.spans(layer, b, n)
-                for b, n in zip(spec.block_ids, spec.token_counts, strict=True)
-            ]
+            return layout.chunk_spans(layer, spec.block_ids, spec.token_counts)
 
         tokens = sum(spec.token_counts)
         nbytes = layout.nbytes(spec.token_counts)
@@ -461,10 +458,7 @@ class WorkerEngine:
         layout = self._require_layout()
 
         def spans(layer: int) -> list[list[memoryview]]:
-            return [
-                layout.spans(layer, b, n)
-                for b, n in zip(spec.block_ids, spec.token_counts, strict=True)
-            ]
+            return layout.chunk_spans(layer, spec.block_ids, spec.token_counts)
 
         offer = Offer(spec.req, spec.block_ids, spec.token_counts, layout.num_layers, spans)
         t0 = time.perf_counter()

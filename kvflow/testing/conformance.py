@@ -168,9 +168,7 @@ class Chunks:
 
 
 def _spans(layout: KVLayout, layer: int, chunks: Chunks) -> list[list[memoryview]]:
-    return [
-        layout.spans(layer, b, n) for b, n in zip(chunks.blocks, chunks.token_counts, strict=True)
-    ]
+    return layout.chunk_spans(layer, chunks.blocks, chunks.token_counts)
 
 
 def _span_ranges(layout: KVLayout, layer: int, num_tokens: int) -> list[tuple[int, int]]:

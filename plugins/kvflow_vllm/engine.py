@@ -203,8 +203,8 @@ def generate(
     return results
 
 
-def run_scenario(sc: Scenario) -> ScenarioResult:
-    t0 = time.perf_counter()
+def _start(sc: Scenario) -> Any:
+    """The scenario's engine, warmed up (the first forward pays one-off costs)."""
     llm = make_llm(
         model=sc.model or None,
         connector=sc.connector_name if sc.connector else None,
@@ -213,8 +213,14 @@ def run_scenario(sc: Scenario) -> ScenarioResult:
         failure_policy=sc.failure_policy,
         block_size=sc.block_size,
     )
+    generate(llm, [[1, 2, 3]], 1)
+    return llm
+
+
+def run_scenario(sc: Scenario) -> ScenarioResult:
+    t0 = time.perf_counter()
+    llm = _start(sc)
     startup = time.perf_counter() - t0
-    generate(llm, [[1, 2, 3]], 1)  # first forward pays one-off warm-up costs
     batches = []
     for prompts in sc.batches:
         if sc.one_by_one:
@@ -266,15 +272,7 @@ def serve(sc: Scenario) -> None:
     A long-running engine for tests and demos that need two live engines at once
     (prefill/decode): the caller plays the proxy. Prints `READY` once started.
     """
-    llm = make_llm(
-        model=sc.model or None,
-        connector=sc.connector_name if sc.connector else None,
-        extra_config=sc.extra_config,
-        kv_role=sc.kv_role,
-        failure_policy=sc.failure_policy,
-        block_size=sc.block_size,
-    )
-    generate(llm, [[1, 2, 3]], 1)
+    llm = _start(sc)
     out = sys.__stdout__
     assert out is not None
     out.write("READY\n")

@@ -10,7 +10,11 @@ A pull is one DEALER->ROUTER conversation:
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 import msgspec
+
+T = TypeVar("T")
 
 WIRE_VERSION = 1
 MAX_CONTROL_BYTES = 64 << 10
@@ -58,22 +62,18 @@ def encode(msg: ToProducer | ToConsumer) -> bytes:
     return _encoder.encode(msg)
 
 
-def _check(data: bytes | memoryview) -> None:
+def _decode(decoder: msgspec.msgpack.Decoder[T], data: bytes | memoryview) -> T:
     if len(data) > MAX_CONTROL_BYTES:
         raise BadFrame(f"control frame of {len(data)} bytes exceeds {MAX_CONTROL_BYTES}")
+    try:
+        return decoder.decode(data)
+    except msgspec.DecodeError as exc:
+        raise BadFrame(f"undecodable control frame: {exc}") from None
 
 
 def decode_to_producer(data: bytes | memoryview) -> ToProducer:
-    _check(data)
-    try:
-        return _to_producer.decode(data)
-    except msgspec.DecodeError as exc:
-        raise BadFrame(f"undecodable control frame: {exc}") from None
+    return _decode(_to_producer, data)
 
 
 def decode_to_consumer(data: bytes | memoryview) -> ToConsumer:
-    _check(data)
-    try:
-        return _to_consumer.decode(data)
-    except msgspec.DecodeError as exc:
-        raise BadFrame(f"undecodable control frame: {exc}") from None
+    return _decode(_to_consumer, data)
