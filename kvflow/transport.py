@@ -163,6 +163,9 @@ class Transport(ABC):
     name: ClassVar[str] = ""
     Options: ClassVar[type[msgspec.Struct]] = NoOptions
     capabilities: ClassVar[Capabilities] = Capabilities()
+    address: str = ""
+    """Peer transports: where consumers reach this worker, set by `open()` (advertised to
+    the scheduler in vLLM's handshake, then to consumers in `PeerSource.addresses`)."""
 
     def __init__(self, options: Any, context: TransportContext) -> None:
         self.options = options

@@ -122,7 +122,7 @@ async def test_a_held_offer_ends_at_its_deadline_without_a_consumer(
     with trio.move_on_after(0.2) as hold_deadline:
         await producer.offer(offer)
     assert hold_deadline.cancelled_caught
-    assert "p" not in producer._held, "an expired offer is forgotten"
+    assert "p" not in producer.held, "an expired offer is forgotten"
 
 
 async def test_a_dead_producer_makes_the_load_time_out_not_hang(

@@ -54,7 +54,7 @@ import contextlib
 import functools
 import inspect
 import itertools
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, NoReturn
 
@@ -65,7 +65,7 @@ import trio.testing
 
 from ..keys import ChunkKey, chunk_keys
 from ..layout import KVLayout
-from ..transport import LoadJob, SaveJob, Transport, TransportContext, TransportError
+from ..transport import LoadJob, PeerSource, SaveJob, Transport, TransportContext, TransportError
 from .layouts import make_layout
 
 __all__ = [
@@ -233,6 +233,26 @@ async def _all(calls: Iterable[Callable[[], Awaitable[Any]]]) -> None:
         raise violations[0]
 
 
+@contextlib.contextmanager
+def _single_errors() -> Iterator[None]:
+    """Re-raise a lone exception out of a nursery's group as itself, so a failing check
+    reads as its `ContractViolation`, not as an exception group."""
+    try:
+        yield
+    except BaseExceptionGroup as group:
+        if len(group.exceptions) == 1:
+            raise group.exceptions[0] from None
+        raise
+
+
+@contextlib.asynccontextmanager
+async def open_nursery() -> AsyncIterator[trio.Nursery]:
+    """A trio nursery whose lone failure (a `ContractViolation`) is raised as itself."""
+    with _single_errors():
+        async with trio.open_nursery() as nursery:
+            yield nursery
+
+
 # -- the harness -----------------------------------------------------------------
 
 
@@ -243,11 +263,15 @@ class Harness:
     make: Callable[[TransportContext], Any]
     layout: KVLayout
     stack: contextlib.AsyncExitStack
+    nursery: trio.Nursery
+    """Runs each worker instance's `serve()`, as `kvflow.worker.WorkerEngine` does."""
     namespace: str = "conformance-ns-a"
     progress_timeout_s: float = 10.0
     _next_block: dict[int, int] = field(default_factory=dict)
     _seeds: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
     _engines: itertools.count[int] = field(default_factory=itertools.count)
+    _closed: set[int] = field(default_factory=set)
+    _serving: dict[int, Callable[[], Awaitable[None]]] = field(default_factory=dict)
 
     # -- instances -------------------------------------------------------------
     async def open(
@@ -275,10 +299,36 @@ class Harness:
                 f"got {type(transport).__name__}"
             )
         await transport.open()
-        self.stack.push_async_callback(transport.aclose)
+        self.stack.push_async_callback(self.close, transport)
         if role == "worker":
             await transport.register(layout or self.layout)
+            if type(transport).capabilities.peer:
+                self._serving[id(transport)] = await self.nursery.start(self._serve, transport)
         return transport
+
+    async def _serve(
+        self, transport: Transport, *, task_status: trio.TaskStatus[Callable[[], Awaitable[None]]]
+    ) -> None:
+        stopped = trio.Event()
+
+        async def stop() -> None:
+            scope.cancel()
+            await stopped.wait()
+
+        with trio.CancelScope() as scope:
+            task_status.started(stop)
+            try:
+                await transport.serve()
+            finally:
+                stopped.set()
+
+    async def close(self, transport: Transport) -> None:
+        """`aclose()` an instance now (a process going away); the end of the test skips it."""
+        if id(transport) not in self._closed:
+            self._closed.add(id(transport))
+            if stop := self._serving.pop(id(transport), None):
+                await stop()
+            await transport.aclose()
 
     async def scheduler(self, **kw: Any) -> Transport:
         return await self.open("scheduler", **kw)
@@ -382,8 +432,10 @@ class Harness:
         chunks: Chunks,
         layout: KVLayout | None = None,
         on_layer: Callable[[int], None] | None = None,
+        source: PeerSource | None = None,
     ) -> tuple[LoadJob, list[int]]:
-        """A load of `chunks` into their blocks, and the list of layer_loaded calls."""
+        """A load of `chunks` into their blocks (pulled from `source`, for peer
+        transports), and the list of layer_loaded calls."""
         layout = layout or self.layout
         signalled: list[int] = []
 
@@ -399,6 +451,7 @@ class Harness:
             layout.num_layers,
             lambda layer: _spans(layout, layer, chunks),
             layer_loaded,
+            source,
         )
         return job, signalled
 
@@ -618,8 +671,8 @@ class GatedSave:
 LAYOUT_KINDS = ["token", "block"]
 
 
-class TransportConformance:
-    """Subclass and provide a `make_transport` fixture; see the module docstring."""
+class ConformanceSuite:
+    """What the store and peer suites share: the `make_transport` seam, layouts, harness."""
 
     pytestmark: ClassVar = pytest.mark.trio
 
@@ -634,7 +687,7 @@ class TransportConformance:
     @pytest.fixture
     def make_transport(self) -> Callable[[TransportContext], Any]:
         raise NotImplementedError(
-            "subclass TransportConformance and define a `make_transport` fixture returning "
+            f"subclass {type(self).__name__} and define a `make_transport` fixture returning "
             "a callable context -> unopened Transport (see kvflow.testing.conformance)"
         )
 
@@ -665,17 +718,38 @@ class TransportConformance:
         self, make_transport: Callable[[TransportContext], Any], layout: KVLayout
     ) -> AsyncIterator[Harness]:
         """What the `kv` fixture yields; skips transports the suite does not apply to."""
-        async with contextlib.AsyncExitStack() as stack:
-            harness = Harness(
-                make_transport, layout, stack, progress_timeout_s=self.progress_timeout_s
-            )
-            probe = await harness.scheduler()
-            caps = type(probe).capabilities
-            if not caps.store:
-                pytest.skip(f"{type(probe).__name__} is not a store (capabilities.store=False)")
-            if "cpu" not in caps.memory:
-                pytest.skip(f"{type(probe).__name__} does not move cpu memory")
-            yield harness
+        skip = ""
+        with _single_errors():
+            async with trio.open_nursery() as nursery, contextlib.AsyncExitStack() as stack:
+                harness = Harness(
+                    make_transport,
+                    layout,
+                    stack,
+                    nursery,
+                    progress_timeout_s=self.progress_timeout_s,
+                )
+                probe = await harness.scheduler()
+                skip = self.skip_reason(type(probe))
+                if not skip:
+                    yield harness
+        if skip:
+            pytest.skip(skip)
+
+    def skip_reason(self, cls: type[Transport]) -> str:
+        """Why this suite does not apply to transports of class `cls` ("" if it does)."""
+        if "cpu" not in cls.capabilities.memory:
+            return f"{cls.__name__} does not move cpu memory"
+        return ""
+
+
+class TransportConformance(ConformanceSuite):
+    """The store suite. Subclass and provide a `make_transport` fixture; see the module
+    docstring."""
+
+    def skip_reason(self, cls: type[Transport]) -> str:
+        if not cls.capabilities.store:
+            return f"{cls.__name__} is not a store (capabilities.store=False)"
+        return super().skip_reason(cls)
 
     # -- lookup ----------------------------------------------------------------
     async def test_lookup_on_empty_store_is_zero(self, kv: Harness) -> None:

@@ -329,7 +329,7 @@ class KVFlowConnector(KVConnectorBase_V1):
 
     # --------------------------------------------------------------- worker
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
-        address = getattr(self.transport, "address", "")
+        address = self.transport.address
         return KVFlowHandshake(address) if address else None
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -12,6 +11,7 @@ import trio
 import zmq
 
 from kvflow.keys import ChunkKey
+from kvflow.peer import HeldOffers
 from kvflow.transport import (
     Capabilities,
     ChunkCorrupt,
@@ -39,18 +39,6 @@ class ZmqOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """0: a free port, chosen at start and advertised; a taken fixed port is an error."""
 
 
-@dataclass
-class _Held:
-    offer: Offer
-    released: trio.Event = field(default_factory=trio.Event)
-    outcome: str = ""
-    idle: trio.Event = field(default_factory=trio.Event)
-    """Set while no pull of these blocks is in flight."""
-
-    def __post_init__(self) -> None:
-        self.idle.set()
-
-
 class ZmqTransport(Transport):
     name = "zmq"
     Options = ZmqOptions
@@ -61,8 +49,7 @@ class ZmqTransport(Transport):
         self.options: ZmqOptions = options
         self._zmq = zmq.Context()
         self._router: TrioSocket | None = None
-        self.address = ""
-        self._held: dict[str, _Held] = {}
+        self.held = HeldOffers()
 
     async def open(self) -> None:
         if self.context.role != "worker":
@@ -88,14 +75,7 @@ class ZmqTransport(Transport):
 
     # -- producer ----------------------------------------------------------
     async def offer(self, offer: Offer) -> str:
-        held = self._held[offer.req] = _Held(offer)
-        try:
-            await held.released.wait()
-            return held.outcome
-        finally:
-            with trio.CancelScope(shield=True):
-                await held.idle.wait()  # never hand blocks back while zmq still reads them
-            self._held.pop(offer.req, None)
+        return await self.held.offer(offer)
 
     async def serve(self) -> None:
         router = self._router
@@ -108,22 +88,18 @@ class ZmqTransport(Transport):
             except wire.BadFrame as exc:
                 log.warning("kvflow zmq: dropped a bad frame from a peer: %s", exc)
                 continue
-            held = self._held.get(msg.req)
-            if isinstance(msg, wire.Pull):
-                if held is None or msg.version != wire.WIRE_VERSION:
-                    why = "unknown or expired request" if held is None else "wire version"
-                    await router.send_multipart([ident, wire.encode(wire.Refused(msg.req, why))])
-                    continue
-                await self._send_layers(router, ident, held)
-            elif held is not None:
-                held.outcome = "done" if isinstance(msg, wire.Done) else msg.reason
-                held.released.set()
+            if not isinstance(msg, wire.Pull):
+                self.held.release(msg.req, "done" if isinstance(msg, wire.Done) else msg.reason)
+            elif msg.req not in self.held or msg.version != wire.WIRE_VERSION:
+                why = "wire version" if msg.req in self.held else "unknown or expired request"
+                await router.send_multipart([ident, wire.encode(wire.Refused(msg.req, why))])
+            else:
+                with self.held.reading(msg.req) as offer:
+                    await self._send_layers(router, ident, offer)
 
-    async def _send_layers(self, router: TrioSocket, ident: bytes, held: _Held) -> None:
-        held.idle = trio.Event()
+    async def _send_layers(self, router: TrioSocket, ident: bytes, o: Offer) -> None:
         trackers: list[zmq.MessageTracker] = []
         try:
-            o = held.offer
             for layer in range(o.num_layers):
                 spans = [s for chunk in o.spans(layer) for s in chunk]
                 header = wire.encode(wire.Layer(o.req, layer, [len(s) for s in spans]))
@@ -131,14 +107,13 @@ class ZmqTransport(Transport):
                 if t is not None:
                     trackers.append(t)
         except zmq.ZMQError as exc:
-            log.warning("kvflow zmq: sending %s failed: %s", held.offer.req, exc)
+            log.warning("kvflow zmq: sending %s failed: %s", o.req, exc)
         finally:
-            with trio.CancelScope(shield=True):
+            with trio.CancelScope(shield=True):  # zmq reads the blocks until the trackers fire
                 delay = 1e-4
                 while not all(t.done for t in trackers):
                     await trio.sleep(delay)
                     delay = min(delay * 2, 5e-3)
-            held.idle.set()
 
     # -- consumer ----------------------------------------------------------
     async def load(self, job: LoadJob) -> None:
@@ -173,6 +148,6 @@ class ZmqTransport(Transport):
             reply = wire.Done(src.req) if ok else wire.Failed(src.req, "consumer gave up")
             try:
                 sock.sock.send_multipart([wire.encode(reply)], zmq.NOBLOCK)
-                sock.close(linger_ms=1000)  # let Done/Failed reach the producer
+                sock.close(linger_ms=200)  # let Done/Failed reach the producer
             except zmq.ZMQError:
                 sock.close()
