@@ -306,7 +306,7 @@ class SchedulerEngine:
                 error = f"{type(exc).__name__}: {exc}"
                 log.warning("kvflow lookup for %s failed: %s", req, error)
         if scope.cancelled_caught:
-            error = f"lookup timed out after {self.config.lookup_timeout_s}s"
+            error = f"no answer within lookup_timeout_s={self.config.lookup_timeout_s}"
         st.hit_chunks = max(0, min(hits, len(st.keys)))
         self.bus.emit(
             LookupAnswered(

@@ -337,7 +337,10 @@ class WorkerEngine:
                 async with self._limiter("load"):
                     await self.transport.load(job)
             if deadline.cancelled_caught:
-                error, timed_out = f"load timed out after {self.config.load_timeout_s}s", True
+                error, timed_out = (
+                    f"no answer within load_timeout_s={self.config.load_timeout_s}",
+                    True,
+                )
             elif not all(signalled):
                 error = "transport returned before loading every layer"
         except TransportError as exc:
@@ -422,7 +425,10 @@ class WorkerEngine:
                 async with self._limiter("save"):
                     await self.transport.save(job)
             if deadline.cancelled_caught:
-                error, timed_out = f"save timed out after {self.config.save_timeout_s}s", True
+                error, timed_out = (
+                    f"not saved within save_timeout_s={self.config.save_timeout_s}",
+                    True,
+                )
             elif scope.cancelled_caught:
                 error = "cancelled: request preempted"
         except Exception as exc:

@@ -9,51 +9,84 @@ and decodes without computing the prefix.
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from kvflow.eventlog import read_event_log
-from kvflow.events import BlocksAllocated, TransferDone, TransferFailed
+from kvflow.events import BlocksAllocated, Event, TransferDone, TransferFailed
+from kvflow_vllm.engine import GenResult
 
-from .e2e import ServingEngine, assert_same_generation
+from .e2e import ServingEngine, assert_same_generation, events_for
 
 pytestmark = pytest.mark.engine
 
 _rng = random.Random(11)
 P1 = [_rng.randrange(3, 1000) for _ in range(150)]
 P2 = [_rng.randrange(3, 1000) for _ in range(170)]
+P3 = [_rng.randrange(3, 1000) for _ in range(130)]
 
 
 def _extra(tmp: Path, name: str, **kw: object) -> dict[str, object]:
     return {"transport": "zmq", "event_log": str(tmp / f"{name}.events.jsonl"), **kw}
 
 
+HOLD_S = 6.0
+"""The producer's hold_timeout_s: short, so a prefill nobody pulls is handed back here."""
+LOAD_S = {"consumer": 10.0, "strict": 5.0}
+
+
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServingEngine, ...]]:
     tmp = tmp_path_factory.mktemp("pd")
     producer = ServingEngine(
-        tmp, "producer", kv_role="kv_producer", extra_config=_extra(tmp, "producer")
+        tmp,
+        "producer",
+        kv_role="kv_producer",
+        extra_config=_extra(tmp, "producer", hold_timeout_s=HOLD_S),
     )
     consumer = ServingEngine(
         tmp,
         "consumer",
         kv_role="kv_consumer",
         failure_policy="recompute",
-        extra_config=_extra(tmp, "consumer", load_timeout_s=10.0),
+        extra_config=_extra(tmp, "consumer", load_timeout_s=LOAD_S["consumer"]),
+    )
+    strict = ServingEngine(  # a consumer that must not silently recompute
+        tmp,
+        "strict",
+        kv_role="kv_consumer",
+        failure_policy="fail",
+        extra_config=_extra(tmp, "strict", load_timeout_s=LOAD_S["strict"]),
     )
     try:
-        producer.wait_ready()
-        consumer.wait_ready()
-        yield producer, consumer, tmp  # type: ignore[misc]
+        for engine in (producer, consumer, strict):
+            engine.wait_ready()
+        yield producer, consumer, strict, tmp  # type: ignore[misc]
     finally:
-        producer.close()
-        consumer.close()
+        for engine in (producer, consumer, strict):
+            engine.close()
+
+
+def _events(tmp: Path, engine: str, result: GenResult) -> list[Event]:
+    return events_for(tmp / f"{engine}.events.jsonl", result)
+
+
+def _wait_for_event(
+    tmp: Path, engine: str, result: GenResult, kind: type[Event], timeout: float
+) -> Event:
+    """The first `kind` event of `result`'s request in another process's event log."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if found := [e for e in _events(tmp, engine, result) if isinstance(e, kind)]:
+            return found[0]
+        time.sleep(0.1)  # polls a file another process appends to
+    raise TimeoutError(f"no {kind.__name__} for {result.request_id} in {engine}'s log")
 
 
 def test_consumer_decodes_from_the_producers_prefill(engines: tuple) -> None:  # type: ignore[type-arg]
-    producer, consumer, tmp = engines
+    producer, consumer, _, tmp = engines
     reference = producer.ask(P1, 8)  # a single engine doing everything
     prefill = producer.ask(P1, 1, {"do_remote_decode": True})
     params = prefill.kv_transfer_params
@@ -61,37 +94,54 @@ def test_consumer_decodes_from_the_producers_prefill(engines: tuple) -> None:  #
     assert params["kvflow"]["addresses"][0].startswith("tcp://127.0.0.1:")
     decoded = consumer.ask(P1, 8, params)
     assert_same_generation(decoded, reference, "P/D consumer")
-    cons = [
-        e
-        for e in read_event_log(str(tmp / "consumer.events.jsonl"))
-        if e.req.startswith(decoded.request_id + "-")
-    ]
+    cons = _events(tmp, "consumer", decoded)
     (alloc,) = [e for e in cons if isinstance(e, BlocksAllocated)]
     assert alloc.external_tokens == len(P1), "the whole prompt came from the producer"
     assert any(isinstance(e, TransferDone) and e.direction == "load" for e in cons), cons
-    prod = read_event_log(str(tmp / "producer.events.jsonl"))
-    sent = [e for e in prod if isinstance(e, TransferDone) and e.direction == "send"]
-    assert [e.req.split("-")[0] for e in sent] == [prefill.request_id], "blocks released on Done"
+    sent = [e for e in _events(tmp, "producer", prefill) if isinstance(e, TransferDone)]
+    assert [e.direction for e in sent] == ["send"], "blocks released on the consumer's Done"
+    plain = _events(tmp, "producer", reference)
+    assert not [e for e in plain if isinstance(e, TransferDone | TransferFailed)], plain
 
 
 def test_malformed_params_are_computed_locally_not_a_crash(engines: tuple) -> None:  # type: ignore[type-arg]
-    producer, consumer, _ = engines
+    producer, consumer, _, _ = engines
     reference = producer.ask(P2, 8)
     got = consumer.ask(P2, 8, {"do_remote_prefill": True, "kvflow": {"version": 99}})
     assert_same_generation(got, reference, "malformed params")
     assert "kv_transfer_params['kvflow']" in consumer.log.read_text(errors="replace")
 
 
-def test_a_killed_producer_means_recompute_not_a_hang(engines: tuple) -> None:  # type: ignore[type-arg]
-    producer, consumer, tmp = engines
+def test_a_prefill_nobody_pulls_is_handed_back_after_hold_timeout(engines: tuple) -> None:  # type: ignore[type-arg]
+    producer, consumer, _, tmp = engines
+    reference = producer.ask(P3, 8)
+    prefill = producer.ask(P3, 1, {"do_remote_decode": True})
+    t0 = time.monotonic()
+    gave_up = _wait_for_event(tmp, "producer", prefill, TransferFailed, timeout=HOLD_S + 20)
+    assert isinstance(gave_up, TransferFailed) and gave_up.direction == "send", gave_up
+    assert gave_up.timed_out and "hold_timeout_s" in gave_up.reason, gave_up
+    assert time.monotonic() - t0 < HOLD_S + 20
+    # a consumer that comes too late is refused and computes the prompt itself
+    late = consumer.ask(P3, 8, prefill.kv_transfer_params)
+    assert_same_generation(late, reference, "a late consumer")
+    (failed,) = [e for e in _events(tmp, "consumer", late) if isinstance(e, TransferFailed)]
+    assert "unknown or expired request" in failed.reason, failed
+
+
+def test_a_killed_producer_means_recompute_or_a_clear_error_not_a_hang(engines: tuple) -> None:  # type: ignore[type-arg]
+    producer, consumer, strict, tmp = engines
     reference = producer.ask(P2, 8)
     prefill = producer.ask(P2, 1, {"do_remote_decode": True})
-    producer.kill()  # before the consumer pulls
+    producer.kill()  # before any consumer pulls
     got = consumer.ask(P2, 8, prefill.kv_transfer_params)
-    assert_same_generation(got, reference, "after the producer died")
-    cons = [
-        e
-        for e in read_event_log(str(tmp / "consumer.events.jsonl"))
-        if e.req.startswith(got.request_id + "-")
-    ]
-    assert any(isinstance(e, TransferFailed) and e.direction == "load" for e in cons), cons
+    assert_same_generation(got, reference, "after the producer died (policy recompute)")
+    (failed,) = [e for e in _events(tmp, "consumer", got) if isinstance(e, TransferFailed)]
+    assert failed.direction == "load" and failed.timed_out, failed
+
+    t0 = time.monotonic()
+    refused = strict.ask(P2, 8, prefill.kv_transfer_params)
+    took = time.monotonic() - t0
+    assert refused.error == "error" and not refused.tokens, refused
+    assert took < LOAD_S["strict"] + 10, f"policy fail answered after {took:.1f}s"
+    (failed,) = [e for e in _events(tmp, "strict", refused) if isinstance(e, TransferFailed)]
+    assert failed.timed_out and "load_timeout_s" in failed.reason, failed
