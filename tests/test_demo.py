@@ -10,14 +10,13 @@ import pytest
 
 pytestmark = pytest.mark.engine
 
+DEMO = [sys.executable, "-m", "kvflow.cli.main", "demo"]
+
 
 def test_demo_reports_warm_loads_and_identical_tokens(tmp_path: Path) -> None:
     proc = subprocess.run(
         [
-            sys.executable,
-            "-m",
-            "kvflow.cli.main",
-            "demo",
+            *DEMO,
             "--cache-dir",
             str(tmp_path),
             "--prompts",
@@ -41,3 +40,22 @@ def test_demo_reports_warm_loads_and_identical_tokens(tmp_path: Path) -> None:
         assert cells[-1] == "yes", f"warm tokens identical to cold: {row}"
     assert "result: OK" in out
     assert list(tmp_path.rglob("*.kv")), "the demo wrote to the cache dir it was given"
+
+
+def test_pd_demo_pulls_every_prompt_and_matches_one_engine() -> None:
+    proc = subprocess.run(
+        [*DEMO, "--pd", "--prompts", "2", "--prompt-len", "200", "--max-tokens", "8"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    out = proc.stdout
+    assert proc.returncode == 0, out + proc.stderr[-3000:]
+    assert "proxy: producer answered do_remote_prefill from ['tcp://127.0.0.1:" in out, out
+    rows = [line for line in out.splitlines() if line.startswith("│")]
+    assert len(rows) == 2, out
+    for row in rows:
+        cells = [c.strip() for c in row.strip("│").split("│")]
+        assert cells[0] == cells[1] == "200", f"the consumer pulled every prompt token: {row}"
+        assert cells[-1] == "yes", f"consumer tokens identical to one engine's: {row}"
+    assert "result: OK" in out

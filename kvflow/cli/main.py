@@ -30,11 +30,18 @@ def _cmd_transports(args: argparse.Namespace) -> int:
 
 def _cmd_demo(args: argparse.Namespace) -> int:
     try:  # the demo drives vLLM, so it lives in the vLLM adapter package
-        from kvflow_vllm.demo import run_demo
+        from kvflow_vllm.demo import run_demo, run_pd_demo
     except ImportError as exc:
         print(f"kvflow demo needs vLLM and kvflow's vLLM adapter: {exc}", file=sys.stderr)
         return 2
 
+    if args.pd:
+        return run_pd_demo(
+            transport=args.transport,
+            num_prompts=args.prompts,
+            prompt_len=args.prompt_len,
+            max_tokens=args.max_tokens,
+        )
     return run_demo(
         cache_dir=args.cache_dir,
         num_prompts=args.prompts,
@@ -53,6 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="run a real vLLM engine cold, restart it, run it warm from kvflow's cache",
     )
     d.add_argument("--cache-dir", default="", help="fs cache directory (default: user cache)")
+    d.add_argument(
+        "--pd",
+        action="store_true",
+        help="prefill/decode disaggregation: a producer engine prefills, a consumer decodes",
+    )
+    d.add_argument("--transport", default="zmq", help="peer transport of --pd (default: zmq)")
     d.add_argument("--prompts", type=int, default=4)
     d.add_argument("--prompt-len", type=int, default=1000)
     d.add_argument("--max-tokens", type=int, default=16)
