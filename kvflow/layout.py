@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 
@@ -120,7 +121,13 @@ def block_geometry(
 
 @dataclass
 class KVLayout:
-    """All registered layers: names in forward order, geometry and a flat byte view each."""
+    """All registered layers: names in forward order, geometry and a flat byte view each.
+
+    Host memory (`memory == "cpu"`) is reached through `buffers`, one memoryview
+    per layer. Device memory has no memoryview: `buffers` is empty and
+    `tensors` holds each layer as a flat uint8 torch tensor, for transports
+    whose capabilities include that memory kind (CUDA IPC, NIXL VRAM).
+    """
 
     names: list[str]
     geometries: list[LayerGeometry]
@@ -140,6 +147,14 @@ class KVLayout:
         return f"{self.memory};layers={self.num_layers};" + "|".join(kinds)
 
     block_size: int = 0
+    tensors: list[Any] = field(default_factory=list)
+    """Flat uint8 torch tensors, one per layer (device memory; optional for host)."""
+
+    @property
+    def nbytes_registered(self) -> int:
+        if self.buffers:
+            return sum(len(b) for b in self.buffers)
+        return sum(int(t.numel()) for t in self.tensors)
 
     def chunk_nbytes(self, layer: int, num_tokens: int) -> int:
         return self.geometries[layer].chunk_nbytes(num_tokens)
@@ -157,14 +172,21 @@ class KVLayout:
     def is_block_granular(self) -> bool:
         return any(g.block_bytes for g in self.geometries)
 
-    def spans(self, layer: int, block_id: int, num_tokens: int) -> list[memoryview]:
-        """The runs holding the first `num_tokens` tokens of `block_id` in `layer`."""
+    def ranges(self, layer: int, block_id: int, num_tokens: int) -> list[tuple[int, int]]:
+        """(byte offset, length) of each run holding the first `num_tokens` tokens of
+        `block_id` in `layer`, relative to the layer's buffer."""
         g = self.geometries[layer]
         if not 0 <= block_id < g.num_blocks or not 0 < num_tokens <= self.block_size:
             raise LayoutError(f"block {block_id} / {num_tokens} tokens out of range")
-        buf = self.buffers[layer]
         base = block_id * g.block_stride
         if g.block_bytes:
-            return [buf[base : base + g.block_bytes]]
+            return [(base, g.block_bytes)]
         n = num_tokens * g.token_bytes
-        return [buf[base + off : base + off + n] for off in g.plane_offsets]
+        return [(base + off, n) for off in g.plane_offsets]
+
+    def spans(self, layer: int, block_id: int, num_tokens: int) -> list[memoryview]:
+        """The runs holding the first `num_tokens` tokens of `block_id` in `layer`."""
+        if not self.buffers:
+            raise LayoutError(f"{self.memory} memory has no host spans; use `tensors`")
+        buf = self.buffers[layer]
+        return [buf[off : off + n] for off, n in self.ranges(layer, block_id, num_tokens)]

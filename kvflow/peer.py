@@ -70,6 +70,14 @@ class HeldOffers:
         held.released.set()
         return True
 
+    async def lend(self, req: str, lease_s: float) -> None:
+        """A peer reads `req`'s blocks by itself (CUDA IPC, RDMA) until it releases them or
+        `lease_s` passes; the blocks stay held meanwhile. The peer must not trust what it
+        read after the lease ended (the blocks may be vLLM's again)."""
+        with self.reading(req):
+            with trio.move_on_after(lease_s):
+                await self._held[req].released.wait()
+
     @contextmanager
     def reading(self, req: str) -> Iterator[Offer]:
         """Mark a read of `req`'s blocks in flight; its blocks stay held until it ends.

@@ -135,6 +135,9 @@ class LoadJob:
     layer_loaded: Callable[[int], None]
     source: PeerSource | None = None
     """For peer transports: the producer to pull from (store transports ignore it)."""
+    block_ids: list[int] = field(default_factory=list)
+    """The destination block of each chunk (device-memory transports address blocks,
+    not `spans`)."""
 
 
 @dataclass

@@ -35,7 +35,7 @@ from .events import (
     TransferDone,
     TransferFailed,
 )
-from .layout import KVLayout
+from .layout import KVLayout, LayoutError
 from .metadata import LoadSpec, OfferSpec, SaveSpec, WorkerPlan
 from .runtime import Runtime
 from .transport import LoadJob, Offer, SaveJob, Transport, TransportError
@@ -135,11 +135,17 @@ class WorkerEngine:
 
     # -- vLLM thread -------------------------------------------------------
     def register(self, layout: KVLayout) -> None:
+        memory = self.transport.capabilities.memory
+        if layout.memory not in memory:
+            raise LayoutError(
+                f"kvflow: the KV cache is in {layout.memory} memory; transport "
+                f"{self.transport.name!r} moves {', '.join(sorted(memory))} memory only"
+            )
         self.layout = layout
         self.runtime.call(self.transport.register, layout, timeout=60.0)
         if self.transport.capabilities.peer:
             self.runtime.spawn(self.transport.serve, name=f"{self.transport.name}:serve")
-        nbytes = sum(len(b) for b in layout.buffers)
+        nbytes = layout.nbytes_registered
         self.runtime.submit(
             self.bus.emit,
             CachesRegistered(
@@ -328,7 +334,14 @@ class WorkerEngine:
             )
         )
         job = LoadJob(
-            spec.req, spec.keys, spec.token_counts, num_layers, spans, transport_loaded, spec.source
+            spec.req,
+            spec.keys,
+            spec.token_counts,
+            num_layers,
+            spans,
+            transport_loaded,
+            spec.source,
+            list(spec.block_ids),
         )
         t0 = time.perf_counter()
         error, intact, timed_out = "", 0, False

@@ -4,15 +4,25 @@ itself: each deliberately broken variant fails the test guarding the promise it 
 from __future__ import annotations
 
 import dataclasses
+import uuid
 from collections.abc import Callable
+from typing import Any, ClassVar
 
 import msgspec
 import pytest
+import torch
+import trio
+import trio.testing
+import zmq
 
+from kvflow.layout import KVLayout
 from kvflow.testing.conformance import ContractViolation
 from kvflow.testing.peer_conformance import PeerConformance, PeerPromise
-from kvflow.transport import ChunkMissing, LoadJob, TransportContext, TransportError
+from kvflow.transport import ChunkMissing, LoadJob, Offer, TransportContext, TransportError
+from kvflow.zmqio import TrioSocket
 from kvflow_zmq import ZmqOptions, ZmqTransport
+from kvflow_zmq import _wire as wire
+from kvflow_zmq._ipc import Device, IpcHandle
 
 
 class TestZmqConformance(PeerConformance):
@@ -77,3 +87,109 @@ async def test_suite_catches_broken_peer_transport(
         with pytest.raises(ContractViolation) as caught:
             await getattr(suite, f"test_{test}")(kv)
     assert str(caught.value).startswith(f"Transport contract broken: {promise}"), caught.value
+
+
+# -- the CUDA IPC path, with an in-process stand-in for the GPU -----------------------
+
+
+class InProcessDevice(Device):
+    """Stands in for CUDA IPC where there is no GPU: a "handle" names a tensor of this
+    process. Everything else on the IPC path (the control frames, the lease, the
+    per-peer cache, the block copies) runs as it does on a GPU."""
+
+    exported: ClassVar[dict[bytes, torch.Tensor]] = {}
+    opened = 0
+
+    def export(self, layer: torch.Tensor) -> IpcHandle:
+        handle = uuid.uuid4().bytes
+        self.exported[handle] = layer
+        return IpcHandle(0, handle, layer.numel(), 0, b"", 0, b"", False, 0, layer.numel())
+
+    def open(self, handle: IpcHandle) -> torch.Tensor:
+        InProcessDevice.opened += 1
+        return self.exported[handle.handle]
+
+
+class StandInIpcZmq(ZmqTransport):
+    device_type = InProcessDevice
+
+
+class TestZmqIpcConformance(PeerConformance):
+    """The IPC path: layouts labelled `cuda` (host tensors, and host views for the suite's
+    own checks), so the transport copies blocks with torch instead of sending frames."""
+
+    def build_layout(self, block_granular: bool, **kw: Any) -> KVLayout:
+        return _as_device(super().build_layout(block_granular, **kw))
+
+    @pytest.fixture
+    def make_transport(self) -> Callable[[TransportContext], ZmqTransport]:
+        return lambda context: StandInIpcZmq(ZmqOptions(), context)
+
+
+def _as_device(layout: KVLayout) -> KVLayout:
+    layout.memory = "cuda"
+    layout.tensors = [torch.frombuffer(b, dtype=torch.uint8) for b in layout.buffers]
+    return layout
+
+
+async def test_ipc_handles_are_opened_once_per_producer() -> None:
+    suite = TestZmqIpcConformance()
+    make = lambda context: StandInIpcZmq(ZmqOptions(), context)  # noqa: E731
+    async with suite.harness(make, suite.build_layout(True)) as kv:
+        producer, consumer = await kv.worker(), await kv.worker()
+        before = InProcessDevice.opened
+        for i in range(3):
+            await suite.pull(kv, producer, consumer, kv.chunks(2), req=f"r{i}")
+        assert InProcessDevice.opened - before == kv.layout.num_layers
+
+
+async def test_ipc_consumer_refuses_a_host_memory_producer() -> None:
+    suite = PeerConformance()
+    host, device = suite.build_layout(True), _as_device(suite.build_layout(True))
+    async with suite.harness(lambda c: StandInIpcZmq(ZmqOptions(), c), host) as kv:
+        producer = await kv.worker(layout=host)
+        consumer = await kv.worker(layout=device)
+        src = kv.chunks(1, layout=host)
+        job, _ = kv.load_job(src.at([9]), host, source=suite.source([producer], "r", src))
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(producer.offer, suite.offer_of(kv, "r", src, host))
+            await trio.testing.wait_all_tasks_blocked()
+            with pytest.raises(TransportError, match="both sides need the same kind"):
+                await consumer.load(job)
+            nursery.cancel_scope.cancel()
+
+
+async def test_ipc_lease_hands_blocks_back_if_the_consumer_never_answers() -> None:
+    """A consumer that got the handles and vanished: the producer lets go after
+    ipc_lease_s, not never."""
+    layout = _as_device(PeerConformance().build_layout(True))
+    ctx = TransportContext("e", "worker", "ns", "tp0of1pp0", ["tp0of1pp0"])
+    producer = StandInIpcZmq(ZmqOptions(ipc_lease_s=5.0), ctx)
+    await producer.open()
+    await producer.register(layout)
+    returned = trio.Event()
+    with trio.fail_after(3):  # MockClock autojump is not used: real sockets
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(producer.serve)
+
+            async def hold() -> None:
+                spans = lambda layer: [layout.spans(layer, 1, layout.block_size)]  # noqa: E731
+                with trio.move_on_after(0.2):  # the hold deadline passes during the lease
+                    await producer.offer(Offer("r", [1], [layout.block_size], 3, spans))
+                returned.set()
+
+            nursery.start_soon(hold)
+            await trio.testing.wait_all_tasks_blocked()
+            dealer = TrioSocket(zmq.Context.instance().socket(zmq.DEALER))
+            dealer.sock.connect(producer.address)
+            await dealer.send_multipart([wire.encode(wire.Pull("r"))])
+            reply = wire.decode_to_consumer((await dealer.recv_multipart())[0])
+            assert isinstance(reply, wire.Ipc) and reply.lease_s == 5.0
+            with trio.move_on_after(0.5):
+                await returned.wait()
+            assert not returned.is_set(), "blocks handed back while the consumer may read"
+            producer.held.release("r", "consumer gave up")  # what Failed does
+            await returned.wait()
+            dealer.close()
+            nursery.cancel_scope.cancel()
+    await producer.aclose()

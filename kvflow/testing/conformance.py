@@ -452,6 +452,7 @@ class Harness:
             lambda layer: _spans(layout, layer, chunks),
             layer_loaded,
             source,
+            list(chunks.blocks),
         )
         return job, signalled
 

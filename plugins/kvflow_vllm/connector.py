@@ -24,7 +24,13 @@ from kvflow.config import ConfigError, KVFlowConfig, parse_config, parse_options
 from kvflow.eventlog import JsonlEventLog
 from kvflow.events import EventBus, Origin
 from kvflow.keys import Fingerprint
-from kvflow.layout import KVLayout, LayoutError, block_geometry
+from kvflow.layout import (
+    KVLayout,
+    LayerGeometry,
+    LayoutError,
+    block_geometry,
+    geometry_from_strides,
+)
 from kvflow.metadata import WorkerPlan, decode_plan, encode_plan
 from kvflow.pd import PdParamsError, parse_pd_params
 from kvflow.runtime import Runtime
@@ -120,29 +126,52 @@ def layout_from_tensors(
 
     On CPU (vLLM's CPU_ATTN backend, `[blocks, heads, block_size, 2*head_size]`
     with K packed per instruction set) blocks are opaque, so the geometry is
-    block-granular. Elsewhere the block and token dimensions are found by size.
+    block-granular, over memoryviews. On CUDA the block dimension is the first
+    of size `num_blocks` and the token dimension the next of size `block_size`
+    (FlashAttention `[2, blocks, block_size, heads, head]`, FlashInfer
+    `[blocks, 2, block_size, heads, head]`); the layers are flat uint8 tensors.
     """
-    names, geos, bufs = [], [], []
+    names, geos, bufs, tensors = [], [], [], []
     memory = "cpu"
     for name, t in kv_caches.items():
         shape, strides = list(t.shape), list(t.stride())
         memory = t.device.type
-        if memory != "cpu":
-            raise LayoutError(
-                f"kvflow: layer {name} is in {memory} memory; this version moves CPU KV "
-                "caches only (CUDA staging is planned)"
-            )
-        if shape[0] != num_blocks:
-            raise LayoutError(
-                f"kvflow: layer {name} has shape {tuple(shape)}; expected {num_blocks} blocks first"
-            )
-        geos.append(block_geometry(shape, strides, t.element_size()))
-        whole = torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage())
+        whole = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
         start = t.storage_offset() * t.element_size()
-        bufs.append(memoryview(whole.numpy()).cast("B")[start:])  # type: ignore[arg-type]
+        if memory == "cpu":
+            if shape[0] != num_blocks:
+                raise LayoutError(
+                    f"kvflow: layer {name} has shape {tuple(shape)}; "
+                    f"expected {num_blocks} blocks first"
+                )
+            geos.append(block_geometry(shape, strides, t.element_size()))
+            bufs.append(memoryview(whole.numpy()).cast("B")[start:])  # type: ignore[arg-type]
+        else:
+            geos.append(_device_geometry(name, t, num_blocks, block_size))
+            tensors.append(whole[start:])
         names.append(name)
     return KVLayout(
-        names=names, geometries=geos, buffers=bufs, memory=memory, block_size=block_size
+        names=names,
+        geometries=geos,
+        buffers=bufs,
+        memory=memory,
+        block_size=block_size,
+        tensors=tensors,
+    )
+
+
+def _device_geometry(name: str, t: torch.Tensor, num_blocks: int, block_size: int) -> LayerGeometry:
+    shape = list(t.shape)
+    try:
+        block_dim = shape.index(num_blocks)
+        token_dim = shape.index(block_size, block_dim + 1)
+    except ValueError:
+        raise LayoutError(
+            f"kvflow: layer {name} has shape {tuple(shape)}; expected a dimension of "
+            f"{num_blocks} blocks followed by one of {block_size} tokens"
+        ) from None
+    return geometry_from_strides(
+        shape, list(t.stride()), t.element_size(), block_dim=block_dim, token_dim=token_dim
     )
 
 

@@ -1,4 +1,9 @@
-"""The `zmq` peer transport: a producer worker serves held blocks, a consumer pulls them."""
+"""The `zmq` peer transport: a producer worker serves held blocks, a consumer pulls them.
+
+Host (CPU) KV moves as zero-copy ZMQ frames, layer by layer. CUDA KV on one
+host moves device to device over CUDA IPC (`_ipc`); ZMQ then carries only the
+control frames.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ import trio
 import zmq
 
 from kvflow.keys import ChunkKey
+from kvflow.layout import KVLayout
 from kvflow.peer import HeldOffers
 from kvflow.transport import (
     Capabilities,
@@ -18,6 +24,7 @@ from kvflow.transport import (
     ChunkMissing,
     LoadJob,
     Offer,
+    PeerSource,
     SaveJob,
     Transport,
     TransportContext,
@@ -25,6 +32,7 @@ from kvflow.transport import (
 )
 from kvflow.zmqio import TrioSocket, bind_loopback
 
+from . import _ipc as ipc
 from . import _wire as wire
 
 log = logging.getLogger("kvflow.zmq")
@@ -37,12 +45,17 @@ class ZmqOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Address the producer binds and advertises; loopback unless told otherwise."""
     port: int = 0
     """0: a free port, chosen at start and advertised; a taken fixed port is an error."""
+    ipc_lease_s: float = 30.0
+    """CUDA IPC: how long a consumer may copy a request's blocks out of the producer's
+    memory before the producer may hand them back to vLLM regardless."""
 
 
 class ZmqTransport(Transport):
     name = "zmq"
     Options = ZmqOptions
-    capabilities = Capabilities(store=False, peer=True, memory=frozenset({"cpu"}))
+    capabilities = Capabilities(store=False, peer=True, memory=frozenset({"cpu", "cuda"}))
+    device_type: type[ipc.Device] = ipc.CudaDevice
+    """How device memory is shared (tests on machines without a GPU swap in a stand-in)."""
 
     def __init__(self, options: ZmqOptions, context: TransportContext) -> None:
         super().__init__(options, context)
@@ -50,6 +63,10 @@ class ZmqTransport(Transport):
         self._zmq = zmq.Context()
         self._router: TrioSocket | None = None
         self.held = HeldOffers()
+        self._device = self.device_type()
+        self._handles: list[ipc.IpcHandle] = []
+        self._opened: dict[tuple[str, bytes], list[Any]] = {}
+        """Producers' layers opened by this consumer, by (address, first handle)."""
 
     async def open(self) -> None:
         if self.context.role != "worker":
@@ -63,7 +80,13 @@ class ZmqTransport(Transport):
             raise TransportError(f"kv_connector_extra_config['options']: {exc}") from None
         self._router = TrioSocket(sock)
 
+    async def register(self, layout: KVLayout) -> None:
+        await super().register(layout)
+        if layout.memory != "cpu":  # exported once, sent with every pull
+            self._handles = [self._device.export(t) for t in layout.tensors]
+
     async def aclose(self) -> None:
+        self._opened.clear()
         self._zmq.destroy(linger=0)
 
     # -- store methods: not a store ----------------------------------------
@@ -81,21 +104,38 @@ class ZmqTransport(Transport):
         router = self._router
         if router is None:
             raise TransportError("zmq serve() needs a worker-side transport")
-        while True:
-            ident, data = await router.recv_multipart()
-            try:
-                msg = wire.decode_to_producer(data)
-            except wire.BadFrame as exc:
-                log.warning("kvflow zmq: dropped a bad frame from a peer: %s", exc)
-                continue
-            if not isinstance(msg, wire.Pull):
-                self.held.release(msg.req, "done" if isinstance(msg, wire.Done) else msg.reason)
-            elif msg.req not in self.held or msg.version != wire.WIRE_VERSION:
-                why = "wire version" if msg.req in self.held else "unknown or expired request"
-                await router.send_multipart([ident, wire.encode(wire.Refused(msg.req, why))])
-            else:
-                with self.held.reading(msg.req) as offer:
-                    await self._send_layers(router, ident, offer)
+        async with trio.open_nursery() as leases:
+            while True:
+                ident, data = await router.recv_multipart()
+                try:
+                    msg = wire.decode_to_producer(data)
+                except wire.BadFrame as exc:
+                    log.warning("kvflow zmq: dropped a bad frame from a peer: %s", exc)
+                    continue
+                if not isinstance(msg, wire.Pull):
+                    outcome = "done" if isinstance(msg, wire.Done) else msg.reason
+                    self.held.release(msg.req, outcome)
+                elif msg.req not in self.held or msg.version != wire.WIRE_VERSION:
+                    why = "wire version" if msg.req in self.held else "unknown or expired request"
+                    await router.send_multipart([ident, wire.encode(wire.Refused(msg.req, why))])
+                elif self._handles:
+                    leases.start_soon(self.held.lend, msg.req, self.options.ipc_lease_s)
+                    await router.send_multipart([ident, wire.encode(self._ipc_reply(msg.req))])
+                else:
+                    with self.held.reading(msg.req) as offer:
+                        await self._send_layers(router, ident, offer)
+
+    def _ipc_reply(self, req: str) -> wire.Ipc:
+        offer = self.held.get(req)
+        assert offer is not None and self.context.layout is not None
+        return wire.Ipc(
+            req,
+            ipc.host_id(),
+            list(self.context.layout.geometries),
+            list(offer.block_ids),
+            self.options.ipc_lease_s,
+            self._handles,
+        )
 
     async def _send_layers(self, router: TrioSocket, ident: bytes, o: Offer) -> None:
         trackers: list[zmq.MessageTracker] = []
@@ -125,12 +165,21 @@ class ZmqTransport(Transport):
         address = src.addresses[self.context.shards.index(self.context.shard)]
         try:
             sock.sock.connect(address)
+            pulled = trio.current_time()  # a lease can start no earlier than this
             await sock.send_multipart([wire.encode(wire.Pull(src.req))])
             for layer in range(job.num_layers):
                 frames: list[Any] = await sock.recv_multipart(copy=False)
                 msg = wire.decode_to_consumer(frames[0].buffer)
                 if isinstance(msg, wire.Refused):
                     raise ChunkMissing(f"producer {address} refused {src.req}: {msg.reason}")
+                if isinstance(msg, wire.Ipc):
+                    await self._copy_ipc(job, src, msg, address, pulled)
+                    break
+                if self._layout().memory != "cpu":
+                    raise TransportError(
+                        f"producer {address} sends host memory; this consumer's KV cache is "
+                        f"in {self._layout().memory} memory (both sides need the same kind)"
+                    )
                 dest = [s for chunk in job.spans(layer) for s in chunk]
                 sizes = [len(d) for d in dest]
                 if msg.layer != layer or msg.sizes != sizes or len(frames) != len(dest) + 1:
@@ -151,3 +200,57 @@ class ZmqTransport(Transport):
                 sock.close(linger_ms=200)  # let Done/Failed reach the producer
             except zmq.ZMQError:
                 sock.close()
+
+    def _layout(self) -> KVLayout:
+        if self.context.layout is None:
+            raise TransportError("zmq load() needs a registered worker-side transport")
+        return self.context.layout
+
+    async def _copy_ipc(
+        self, job: LoadJob, src: PeerSource, msg: wire.Ipc, address: str, leased: float
+    ) -> None:
+        """Copy the offered blocks device to device out of the producer's memory."""
+        layout = self._layout()
+        here = ipc.host_id()
+        if layout.memory == "cpu":
+            raise TransportError(
+                f"producer {address} offers CUDA memory; this consumer's KV cache is in host "
+                "memory (both sides need the same kind)"
+            )
+        if msg.host != here:
+            raise TransportError(
+                f"CUDA IPC needs producer and consumer on one host: {address} is on "
+                f"{msg.host}, this consumer on {here}"
+            )
+        unpaged = [msgspec.structs.replace(g, num_blocks=0) for g in msg.geometries]
+        if unpaged != [msgspec.structs.replace(g, num_blocks=0) for g in layout.geometries]:
+            raise ChunkCorrupt(f"producer {address} has another KV layout than this consumer")
+        if msg.block_ids != src.block_ids or len(job.block_ids) != len(src.block_ids):
+            raise ChunkCorrupt(
+                f"producer {address} offers blocks {msg.block_ids}; the consumer asked for "
+                f"{src.block_ids} into {len(job.block_ids)} blocks"
+            )
+        key = (address, msg.handles[0].handle if msg.handles else b"")
+        if key not in self._opened:
+            self._opened[key] = [self._device.open(h) for h in msg.handles]
+        theirs = self._opened[key]
+        for layer in range(job.num_layers):
+            ours = layout.tensors[layer]
+            with self._device.stream(ours.device):
+                ipc.copy_chunks(
+                    theirs[layer],
+                    msg.geometries[layer],
+                    ours,
+                    layout.geometries[layer],
+                    src.block_ids,
+                    job.block_ids,
+                    job.token_counts,
+                )
+            await self._device.done(ours.device)
+            if trio.current_time() - leased > msg.lease_s:
+                raise TransportError(
+                    f"copying from {address} outlived the producer's lease of {msg.lease_s}s "
+                    "(ipc_lease_s): its blocks may be reused",
+                    chunk=0,
+                )
+            job.layer_loaded(layer)

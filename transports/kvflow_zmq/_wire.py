@@ -4,7 +4,10 @@ A pull is one DEALER->ROUTER conversation:
 
     consumer -> producer   Pull(req)
     producer -> consumer   Layer(req, layer, sizes) + one raw frame per span, per layer
-                           (or Refused(req, reason))
+                           (host memory), or
+                           Ipc(req, host, geometries, block_ids, handles) (CUDA memory:
+                           the consumer copies device to device), or
+                           Refused(req, reason)
     consumer -> producer   Done(req) | Failed(req, reason)
 """
 
@@ -14,10 +17,14 @@ from typing import TypeVar
 
 import msgspec
 
+from kvflow.layout import LayerGeometry
+
+from ._ipc import IpcHandle
+
 T = TypeVar("T")
 
 WIRE_VERSION = 1
-MAX_CONTROL_BYTES = 64 << 10
+MAX_CONTROL_BYTES = 1 << 20
 
 
 class Pull(msgspec.Struct, tag=True, frozen=True):
@@ -30,6 +37,19 @@ class Layer(msgspec.Struct, tag=True, frozen=True):
     layer: int
     sizes: list[int]
     """Byte size of each data frame that follows, chunk by chunk, span by span."""
+
+
+class Ipc(msgspec.Struct, tag=True, frozen=True):
+    req: str
+    host: str
+    """`_ipc.host_id()` of the producer: the handles open on that host only."""
+    geometries: list[LayerGeometry]
+    block_ids: list[int]
+    """The offered blocks, in chunk order."""
+    lease_s: float
+    """The consumer must have copied everything within this long of receiving this."""
+    handles: list[IpcHandle]
+    """One per layer, exported once at registration."""
 
 
 class Refused(msgspec.Struct, tag=True, frozen=True):
@@ -47,7 +67,7 @@ class Failed(msgspec.Struct, tag=True, frozen=True):
 
 
 ToProducer = Pull | Done | Failed
-ToConsumer = Layer | Refused
+ToConsumer = Layer | Ipc | Refused
 
 _encoder = msgspec.msgpack.Encoder()
 _to_producer = msgspec.msgpack.Decoder(ToProducer)

@@ -1,0 +1,164 @@
+"""CUDA IPC for the `zmq` transport: on one host, KV moves device to device and ZMQ
+carries only control frames.
+
+The producer exports one IPC handle per layer when vLLM registers its caches
+(`export`); a consumer opens a producer's handles once and caches them
+(`open`), then copies the offered blocks straight out of the producer's
+memory into its own on a side stream, and signals a layer once the copy's
+CUDA event has completed (`Device.done`, polled from trio, never blocking
+the loop).
+
+Handles are the fields of torch's `UntypedStorage._share_cuda_()`, the same
+mechanism `torch.multiprocessing` uses, carried as a msgspec Struct (never
+pickle). `Device` is the one seam between this module and the GPU: the
+copies themselves are plain torch indexing and run on any device, which is
+how the CPU test suite checks them (with an in-process stand-in for the
+handles) where no GPU exists.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import torch
+import trio
+
+from kvflow.layout import LayerGeometry
+
+__all__ = ["CudaDevice", "Device", "IpcHandle", "copy_chunks", "host_id"]
+
+
+class IpcHandle(msgspec.Struct, array_like=True, frozen=True):
+    """One layer's memory, exported by the producer (torch's `_share_cuda_()` fields)."""
+
+    device: int
+    handle: bytes
+    size: int
+    offset: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+    start: int
+    """Byte offset of the layer's first byte in the exported storage."""
+    nbytes: int
+
+
+def host_id() -> str:
+    """This machine's identity: CUDA IPC handles only open on the host that made them."""
+    boot = Path("/proc/sys/kernel/random/boot_id")
+    return f"{socket.gethostname()}/{boot.read_text().strip() if boot.exists() else ''}"
+
+
+class Device:
+    """How layer memory is shared and copies are awaited; `CudaDevice` is the real one."""
+
+    def export(self, layer: torch.Tensor) -> IpcHandle:
+        raise NotImplementedError
+
+    def open(self, handle: IpcHandle) -> torch.Tensor:
+        raise NotImplementedError
+
+    @contextlib.contextmanager
+    def stream(self, device: torch.device) -> Iterator[None]:
+        yield
+
+    async def done(self, device: torch.device) -> None:
+        """Wait until the copies queued under `stream(device)` have landed."""
+        await trio.lowlevel.checkpoint()
+
+
+class CudaDevice(Device):
+    def __init__(self) -> None:
+        self._streams: dict[torch.device, Any] = {}
+
+    def export(self, layer: torch.Tensor) -> IpcHandle:
+        storage = layer.untyped_storage()
+        dev, handle, size, offset, rc_handle, rc_offset, ev_handle, ev_sync = storage._share_cuda_()
+        return IpcHandle(
+            int(dev),
+            bytes(handle),
+            int(size),
+            int(offset),
+            bytes(rc_handle),
+            int(rc_offset),
+            bytes(ev_handle or b""),
+            bool(ev_sync),
+            start=int(layer.storage_offset()),
+            nbytes=layer.numel(),
+        )
+
+    def open(self, handle: IpcHandle) -> torch.Tensor:
+        torch.cuda._lazy_init()
+        storage = torch.UntypedStorage._new_shared_cuda(
+            handle.device,
+            handle.handle,
+            handle.size,
+            handle.offset,
+            handle.ref_counter_handle,
+            handle.ref_counter_offset,
+            handle.event_handle or None,
+            handle.event_sync_required,
+        )
+        whole = torch.empty(0, dtype=torch.uint8, device=f"cuda:{handle.device}")
+        whole.set_(storage)
+        return whole[handle.start : handle.start + handle.nbytes]
+
+    @contextlib.contextmanager
+    def stream(self, device: torch.device) -> Iterator[None]:
+        if device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device)
+        with torch.cuda.stream(self._streams[device]):
+            yield
+
+    async def done(self, device: torch.device) -> None:
+        event = torch.cuda.Event()
+        event.record(self._streams[device])
+        delay = 2e-5
+        while not event.query():  # CUDA completion is poll-only from trio's point of view
+            await trio.sleep(delay)
+            delay = min(delay * 2, 1e-3)
+
+
+def _block_views(flat: torch.Tensor, g: LayerGeometry) -> list[torch.Tensor]:
+    """One `[num_blocks, run]` view per plane of a layer: row b is block b's run."""
+    run = g.block_bytes or g.block_size * g.token_bytes
+    base = flat.storage_offset()
+    return [
+        flat.as_strided((g.num_blocks, run), (g.block_stride, 1), base + off)
+        for off in g.plane_offsets
+    ]
+
+
+def copy_chunks(
+    src: torch.Tensor,
+    g_src: LayerGeometry,
+    dst: torch.Tensor,
+    g_dst: LayerGeometry,
+    src_blocks: Sequence[int],
+    dst_blocks: Sequence[int],
+    token_counts: Sequence[int],
+) -> None:
+    """Queue the copy of chunk i from `src_blocks[i]` to `dst_blocks[i]` (one layer; the
+    geometries differ at most in their number of blocks).
+
+    Full chunks go in one gather/scatter per plane; a partial chunk of a
+    token-granular layer moves only its tokens, so nothing past them is written.
+    """
+    full = [i for i, n in enumerate(token_counts) if g_dst.block_bytes or n == g_dst.block_size]
+    partial = sorted(set(range(len(token_counts))) - set(full))
+    views = list(zip(_block_views(src, g_src), _block_views(dst, g_dst), strict=True))
+    if full:
+        si = torch.tensor([src_blocks[i] for i in full], device=src.device)
+        di = torch.tensor([dst_blocks[i] for i in full], device=dst.device)
+        for s, d in views:
+            d.index_copy_(0, di, s.index_select(0, si).to(dst.device, non_blocking=True))
+    for i in partial:
+        n = token_counts[i] * g_dst.token_bytes
+        for s, d in views:
+            d[dst_blocks[i], :n].copy_(s[src_blocks[i], :n], non_blocking=True)
