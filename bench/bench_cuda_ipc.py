@@ -1,0 +1,188 @@
+"""Benchmark and check: the `zmq` transport's CUDA IPC path against a plain
+device-to-device copy of the same blocks, in the same run.
+
+    python bench/bench_cuda_ipc.py            # 32 layers x 512 blocks of 16 tokens
+    python bench/bench_cuda_ipc.py --quick    # a few seconds; what the test suite runs
+
+A producer process (CUDA IPC handles do not open in the process that exported
+them) registers FlashAttention-shaped KV caches (`[2, blocks, 16, 8, 128]`
+float16 per layer: 64 KiB per block and layer, Llama-3-8B's geometry) with a
+`zmq` transport and offers the same blocks once per request; this process, the
+consumer, pulls each request into other blocks of its own caches and checks
+every byte. The baseline is what the pull does at best: `index_copy_` of the
+same blocks between two tensors of this process on the same GPU, timed the
+same way (wall time including synchronisation). Prints GB/s for both and their
+ratio, and writes bench/results/cuda_ipc.json. Needs an NVIDIA GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import statistics
+import sys
+import time
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import torch
+import trio
+
+from kvflow.layout import KVLayout, geometry_from_strides
+from kvflow.transport import LoadJob, Offer, PeerSource, TransportContext
+from kvflow_zmq import ZmqOptions, ZmqTransport
+
+BLOCK, HEADS, HEAD_DIM = 16, 8, 128
+
+
+def make_layout(layers: int, blocks: int, seed: int) -> tuple[KVLayout, list[torch.Tensor]]:
+    """FlashAttention-shaped caches filled from `seed`, and the tensors themselves."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    caches = [
+        torch.randn(2, blocks, BLOCK, HEADS, HEAD_DIM, generator=gen, device="cuda").half()
+        for _ in range(layers)
+    ]
+    geos = [
+        geometry_from_strides(
+            list(t.shape), list(t.stride()), t.element_size(), block_dim=1, token_dim=2
+        )
+        for t in caches
+    ]
+    flat = [
+        torch.empty(0, dtype=torch.uint8, device="cuda").set_(t.untyped_storage()) for t in caches
+    ]
+    layout = KVLayout(
+        names=[f"layer{i}" for i in range(layers)],
+        geometries=geos,
+        buffers=[],
+        memory="cuda",
+        block_size=BLOCK,
+        tensors=flat,
+    )
+    return layout, caches
+
+
+def _context(layout: KVLayout) -> TransportContext:
+    return TransportContext("bench", "worker", "ns", "tp0of1pp0", ["tp0of1pp0"], layout)
+
+
+def producer_main(conn: Connection, layers: int, blocks: int, requests: int) -> None:
+    async def run() -> None:
+        layout, _ = make_layout(layers, blocks, seed=1)
+        t = ZmqTransport(ZmqOptions(), _context(layout))
+        await t.open()
+        await t.register(layout)
+        outcomes = []
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(t.serve)
+            conn.send(t.address)
+            for r in range(requests):
+                ids = list(range(blocks // 2))
+                offer = Offer(f"r{r}", ids, [BLOCK] * len(ids), layers, lambda layer: [])
+                outcomes.append(await t.offer(offer))
+            nursery.cancel_scope.cancel()
+        conn.send(outcomes)
+        await t.aclose()
+
+    trio.run(run)
+
+
+def plain_copy_gbs(caches: list[torch.Tensor], src: list[int], dst: list[int]) -> float:
+    """Best of 5: the same blocks copied between two tensors of this process."""
+    other = [c.clone() for c in caches]
+    si, di = torch.tensor(src, device="cuda"), torch.tensor(dst, device="cuda")
+    nbytes = sum(c[:, 0].numel() * c.element_size() for c in caches) * len(src)
+    best = float("inf")
+    for _ in range(5):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for c, o in zip(caches, other, strict=True):
+            o.index_copy_(1, di, c.index_select(1, si))
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best / 1e9
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--blocks", type=int, default=1024, help="blocks per cache; half move")
+    ap.add_argument("--requests", type=int, default=6)
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    if args.quick:
+        args.layers, args.blocks, args.requests = 4, 64, 3
+    if not torch.cuda.is_available():
+        print("bench_cuda_ipc: no CUDA device here", file=sys.stderr)
+        return 2
+    parent, child = mp.get_context("spawn").Pipe()
+    proc = mp.get_context("spawn").Process(
+        target=producer_main, args=(child, args.layers, args.blocks, args.requests)
+    )
+    proc.start()
+    address = parent.recv()
+    layout, caches = make_layout(args.layers, args.blocks, seed=2)
+    _, expected = make_layout(args.layers, args.blocks, seed=1)  # the producer's bytes
+    half = args.blocks // 2
+    src_ids = list(range(half))
+    dst_ids = list(range(args.blocks - 1, half - 1, -1))  # other blocks, reversed
+    secs: list[float] = []
+    equal = True
+
+    async def consume() -> None:
+        nonlocal equal
+        t = ZmqTransport(ZmqOptions(), _context(layout))
+        await t.open()
+        await t.register(layout)
+        for r in range(args.requests):
+            signalled: list[int] = []
+            job = LoadJob(
+                f"c{r}",
+                [""] * half,
+                [BLOCK] * half,
+                args.layers,
+                lambda layer: [],
+                signalled.append,
+                PeerSource("bench", [address], f"r{r}", src_ids),
+                dst_ids,
+            )
+            t0 = time.perf_counter()
+            await t.load(job)
+            torch.cuda.synchronize()
+            secs.append(time.perf_counter() - t0)
+            got = [c[:, dst_ids] for c in caches]
+            want = [e[:, src_ids] for e in expected]
+            equal &= all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+            equal &= signalled == list(range(args.layers))
+        await t.aclose()
+
+    trio.run(consume)
+    outcomes = parent.recv()
+    proc.join(30)
+    nbytes = sum(c[:, 0].numel() * c.element_size() for c in caches) * half
+    ipc_gbs = nbytes / statistics.median(secs[1:] or secs) / 1e9  # the first pull opens handles
+    plain = plain_copy_gbs(caches, src_ids, dst_ids)
+    result: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(),
+        "layers": args.layers,
+        "blocks_moved": half,
+        "bytes_per_request": nbytes,
+        "first_pull_s": secs[0],
+        "ipc_pull_gbs": ipc_gbs,
+        "plain_d2d_gbs": plain,
+        "ratio": ipc_gbs / plain,
+        "bytes_equal": equal,
+        "producer_outcomes": outcomes,
+    }
+    print(json.dumps(result, indent=2))
+    print(f"bytes equal: {'yes' if equal else 'NO'}")
+    if not args.quick:
+        out = Path(__file__).parent / "results" / "cuda_ipc.json"
+        out.write_text(json.dumps(result, indent=2) + "\n")
+    return 0 if equal and outcomes == ["done"] * args.requests else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
