@@ -460,7 +460,7 @@ def test_a_failed_lookup_is_a_miss(make_runtime: MakeRuntime, hang: bool) -> Non
     answered = rec.wait_for(LookupAnswered, "r")
     assert time.monotonic() - t0 < 5.0  # 5 s of mock time
     assert answered.hit_tokens == 0
-    assert ("timed out" if hang else "store unreachable") in answered.error
+    assert ("lookup_timeout_s" if hang else "store unreachable") in answered.error
     assert sched.lookup("r", 0) == 0
     assert rt.task_errors == 0  # handled, not a crashed task
 
