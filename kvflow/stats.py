@@ -1,0 +1,128 @@
+"""Transfer statistics for vLLM's metrics: collected from events, merged across workers.
+
+vLLM asks each worker (and the scheduler) for the stats of the last interval,
+merges them with `aggregate`, and reduces the merge to a few numbers. The
+data is a plain dict of lists and counters (it crosses process boundaries as
+is). Throughput is bytes over the *wall time during which transfers of that
+direction were in flight* (the union of their [start, end] intervals, from the
+host-wide monotonic clock), so two workers each moving 1 GB in the same second
+report 2 GB/s, not 1 GB/s (averaging) or 4 GB/s (summing overlapping
+durations).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+from typing import Any
+
+from .events import (
+    Event,
+    LoadStarted,
+    LookupAnswered,
+    LookupRequested,
+    RequestFinished,
+    SaveStarted,
+    TransferDone,
+    TransferFailed,
+)
+
+__all__ = ["StatsCollector", "busy_seconds", "empty", "merge", "reduce"]
+
+DIRECTIONS = ("load", "save", "send")
+COUNTERS = (
+    "lookups",
+    "hit_tokens",
+    "miss_tokens",
+    "requests_lent",
+    "failures",
+    "timeouts",
+    *(f"{d}_tokens" for d in DIRECTIONS),
+)
+
+
+def empty() -> dict[str, Any]:
+    """Stats of an interval in which nothing happened."""
+    data: dict[str, Any] = {c: 0 for c in COUNTERS}
+    data["transfers"] = []  # [direction, nbytes, start, end] per finished transfer
+    return data
+
+
+def merge(into: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
+    """Add `other`'s observations to `into` (returned)."""
+    for c in COUNTERS:
+        into[c] = into.get(c, 0) + other.get(c, 0)
+    into.setdefault("transfers", []).extend(other.get("transfers", []))
+    return into
+
+
+def busy_seconds(intervals: Iterable[tuple[float, float]]) -> float:
+    """Length of the union of [start, end] intervals."""
+    total, end = 0.0, float("-inf")
+    for lo, hi in sorted(intervals):
+        if hi <= end:
+            continue
+        total += hi - max(lo, end)
+        end = hi
+    return total
+
+
+def reduce(data: dict[str, Any]) -> dict[str, int | float]:
+    """The interval in a few numbers, for vLLM's periodic log line."""
+    out: dict[str, int | float] = {c: data.get(c, 0) for c in COUNTERS}
+    for d in DIRECTIONS:
+        mine = [t for t in data.get("transfers", []) if t[0] == d]
+        nbytes = sum(t[1] for t in mine)
+        busy = busy_seconds((t[2], t[3]) for t in mine)
+        out[f"{d}_transfers"] = len(mine)
+        out[f"{d}_MB"] = round(nbytes / 1e6, 3)
+        out[f"{d}_GBps"] = round(nbytes / busy / 1e9, 3) if busy > 0 else 0.0
+    return out
+
+
+def is_empty(data: dict[str, Any]) -> bool:
+    return not data.get("transfers") and not any(data.get(c, 0) for c in COUNTERS)
+
+
+class StatsCollector:
+    """An EventBus subscriber (trio thread) whose `take()` (any thread) returns and
+    resets the observations since the last call."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._data = empty()
+        self._tokens: dict[tuple[str, str], int] = {}
+        """(request, direction) -> tokens of a transfer in flight."""
+        self._asked: dict[str, int] = {}
+        """Request -> prompt tokens of a lookup in flight."""
+
+    def __call__(self, event: Event) -> None:
+        with self._lock:
+            d = self._data
+            if isinstance(event, LookupRequested):
+                self._asked[event.req] = event.num_tokens
+            elif isinstance(event, LookupAnswered):
+                asked = self._asked.pop(event.req, event.hit_tokens)
+                d["lookups"] += 1
+                d["hit_tokens"] += event.hit_tokens
+                d["miss_tokens"] += max(0, asked - event.hit_tokens)
+            elif isinstance(event, LoadStarted | SaveStarted):
+                direction = "load" if isinstance(event, LoadStarted) else "save"
+                self._tokens[(event.req, direction)] = event.tokens
+            elif isinstance(event, TransferDone):
+                d[f"{event.direction}_tokens"] += self._tokens.pop((event.req, event.direction), 0)
+                d["transfers"].append(
+                    [event.direction, event.nbytes, event.ts - event.elapsed_s, event.ts]
+                )
+            elif isinstance(event, TransferFailed):
+                self._tokens.pop((event.req, event.direction), None)
+                d["failures"] += 1
+                d["timeouts"] += int(event.timed_out)
+            elif isinstance(event, RequestFinished) and event.lent:
+                d["requests_lent"] += 1
+
+    def take(self) -> dict[str, Any] | None:
+        """The observations since the last `take()`, or None if there were none."""
+        with self._lock:
+            data, self._data = self._data, empty()
+        return None if is_empty(data) else data

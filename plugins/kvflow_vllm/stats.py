@@ -1,0 +1,110 @@
+"""kvflow's transfer statistics in vLLM's metrics: the periodic log line and Prometheus.
+
+`KVFlowStats` wraps `kvflow.stats` data (collected from events in each
+worker and the scheduler) in vLLM's `KVConnectorStats`; vLLM merges the
+workers' stats with `aggregate` and logs `reduce()`. `KVFlowPromMetrics`
+turns each merged interval into Prometheus histograms (transfer time and
+size, per direction) and counters (lookup hit/miss tokens, failures,
+timeouts, lent requests).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.config import VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+    PromMetric,
+    PromMetricT,
+)
+from vllm.v1.metrics.utils import create_metric_per_engine
+
+from kvflow import stats
+
+__all__ = ["KVFlowPromMetrics", "KVFlowStats"]
+
+
+@dataclass
+class KVFlowStats(KVConnectorStats):
+    def __post_init__(self) -> None:
+        if not self.data:
+            self.reset()
+
+    def reset(self) -> None:
+        self.data = stats.empty()
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        stats.merge(self.data, other.data)
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return stats.reduce(self.data)
+
+    def is_empty(self) -> bool:
+        return stats.is_empty(self.data)
+
+
+SECONDS = [0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
+BYTES = [2.0 ** (14 + 2 * i) for i in range(10)]  # 16 KiB .. 4 GiB
+COUNTED = {
+    "hit_tokens": "Prompt tokens found in kvflow's store by lookups",
+    "miss_tokens": "Prompt tokens lookups did not find",
+    "failures": "kvflow transfers that failed (the blocks were recomputed or the request failed)",
+    "timeouts": "kvflow transfers that timed out (also counted as failures)",
+    "requests_lent": "Finished requests whose blocks a P/D producer held for a consumer",
+}
+
+
+class KVFlowPromMetrics(KVConnectorPromMetrics):
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        labels = [*labelnames, "direction"]
+        histogram: Any = self._histogram_cls  # prometheus_client classes (or vLLM's wrappers)
+        counter: Any = self._counter_cls
+
+        def per_direction(metric: Any) -> dict[int, dict[str, Any]]:
+            return {
+                idx: {d: metric.labels(*values, d) for d in stats.DIRECTIONS}
+                for idx, values in self.per_engine_labelvalues.items()
+            }
+
+        self.seconds = per_direction(
+            histogram(
+                name="vllm:kvflow_transfer_seconds",
+                documentation="Duration of kvflow KV transfers (load, save, send)",
+                buckets=SECONDS,
+                labelnames=labels,
+            )
+        )
+        self.nbytes = per_direction(
+            histogram(
+                name="vllm:kvflow_transfer_bytes",
+                documentation="Size of kvflow KV transfers (load, save, send)",
+                buckets=BYTES,
+                labelnames=labels,
+            )
+        )
+        self.counters: dict[str, dict[int, Any]] = {
+            key: create_metric_per_engine(
+                counter(name=f"vllm:kvflow_{key}", documentation=doc, labelnames=labelnames),
+                self.per_engine_labelvalues,
+            )
+            for key, doc in COUNTED.items()
+        }
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for direction, nbytes, start, end in transfer_stats_data.get("transfers", []):
+            self.seconds[engine_idx][direction].observe(end - start)
+            self.nbytes[engine_idx][direction].observe(nbytes)
+        for key, per_engine in self.counters.items():
+            if value := transfer_stats_data.get(key, 0):
+                per_engine[engine_idx].inc(value)

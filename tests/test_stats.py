@@ -1,0 +1,117 @@
+"""kvflow's stats for vLLM: collected from events, merged across workers like vLLM
+merges them, reduced, and exported to Prometheus through vLLM's own classes."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from kvflow import stats
+from kvflow.events import (
+    Event,
+    LoadStarted,
+    LookupAnswered,
+    LookupRequested,
+    RequestFinished,
+    SaveStarted,
+    TransferDone,
+    TransferFailed,
+)
+
+MB = 1_000_000
+
+
+def done(direction: Any, nbytes: int, start: float, end: float, req: str = "r") -> TransferDone:
+    return TransferDone(
+        ts=end, req=req, direction=direction, chunks=1, nbytes=nbytes, elapsed_s=end - start
+    )
+
+
+def test_collector_counts_lookups_tokens_failures_and_lent_requests() -> None:
+    c = stats.StatsCollector()
+    events: list[Event] = [
+        LookupRequested(req="a", num_tokens=100, num_chunks=4),
+        LookupAnswered(req="a", hit_tokens=64, elapsed_s=0.001),
+        LoadStarted(req="a", chunks=2, tokens=64, nbytes=2 * MB, transport="fs"),
+        done("load", 2 * MB, 10.0, 10.5, "a"),
+        SaveStarted(req="b", chunks=1, tokens=32, nbytes=MB, transport="fs"),
+        TransferFailed(req="b", direction="save", reason="disk full"),
+        TransferFailed(req="c", direction="load", reason="slow", timed_out=True),
+        RequestFinished(req="d", lent=True),
+        RequestFinished(req="e", lent=False),
+    ]
+    for e in events:
+        c(e)
+    data = c.take()
+    assert data is not None
+    assert (data["lookups"], data["hit_tokens"], data["miss_tokens"]) == (1, 64, 36)
+    assert (data["load_tokens"], data["save_tokens"]) == (64, 0), "a failed save moved nothing"
+    assert (data["failures"], data["timeouts"], data["requests_lent"]) == (2, 1, 1)
+    assert data["transfers"] == [["load", 2 * MB, 10.0, 10.5]]
+    assert c.take() is None, "take() resets the interval"
+
+
+def test_busy_seconds_is_the_union_of_intervals() -> None:
+    assert stats.busy_seconds([]) == 0.0
+    assert stats.busy_seconds([(0, 1), (0.5, 1.5), (3, 4), (3.2, 3.8)]) == pytest.approx(2.5)
+
+
+def test_throughput_of_overlapping_workers_is_bytes_over_wall_time() -> None:
+    """Two workers each load 1 GB in the same second: 2 GB/s, not 1 (mean) or 4 (sum of
+    per-transfer durations halved... or any other double count)."""
+    w0, w1 = stats.empty(), stats.empty()
+    w0["transfers"] = [["load", 1000 * MB, 5.0, 6.0]]
+    w1["transfers"] = [["load", 1000 * MB, 5.0, 6.0], ["save", 100 * MB, 7.0, 7.1]]
+    reduced = stats.reduce(stats.merge(w0, w1))
+    assert reduced["load_GBps"] == pytest.approx(2.0)
+    assert reduced["load_transfers"] == 2 and reduced["load_MB"] == 2000
+    assert reduced["save_GBps"] == pytest.approx(1.0)
+    assert reduced["send_GBps"] == 0.0
+
+
+def test_vllm_stats_aggregate_like_vllm_does() -> None:
+    from kvflow_vllm.connector import KVFlowConnector
+    from kvflow_vllm.stats import KVFlowStats
+
+    a = KVFlowConnector.build_kv_connector_stats(
+        {**stats.empty(), "hit_tokens": 5, "transfers": [["load", MB, 0.0, 1.0]]}
+    )
+    b = KVFlowStats(data={**stats.empty(), "hit_tokens": 7, "failures": 1})
+    assert KVFlowStats().is_empty() and not b.is_empty()
+    merged = a.aggregate(b)
+    assert merged.reduce()["hit_tokens"] == 12 and merged.reduce()["failures"] == 1
+    assert merged.reduce()["load_GBps"] == pytest.approx(0.001)
+
+
+def test_prometheus_metrics_observe_histograms_and_counters() -> None:
+    from kvflow_vllm.connector import KVFlowConnector
+
+    registry = CollectorRegistry()
+
+    def bound(cls: type[Any]) -> type[Any]:  # the metric class, in a registry of our own
+        class Bound(cls):
+            def __init__(self, *a: Any, **k: Any) -> None:
+                super().__init__(*a, registry=registry, **k)
+
+        return Bound
+
+    types: dict[type[Any], type[Any]] = {
+        Gauge: bound(Gauge),
+        Counter: bound(Counter),
+        Histogram: bound(Histogram),
+    }
+    config: Any = SimpleNamespace(kv_transfer_config=None)
+    prom = KVFlowConnector.build_prom_metrics(config, types, ["engine"], {0: ["0"]})
+    data = {**stats.empty(), "hit_tokens": 96, "timeouts": 1, "failures": 1}
+    data["transfers"] = [["load", 4 * MB, 1.0, 1.02], ["send", MB, 2.0, 2.5]]
+    prom.observe(data, 0)
+    get = registry.get_sample_value
+    load = {"engine": "0", "direction": "load"}
+    assert get("vllm:kvflow_transfer_seconds_count", load) == 1
+    assert get("vllm:kvflow_transfer_seconds_sum", load) == pytest.approx(0.02)
+    assert get("vllm:kvflow_transfer_bytes_sum", {"engine": "0", "direction": "send"}) == MB
+    assert get("vllm:kvflow_hit_tokens_total", {"engine": "0"}) == 96
+    assert get("vllm:kvflow_timeouts_total", {"engine": "0"}) == 1
