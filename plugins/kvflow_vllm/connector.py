@@ -35,6 +35,7 @@ from kvflow.metadata import WorkerPlan, decode_plan, encode_plan
 from kvflow.pd import PdParamsError, parse_pd_params
 from kvflow.runtime import Runtime
 from kvflow.scheduler import ScheduledRequest, SchedulerEngine
+from kvflow.stats import StatsCollector
 from kvflow.transport import (
     TransportContext,
     TransportError,
@@ -44,8 +45,16 @@ from kvflow.transport import (
 )
 from kvflow.worker import WorkerEngine
 
+from .stats import KVFlowPromMetrics, KVFlowStats
+
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics,
+        KVConnectorStats,
+        PromMetric,
+        PromMetricT,
+    )
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -211,6 +220,8 @@ class KVFlowConnector(KVConnectorBase_V1):
         side: Literal["scheduler", "worker"] = "scheduler" if is_scheduler else "worker"
         self.runtime = Runtime(f"{self.engine_id[:8]}-{side}{'' if is_scheduler else tp_rank}")
         self.bus = EventBus(Origin(self.engine_id, side, tp_rank))
+        self.stats = StatsCollector()
+        self.bus.subscribe(self.stats)
         if self.config.event_log:
             self.bus.subscribe(JsonlEventLog(self.config.event_log))
         ctx = TransportContext(
@@ -264,6 +275,25 @@ class KVFlowConnector(KVConnectorBase_V1):
             ctx.namespace,
             self.config.load_mode,
         )
+
+    # ---------------------------------------------------------------- stats
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        data = self.stats.take()
+        return None if data is None else KVFlowStats(data=data)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
+        return KVFlowStats(data=data) if data else KVFlowStats()
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics:
+        return KVFlowPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
