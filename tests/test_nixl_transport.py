@@ -1,0 +1,299 @@
+"""The `nixl` peer transport on real NIXL agents (UCX, CPU memory) and real sockets: a
+producer holds blocks, a consumer READs them into its own KV memory."""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+
+from kvflow.layout import KVLayout
+from kvflow.testing.layouts import fill_blocks, make_layout
+from kvflow.transport import (
+    ChunkMissing,
+    LoadJob,
+    Offer,
+    PeerSource,
+    TransportContext,
+    TransportError,
+)
+from kvflow_nixl import NixlOptions, NixlTransport
+
+if not any(importlib.util.find_spec(m) for m in ("nixl", "nixl_cu12")):
+    pytest.skip("NIXL is not installed (pip install nixl-cu12==1.5.1)", allow_module_level=True)
+
+BS = 4
+COUNTS = [4, 4, 2]
+
+
+def _ctx(layout: KVLayout | None = None) -> TransportContext:
+    return TransportContext("e", "worker", "ns", "tp0of1pp0", ["tp0of1pp0"], layout)
+
+
+@pytest.fixture(params=[False, True], ids=["nhd", "block-granular"])
+def layouts(request: pytest.FixtureRequest) -> tuple[KVLayout, KVLayout]:
+    prod = make_layout(num_layers=3, block_size=BS, block_granular=request.param)
+    cons = make_layout(num_layers=3, block_size=BS, block_granular=request.param)
+    fill_blocks(prod, [1, 2, 3], seed=5)
+    return prod, cons
+
+
+async def _open(layout: KVLayout) -> NixlTransport:
+    t = NixlTransport(NixlOptions(), _ctx(layout))
+    await t.open()
+    await t.register(layout)
+    return t
+
+
+@pytest.fixture
+async def pair(layouts: tuple[KVLayout, KVLayout]) -> AsyncIterator[tuple[NixlTransport, ...]]:
+    prod, cons = layouts
+    producer, consumer = await _open(prod), await _open(cons)
+    yield producer, consumer
+    await consumer.aclose()
+    await producer.aclose()
+
+
+def _spans(layout: KVLayout, blocks: list[int], counts: list[int]):
+    return lambda layer: [layout.spans(layer, b, n) for b, n in zip(blocks, counts, strict=True)]
+
+
+def _bytes(layout: KVLayout, blocks: list[int], counts: list[int]) -> list[bytes]:
+    f = _spans(layout, blocks, counts)
+    return [b"".join(bytes(s) for c in f(i) for s in c) for i in range(layout.num_layers)]
+
+
+def _job(
+    cons: KVLayout,
+    address: str,
+    req: str = "p-req",
+    loaded: Callable[[int], None] = lambda _: None,
+) -> LoadJob:
+    return LoadJob(
+        "c-req",
+        ["k"] * 3,
+        COUNTS,
+        cons.num_layers,
+        _spans(cons, [7, 8, 9], COUNTS),
+        loaded,
+        PeerSource("e", [address], req, [1, 2, 3]),
+    )
+
+
+def _offer(prod: KVLayout, req: str = "p-req") -> Offer:
+    return Offer(req, [1, 2, 3], COUNTS, prod.num_layers, _spans(prod, [1, 2, 3], COUNTS))
+
+
+async def test_consumer_reads_held_blocks_layer_by_layer(
+    pair: tuple[NixlTransport, NixlTransport], layouts: tuple[KVLayout, KVLayout]
+) -> None:
+    producer, consumer = pair
+    prod, cons = layouts
+    assert producer.address.startswith("tcp://127.0.0.1:") and not producer.address.endswith(":0")
+    outcomes: list[str] = []
+
+    async def hold(req: str, done: trio.Event) -> None:
+        outcomes.append(await producer.offer(_offer(prod, req)))
+        done.set()
+
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(producer.serve)
+            for req in ("p-req", "p-again"):  # a second pull reuses the cached remote agent
+                signalled: list[int] = []
+                released = trio.Event()
+                nursery.start_soon(hold, req, released)
+                await trio.testing.wait_all_tasks_blocked()
+                for s in _spans(cons, [7, 8, 9], COUNTS)(0):
+                    for span in s:
+                        span[:] = bytes(len(span))
+                await consumer.load(_job(cons, producer.address, req, signalled.append))
+                await released.wait()  # the producer learns "done" from NIXL notifications
+                assert signalled == [0, 1, 2]
+                assert _bytes(cons, [7, 8, 9], COUNTS) == _bytes(prod, [1, 2, 3], COUNTS)
+            nursery.cancel_scope.cancel()
+    assert outcomes == ["done", "done"], "the producer hands blocks back once every READ ended"
+    assert list(consumer._remote.values()) == [producer._agent.name]
+
+
+async def test_pull_of_an_unknown_request_is_refused(
+    pair: tuple[NixlTransport, NixlTransport], layouts: tuple[KVLayout, KVLayout]
+) -> None:
+    producer, consumer = pair
+    _, cons = layouts
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(producer.serve)
+            with pytest.raises(ChunkMissing, match="unknown or expired request"):
+                await consumer.load(_job(cons, producer.address, "never-offered"))
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_held_offer_ends_at_its_deadline_without_a_consumer(
+    pair: tuple[NixlTransport, NixlTransport], layouts: tuple[KVLayout, KVLayout]
+) -> None:
+    producer, _ = pair
+    prod, _ = layouts
+    with trio.move_on_after(0.2) as hold_deadline:
+        await producer.offer(_offer(prod, "p"))
+    assert hold_deadline.cancelled_caught
+    assert "p" not in producer.held, "an expired offer is forgotten"
+
+
+async def test_a_dead_producer_ends_the_load_at_its_deadline_and_the_consumer_recovers(
+    pair: tuple[NixlTransport, NixlTransport], layouts: tuple[KVLayout, KVLayout]
+) -> None:
+    producer, consumer = pair
+    prod, cons = layouts
+    address = producer.address
+    await producer.aclose()  # the producer process is gone
+    with trio.fail_after(5):  # the caller's deadline ends it, not a hang
+        with trio.move_on_after(0.3) as load_deadline:
+            await consumer.load(_job(cons, address))
+    assert load_deadline.cancelled_caught
+
+    fresh = await _open(prod)
+    try:
+        with trio.fail_after(20):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(fresh.serve)
+                nursery.start_soon(fresh.offer, _offer(prod))
+                await trio.testing.wait_all_tasks_blocked()
+                await consumer.load(_job(cons, fresh.address))
+                nursery.cancel_scope.cancel()
+        assert _bytes(cons, [7, 8, 9], COUNTS) == _bytes(prod, [1, 2, 3], COUNTS)
+    finally:
+        await fresh.aclose()
+
+
+class _Spy:
+    """Wraps a nixl_agent: records what the transport does, can stall UCX progress."""
+
+    def __init__(self, agent: Any) -> None:
+        self._agent = agent
+        self.stalled = False
+        self.posted: list[Any] = []
+        self.states: list[str] = []
+        self.released: list[Any] = []
+        self.all_posted = trio.Event()
+        self.polled_while_proc = trio.Event()
+        self.cancelled = False
+        self.first_posts = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._agent, name)
+
+    def get_new_notifs(self) -> dict[str, list[bytes]]:
+        return {} if self.stalled else self._agent.get_new_notifs()
+
+    def make_prepped_xfer(self, *args: Any) -> Any:
+        handle = self._agent.make_prepped_xfer(*args)
+        release = handle.release
+        spy = self
+
+        class Handle:
+            _handle = handle._handle
+
+            def release(self) -> None:
+                spy.released.append(self)
+                release()
+
+        wrapped = Handle()
+        self.posted.append(wrapped)
+        self._handles = getattr(self, "_handles", {})
+        self._handles[id(wrapped)] = handle
+        return wrapped
+
+    def transfer(self, h: Any) -> str:
+        state = self._agent.transfer(self._handles[id(h)])
+        if len(self.posted) == self.first_posts:
+            self.all_posted.set()
+        return state
+
+    def check_xfer_state(self, h: Any) -> str:
+        state = self._agent.check_xfer_state(self._handles[id(h)])
+        self.states.append(state)
+        if self.cancelled and state == "PROC":
+            self.polled_while_proc.set()
+        return state
+
+
+async def test_a_cancelled_consumer_drains_its_reads_before_blocks_go_back() -> None:
+    # big layers so that a READ is still in flight when the consumer is cancelled
+    prod = make_layout(num_layers=3, num_blocks=4, block_size=BS, heads=64, head_dim=2048)
+    cons = make_layout(num_layers=3, num_blocks=10, block_size=BS, heads=64, head_dim=2048)
+    fill_blocks(prod, [1, 2, 3], seed=7)
+    import kvflow_nixl._transport as impl
+
+    producer, consumer = await _open(prod), await _open(cons)
+    producer._agent = pspy = _Spy(producer._agent)
+    consumer._agent = cspy = _Spy(consumer._agent)
+    cspy.first_posts = min(impl.READ_AHEAD, cons.num_layers)  # the READs posted up front
+    pspy.stalled = True  # the producer makes no UCX progress: the READs cannot finish
+    order: list[str] = []
+    signalled: list[int] = []
+    offer_done, load_done = trio.Event(), trio.Event()
+
+    async def hold() -> None:
+        order.append(f"offer returned: {await producer.offer(_offer(prod))}")
+        offer_done.set()
+
+    async def load(scope: trio.CancelScope) -> None:
+        with scope:
+            await consumer.load(_job(cons, producer.address, loaded=signalled.append))
+        order.append("load returned")
+        load_done.set()
+
+    try:
+        with trio.fail_after(20):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(producer.serve)
+                nursery.start_soon(hold)
+                await trio.testing.wait_all_tasks_blocked()
+                load_scope = trio.CancelScope()
+                nursery.start_soon(load, load_scope)
+                await cspy.all_posted.wait()
+                assert signalled == [], "no READ finished yet"
+                cspy.cancelled = True
+                load_scope.cancel()  # the load timeout fires mid-transfer
+                await cspy.polled_while_proc.wait()  # the consumer waits for its READs ...
+                await trio.testing.wait_all_tasks_blocked()
+                assert order == [], "... and meanwhile the producer keeps the blocks"
+                assert cspy.released == []
+                pspy.stalled = False  # the READs can end now
+                await load_done.wait()
+                await offer_done.wait()
+                nursery.cancel_scope.cancel()
+    finally:
+        await consumer.aclose()
+        await producer.aclose()
+    assert order[0] == "load returned", "blocks go back only after the consumer's reads ended"
+    assert order[1].startswith("offer returned: ")
+    assert sorted(map(id, cspy.released)) == sorted(map(id, cspy.posted)), "every handle released"
+    assert "PROC" in cspy.states
+
+
+async def test_without_nixl_open_fails_with_the_install_hint(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import kvflow_nixl._transport as impl
+
+    def missing(name: str) -> Any:
+        raise ImportError(f"No module named {name!r}")
+
+    monkeypatch.setattr(impl.importlib, "import_module", missing)
+    t = NixlTransport(NixlOptions(), _ctx())
+    with pytest.raises(TransportError, match=r"pip install 'kvflow\[nixl\]'"):
+        await t.open()
+    await t.aclose()
+
+
+def test_a_bad_backend_names_the_key_and_the_choices() -> None:
+    from kvflow.config import ConfigError, parse_options
+
+    with pytest.raises(ConfigError, match=r"\['backend'\].*valid choices: UCX"):
+        parse_options({"backend": "TCP"}, NixlOptions, "nixl")

@@ -1,0 +1,502 @@
+"""The `nixl` peer transport: a consumer READs a producer's held blocks with NIXL.
+
+Block lifetime on the producer (the rule this file implements): from the moment
+it answers a Pull with its block descriptors, the offer is held in
+`HeldOffers.reading` until one of
+
+1. a NIXL notification `LayerRead` arrived for every layer (each READ finished;
+   NIXL sends it only after the READ completed successfully) -> "done";
+2. the consumer's `Failed` arrived over the side channel (it sends it only once
+   each of its READs is DONE/ERR, or released after a drain wait) -> its reason;
+3. the read lease expired: the consumer's own deadline (it sends how long it may
+   still read) plus `DRAIN_TIMEOUT_S` plus a margin, capped at `MAX_LEASE_S`.
+   Past that a consumer has either ended its READs or is gone.
+
+So the worker's hold timeout, which cancels `offer()`, never hands back blocks a
+READ may still be reading: `HeldOffers.offer` waits for the reading to end,
+which is bounded by the lease. Shutdown (cancelling `serve`) ends holds at once.
+
+NIXL 1.5.1 facts this relies on: completion is poll-only (`check_xfer_state`),
+and the notification is sent from inside that poll once the READ succeeded;
+`release_xfer_handle` on a handle still in PROC "cancels" with
+`ucp_request_cancel` + `ucp_request_free`, which for RMA does not stop the
+operation, so the consumer never releases a PROC handle before waiting for it
+to leave PROC (bounded by `DRAIN_TIMEOUT_S`). The agent's progress thread polls
+without sleeping (a whole core per agent), so it is off: the consumer's polls
+and the producer's notification polls drive UCX progress.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib
+import logging
+import math
+import os
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import msgspec
+import numpy as np
+import trio
+import zmq
+
+from kvflow.keys import ChunkKey
+from kvflow.layout import KVLayout
+from kvflow.peer import HeldOffers
+from kvflow.transport import (
+    Capabilities,
+    ChunkCorrupt,
+    ChunkMissing,
+    LoadJob,
+    Offer,
+    SaveJob,
+    Transport,
+    TransportContext,
+    TransportError,
+)
+from kvflow.zmqio import TrioSocket, bind_loopback
+
+from . import _wire as wire
+
+log = logging.getLogger("kvflow.nixl")
+
+INSTALL_HINT = "pip install 'kvflow[nixl]' (or: pip install nixl-cu12==1.5.1)"
+DRAIN_TIMEOUT_S = 5.0
+"""How long a cancelled consumer waits for a READ in flight to end before releasing it."""
+MAX_LEASE_S = 600.0
+"""The longest a producer holds blocks for a consumer that never reports back."""
+LEASE_MARGIN_S = 1.0
+READ_AHEAD = 2
+"""Layers whose READs are in flight at once: a posted READ may copy inside `transfer()`
+or in the next poll, which progresses every posted READ; a short window lets layer 0
+land (and attention start) early, and keeps each blocking NIXL call one layer long."""
+POLL_MIN_S = 1e-4
+POLL_MAX_S = 2e-3
+"""Backoff of the completion/notification polls: never a busy loop, a few ms at most."""
+
+Backend = Literal["UCX"]
+
+
+class NixlOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Options of the `nixl` transport (`kv_connector_extra_config["options"]`)."""
+
+    host: str = "127.0.0.1"
+    """Address the producer's side channel binds and advertises; loopback unless told."""
+    port: int = 0
+    """Side-channel port; 0: a free port, chosen at start and advertised."""
+    backend: Backend = "UCX"
+    """NIXL backend plugin that moves the bytes (only UCX is tested with CPU memory)."""
+
+
+def import_nixl() -> Any:
+    """NIXL's Python API module: the `nixl` meta package or the `nixl_cu12` wheel."""
+    errors = []
+    for name in ("nixl._api", "nixl_cu12._api"):
+        try:
+            return importlib.import_module(name)
+        except ImportError as exc:
+            errors.append(f"{name}: {exc}")
+    raise TransportError(
+        f"the nixl transport needs NIXL's Python API ({'; '.join(errors)}); {INSTALL_HINT}"
+    )
+
+
+def _address(span: memoryview) -> int:
+    """Start address of a span (writable views via ctypes: 4x faster than numpy)."""
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(span))
+    except TypeError:
+        return int(np.frombuffer(span, np.uint8).ctypes.data)
+
+
+def _descs(spans: list[list[memoryview]]) -> list[tuple[int, int, int]]:
+    return [(_address(s), len(s), 0) for chunk in spans for s in chunk]
+
+
+async def _backoff(delay: float) -> float:
+    await trio.sleep(delay)
+    return min(delay * 2, POLL_MAX_S)
+
+
+@dataclass
+class _Pull:
+    """One consumer's READ of a held offer, as the producer tracks it."""
+
+    req: str
+    agent: str
+    num_layers: int
+    lease_s: float
+    layers_read: set[int] = field(default_factory=set)
+    outcome: str = ""
+    ended: trio.Event = field(default_factory=trio.Event)
+
+    def end(self, outcome: str) -> None:
+        if not self.ended.is_set():
+            self.outcome = outcome
+            self.ended.set()
+
+
+class NixlTransport(Transport):
+    name = "nixl"
+    Options = NixlOptions
+    capabilities = Capabilities(store=False, peer=True, memory=frozenset({"cpu"}))
+
+    def __init__(self, options: NixlOptions, context: TransportContext) -> None:
+        super().__init__(options, context)
+        self.options: NixlOptions = options
+        self._zmq = zmq.Context()
+        self._router: TrioSocket | None = None
+        self.address = ""
+        self.held = HeldOffers()
+        self._api: Any = None
+        self._agent: Any = None
+        self._reg: Any = None
+        self._remote: dict[str, str] = {}
+        """Producer side-channel address -> the NIXL agent added for it (consumer cache)."""
+        self._pulls: dict[str, _Pull] = {}
+        self._reads_started = trio.Event()
+
+    # -- lifecycle -----------------------------------------------------------
+    async def open(self) -> None:
+        if self.context.role != "worker":
+            return
+        self._api = import_nixl()
+        sock = self._zmq.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unroutable reply is an error, not a drop
+        try:
+            self.address = bind_loopback(sock, self.options.host, self.options.port)
+        except OSError as exc:
+            sock.close(0)
+            raise TransportError(f"kv_connector_extra_config['options']: {exc}") from None
+        self._router = TrioSocket(sock)
+
+    async def register(self, layout: KVLayout) -> None:
+        """Create this worker's NIXL agent and register each layer buffer as DRAM."""
+        await super().register(layout)
+        if layout.memory != "cpu":
+            raise TransportError(f"the nixl transport moves CPU memory only, not {layout.memory!r}")
+        if self._api is None:
+            self._api = import_nixl()
+        backend = self.options.backend
+        ctx = self.context
+        name = f"kvflow-{ctx.engine_id}-{ctx.shard}-{os.getpid()}-{secrets.token_hex(4)}"
+        try:
+            config = self._api.nixl_agent_config(enable_prog_thread=False, backends=[backend])
+            agent = self._api.nixl_agent(name, config)
+        except Exception as exc:
+            raise TransportError(f"cannot create NIXL agent {name}: {exc}") from None
+        if backend not in agent.backends:
+            raise TransportError(
+                f"kv_connector_extra_config['options']['backend']: NIXL has no usable "
+                f"{backend!r} plugin; plugins found: {', '.join(agent.get_plugin_list())}"
+            )
+        regions = [(_address(buf), len(buf), 0, "") for buf in layout.buffers]
+        try:
+            self._reg = agent.register_memory(regions, "DRAM", [backend])
+        except Exception as exc:
+            raise TransportError(f"NIXL cannot register the KV memory: {exc}") from None
+        self._agent = agent
+
+    async def aclose(self) -> None:
+        """Forget remote agents, deregister memory, drop the agent; each step survives a
+        peer that is already gone."""
+        agent, self._agent = self._agent, None
+        if agent is not None:
+            for remote in self._remote.values():
+                try:
+                    agent.remove_remote_agent(remote)
+                except Exception as exc:
+                    log.debug("kvflow nixl: removing agent %s: %s", remote, exc)
+            self._remote.clear()
+            if self._reg is not None:
+                try:
+                    agent.deregister_memory(self._reg, [self.options.backend])
+                except Exception as exc:
+                    log.warning("kvflow nixl: deregistering KV memory: %s", exc)
+                self._reg = None
+            del agent
+        self._zmq.destroy(linger=0)
+
+    def _require_agent(self) -> Any:
+        if self._agent is None:
+            raise TransportError("the nixl transport has no registered KV memory (or is closed)")
+        return self._agent
+
+    # -- store methods: not a store ----------------------------------------
+    async def lookup(self, keys: Sequence[ChunkKey]) -> int:
+        return 0
+
+    async def save(self, job: SaveJob) -> None:
+        raise TransportError("the nixl transport is a peer transport; it stores nothing")
+
+    # -- producer ----------------------------------------------------------
+    async def offer(self, offer: Offer) -> str:
+        return await self.held.offer(offer)
+
+    async def serve(self) -> None:
+        router = self._router
+        if router is None:
+            raise TransportError("nixl serve() needs a worker-side transport")
+        agent = self._require_agent()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._poll_notifs, agent)
+            while True:
+                ident, data = await router.recv_multipart()
+                try:
+                    msg = wire.decode_to_producer(data)
+                except wire.BadFrame as exc:
+                    log.warning("kvflow nixl: dropped a bad frame from a peer: %s", exc)
+                    continue
+                if isinstance(msg, wire.Failed):
+                    pull = self._pulls.get(msg.req)
+                    if pull is not None:
+                        pull.end(msg.reason)
+                    else:
+                        self.held.release(msg.req, msg.reason)
+                    continue
+                why = ""
+                if msg.version != wire.WIRE_VERSION:
+                    why = "wire version"
+                elif msg.req not in self.held:
+                    why = "unknown or expired request"
+                elif msg.req in self._pulls:
+                    why = "already being pulled"
+                if why:
+                    await router.send_multipart([ident, wire.encode(wire.Refused(msg.req, why))])
+                    continue
+                pull = await nursery.start(self._hold, msg)
+                await self._reply(router, ident, agent, msg, pull)
+
+    async def _hold(self, msg: wire.Pull, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        """Keep `msg.req`'s blocks held while its consumer may READ them (see module doc)."""
+        offer = self.held.get(msg.req)
+        assert offer is not None
+        lease = min(msg.lease_ms / 1000 if msg.lease_ms > 0 else MAX_LEASE_S, MAX_LEASE_S)
+        pull = _Pull(msg.req, msg.agent, offer.num_layers, lease + LEASE_MARGIN_S)
+        self._pulls[msg.req] = pull
+        try:
+            with self.held.reading(msg.req):
+                task_status.started(pull)
+                self._reads_started.set()
+                with trio.move_on_after(pull.lease_s):
+                    await pull.ended.wait()
+                if not pull.ended.is_set():
+                    log.warning(
+                        "kvflow nixl: %s: consumer %s neither finished nor failed within its "
+                        "read lease (%.1fs)",
+                        msg.req,
+                        msg.agent,
+                        pull.lease_s,
+                    )
+                    pull.end(f"consumer {msg.agent} silent past its read lease")
+                self.held.release(msg.req, pull.outcome)
+        finally:
+            if self._pulls.get(msg.req) is pull:
+                del self._pulls[msg.req]
+
+    async def _reply(
+        self, router: TrioSocket, ident: bytes, agent: Any, msg: wire.Pull, pull: _Pull
+    ) -> None:
+        offer = self.held.get(msg.req)
+        try:
+            if offer is None:
+                raise TransportError("offer vanished")
+            layers = [_descs(offer.spans(i)) for i in range(offer.num_layers)]
+            metadata = b"" if msg.known == agent.name else agent.get_agent_metadata()
+            frame = wire.encode(wire.Blocks(msg.req, agent.name, metadata, layers))
+            await router.send_multipart([ident, frame])
+        except (zmq.ZMQError, TransportError) as exc:
+            log.warning("kvflow nixl: answering the pull of %s failed: %s", msg.req, exc)
+            pull.end(f"answering the pull failed: {exc}")  # no descriptors left: no READ
+
+    async def _poll_notifs(self, agent: Any) -> None:
+        """Collect READ notifications (this also drives the producer's UCX progress);
+        sleeps on an event while no pull is open, backs off while nothing arrives."""
+        delay = POLL_MIN_S
+        while True:
+            if not self._pulls:
+                self._reads_started = trio.Event()
+                await self._reads_started.wait()
+                delay = POLL_MIN_S
+            notifs: dict[str, list[bytes]] = agent.get_new_notifs()
+            if not notifs:
+                delay = await _backoff(delay)
+                continue
+            for sender, messages in notifs.items():
+                for data in messages:
+                    self._on_notif(sender, data)
+            delay = POLL_MIN_S
+            await trio.sleep(0)
+
+    def _on_notif(self, sender: str, data: bytes) -> None:
+        try:
+            note = wire.decode_notif(data)
+        except wire.BadFrame as exc:
+            log.warning("kvflow nixl: dropped a bad notification from %s: %s", sender, exc)
+            return
+        pull = self._pulls.get(note.req)
+        if pull is None or pull.agent != sender or not 0 <= note.layer < pull.num_layers:
+            return  # late, foreign or stray: nothing is held for it
+        pull.layers_read.add(note.layer)
+        if len(pull.layers_read) == pull.num_layers:
+            pull.end("done")
+
+    # -- consumer ----------------------------------------------------------
+    async def load(self, job: LoadJob) -> None:
+        src = job.source
+        if src is None:
+            raise TransportError("a nixl load needs a PeerSource (kv_transfer_params)")
+        agent = self._require_agent()
+        address = src.addresses[self.context.shards.index(self.context.shard)]
+        sock = TrioSocket(self._zmq.socket(zmq.DEALER))
+        xfers: list[Any] = []
+        dlists: list[Any] = []
+        ok = False
+        try:
+            sock.sock.connect(address)
+            deadline = trio.current_effective_deadline()
+            left = deadline - trio.current_time()
+            lease_ms = 0 if math.isinf(left) else max(1, int((left + DRAIN_TIMEOUT_S) * 1000))
+            known = self._remote.get(address, "")
+            pull = wire.Pull(src.req, agent.name, known, lease_ms)
+            await sock.send_multipart([wire.encode(pull)])
+            msg = wire.decode_to_consumer((await sock.recv_multipart())[0])
+            if isinstance(msg, wire.Refused):
+                raise ChunkMissing(f"producer {address} refused {src.req}: {msg.reason}")
+            peer = self._add_remote(agent, address, msg)
+            await self._read(agent, job, peer, msg, xfers, dlists)
+            ok = True
+        except wire.BadFrame as exc:
+            raise ChunkCorrupt(f"producer {address}: {exc}") from None
+        finally:
+            with trio.CancelScope(shield=True):
+                drained = await self._drain(agent, xfers, dlists)
+            if not drained:
+                self._forget(agent, address)
+            if not ok:
+                try:  # only now: none of our READs is in flight any more
+                    reason = wire.Failed(src.req, "consumer gave up")
+                    sock.sock.send_multipart([wire.encode(reason)], zmq.NOBLOCK)
+                    sock.close(linger_ms=1000)  # let Failed reach the producer
+                except zmq.ZMQError:
+                    sock.close()
+            else:
+                sock.close()
+
+    def _add_remote(self, agent: Any, address: str, msg: wire.Blocks) -> str:
+        """The producer's agent name, adding its metadata once per producer."""
+        if not msg.metadata:
+            if self._remote.get(address) != msg.agent:
+                raise ChunkCorrupt(f"producer {address} sent no NIXL metadata for {msg.agent}")
+            return msg.agent
+        self._forget(agent, address)  # a new agent behind that address: it restarted
+        try:
+            added = agent.add_remote_agent(msg.metadata)
+        except Exception as exc:
+            raise TransportError(f"NIXL rejected the metadata of {address}: {exc}") from None
+        name = added.decode() if isinstance(added, bytes) else str(added)
+        self._remote[address] = name
+        if name != msg.agent:
+            raise ChunkCorrupt(f"producer {address} sent metadata of {name}, not {msg.agent}")
+        return name
+
+    def _forget(self, agent: Any, address: str) -> None:
+        remote = self._remote.pop(address, None)
+        if remote is not None:
+            try:
+                agent.remove_remote_agent(remote)
+            except Exception as exc:
+                log.debug("kvflow nixl: removing agent %s: %s", remote, exc)
+
+    async def _read(
+        self,
+        agent: Any,
+        job: LoadJob,
+        peer: str,
+        msg: wire.Blocks,
+        xfers: list[Any],
+        dlists: list[Any],
+    ) -> None:
+        """READ every layer at once (one transfer each), signal layers in order."""
+        if len(msg.layers) != job.num_layers:
+            raise ChunkCorrupt(f"producer sent {len(msg.layers)} layers, expected {job.num_layers}")
+        local = [_descs(job.spans(i)) for i in range(job.num_layers)]
+        for i, (mine, theirs) in enumerate(zip(local, msg.layers, strict=True)):
+            if [d[1] for d in mine] != [d[1] for d in theirs]:
+                raise ChunkCorrupt(
+                    f"producer sent layer {i} with spans {[d[1] for d in theirs]}; "
+                    f"expected {[d[1] for d in mine]}"
+                )
+        backends = [self.options.backend]
+        flat_local = [d for layer in local for d in layer]
+        flat_remote = [tuple(d) for layer in msg.layers for d in layer]
+        if not flat_local:
+            for i in range(job.num_layers):
+                job.layer_loaded(i)
+            return
+        try:
+            for who, descs in (("", flat_local), (peer, flat_remote)):
+                arr = np.array(descs, np.uint64)
+                dlists.append(agent.prep_xfer_dlist(who, arr, "DRAM", backends))
+        except Exception as exc:
+            raise TransportError(f"NIXL cannot prepare the READ from {peer}: {exc}") from None
+        starts = [0]
+        for layer in local:
+            starts.append(starts[-1] + len(layer))
+
+        def post(i: int) -> None:
+            idx = list(range(starts[i], starts[i + 1]))
+            notif = wire.encode(wire.LayerRead(msg.req, i, job.num_layers))
+            try:
+                h = agent.make_prepped_xfer("READ", dlists[0], idx, dlists[1], idx, notif, backends)
+                xfers.append(h)
+                state = agent.transfer(h)
+            except Exception as exc:
+                raise TransportError(f"NIXL READ of layer {i} from {peer} failed: {exc}") from None
+            if state == "ERR":
+                raise TransportError(f"NIXL could not post the READ of layer {i} from {peer}")
+
+        for i in range(min(READ_AHEAD, job.num_layers)):
+            post(i)
+        for i in range(job.num_layers):
+            delay = POLL_MIN_S
+            while (state := agent.check_xfer_state(xfers[i])) == "PROC":
+                delay = await _backoff(delay)
+            if state != "DONE":
+                raise TransportError(f"NIXL READ of layer {i} from {peer} failed ({state})")
+            if i + READ_AHEAD < job.num_layers:
+                post(i + READ_AHEAD)
+            job.layer_loaded(i)
+            await trio.lowlevel.checkpoint()
+
+    async def _drain(self, agent: Any, xfers: list[Any], dlists: list[Any]) -> bool:
+        """Release every handle, but only once its READ left PROC (or DRAIN_TIMEOUT_S
+        passed). Returns False if a READ failed or had to be abandoned."""
+        clean = True
+        with trio.move_on_after(DRAIN_TIMEOUT_S) as waited:
+            for h in xfers:
+                delay = POLL_MIN_S
+                while True:
+                    try:
+                        state = agent.check_xfer_state(h)
+                    except Exception:
+                        state = "ERR"
+                    if state != "PROC":
+                        break
+                    delay = await _backoff(delay)
+                clean = clean and state == "DONE"
+        if waited.cancelled_caught:
+            log.warning("kvflow nixl: a READ outlived %.1fs after cancellation", DRAIN_TIMEOUT_S)
+            clean = False
+        for h in [*xfers, *dlists]:
+            try:
+                h.release()
+            except Exception as exc:
+                log.warning("kvflow nixl: releasing %r: %s", h, exc)
+                clean = False
+        xfers.clear()
+        dlists.clear()
+        return clean
