@@ -1,4 +1,4 @@
-"""The `kvflow` command: `demo`, `transports`."""
+"""The `kvflow` command: `demo`, `transports`, `new-transport`."""
 
 from __future__ import annotations
 
@@ -70,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--prompt-len", type=int, default=1000)
     d.add_argument("--max-tokens", type=int, default=16)
     d.set_defaults(fn=_cmd_demo)
+    from .scaffold import add_parser as add_scaffold_parser
+
+    add_scaffold_parser(sub)
     return p
 
 
