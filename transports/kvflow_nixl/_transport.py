@@ -420,7 +420,7 @@ class NixlTransport(Transport):
         xfers: list[Any],
         dlists: list[Any],
     ) -> None:
-        """READ every layer at once (one transfer each), signal layers in order."""
+        """One READ per layer, READ_AHEAD in flight; signal each layer as it lands, in order."""
         if len(msg.layers) != job.num_layers:
             raise ChunkCorrupt(f"producer sent {len(msg.layers)} layers, expected {job.num_layers}")
         local = [_descs(job.spans(i)) for i in range(job.num_layers)]
