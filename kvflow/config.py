@@ -43,6 +43,8 @@ class KVFlowConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Save a prompt's trailing partial block, so a warm request recomputes one token."""
     event_log: str = ""
     """Append every event as a JSON line to this file (all runtimes may share it)."""
+    inspect: bool = True
+    """Publish live events for `kvflow inspect` (a local ZMQ socket; never blocks)."""
     options: dict[str, Any] = msgspec.field(default_factory=dict)
     """Options of the chosen transport, validated by the transport itself."""
 

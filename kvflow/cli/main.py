@@ -1,4 +1,4 @@
-"""The `kvflow` command: `demo`, `transports`, `new-transport`."""
+"""The `kvflow` command: `demo`, `transports`, `new-transport`, `inspect`."""
 
 from __future__ import annotations
 
@@ -73,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .scaffold import add_parser as add_scaffold_parser
 
     add_scaffold_parser(sub)
+    from .inspect import add_parser as add_inspect_parser
+
+    add_inspect_parser(sub)
     return p
 
 

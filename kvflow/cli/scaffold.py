@@ -204,7 +204,7 @@ def _cmd(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "new-transport", help="write a package skeleton for a new transport (with its tests)"
     )

@@ -33,6 +33,7 @@ from kvflow.layout import (
 )
 from kvflow.metadata import WorkerPlan, decode_plan, encode_plan
 from kvflow.pd import PdParamsError, parse_pd_params
+from kvflow.publish import start_publisher
 from kvflow.runtime import Runtime
 from kvflow.scheduler import ScheduledRequest, SchedulerEngine
 from kvflow.stats import StatsCollector
@@ -224,6 +225,8 @@ class KVFlowConnector(KVConnectorBase_V1):
         self.bus.subscribe(self.stats)
         if self.config.event_log:
             self.bus.subscribe(JsonlEventLog(self.config.event_log))
+        if self.config.inspect:
+            start_publisher(self.runtime, self.bus)
         ctx = TransportContext(
             engine_id=self.engine_id,
             role=side,
