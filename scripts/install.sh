@@ -29,6 +29,15 @@ if ! "$PY" -c "import vllm" >/dev/null 2>&1; then
   fi
 fi
 pip install -e ".[test,nixl]"
-"$PY" -c "import vllm, kvflow, kvflow_fs, kvflow_vllm, kvflow_nixl" \
+# The example third-party transport (its own package, found through its entry point)
+# and the Redis server its tests start; without the server those tests skip.
+pip install --no-deps -e plugins/kvflow_redis
+if ! command -v redis-server >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
+  sudo=""; [ "$(id -u)" = 0 ] || sudo="sudo"
+  { $sudo apt-get install -y -qq redis-server || { $sudo apt-get update -qq &&
+    $sudo apt-get install -y -qq redis-server; }; } >/dev/null 2>&1 \
+    || echo "install.sh: could not install redis-server; the kvflow-redis tests will skip" >&2
+fi
+"$PY" -c "import vllm, kvflow, kvflow_fs, kvflow_vllm, kvflow_nixl, kvflow_redis" \
   || { echo "install.sh: import check failed" >&2; exit 1; }
 echo "kvflow installed (vLLM: $("$PY" -c 'import vllm; print(vllm.__version__)'))"

@@ -1,0 +1,177 @@
+"""The kvflow transport conformance suite against a real redis-server, and the few things
+the suite does not cover: option errors at open(), corrupt values, TTLs."""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Callable
+
+import pytest
+import trio
+
+from kvflow.testing import make_layout
+from kvflow.testing.conformance import TransportConformance
+from kvflow.transport import (
+    ChunkCorrupt,
+    LoadJob,
+    SaveJob,
+    TransportContext,
+    TransportError,
+)
+from kvflow_redis import RedisOptions, RedisTransport
+from kvflow_redis._resp import Pool, parse_url
+
+pytestmark = pytest.mark.trio
+
+_prefixes = itertools.count()
+
+
+def _prefix() -> str:
+    """A key prefix of its own per test: tests never see each other's chunks."""
+    return f"kvflow-test-{os.getpid()}-{next(_prefixes)}:"
+
+
+class TestRedisConformance(TransportConformance):
+    @pytest.fixture
+    def make_transport(self, redis_url: str) -> Callable[[TransportContext], RedisTransport]:
+        options = RedisOptions(url=redis_url, key_prefix=_prefix())
+
+        def make(context: TransportContext) -> RedisTransport:
+            return RedisTransport(options, context)
+
+        return make
+
+
+def _context(role: str = "worker") -> TransportContext:
+    return TransportContext("e", role, "ns", "tp0of1pp0", ["tp0of1pp0"])
+
+
+@pytest.mark.parametrize(
+    ("options", "names"),
+    [
+        (RedisOptions(url="http://127.0.0.1:6379"), "['url']"),
+        (RedisOptions(url="redis://"), "['url']"),
+        (RedisOptions(url="redis://127.0.0.1:6379/zero"), "['url']"),
+        (RedisOptions(url="redis://127.0.0.1:1/0", timeout_s=2), "['url']"),
+        (RedisOptions(max_connections=0), "['max_connections']"),
+        (RedisOptions(timeout_s=0), "['timeout_s']"),
+        (RedisOptions(ttl_s=-1), "['ttl_s']"),
+    ],
+)
+async def test_bad_options_fail_at_open_naming_the_option(
+    options: RedisOptions, names: str
+) -> None:
+    t = RedisTransport(options, _context())
+    with pytest.raises(TransportError) as err:
+        await t.open()
+    assert f"kv_connector_extra_config['options']{names}" in str(err.value)
+
+
+async def test_wrong_password_fails_at_open(redis_url: str) -> None:
+    url = redis_url.replace("redis://", "redis://:nope@")
+    t = RedisTransport(RedisOptions(url=url), _context())
+    with pytest.raises(TransportError, match=r"\['url'\].*:\*\*\*@"):
+        await t.open()
+
+
+async def test_url_forms() -> None:
+    a = parse_url("redis://u:p%40ss@cache.internal:6380/3")
+    assert (a.host, a.port, a.db, a.username, a.password) == (
+        "cache.internal",
+        6380,
+        3,
+        "u",
+        "p@ss",
+    )
+    assert "p@ss" not in a.redacted()
+    u = parse_url("unix:///run/redis/redis.sock?db=2")
+    assert (u.path, u.db) == ("/run/redis/redis.sock", 2)
+
+
+async def _raw(url: str, *cmds: tuple[object, ...]) -> list[object]:
+    pool = Pool(parse_url(url), 1, 5.0, "test")
+    try:
+        return await pool.pipeline(cmds)
+    finally:
+        pool.close()
+
+
+async def _saved(redis_url: str, ttl_s: float = 0.0) -> tuple[RedisTransport, LoadJob]:
+    """A transport that saved three chunks (the last one partial), and a load of them."""
+
+    layout = make_layout(num_layers=3, num_blocks=8, block_size=4, block_granular=False)
+    t = RedisTransport(RedisOptions(url=redis_url, key_prefix=_prefix(), ttl_s=ttl_s), _context())
+    await t.open()
+    await t.register(layout)
+    keys, counts, blocks = ["k0", "k1", "k2"], [4, 4, 2], [0, 1, 2]
+
+    async def layer_spans(i: int) -> list[list[memoryview]]:
+        return layout.chunk_spans(i, blocks, counts)
+
+    await t.save(SaveJob("r", keys, counts, 3, layer_spans))
+    load = LoadJob(
+        "r", keys, counts, 3, lambda i: layout.chunk_spans(i, [3, 4, 5], counts), lambda i: None
+    )
+    return t, load
+
+
+async def test_corrupt_value_fails_its_chunk_and_is_deleted(redis_url: str) -> None:
+    t, load = await _saved(redis_url)
+    try:
+        key = t.key("k1")
+        # flip one byte in the payload of chunk 1
+        (value,) = await _raw(redis_url, ("GET", key))
+        assert isinstance(value, bytes)
+        await _raw(redis_url, ("SETRANGE", key, 5, bytes([value[5] ^ 0xFF])))
+        with pytest.raises(ChunkCorrupt, match="checksum mismatch") as err:
+            await t.load(load)
+        assert err.value.chunk == 1
+        assert await t.lookup(["k0", "k1", "k2"]) == 1, "the corrupt value was deleted"
+        # truncated value
+        key2 = t.key("k2")
+        (v2,) = await _raw(redis_url, ("GET", key2))
+        assert isinstance(v2, bytes)
+        await _raw(redis_url, ("SET", key2, v2[:-30]))
+        load.keys = ["k0", "k2"]
+        load.token_counts = [4, 2]
+        with pytest.raises(ChunkCorrupt) as err:
+            await t.load(load)
+        assert err.value.chunk == 1
+    finally:
+        await t.aclose()
+
+
+async def test_ttl_sets_an_expiry(redis_url: str) -> None:
+    t, _ = await _saved(redis_url, ttl_s=100)
+    try:
+        (ms,) = await _raw(redis_url, ("PTTL", t.key("k0")))
+        assert isinstance(ms, int) and 90_000 < ms <= 100_000
+    finally:
+        await t.aclose()
+
+
+async def test_unreachable_server_mid_run_is_a_transport_error(redis_url: str) -> None:
+    t, load = await _saved(redis_url)
+    try:
+        t.addr = parse_url("redis://127.0.0.1:1/0")
+        t.pool.close()
+        t._pool = Pool(t.addr, 2, 2.0, "test")
+        with pytest.raises(TransportError, match=r"redis lookup at redis://127\.0\.0\.1:1/0"):
+            await t.lookup(["k0"])
+        with pytest.raises(TransportError, match="redis load"):
+            await t.load(load)
+    finally:
+        await t.aclose()
+
+
+async def test_server_side_timeout_is_bounded(redis_url: str) -> None:
+    """A server that accepts but never answers fails the call after timeout_s."""
+    listener = trio.socket.socket()
+    await listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    port = listener.getsockname()[1]
+    t = RedisTransport(RedisOptions(url=f"redis://127.0.0.1:{port}/0", timeout_s=0.3), _context())
+    with trio.fail_after(5), pytest.raises(TransportError, match=r"timeout_s=0\.3"):
+        await t.open()
+    listener.close()
