@@ -143,9 +143,17 @@ class ZmqTransport(Transport):
             for layer in range(o.num_layers):
                 spans = [s for chunk in o.spans(layer) for s in chunk]
                 header = wire.encode(wire.Layer(o.req, layer, [len(s) for s in spans]))
-                t = await router.send_multipart([ident, header, *spans], copy=False, track=True)
-                if t is not None:
-                    trackers.append(t)
+                # One tracker per layer, on its last frame: libzmq frees a connection's
+                # messages in order, so when the last frame is released all are (a tracker
+                # per frame costs a Python Event each, ~16k per GiB). Keep no reference to
+                # the Frame after sending it, or its tracker never fires.
+                last = zmq.Frame(spans[-1], track=True)
+                tracker = last.tracker
+                try:
+                    await router.send_multipart([ident, header, *spans[:-1], last], copy=False)
+                finally:
+                    del last
+                trackers.append(tracker)  # only a sent frame's tracker will fire
         except zmq.ZMQError as exc:
             log.warning("kvflow zmq: sending %s failed: %s", o.req, exc)
         finally:
