@@ -397,6 +397,7 @@ def _job(case: Case, address: str, req: str, loaded: list[int]) -> LoadJob:
         case.dst_spans,
         loaded.append,
         PeerSource("bench", [address], req, case.src_ids),
+        list(case.dst_ids),
     )
 
 

@@ -292,6 +292,7 @@ def bench_case(case: Case, repeats: int, track: bool) -> tuple[list[float], list
             case.dst_spans,
             lambda _layer: None,
             PeerSource("bench", [kv_box["address"]], req, case.src_ids),
+            list(case.dst_ids),
         )
         _zero_dest(case)
         with trio.fail_after(TIMEOUT_S):

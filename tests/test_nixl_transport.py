@@ -81,6 +81,7 @@ def _job(
         _spans(cons, [7, 8, 9], COUNTS),
         loaded,
         PeerSource("e", [address], req, [1, 2, 3]),
+        [7, 8, 9],
     )
 
 

@@ -88,7 +88,7 @@ class NixlOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     port: int = 0
     """Side-channel port; 0: a free port, chosen at start and advertised."""
     backend: Backend = "UCX"
-    """NIXL backend plugin that moves the bytes (only UCX is tested with CPU memory)."""
+    """NIXL backend plugin that moves the bytes (UCX: tested with CPU memory here)."""
 
 
 def import_nixl() -> Any:
@@ -112,8 +112,31 @@ def _address(span: memoryview) -> int:
         return int(np.frombuffer(span, np.uint8).ctypes.data)
 
 
-def _descs(spans: list[list[memoryview]]) -> list[tuple[int, int, int]]:
-    return [(_address(s), len(s), 0) for chunk in spans for s in chunk]
+MEMORY_TYPES = {"cpu": "DRAM", "cuda": "VRAM"}
+
+
+def _bases(layout: KVLayout) -> list[tuple[int, int]]:
+    """(address, device id) of each layer's first byte: host buffers or CUDA tensors."""
+    if layout.memory == "cpu":
+        return [(_address(buf), 0) for buf in layout.buffers]
+    return [(int(t.data_ptr()), int(t.device.index or 0)) for t in layout.tensors]
+
+
+def _descs(
+    layout: KVLayout,
+    bases: list[tuple[int, int]],
+    layer: int,
+    block_ids: Sequence[int],
+    token_counts: Sequence[int],
+) -> list[tuple[int, int, int]]:
+    """[address, length, device] of every run of the chunks in `layer`, from the geometry
+    (no memoryviews: the same code serves host and device memory)."""
+    base, dev = bases[layer]
+    return [
+        (base + off, n, dev)
+        for b, count in zip(block_ids, token_counts, strict=True)
+        for off, n in layout.ranges(layer, b, count)
+    ]
 
 
 async def _backoff(delay: float) -> float:
@@ -142,7 +165,7 @@ class _Pull:
 class NixlTransport(Transport):
     name = "nixl"
     Options = NixlOptions
-    capabilities = Capabilities(store=False, peer=True, memory=frozenset({"cpu"}))
+    capabilities = Capabilities(store=False, peer=True, memory=frozenset({"cpu", "cuda"}))
 
     def __init__(self, options: NixlOptions, context: TransportContext) -> None:
         super().__init__(options, context)
@@ -154,6 +177,8 @@ class NixlTransport(Transport):
         self._api: Any = None
         self._agent: Any = None
         self._reg: Any = None
+        self._memory = "DRAM"
+        self._bases: list[tuple[int, int]] = []
         self._remote: dict[str, str] = {}
         """Producer side-channel address -> the NIXL agent added for it (consumer cache)."""
         self._pulls: dict[str, _Pull] = {}
@@ -174,10 +199,13 @@ class NixlTransport(Transport):
         self._router = TrioSocket(sock)
 
     async def register(self, layout: KVLayout) -> None:
-        """Create this worker's NIXL agent and register each layer buffer as DRAM."""
+        """Create this worker's NIXL agent and register each layer as DRAM (CPU caches)
+        or VRAM (CUDA caches)."""
         await super().register(layout)
-        if layout.memory != "cpu":
-            raise TransportError(f"the nixl transport moves CPU memory only, not {layout.memory!r}")
+        if layout.memory not in MEMORY_TYPES:
+            raise TransportError(f"the nixl transport cannot register {layout.memory!r} memory")
+        self._memory = MEMORY_TYPES[layout.memory]
+        self._bases = _bases(layout)
         if self._api is None:
             self._api = import_nixl()
         backend = self.options.backend
@@ -193,9 +221,10 @@ class NixlTransport(Transport):
                 f"kv_connector_extra_config['options']['backend']: NIXL has no usable "
                 f"{backend!r} plugin; plugins found: {', '.join(agent.get_plugin_list())}"
             )
-        regions = [(_address(buf), len(buf), 0, "") for buf in layout.buffers]
+        sizes = [len(b) for b in layout.buffers] or [int(t.numel()) for t in layout.tensors]
+        regions = [(a, n, dev, "") for (a, dev), n in zip(self._bases, sizes, strict=True)]
         try:
-            self._reg = agent.register_memory(regions, "DRAM", [backend])
+            self._reg = agent.register_memory(regions, self._memory, [backend])
         except Exception as exc:
             raise TransportError(f"NIXL cannot register the KV memory: {exc}") from None
         self._agent = agent
@@ -304,9 +333,14 @@ class NixlTransport(Transport):
         try:
             if offer is None:
                 raise TransportError("offer vanished")
-            layers = [_descs(offer.spans(i)) for i in range(offer.num_layers)]
+            layout = self.context.layout
+            assert layout is not None
+            layers = [
+                _descs(layout, self._bases, i, offer.block_ids, offer.token_counts)
+                for i in range(offer.num_layers)
+            ]
             metadata = b"" if msg.known == agent.name else agent.get_agent_metadata()
-            frame = wire.encode(wire.Blocks(msg.req, agent.name, metadata, layers))
+            frame = wire.encode(wire.Blocks(msg.req, agent.name, metadata, layers, self._memory))
             await router.send_multipart([ident, frame])
         except (zmq.ZMQError, TransportError) as exc:
             log.warning("kvflow nixl: answering the pull of %s failed: %s", msg.req, exc)
@@ -423,7 +457,12 @@ class NixlTransport(Transport):
         """One READ per layer, READ_AHEAD in flight; signal each layer as it lands, in order."""
         if len(msg.layers) != job.num_layers:
             raise ChunkCorrupt(f"producer sent {len(msg.layers)} layers, expected {job.num_layers}")
-        local = [_descs(job.spans(i)) for i in range(job.num_layers)]
+        layout = self.context.layout
+        assert layout is not None
+        local = [
+            _descs(layout, self._bases, i, job.block_ids, job.token_counts)
+            for i in range(job.num_layers)
+        ]
         for i, (mine, theirs) in enumerate(zip(local, msg.layers, strict=True)):
             if [d[1] for d in mine] != [d[1] for d in theirs]:
                 raise ChunkCorrupt(
@@ -438,9 +477,10 @@ class NixlTransport(Transport):
                 job.layer_loaded(i)
             return
         try:
-            for who, descs in (("", flat_local), (peer, flat_remote)):
+            sides = (("", flat_local, self._memory), (peer, flat_remote, msg.memory))
+            for who, descs, memory in sides:
                 arr = np.array(descs, np.uint64)
-                dlists.append(agent.prep_xfer_dlist(who, arr, "DRAM", backends))
+                dlists.append(agent.prep_xfer_dlist(who, arr, memory, backends))
         except Exception as exc:
             raise TransportError(f"NIXL cannot prepare the READ from {peer}: {exc}") from None
         starts = [0]

@@ -46,6 +46,9 @@ class Blocks(msgspec.Struct, tag=True, frozen=True):
     agent: str
     metadata: bytes
     layers: list[list[tuple[int, int, int]]]
+    """Per layer, the offered blocks' runs as [address, length, device id]."""
+    memory: str = "DRAM"
+    """NIXL memory type of those addresses: DRAM (CPU caches) or VRAM (CUDA caches)."""
 
 
 class Refused(msgspec.Struct, tag=True, frozen=True):
