@@ -70,11 +70,20 @@ class HeldOffers:
         held.released.set()
         return True
 
-    async def lend(self, req: str, lease_s: float) -> None:
+    async def lend(
+        self,
+        req: str,
+        lease_s: float,
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
         """A peer reads `req`'s blocks by itself (CUDA IPC, RDMA) until it releases them or
         `lease_s` passes; the blocks stay held meanwhile. The peer must not trust what it
-        read after the lease ended (the blocks may be vLLM's again)."""
+        read after the lease ended (the blocks may be vLLM's again). Start it with
+        `nursery.start` before telling the peer where the blocks are, so the read is
+        registered before the peer can begin."""
         with self.reading(req):
+            task_status.started()
             with trio.move_on_after(lease_s):
                 await self._held[req].released.wait()
 

@@ -119,7 +119,7 @@ class ZmqTransport(Transport):
                     why = "wire version" if msg.req in self.held else "unknown or expired request"
                     await router.send_multipart([ident, wire.encode(wire.Refused(msg.req, why))])
                 elif self._handles:
-                    leases.start_soon(self.held.lend, msg.req, self.options.ipc_lease_s)
+                    await leases.start(self.held.lend, msg.req, self.options.ipc_lease_s)
                     await router.send_multipart([ident, wire.encode(self._ipc_reply(msg.req))])
                 else:
                     with self.held.reading(msg.req) as offer:
