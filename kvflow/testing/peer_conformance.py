@@ -66,6 +66,10 @@ class PeerPromise:
         "a pull of a request the producer does not hold (never offered, or expired) raises "
         "ChunkMissing promptly"
     )
+    ONE_CONSUMER = (
+        "a request is pulled by one consumer: a second is refused (ChunkMissing) and nothing "
+        "it sends releases the blocks the first is reading"
+    )
     DEAD_PEER = (
         "a pull from a producer that is gone ends by the caller's deadline (cancellable, no "
         "hang) and the consumer stays usable"
@@ -168,7 +172,15 @@ class PeerConformance(ConformanceSuite):
 
         async def load(i: int) -> None:
             job, _ = kv.load_job(dsts[i], source=self.source(producers, reqs[i], srcs[i]))
-            await consumers[i].load(job)
+            try:
+                await consumers[i].load(job)
+            except Exception as exc:
+                violated(
+                    PeerPromise.PULL,
+                    f"pull {i} of {len(srcs)} concurrent ones raised {type(exc).__name__}: {exc}",
+                    keys=srcs[i].keys,
+                    block_ids=srcs[i].blocks,
+                )
 
         with trio.move_on_after(kv.progress_timeout_s) as deadline:
             async with open_nursery() as nursery:
@@ -291,6 +303,47 @@ class PeerConformance(ConformanceSuite):
                 )
                 await consumer.load(job)
             await kv.progress(returned, "offer() returning", PeerPromise.RELEASE, src)
+
+    async def test_a_second_consumer_of_a_request_is_refused(self, kv: Harness) -> None:
+        producer, first, second = await kv.worker(), await kv.worker(), await kv.worker()
+        src = kv.chunks(3)
+        dst, source, before = kv.destination(src)
+        other = src.at(kv.blocks(3))
+        outcome: list[str] = []
+        second_said: list[BaseException | None] = []
+        returned, answered = trio.Event(), trio.Event()
+
+        async def hold() -> None:
+            outcome.append(await producer.offer(self.offer_of(kv, "r", src)))
+            returned.set()
+
+        async def intrude() -> None:  # pulls the same request while the first one does
+            job, _ = kv.load_job(other, source=self.source([producer], "r", src))
+            try:
+                await second.load(job)
+                second_said.append(None)
+            except Exception as exc:
+                second_said.append(exc)
+            answered.set()
+
+        async with open_nursery() as nursery:
+            nursery.start_soon(hold)
+            await trio.testing.wait_all_tasks_blocked()
+
+            def on_layer(layer: int) -> None:
+                if layer == 0:
+                    nursery.start_soon(intrude)
+
+            job, _ = kv.load_job(dst, on_layer=on_layer, source=self.source([producer], "r", src))
+            await first.load(job)
+            await kv.progress(answered, "the second pull ending", PeerPromise.ONE_CONSUMER, src)
+            await kv.progress(returned, "offer() returning", PeerPromise.DONE, src)
+        if not second_said or not isinstance(second_said[0], ChunkMissing):
+            got = repr(second_said[0]) if second_said else "no answer"
+            violated(PeerPromise.ONE_CONSUMER, f"the second pull ended with {got}")
+        kv.expect_loaded(source, before, src, dst, promise=PeerPromise.PULL)
+        if outcome != ["done"]:
+            violated(PeerPromise.ONE_CONSUMER, f"offer() returned {outcome}, not the first's done")
 
     async def test_a_dead_producer_ends_the_pull_by_its_deadline(self, kv: Harness) -> None:
         producer, consumer = await kv.worker(), await kv.worker()

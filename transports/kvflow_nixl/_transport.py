@@ -150,6 +150,8 @@ class _Pull:
 
     req: str
     agent: str
+    ident: bytes
+    """The consumer's side-channel identity: only its `Failed` counts."""
     num_layers: int
     lease_s: float
     layers_read: set[int] = field(default_factory=set)
@@ -172,7 +174,6 @@ class NixlTransport(Transport):
         self.options: NixlOptions = options
         self._zmq = zmq.Context()
         self._router: TrioSocket | None = None
-        self.address = ""
         self.held = HeldOffers()
         self._api: Any = None
         self._agent: Any = None
@@ -279,32 +280,36 @@ class NixlTransport(Transport):
                 except wire.BadFrame as exc:
                     log.warning("kvflow nixl: dropped a bad frame from a peer: %s", exc)
                     continue
-                if isinstance(msg, wire.Failed):
+                if isinstance(msg, wire.Failed):  # only the consumer that pulls may end it
                     pull = self._pulls.get(msg.req)
-                    if pull is not None:
+                    if pull is not None and pull.ident == ident:
                         pull.end(msg.reason)
-                    else:
-                        self.held.release(msg.req, msg.reason)
                     continue
-                why = ""
-                if msg.version != wire.WIRE_VERSION:
-                    why = "wire version"
-                elif msg.req not in self.held:
-                    why = "unknown or expired request"
-                elif msg.req in self._pulls:
-                    why = "already being pulled"
-                if why:
-                    await router.send_multipart([ident, wire.encode(wire.Refused(msg.req, why))])
+                why = "wire version" if msg.version != wire.WIRE_VERSION else ""
+                why = why or self.held.claim(msg.req, ident)
+                pull = None if why else await nursery.start(self._hold, msg, ident)
+                if pull is None:
+                    try:
+                        reason = why or "expired"
+                        await router.send_multipart(
+                            [ident, wire.encode(wire.Refused(msg.req, reason))]
+                        )
+                    except zmq.ZMQError as exc:
+                        log.info("kvflow nixl: consumer of %s unreachable: %s", msg.req, exc)
                     continue
-                pull = await nursery.start(self._hold, msg)
                 await self._reply(router, ident, agent, msg, pull)
 
-    async def _hold(self, msg: wire.Pull, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        """Keep `msg.req`'s blocks held while its consumer may READ them (see module doc)."""
+    async def _hold(
+        self, msg: wire.Pull, ident: bytes, *, task_status: Any = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Keep `msg.req`'s blocks held while its consumer may READ them (see module doc).
+        Starts with None if the offer ended meanwhile."""
         offer = self.held.get(msg.req)
-        assert offer is not None
+        if offer is None:
+            task_status.started(None)
+            return
         lease = min(msg.lease_ms / 1000 if msg.lease_ms > 0 else MAX_LEASE_S, MAX_LEASE_S)
-        pull = _Pull(msg.req, msg.agent, offer.num_layers, lease + LEASE_MARGIN_S)
+        pull = _Pull(msg.req, msg.agent, ident, offer.num_layers, lease + LEASE_MARGIN_S)
         self._pulls[msg.req] = pull
         try:
             with self.held.reading(msg.req):
@@ -321,7 +326,7 @@ class NixlTransport(Transport):
                         pull.lease_s,
                     )
                     pull.end(f"consumer {msg.agent} silent past its read lease")
-                self.held.release(msg.req, pull.outcome)
+                self.held.release(msg.req, pull.outcome, peer=ident)
         finally:
             if self._pulls.get(msg.req) is pull:
                 del self._pulls[msg.req]
@@ -388,7 +393,7 @@ class NixlTransport(Transport):
         sock = TrioSocket(self._zmq.socket(zmq.DEALER))
         xfers: list[Any] = []
         dlists: list[Any] = []
-        ok = False
+        ok = refused = False
         try:
             sock.sock.connect(address)
             deadline = trio.current_effective_deadline()
@@ -399,6 +404,7 @@ class NixlTransport(Transport):
             await sock.send_multipart([wire.encode(pull)])
             msg = wire.decode_to_consumer((await sock.recv_multipart())[0])
             if isinstance(msg, wire.Refused):
+                refused = True  # nothing is held for us: nothing to answer
                 raise ChunkMissing(f"producer {address} refused {src.req}: {msg.reason}")
             peer = self._add_remote(agent, address, msg)
             await self._read(agent, job, peer, msg, xfers, dlists)
@@ -410,7 +416,7 @@ class NixlTransport(Transport):
                 drained = await self._drain(agent, xfers, dlists)
             if not drained:
                 self._forget(agent, address)
-            if not ok:
+            if not ok and not refused:
                 try:  # only now: none of our READs is in flight any more
                     reason = wire.Failed(src.req, "consumer gave up")
                     sock.sock.send_multipart([wire.encode(reason)], zmq.NOBLOCK)
@@ -422,6 +428,8 @@ class NixlTransport(Transport):
 
     def _add_remote(self, agent: Any, address: str, msg: wire.Blocks) -> str:
         """The producer's agent name, adding its metadata once per producer."""
+        if self._remote.get(address) == msg.agent:  # concurrent first pulls: added already
+            return msg.agent
         if not msg.metadata:
             if self._remote.get(address) != msg.agent:
                 raise ChunkCorrupt(f"producer {address} sent no NIXL metadata for {msg.agent}")

@@ -17,7 +17,7 @@ import zmq
 
 from kvflow.keys import ChunkKey
 from kvflow.layout import KVLayout
-from kvflow.peer import HeldOffers
+from kvflow.peer import HeldOffers, NotHeld
 from kvflow.transport import (
     Capabilities,
     ChunkCorrupt,
@@ -112,26 +112,42 @@ class ZmqTransport(Transport):
                 except wire.BadFrame as exc:
                     log.warning("kvflow zmq: dropped a bad frame from a peer: %s", exc)
                     continue
-                if not isinstance(msg, wire.Pull):
+                if not isinstance(msg, wire.Pull):  # only the consumer that pulled counts
                     outcome = "done" if isinstance(msg, wire.Done) else msg.reason
-                    self.held.release(msg.req, outcome)
-                elif msg.req not in self.held or msg.version != wire.WIRE_VERSION:
-                    why = "wire version" if msg.req in self.held else "unknown or expired request"
-                    await router.send_multipart([ident, wire.encode(wire.Refused(msg.req, why))])
+                    self.held.release(msg.req, outcome, peer=ident)
+                    continue
+                why = "wire version" if msg.version != wire.WIRE_VERSION else ""
+                offer = None if why else self.held.get(msg.req)
+                why = why or self.held.claim(msg.req, ident)
+                if why or offer is None:
+                    await self._reply(router, ident, wire.Refused(msg.req, why))
                 elif self._handles:
-                    await leases.start(self.held.lend, msg.req, self.options.ipc_lease_s)
-                    await router.send_multipart([ident, wire.encode(self._ipc_reply(msg.req))])
+                    lent = await leases.start(self.held.lend, msg.req, self.options.ipc_lease_s)
+                    reply = self._ipc_reply(offer) if lent else wire.Refused(msg.req, "expired")
+                    if not await self._reply(router, ident, reply):
+                        self.held.release(msg.req, "the consumer went away", peer=ident)
                 else:
-                    with self.held.reading(msg.req) as offer:
-                        await self._send_layers(router, ident, offer)
+                    try:
+                        with self.held.reading(msg.req):
+                            await self._send_layers(router, ident, offer)
+                    except NotHeld:
+                        await self._reply(router, ident, wire.Refused(msg.req, "expired"))
 
-    def _ipc_reply(self, req: str) -> wire.Ipc:
-        offer = self.held.get(req)
-        assert offer is not None and self.context.layout is not None
+    async def _reply(self, router: TrioSocket, ident: bytes, msg: wire.ToConsumer) -> bool:
+        """Send a control frame to a consumer; False if it is gone (ROUTER_MANDATORY)."""
+        try:
+            await router.send_multipart([ident, wire.encode(msg)])
+            return True
+        except zmq.ZMQError as exc:
+            log.info("kvflow zmq: consumer of %s unreachable: %s", msg.req, exc)
+            return False
+
+    def _ipc_reply(self, offer: Offer) -> wire.Ipc:
+        layout = self._layout()
         return wire.Ipc(
-            req,
+            offer.req,
             ipc.host_id(),
-            list(self.context.layout.geometries),
+            list(layout.geometries),
             list(offer.block_ids),
             self.options.ipc_lease_s,
             self._handles,
@@ -147,7 +163,7 @@ class ZmqTransport(Transport):
                 # messages in order, so when the last frame is released all are (a tracker
                 # per frame costs a Python Event each, ~16k per GiB). Keep no reference to
                 # the Frame after sending it, or its tracker never fires.
-                last = zmq.Frame(spans[-1], track=True)
+                last = zmq.Frame(spans[-1], track=True, copy=False)  # never copied: tracked
                 tracker = last.tracker
                 try:
                     await router.send_multipart([ident, header, *spans[:-1], last], copy=False)
@@ -169,7 +185,7 @@ class ZmqTransport(Transport):
         if src is None:
             raise TransportError("a zmq load needs a PeerSource (kv_transfer_params)")
         sock = TrioSocket(self._zmq.socket(zmq.DEALER))
-        ok = False
+        ok = refused = False
         address = src.addresses[self.context.shards.index(self.context.shard)]
         try:
             sock.sock.connect(address)
@@ -179,6 +195,7 @@ class ZmqTransport(Transport):
                 frames: list[Any] = await sock.recv_multipart(copy=False)
                 msg = wire.decode_to_consumer(frames[0].buffer)
                 if isinstance(msg, wire.Refused):
+                    refused = True  # nothing held for us: nothing to answer
                     raise ChunkMissing(f"producer {address} refused {src.req}: {msg.reason}")
                 if isinstance(msg, wire.Ipc):
                     await self._copy_ipc(job, src, msg, address, pulled)
@@ -203,11 +220,14 @@ class ZmqTransport(Transport):
             raise ChunkCorrupt(f"producer {address}: {exc}") from None
         finally:
             reply = wire.Done(src.req) if ok else wire.Failed(src.req, "consumer gave up")
+            linger = 0
             try:
-                sock.sock.send_multipart([wire.encode(reply)], zmq.NOBLOCK)
-                sock.close(linger_ms=200)  # let Done/Failed reach the producer
+                if not refused:  # a refused pull holds nothing: nothing to answer
+                    sock.sock.send_multipart([wire.encode(reply)], zmq.NOBLOCK)
+                    linger = 200  # let Done/Failed reach the producer
             except zmq.ZMQError:
-                sock.close()
+                pass
+            sock.close(linger_ms=linger)
 
     def _layout(self) -> KVLayout:
         if self.context.layout is None:
