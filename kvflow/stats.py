@@ -84,6 +84,19 @@ def is_empty(data: dict[str, Any]) -> bool:
     return not data.get("transfers") and not any(data.get(c, 0) for c in COUNTERS)
 
 
+_COUNTED = frozenset(
+    {
+        LookupRequested,
+        LookupAnswered,
+        LoadStarted,
+        SaveStarted,
+        TransferDone,
+        TransferFailed,
+        RequestFinished,
+    }
+)
+
+
 class StatsCollector:
     """An EventBus subscriber (trio thread) whose `take()` (any thread) returns and
     resets the observations since the last call."""
@@ -97,6 +110,8 @@ class StatsCollector:
         """Request -> prompt tokens of a lookup in flight."""
 
     def __call__(self, event: Event) -> None:
+        if type(event) not in _COUNTED:  # per-layer events: no lock, no work
+            return
         with self._lock:
             d = self._data
             if isinstance(event, LookupRequested):
@@ -108,7 +123,8 @@ class StatsCollector:
                 d["miss_tokens"] += max(0, asked - event.hit_tokens)
             elif isinstance(event, LoadStarted | SaveStarted):
                 direction = "load" if isinstance(event, LoadStarted) else "save"
-                self._tokens[(event.req, direction)] = event.tokens
+                key = (event.req, direction)  # overlapping saves of one request add up
+                self._tokens[key] = self._tokens.get(key, 0) + event.tokens
             elif isinstance(event, TransferDone):
                 d[f"{event.direction}_tokens"] += self._tokens.pop((event.req, event.direction), 0)
                 d["transfers"].append(

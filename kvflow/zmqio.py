@@ -11,12 +11,29 @@ or threads.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 
+import msgspec
 import trio
 import zmq
 
-__all__ = ["TrioSocket", "bind_loopback"]
+__all__ = ["BadFrame", "TrioSocket", "bind_loopback", "decode_frame"]
+
+T = TypeVar("T")
+
+
+class BadFrame(ValueError):
+    """A control frame from a peer that is too large or does not decode."""
+
+
+def decode_frame(decoder: msgspec.msgpack.Decoder[T], data: bytes | memoryview, limit: int) -> T:
+    """Decode a peer's msgspec control frame, refusing anything over `limit` bytes first."""
+    if len(data) > limit:
+        raise BadFrame(f"control frame of {len(data)} bytes exceeds {limit}")
+    try:
+        return decoder.decode(data)
+    except msgspec.DecodeError as exc:
+        raise BadFrame(f"undecodable control frame: {exc}") from None
 
 
 class TrioSocket:

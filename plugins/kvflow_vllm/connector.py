@@ -148,6 +148,9 @@ def layout_from_tensors(
         memory = t.device.type
         whole = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
         start = t.storage_offset() * t.element_size()
+        extent = (1 + sum((n - 1) * st for n, st in zip(shape, strides, strict=True))) * (
+            t.element_size()
+        )  # the layer's own bytes: layers may share one storage
         if memory == "cpu":
             if shape[0] != num_blocks:
                 raise LayoutError(
@@ -155,10 +158,10 @@ def layout_from_tensors(
                     f"expected {num_blocks} blocks first"
                 )
             geos.append(block_geometry(shape, strides, t.element_size()))
-            bufs.append(memoryview(whole.numpy()).cast("B")[start:])  # type: ignore[arg-type]
+            bufs.append(memoryview(whole.numpy()).cast("B")[start : start + extent])  # type: ignore[arg-type]
         else:
             geos.append(_device_geometry(name, t, num_blocks, block_size))
-            tensors.append(whole[start:])
+            tensors.append(whole[start : start + extent])
         names.append(name)
     return KVLayout(
         names=names,

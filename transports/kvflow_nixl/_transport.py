@@ -57,7 +57,7 @@ from kvflow.transport import (
     TransportContext,
     TransportError,
 )
-from kvflow.zmqio import TrioSocket, bind_loopback
+from kvflow.zmqio import BadFrame, TrioSocket, bind_loopback
 
 from . import _wire as wire
 
@@ -277,7 +277,7 @@ class NixlTransport(Transport):
                 ident, data = await router.recv_multipart()
                 try:
                     msg = wire.decode_to_producer(data)
-                except wire.BadFrame as exc:
+                except BadFrame as exc:
                     log.warning("kvflow nixl: dropped a bad frame from a peer: %s", exc)
                     continue
                 if isinstance(msg, wire.Failed):  # only the consumer that pulls may end it
@@ -373,7 +373,7 @@ class NixlTransport(Transport):
     def _on_notif(self, sender: str, data: bytes) -> None:
         try:
             note = wire.decode_notif(data)
-        except wire.BadFrame as exc:
+        except BadFrame as exc:
             log.warning("kvflow nixl: dropped a bad notification from %s: %s", sender, exc)
             return
         pull = self._pulls.get(note.req)
@@ -409,7 +409,7 @@ class NixlTransport(Transport):
             peer = self._add_remote(agent, address, msg)
             await self._read(agent, job, peer, msg, xfers, dlists)
             ok = True
-        except wire.BadFrame as exc:
+        except BadFrame as exc:
             raise ChunkCorrupt(f"producer {address}: {exc}") from None
         finally:
             with trio.CancelScope(shield=True):

@@ -16,11 +16,9 @@ producer's spans of layer i as [addr, len, dev_id], chunk by chunk, plane by pla
 
 from __future__ import annotations
 
-from typing import TypeVar
-
 import msgspec
 
-T = TypeVar("T")
+from kvflow.zmqio import decode_frame
 
 WIRE_VERSION = 1
 MAX_TO_PRODUCER_BYTES = 64 << 10
@@ -78,30 +76,17 @@ _to_consumer = msgspec.msgpack.Decoder(ToConsumer)
 _notif = msgspec.msgpack.Decoder(LayerRead)
 
 
-class BadFrame(ValueError):
-    """A control frame that is too large or does not decode."""
-
-
 def encode(msg: ToProducer | ToConsumer | LayerRead) -> bytes:
     return _encoder.encode(msg)
 
 
-def _decode(decoder: msgspec.msgpack.Decoder[T], data: bytes | memoryview, limit: int) -> T:
-    if len(data) > limit:
-        raise BadFrame(f"control frame of {len(data)} bytes exceeds {limit}")
-    try:
-        return decoder.decode(data)
-    except msgspec.DecodeError as exc:
-        raise BadFrame(f"undecodable control frame: {exc}") from None
-
-
 def decode_to_producer(data: bytes | memoryview) -> ToProducer:
-    return _decode(_to_producer, data, MAX_TO_PRODUCER_BYTES)
+    return decode_frame(_to_producer, data, MAX_TO_PRODUCER_BYTES)
 
 
 def decode_to_consumer(data: bytes | memoryview) -> ToConsumer:
-    return _decode(_to_consumer, data, MAX_TO_CONSUMER_BYTES)
+    return decode_frame(_to_consumer, data, MAX_TO_CONSUMER_BYTES)
 
 
 def decode_notif(data: bytes) -> LayerRead:
-    return _decode(_notif, data, MAX_TO_PRODUCER_BYTES)
+    return decode_frame(_notif, data, MAX_TO_PRODUCER_BYTES)

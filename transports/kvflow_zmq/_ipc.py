@@ -19,6 +19,7 @@ handles) where no GPU exists.
 from __future__ import annotations
 
 import contextlib
+import functools
 import socket
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -30,7 +31,15 @@ import trio
 
 from kvflow.layout import LayerGeometry
 
-__all__ = ["CudaDevice", "Device", "IpcHandle", "copy_chunks", "host_id"]
+__all__ = [
+    "CudaDevice",
+    "Device",
+    "IpcHandle",
+    "check_blocks",
+    "copy_chunks",
+    "host_id",
+    "index_tensors",
+]
 
 
 class IpcHandle(msgspec.Struct, array_like=True, frozen=True):
@@ -49,6 +58,7 @@ class IpcHandle(msgspec.Struct, array_like=True, frozen=True):
     nbytes: int
 
 
+@functools.cache
 def host_id() -> str:
     """This machine's identity: CUDA IPC handles only open on the host that made them."""
     boot = Path("/proc/sys/kernel/random/boot_id")
@@ -135,27 +145,49 @@ def _block_views(flat: torch.Tensor, g: LayerGeometry) -> list[torch.Tensor]:
     ]
 
 
+def check_blocks(g: LayerGeometry, block_ids: Sequence[int], side: str) -> None:
+    """Refuse out-of-range block ids on the host: on the device they would be an
+    assertion that takes the whole CUDA context down."""
+    if any(not 0 <= b < g.num_blocks for b in block_ids):
+        raise IndexError(f"{side} block ids {list(block_ids)} outside 0..{g.num_blocks - 1}")
+
+
+def index_tensors(
+    src_blocks: Sequence[int],
+    dst_blocks: Sequence[int],
+    token_counts: Sequence[int],
+    g: LayerGeometry,
+    src_device: torch.device,
+    dst_device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]]:
+    """The full chunks' source and destination block indexes as device tensors (built
+    once per pull), and the chunk numbers of full and partial chunks."""
+    full = [i for i, n in enumerate(token_counts) if g.block_bytes or n == g.block_size]
+    partial = sorted(set(range(len(token_counts))) - set(full))
+    si = torch.tensor([src_blocks[i] for i in full], device=src_device)
+    di = torch.tensor([dst_blocks[i] for i in full], device=dst_device)
+    return si, di, full, partial
+
+
 def copy_chunks(
     src: torch.Tensor,
     g_src: LayerGeometry,
     dst: torch.Tensor,
     g_dst: LayerGeometry,
+    index: tuple[torch.Tensor, torch.Tensor, list[int], list[int]],
     src_blocks: Sequence[int],
     dst_blocks: Sequence[int],
     token_counts: Sequence[int],
 ) -> None:
     """Queue the copy of chunk i from `src_blocks[i]` to `dst_blocks[i]` (one layer; the
-    geometries differ at most in their number of blocks).
+    geometries differ at most in their number of blocks; `index` from `index_tensors`).
 
     Full chunks go in one gather/scatter per plane; a partial chunk of a
     token-granular layer moves only its tokens, so nothing past them is written.
     """
-    full = [i for i, n in enumerate(token_counts) if g_dst.block_bytes or n == g_dst.block_size]
-    partial = sorted(set(range(len(token_counts))) - set(full))
+    si, di, full, partial = index
     views = list(zip(_block_views(src, g_src), _block_views(dst, g_dst), strict=True))
     if full:
-        si = torch.tensor([src_blocks[i] for i in full], device=src.device)
-        di = torch.tensor([dst_blocks[i] for i in full], device=dst.device)
         for s, d in views:
             d.index_copy_(0, di, s.index_select(0, si).to(dst.device, non_blocking=True))
     for i in partial:

@@ -30,7 +30,7 @@ from kvflow.transport import (
     TransportContext,
     TransportError,
 )
-from kvflow.zmqio import TrioSocket, bind_loopback
+from kvflow.zmqio import BadFrame, TrioSocket, bind_loopback
 
 from . import _ipc as ipc
 from . import _wire as wire
@@ -109,7 +109,7 @@ class ZmqTransport(Transport):
                 ident, data = await router.recv_multipart()
                 try:
                     msg = wire.decode_to_producer(data)
-                except wire.BadFrame as exc:
+                except BadFrame as exc:
                     log.warning("kvflow zmq: dropped a bad frame from a peer: %s", exc)
                     continue
                 if not isinstance(msg, wire.Pull):  # only the consumer that pulled counts
@@ -216,7 +216,7 @@ class ZmqTransport(Transport):
                     d[:] = f.buffer
                 job.layer_loaded(layer)
             ok = True
-        except wire.BadFrame as exc:
+        except BadFrame as exc:
             raise ChunkCorrupt(f"producer {address}: {exc}") from None
         finally:
             reply = wire.Done(src.req) if ok else wire.Failed(src.req, "consumer gave up")
@@ -258,10 +258,25 @@ class ZmqTransport(Transport):
                 f"producer {address} offers blocks {msg.block_ids}; the consumer asked for "
                 f"{src.block_ids} into {len(job.block_ids)} blocks"
             )
+        try:
+            for g_src, g_dst in zip(msg.geometries, layout.geometries, strict=True):
+                ipc.check_blocks(g_src, src.block_ids, f"producer {address}")
+                ipc.check_blocks(g_dst, job.block_ids, "destination")
+        except IndexError as exc:
+            raise ChunkCorrupt(str(exc)) from None
         key = (address, msg.handles[0].handle if msg.handles else b"")
         if key not in self._opened:
             self._opened[key] = [self._device.open(h) for h in msg.handles]
         theirs = self._opened[key]
+        with self._device.stream(layout.tensors[0].device):  # ordered before the copies
+            index = ipc.index_tensors(
+                src.block_ids,
+                job.block_ids,
+                job.token_counts,
+                layout.geometries[0],
+                theirs[0].device,
+                layout.tensors[0].device,
+            )
         for layer in range(job.num_layers):
             ours = layout.tensors[layer]
             with self._device.stream(ours.device):
@@ -270,6 +285,7 @@ class ZmqTransport(Transport):
                     msg.geometries[layer],
                     ours,
                     layout.geometries[layer],
+                    index,
                     src.block_ids,
                     job.block_ids,
                     job.token_counts,

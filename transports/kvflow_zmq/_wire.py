@@ -13,15 +13,12 @@ A pull is one DEALER->ROUTER conversation:
 
 from __future__ import annotations
 
-from typing import TypeVar
-
 import msgspec
 
 from kvflow.layout import LayerGeometry
+from kvflow.zmqio import decode_frame
 
 from ._ipc import IpcHandle
-
-T = TypeVar("T")
 
 WIRE_VERSION = 1
 MAX_CONTROL_BYTES = 1 << 20
@@ -74,26 +71,13 @@ _to_producer = msgspec.msgpack.Decoder(ToProducer)
 _to_consumer = msgspec.msgpack.Decoder(ToConsumer)
 
 
-class BadFrame(ValueError):
-    """A control frame that is too large or does not decode."""
-
-
 def encode(msg: ToProducer | ToConsumer) -> bytes:
     return _encoder.encode(msg)
 
 
-def _decode(decoder: msgspec.msgpack.Decoder[T], data: bytes | memoryview) -> T:
-    if len(data) > MAX_CONTROL_BYTES:
-        raise BadFrame(f"control frame of {len(data)} bytes exceeds {MAX_CONTROL_BYTES}")
-    try:
-        return decoder.decode(data)
-    except msgspec.DecodeError as exc:
-        raise BadFrame(f"undecodable control frame: {exc}") from None
-
-
 def decode_to_producer(data: bytes | memoryview) -> ToProducer:
-    return _decode(_to_producer, data)
+    return decode_frame(_to_producer, data, MAX_CONTROL_BYTES)
 
 
 def decode_to_consumer(data: bytes | memoryview) -> ToConsumer:
-    return _decode(_to_consumer, data)
+    return decode_frame(_to_consumer, data, MAX_CONTROL_BYTES)
