@@ -65,8 +65,8 @@ class ZmqTransport(Transport):
         self.held = HeldOffers()
         self._device = self.device_type()
         self._handles: list[ipc.IpcHandle] = []
-        self._opened: dict[tuple[str, bytes], list[Any]] = {}
-        """Producers' layers opened by this consumer, by (address, first handle)."""
+        self._opened: dict[str, tuple[bytes, list[Any]]] = {}
+        """Producers' layers opened by this consumer: address -> (first handle, layers)."""
 
     async def open(self) -> None:
         if self.context.role != "worker":
@@ -264,10 +264,10 @@ class ZmqTransport(Transport):
                 ipc.check_blocks(g_dst, job.block_ids, "destination")
         except IndexError as exc:
             raise ChunkCorrupt(str(exc)) from None
-        key = (address, msg.handles[0].handle if msg.handles else b"")
-        if key not in self._opened:
-            self._opened[key] = [self._device.open(h) for h in msg.handles]
-        theirs = self._opened[key]
+        first = msg.handles[0].handle if msg.handles else b""
+        if self._opened.get(address, (None,))[0] != first:  # new, or the producer restarted
+            self._opened[address] = (first, [self._device.open(h) for h in msg.handles])
+        theirs = self._opened[address][1]
         with self._device.stream(layout.tensors[0].device):  # ordered before the copies
             index = ipc.index_tensors(
                 src.block_ids,
