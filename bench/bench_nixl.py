@@ -27,14 +27,14 @@ blocks until the last byte landed):
   thread off, every layer buffer registered as DRAM) runs `serve()` and `offer()` under
   its own `trio.run`. The timed call is the consumer `NixlTransport`'s
   `await load(LoadJob(...))`: DEALER connect, `Pull` over the side channel, the
-  producer builds one descriptor per span from the offer's memoryviews and answers with
-  `Blocks` (its agent metadata only on the first pull), the consumer builds its own
-  descriptors, prepares both descriptor lists for this request, and READs layer by layer
-  (one transfer per layer, two in flight, each with a `LayerRead` notification), polling
-  `check_xfer_state` with a 0.1-2 ms trio backoff (a trio sleep under 1 ms lasts ~1.1 ms:
-  epoll's timeout is in ms); then releases the handles. Untimed,
-  the consumer then waits until the producer's offer ended with "done" (every
-  notification arrived).
+  producer answers with `Blocks` (the offered block ids; its agent metadata and memory
+  regions only on the first pull, when the consumer prepares one descriptor list over
+  the producer's whole KV memory; its own list was prepared at registration), the
+  consumer picks the request's indices (numpy) and READs layer by layer (one transfer
+  per layer, two in flight), polling `check_xfer_state` with a 0.1-2 ms trio backoff
+  (a trio sleep under 1 ms lasts ~1.1 ms: epoll's timeout is in ms), releases the
+  handles and sends one `Read` notification. Untimed, the consumer then waits until the
+  producer's offer ended with "done" (the notification arrived).
 - raw NIXL: two more agents (same config: UCX, progress thread off), each registering
   the same layer buffers as DRAM. Once, untimed: the consumer adds the producer agent's
   metadata, and prepares two descriptor lists over the whole KV cache, one descriptor

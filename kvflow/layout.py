@@ -60,6 +60,39 @@ class LayerGeometry(msgspec.Struct, frozen=True):
             return f"block_bytes={self.block_bytes}"
         return f"planes={len(self.plane_offsets)},token_bytes={self.token_bytes}"
 
+    def ranges(self, block_id: int, num_tokens: int) -> list[tuple[int, int]]:
+        """(byte offset, length) of each run holding the first `num_tokens` tokens of
+        `block_id`, relative to the layer's first byte."""
+        if not 0 <= block_id < self.num_blocks:
+            raise LayoutError(f"block {block_id} out of range (the layer has {self.num_blocks})")
+        base = block_id * self.block_stride
+        if self.block_bytes:
+            return [(base, self.block_bytes)]
+        n = num_tokens * self.token_bytes
+        return [(base + off, n) for off in self.plane_offsets]
+
+    def block_shape(self) -> tuple[int, ...]:
+        """What must match for a block of one cache to be copied into a block of another:
+        everything but the number of blocks and where the planes start (NHD's V half
+        starts after all K blocks, so it moves with `num_blocks`)."""
+        runs = [n for _, n in self.block_runs()]
+        return (self.block_size, self.token_bytes, self.block_bytes, len(self.plane_offsets), *runs)
+
+    def block_runs(self) -> list[tuple[int, int]]:
+        """(offset within a block, length) of the runs of one whole block, neighbouring
+        planes merged (HND's heads of one K or V half are one run): what moves a full
+        block with the fewest descriptors."""
+        if self.block_bytes:
+            return [(0, self.block_bytes)]
+        runs: list[tuple[int, int]] = []
+        n = self.block_size * self.token_bytes
+        for off in sorted(self.plane_offsets):
+            if runs and sum(runs[-1]) == off:
+                runs[-1] = (runs[-1][0], runs[-1][1] + n)
+            else:
+                runs.append((off, n))
+        return runs
+
 
 def geometry_from_strides(
     shape: Sequence[int],
@@ -186,11 +219,7 @@ class KVLayout:
         g = self.geometries[layer]
         if not 0 <= block_id < g.num_blocks or not 0 < num_tokens <= self.block_size:
             raise LayoutError(f"block {block_id} / {num_tokens} tokens out of range")
-        base = block_id * g.block_stride
-        if g.block_bytes:
-            return [(base, g.block_bytes)]
-        n = num_tokens * g.token_bytes
-        return [(base + off, n) for off in g.plane_offsets]
+        return g.ranges(block_id, num_tokens)
 
     def spans(self, layer: int, block_id: int, num_tokens: int) -> list[memoryview]:
         """The runs holding the first `num_tokens` tokens of `block_id` in `layer`."""

@@ -33,10 +33,11 @@ server). The suite then drives each instance the way kvflow does:
 - `await transport.aclose()` once at the end of the test, also after
   cancelled transfers.
 
-Memory is real: numpy buffers from `kvflow.testing.make_layout`, in a
-token-granular layout (NHD planes: a partial chunk moves only its tokens) and a
-block-granular one (a chunk is one opaque block); every data test runs on
-both (override the `layout` fixture to narrow that). Transports whose
+Memory is real: numpy buffers from `kvflow.testing.make_layout`, in two
+token-granular layouts (NHD: one K and one V plane; HND: one plane per K/V head;
+a partial chunk moves only its tokens) and a block-granular one (a chunk is one
+opaque block); every data test runs on each (override the `layout` fixture to
+narrow that). Transports whose
 capabilities lack `store` or the `cpu` memory kind are skipped.
 
 A test failure raises `ContractViolation`, an `AssertionError` whose text
@@ -669,7 +670,9 @@ class GatedSave:
 
 # -- the suite -------------------------------------------------------------------
 
-LAYOUT_KINDS = ["token", "block"]
+LAYOUT_KINDS = ["token", "hnd", "block"]
+"""NHD planes (one K and one V run per token), HND planes (one per K/V head) and
+vLLM's CPU cache (blocks packed, block-granular)."""
 
 
 class ConformanceSuite:
@@ -694,7 +697,7 @@ class ConformanceSuite:
 
     @pytest.fixture(params=LAYOUT_KINDS)
     def layout(self, request: pytest.FixtureRequest) -> KVLayout:
-        return self.build_layout(request.param == "block")
+        return self.build_layout(request.param == "block", hnd=request.param == "hnd")
 
     def build_layout(self, block_granular: bool, **kw: Any) -> KVLayout:
         """A test layout of this suite's geometry; `kw` overrides `make_layout` arguments."""

@@ -17,12 +17,15 @@ def make_layout(
     heads: int = 2,
     head_dim: int = 8,
     block_granular: bool = False,
+    hnd: bool = False,
     dtype: str = "float32",
 ) -> KVLayout:
     """A layout over zeroed numpy buffers.
 
     `block_granular=True` mimics vLLM's CPU cache `[blocks, heads, block_size, 2*head_dim]`
-    (blocks opaque); otherwise an NHD cache `[2, blocks, block_size, heads, head_dim]`.
+    (blocks opaque); `hnd=True` an HND cache `[2, blocks, heads, block_size, head_dim]`
+    (one plane per K/V head); otherwise an NHD cache `[2, blocks, block_size, heads,
+    head_dim]`.
     """
     names, geos, bufs = [], [], []
     for i in range(num_layers):
@@ -30,6 +33,10 @@ def make_layout(
             arr = np.zeros((num_blocks, heads, block_size, 2 * head_dim), dtype=dtype)
             strides = [s // arr.itemsize for s in arr.strides]
             geo = block_geometry(arr.shape, strides, arr.itemsize)
+        elif hnd:
+            arr = np.zeros((2, num_blocks, heads, block_size, head_dim), dtype=dtype)
+            strides = [s // arr.itemsize for s in arr.strides]
+            geo = geometry_from_strides(arr.shape, strides, arr.itemsize, block_dim=1, token_dim=3)
         else:
             arr = np.zeros((2, num_blocks, block_size, heads, head_dim), dtype=dtype)
             strides = [s // arr.itemsize for s in arr.strides]

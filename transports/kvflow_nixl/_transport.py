@@ -1,11 +1,19 @@
 """The `nixl` peer transport: a consumer READs a producer's held blocks with NIXL.
 
-Block lifetime on the producer (the rule this file implements): from the moment
-it answers a Pull with its block descriptors, the offer is held in
-`HeldOffers.reading` until one of
+Descriptor lists are prepared once: each worker prepares one over its own whole
+KV memory at registration, and a consumer one over a producer's whole KV memory
+when it first meets that producer agent (from the `Regions` that come with the
+agent's metadata). Both lists hold one descriptor per (layer, run, block), a run
+being a block's K or V half (or the whole block, when the cache packs it); a pull
+then only picks indices. A chunk that is a partial block of a token-granular
+cache moves just its tokens, through a small list prepared for that pull.
 
-1. a NIXL notification `LayerRead` arrived for every layer (each READ finished;
-   NIXL sends it only after the READ completed successfully) -> "done";
+Block lifetime on the producer (the rule this file implements): from the moment
+it answers a Pull with its block ids, the offer is held in `HeldOffers.reading`
+until one of
+
+1. the NIXL notification `Read` arrived (the consumer sends it once each of its
+   READs is DONE) -> "done";
 2. the consumer's `Failed` arrived over the side channel (it sends it only once
    each of its READs is DONE/ERR, or released after a drain wait) -> its reason;
 3. the read lease expired: the consumer's own deadline (it sends how long it may
@@ -16,14 +24,16 @@ So the worker's hold timeout, which cancels `offer()`, never hands back blocks a
 READ may still be reading: `HeldOffers.offer` waits for the reading to end,
 which is bounded by the lease. Shutdown (cancelling `serve`) ends holds at once.
 
-NIXL 1.5.1 facts this relies on: completion is poll-only (`check_xfer_state`),
-and the notification is sent from inside that poll once the READ succeeded;
+NIXL 1.5.1 facts this relies on: completion is poll-only (`check_xfer_state`);
 `release_xfer_handle` on a handle still in PROC "cancels" with
 `ucp_request_cancel` + `ucp_request_free`, which for RMA does not stop the
 operation, so the consumer never releases a PROC handle before waiting for it
 to leave PROC (bounded by `DRAIN_TIMEOUT_S`). The agent's progress thread polls
 without sleeping (a whole core per agent), so it is off: the consumer's polls
-and the producer's notification polls drive UCX progress.
+and the producer's notification polls (running while a pull is open) drive UCX
+progress. READs carry no notification of their own: on one host UCX moves a
+READ's bytes inside `transfer()` (CMA), but one that carries a notification stays
+PROC until the producer's agent next polls.
 """
 
 from __future__ import annotations
@@ -44,7 +54,7 @@ import trio
 import zmq
 
 from kvflow.keys import ChunkKey
-from kvflow.layout import KVLayout
+from kvflow.layout import KVLayout, LayerGeometry, LayoutError
 from kvflow.peer import HeldOffers
 from kvflow.transport import (
     Capabilities,
@@ -122,21 +132,64 @@ def _bases(layout: KVLayout) -> list[tuple[int, int]]:
     return [(int(t.data_ptr()), int(t.device.index or 0)) for t in layout.tensors]
 
 
-def _descs(
-    layout: KVLayout,
-    bases: list[tuple[int, int]],
-    layer: int,
-    block_ids: Sequence[int],
-    token_counts: Sequence[int],
-) -> list[tuple[int, int, int]]:
-    """[address, length, device] of every run of the chunks in `layer`, from the geometry
-    (no memoryviews: the same code serves host and device memory)."""
-    base, dev = bases[layer]
-    return [
-        (base + off, n, dev)
-        for b, count in zip(block_ids, token_counts, strict=True)
-        for off, n in layout.ranges(layer, b, count)
+@dataclass
+class _Table:
+    """A prepared descriptor list over a whole KV memory: row `starts[layer] + r *
+    num_blocks + block` is run `r` of `block` in `layer` (`LayerGeometry.block_runs`)."""
+
+    dlist: Any
+    starts: list[int]
+    geometries: list[LayerGeometry]
+
+    def index(self, layer: int, block_ids: np.ndarray) -> np.ndarray:
+        g = self.geometries[layer]
+        runs = len(g.block_runs())
+        first = self.starts[layer] + np.arange(runs, dtype=np.int64)[:, None] * g.num_blocks
+        return (first + block_ids[None, :]).reshape(-1).astype(np.int32)
+
+
+def _strided(bases: Sequence[tuple[int, int]], geometries: Sequence[LayerGeometry]) -> Any:
+    """NIXL's compressed (N x 5) form of a whole-memory table: per (layer, run) one row
+    [address, length, device, stride, count] standing for its `count` blocks."""
+    rows = [
+        (base + off, n, dev, g.block_stride, g.num_blocks)
+        for (base, dev), g in zip(bases, geometries, strict=True)
+        for off, n in g.block_runs()
     ]
+    return np.array(rows, dtype=np.uint64)
+
+
+def _prepare(
+    agent: Any,
+    who: str,
+    bases: Sequence[tuple[int, int]],
+    geometries: Sequence[LayerGeometry],
+    memory: str,
+    backend: str,
+) -> _Table:
+    starts = [0]
+    for g in geometries:
+        starts.append(starts[-1] + len(g.block_runs()) * g.num_blocks)
+    if starts[-1] >= 2**31:
+        raise TransportError(f"{starts[-1]} block descriptors exceed NIXL's int32 indices")
+    dlist = agent.prep_xfer_dlist(who, _strided(bases, geometries), memory, [backend])
+    return _Table(dlist, starts[:-1], list(geometries))
+
+
+def _partial_descs(
+    bases: Sequence[tuple[int, int]],
+    geometries: Sequence[LayerGeometry],
+    chunks: Sequence[tuple[int, int]],
+) -> list[list[tuple[int, int, int]]]:
+    """Per layer, [address, length, device] of the runs of each (block, tokens) chunk."""
+    return [
+        [(base + off, n, dev) for b, count in chunks for off, n in g.ranges(b, count)]
+        for (base, dev), g in zip(bases, geometries, strict=True)
+    ]
+
+
+def _shapes(geometries: Sequence[LayerGeometry]) -> list[tuple[int, ...]]:
+    return [g.block_shape() for g in geometries]
 
 
 async def _backoff(delay: float) -> float:
@@ -152,9 +205,7 @@ class _Pull:
     agent: str
     ident: bytes
     """The consumer's side-channel identity: only its `Failed` counts."""
-    num_layers: int
     lease_s: float
-    layers_read: set[int] = field(default_factory=set)
     outcome: str = ""
     ended: trio.Event = field(default_factory=trio.Event)
 
@@ -180,8 +231,9 @@ class NixlTransport(Transport):
         self._reg: Any = None
         self._memory = "DRAM"
         self._bases: list[tuple[int, int]] = []
-        self._remote: dict[str, str] = {}
-        """Producer side-channel address -> the NIXL agent added for it (consumer cache)."""
+        self._local: _Table | None = None
+        self._remote: dict[str, _Remote] = {}
+        """Producer side-channel address -> its NIXL agent, added once (consumer cache)."""
         self._pulls: dict[str, _Pull] = {}
         self._reads_started = trio.Event()
 
@@ -226,6 +278,9 @@ class NixlTransport(Transport):
         regions = [(a, n, dev, "") for (a, dev), n in zip(self._bases, sizes, strict=True)]
         try:
             self._reg = agent.register_memory(regions, self._memory, [backend])
+            self._local = _prepare(agent, "", self._bases, layout.geometries, self._memory, backend)
+        except TransportError:
+            raise
         except Exception as exc:
             raise TransportError(f"NIXL cannot register the KV memory: {exc}") from None
         self._agent = agent
@@ -235,12 +290,11 @@ class NixlTransport(Transport):
         peer that is already gone."""
         agent, self._agent = self._agent, None
         if agent is not None:
-            for remote in self._remote.values():
-                try:
-                    agent.remove_remote_agent(remote)
-                except Exception as exc:
-                    log.debug("kvflow nixl: removing agent %s: %s", remote, exc)
-            self._remote.clear()
+            for address in list(self._remote):
+                self._forget(agent, address)
+            if self._local is not None:
+                _release(self._local.dlist)
+                self._local = None
             if self._reg is not None:
                 try:
                     agent.deregister_memory(self._reg, [self.options.backend])
@@ -309,7 +363,7 @@ class NixlTransport(Transport):
             task_status.started(None)
             return
         lease = min(msg.lease_ms / 1000 if msg.lease_ms > 0 else MAX_LEASE_S, MAX_LEASE_S)
-        pull = _Pull(msg.req, msg.agent, ident, offer.num_layers, lease + LEASE_MARGIN_S)
+        pull = _Pull(msg.req, msg.agent, ident, lease + LEASE_MARGIN_S)
         self._pulls[msg.req] = pull
         try:
             with self.held.reading(msg.req):
@@ -340,13 +394,12 @@ class NixlTransport(Transport):
                 raise TransportError("offer vanished")
             layout = self.context.layout
             assert layout is not None
-            layers = [
-                _descs(layout, self._bases, i, offer.block_ids, offer.token_counts)
-                for i in range(offer.num_layers)
-            ]
-            metadata = b"" if msg.known == agent.name else agent.get_agent_metadata()
-            frame = wire.encode(wire.Blocks(msg.req, agent.name, metadata, layers, self._memory))
-            await router.send_multipart([ident, frame])
+            reply = wire.Blocks(msg.req, agent.name, b"", list(offer.block_ids), self._memory)
+            if msg.known != agent.name:
+                regions = wire.Regions(self._bases, list(layout.geometries))
+                metadata = agent.get_agent_metadata()
+                reply = msgspec.structs.replace(reply, metadata=metadata, regions=regions)
+            await router.send_multipart([ident, wire.encode(reply)])
         except (zmq.ZMQError, TransportError) as exc:
             log.warning("kvflow nixl: answering the pull of %s failed: %s", msg.req, exc)
             pull.end(f"answering the pull failed: {exc}")  # no descriptors left: no READ
@@ -377,10 +430,7 @@ class NixlTransport(Transport):
             log.warning("kvflow nixl: dropped a bad notification from %s: %s", sender, exc)
             return
         pull = self._pulls.get(note.req)
-        if pull is None or pull.agent != sender or not 0 <= note.layer < pull.num_layers:
-            return  # late, foreign or stray: nothing is held for it
-        pull.layers_read.add(note.layer)
-        if len(pull.layers_read) == pull.num_layers:
+        if pull is not None and pull.agent == sender:  # else late, foreign or stray
             pull.end("done")
 
     # -- consumer ----------------------------------------------------------
@@ -399,7 +449,7 @@ class NixlTransport(Transport):
             deadline = trio.current_effective_deadline()
             left = deadline - trio.current_time()
             lease_ms = 0 if math.isinf(left) else max(1, int((left + DRAIN_TIMEOUT_S) * 1000))
-            known = self._remote.get(address, "")
+            known = self._remote[address].name if address in self._remote else ""
             pull = wire.Pull(src.req, agent.name, known, lease_ms)
             await sock.send_multipart([wire.encode(pull)])
             msg = wire.decode_to_consumer((await sock.recv_multipart())[0])
@@ -408,6 +458,10 @@ class NixlTransport(Transport):
                 raise ChunkMissing(f"producer {address} refused {src.req}: {msg.reason}")
             peer = self._add_remote(agent, address, msg)
             await self._read(agent, job, peer, msg, xfers, dlists)
+            try:  # every READ is DONE: the producer may hand the blocks back
+                agent.send_notif(peer.name, wire.encode(wire.Read(src.req)))
+            except Exception as exc:  # it will hold them until our lease ends
+                log.warning("kvflow nixl: notifying %s of %s: %s", peer.name, src.req, exc)
             ok = True
         except BadFrame as exc:
             raise ChunkCorrupt(f"producer {address}: {exc}") from None
@@ -426,95 +480,162 @@ class NixlTransport(Transport):
             else:
                 sock.close()
 
-    def _add_remote(self, agent: Any, address: str, msg: wire.Blocks) -> str:
-        """The producer's agent name, adding its metadata once per producer."""
-        if self._remote.get(address) == msg.agent:  # concurrent first pulls: added already
-            return msg.agent
-        if not msg.metadata:
-            if self._remote.get(address) != msg.agent:
-                raise ChunkCorrupt(f"producer {address} sent no NIXL metadata for {msg.agent}")
-            return msg.agent
-        self._forget(agent, address)  # a new agent behind that address: it restarted
+    def _add_remote(self, agent: Any, address: str, msg: wire.Blocks) -> _Remote:
+        """The producer behind `address`: its agent added and its KV memory prepared
+        once (a new agent name means it restarted)."""
+        cached = self._remote.get(address)
+        if cached is not None and cached.name == msg.agent:  # concurrent first pulls too
+            return cached
+        if not msg.metadata or msg.regions is None:
+            raise ChunkCorrupt(f"producer {address} sent no NIXL metadata for {msg.agent}")
+        layout = self.context.layout
+        assert layout is not None
+        regions = msg.regions
+        theirs, ours = _shapes(regions.geometries), _shapes(layout.geometries)
+        if len(regions.bases) != len(theirs) or theirs != ours:
+            raise ChunkCorrupt(
+                f"producer {address} has another KV layout than this consumer: "
+                f"{[g.describe() for g in regions.geometries]}"
+            )
+        self._forget(agent, address)
         try:
             added = agent.add_remote_agent(msg.metadata)
         except Exception as exc:
             raise TransportError(f"NIXL rejected the metadata of {address}: {exc}") from None
         name = added.decode() if isinstance(added, bytes) else str(added)
-        self._remote[address] = name
         if name != msg.agent:
+            _remove_agent(agent, name)
             raise ChunkCorrupt(f"producer {address} sent metadata of {name}, not {msg.agent}")
-        return name
+        try:
+            table = _prepare(
+                agent, name, regions.bases, regions.geometries, msg.memory, self.options.backend
+            )
+        except Exception as exc:
+            _remove_agent(agent, name)
+            raise TransportError(f"NIXL cannot prepare the memory of {address}: {exc}") from None
+        remote = self._remote[address] = _Remote(name, table, regions.bases, msg.memory)
+        return remote
 
     def _forget(self, agent: Any, address: str) -> None:
         remote = self._remote.pop(address, None)
         if remote is not None:
-            try:
-                agent.remove_remote_agent(remote)
-            except Exception as exc:
-                log.debug("kvflow nixl: removing agent %s: %s", remote, exc)
+            _release(remote.table.dlist)
+            _remove_agent(agent, remote.name)
 
     async def _read(
         self,
         agent: Any,
         job: LoadJob,
-        peer: str,
+        peer: _Remote,
         msg: wire.Blocks,
         xfers: list[Any],
         dlists: list[Any],
     ) -> None:
-        """One READ per layer, READ_AHEAD in flight; signal each layer as it lands, in order."""
-        if len(msg.layers) != job.num_layers:
-            raise ChunkCorrupt(f"producer sent {len(msg.layers)} layers, expected {job.num_layers}")
+        """READ layer by layer, READ_AHEAD layers in flight; signal each as it lands."""
         layout = self.context.layout
-        assert layout is not None
-        local = [
-            _descs(layout, self._bases, i, job.block_ids, job.token_counts)
-            for i in range(job.num_layers)
-        ]
-        for i, (mine, theirs) in enumerate(zip(local, msg.layers, strict=True)):
-            if [d[1] for d in mine] != [d[1] for d in theirs]:
-                raise ChunkCorrupt(
-                    f"producer sent layer {i} with spans {[d[1] for d in theirs]}; "
-                    f"expected {[d[1] for d in mine]}"
-                )
+        local = self._local
+        assert layout is not None and local is not None
+        if len(msg.block_ids) != len(job.block_ids):
+            raise ChunkCorrupt(
+                f"producer {peer.name} offers {len(msg.block_ids)} blocks for "
+                f"{len(job.block_ids)} chunks of {job.req}"
+            )
+        for g_theirs, g_ours in zip(peer.table.geometries, layout.geometries, strict=True):
+            for ids, g, whose in (
+                (msg.block_ids, g_theirs, "producer"),
+                (job.block_ids, g_ours, "consumer"),
+            ):
+                if any(not 0 <= b < g.num_blocks for b in ids):
+                    raise ChunkCorrupt(
+                        f"{whose} block ids {ids} out of range ({g.num_blocks} blocks)"
+                    )
+        # Whole blocks come from the prepared lists; a partial block of a token-granular
+        # cache must move only its tokens, through a small list of its own.
+        packed = all(g.block_bytes for g in layout.geometries)
+        full = [packed or n >= layout.block_size for n in job.token_counts]
+        whole = [c for c, f in enumerate(full) if f]
+        partial = [c for c, f in enumerate(full) if not f]
+        theirs_ids = np.array([msg.block_ids[c] for c in whole], np.int64)
+        ours_ids = np.array([job.block_ids[c] for c in whole], np.int64)
         backends = [self.options.backend]
-        flat_local = [d for layer in local for d in layer]
-        flat_remote = [tuple(d) for layer in msg.layers for d in layer]
-        if not flat_local:
-            for i in range(job.num_layers):
-                job.layer_loaded(i)
-            return
-        try:
-            sides = (("", flat_local, self._memory), (peer, flat_remote, msg.memory))
-            for who, descs, memory in sides:
-                arr = np.array(descs, np.uint64)
-                dlists.append(agent.prep_xfer_dlist(who, arr, memory, backends))
-        except Exception as exc:
-            raise TransportError(f"NIXL cannot prepare the READ from {peer}: {exc}") from None
-        starts = [0]
-        for layer in local:
-            starts.append(starts[-1] + len(layer))
+        tails: tuple[Any, Any] | None = None
+        tail_starts = [0]
+        if partial:
+            try:
+                counts = [job.token_counts[c] for c in partial]
+                mine = _partial_descs(
+                    self._bases,
+                    layout.geometries,
+                    [(job.block_ids[c], n) for c, n in zip(partial, counts, strict=True)],
+                )
+                their = _partial_descs(
+                    peer.bases,
+                    peer.table.geometries,
+                    [(msg.block_ids[c], n) for c, n in zip(partial, counts, strict=True)],
+                )
+            except LayoutError as exc:
+                raise ChunkCorrupt(str(exc)) from None
+            for layer in mine:
+                tail_starts.append(tail_starts[-1] + len(layer))
+            try:
+                for who, descs, memory in (
+                    ("", mine, self._memory),
+                    (peer.name, their, peer.memory),
+                ):
+                    flat = np.array([d for layer in descs for d in layer], np.uint64)
+                    dlists.append(agent.prep_xfer_dlist(who, flat, memory, backends))
+            except Exception as exc:
+                raise TransportError(
+                    f"NIXL cannot prepare the READ from {peer.name}: {exc}"
+                ) from None
+            tails = (dlists[-2], dlists[-1])
+
+        layers: list[list[Any]] = []
 
         def post(i: int) -> None:
-            idx = list(range(starts[i], starts[i + 1]))
-            notif = wire.encode(wire.LayerRead(msg.req, i, job.num_layers))
-            try:
-                h = agent.make_prepped_xfer("READ", dlists[0], idx, dlists[1], idx, notif, backends)
-                xfers.append(h)
-                state = agent.transfer(h)
-            except Exception as exc:
-                raise TransportError(f"NIXL READ of layer {i} from {peer} failed: {exc}") from None
-            if state == "ERR":
-                raise TransportError(f"NIXL could not post the READ of layer {i} from {peer}")
+            sides = []
+            if len(whole):
+                sides.append(
+                    (
+                        local.dlist,
+                        local.index(i, ours_ids),
+                        peer.table.dlist,
+                        peer.table.index(i, theirs_ids),
+                    )
+                )
+            if tails is not None:
+                idx = np.arange(tail_starts[i], tail_starts[i + 1], dtype=np.int32)
+                sides.append((tails[0], idx, tails[1], idx))
+            handles = []
+            for mine_dl, mine_idx, their_dl, their_idx in sides:
+                try:
+                    h = agent.make_prepped_xfer(
+                        "READ", mine_dl, mine_idx, their_dl, their_idx, b"", backends
+                    )
+                    xfers.append(h)
+                    handles.append(h)
+                    state = agent.transfer(h)
+                except Exception as exc:
+                    raise TransportError(
+                        f"NIXL READ of layer {i} from {peer.name} failed: {exc}"
+                    ) from None
+                if state == "ERR":
+                    raise TransportError(
+                        f"NIXL could not post the READ of layer {i} from {peer.name}"
+                    )
+            layers.append(handles)
 
         for i in range(min(READ_AHEAD, job.num_layers)):
             post(i)
         for i in range(job.num_layers):
-            delay = POLL_MIN_S
-            while (state := agent.check_xfer_state(xfers[i])) == "PROC":
-                delay = await _backoff(delay)
-            if state != "DONE":
-                raise TransportError(f"NIXL READ of layer {i} from {peer} failed ({state})")
+            for h in layers[i]:
+                delay = POLL_MIN_S
+                while (state := agent.check_xfer_state(h)) == "PROC":
+                    delay = await _backoff(delay)
+                if state != "DONE":
+                    raise TransportError(
+                        f"NIXL READ of layer {i} from {peer.name} failed ({state})"
+                    )
             if i + READ_AHEAD < job.num_layers:
                 post(i + READ_AHEAD)
             job.layer_loaded(i)
@@ -540,11 +661,33 @@ class NixlTransport(Transport):
             log.warning("kvflow nixl: a READ outlived %.1fs after cancellation", DRAIN_TIMEOUT_S)
             clean = False
         for h in [*xfers, *dlists]:
-            try:
-                h.release()
-            except Exception as exc:
-                log.warning("kvflow nixl: releasing %r: %s", h, exc)
-                clean = False
+            clean = _release(h) and clean
         xfers.clear()
         dlists.clear()
         return clean
+
+
+@dataclass
+class _Remote:
+    """A producer agent this consumer added, and its KV memory, prepared."""
+
+    name: str
+    table: _Table
+    bases: list[tuple[int, int]]
+    memory: str
+
+
+def _release(handle: Any) -> bool:
+    try:
+        handle.release()
+        return True
+    except Exception as exc:
+        log.warning("kvflow nixl: releasing %r: %s", handle, exc)
+        return False
+
+
+def _remove_agent(agent: Any, name: str) -> None:
+    try:
+        agent.remove_remote_agent(name)
+    except Exception as exc:
+        log.debug("kvflow nixl: removing agent %s: %s", name, exc)

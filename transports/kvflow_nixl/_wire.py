@@ -1,31 +1,35 @@
 """The `nixl` transport's control frames: msgspec msgpack, typed, size-bounded. No pickle.
 
-A pull is one DEALER->ROUTER conversation on the side channel, plus NIXL
-notifications for the data path:
+A pull is one DEALER->ROUTER conversation on the side channel, plus one NIXL
+notification for the data path:
 
     consumer -> producer   Pull(req, agent, known, lease_ms)
-    producer -> consumer   Blocks(req, agent, metadata, layers)   (or Refused(req, reason))
-    consumer ==> producer  one NIXL READ per layer, each completing with the
-                           notification LayerRead(req, layer, num_layers)
+    producer -> consumer   Blocks(req, agent, metadata, block_ids, memory, regions)
+                           (or Refused(req, reason))
+    consumer ==> producer  NIXL READs, one per layer (two for a layer whose last
+                           chunk is a partial block of a token-granular cache)
+    consumer ==> producer  the NIXL notification Read(req), once every READ is DONE
     consumer -> producer   Failed(req, reason), only if it gave up (no READ in flight)
 
-`metadata` is the producer agent's NIXL metadata, empty when the consumer said it
-already `known`s that agent (it caches it per producer). `layers[i]` lists the
-producer's spans of layer i as [addr, len, dev_id], chunk by chunk, plane by plane.
+`metadata` (the producer agent's NIXL metadata) and `regions` (where its KV memory
+starts and how it is paged) come only on a consumer's first pull from that agent:
+the consumer prepares one descriptor list over the producer's whole KV memory from
+them, once, and afterwards a pull needs only the offered block ids.
 """
 
 from __future__ import annotations
 
 import msgspec
 
+from kvflow.layout import LayerGeometry
 from kvflow.zmqio import decode_frame
 
-WIRE_VERSION = 1
+WIRE_VERSION = 2
 MAX_TO_PRODUCER_BYTES = 64 << 10
 """Pull / Failed / notifications: small, fixed-shape frames."""
-MAX_TO_CONSUMER_BYTES = 256 << 20
-"""Blocks: agent metadata plus one descriptor per span (~10 bytes each); 256 MiB is
-~25M spans, far above any request, and still bounds what a bad peer can make us decode."""
+MAX_TO_CONSUMER_BYTES = 64 << 20
+"""Blocks: agent metadata, a few numbers per layer and one id per block; 64 MiB is far
+above any request, and still bounds what a bad peer can make us decode."""
 
 
 class Pull(msgspec.Struct, tag=True, frozen=True):
@@ -39,14 +43,25 @@ class Pull(msgspec.Struct, tag=True, frozen=True):
     version: int = WIRE_VERSION
 
 
+class Regions(msgspec.Struct, frozen=True):
+    """A producer's registered KV memory: enough to address any of its blocks."""
+
+    bases: list[tuple[int, int]]
+    """Per layer, [address of its first byte, device id]."""
+    geometries: list[LayerGeometry]
+
+
 class Blocks(msgspec.Struct, tag=True, frozen=True):
     req: str
     agent: str
     metadata: bytes
-    layers: list[list[tuple[int, int, int]]]
-    """Per layer, the offered blocks' runs as [address, length, device id]."""
+    """The producer agent's NIXL metadata; empty if the consumer `known`s the agent."""
+    block_ids: list[int]
+    """The offered blocks, chunk by chunk."""
     memory: str = "DRAM"
-    """NIXL memory type of those addresses: DRAM (CPU caches) or VRAM (CUDA caches)."""
+    """NIXL memory type of the producer's KV: DRAM (CPU caches) or VRAM (CUDA caches)."""
+    regions: Regions | None = None
+    """Sent with `metadata`: where the producer's blocks are."""
 
 
 class Refused(msgspec.Struct, tag=True, frozen=True):
@@ -59,12 +74,11 @@ class Failed(msgspec.Struct, tag=True, frozen=True):
     reason: str
 
 
-class LayerRead(msgspec.Struct, tag=True, frozen=True):
-    """NIXL notification of one finished READ: layer `layer` of `req` is no longer read."""
+class Read(msgspec.Struct, tag=True, frozen=True):
+    """NIXL notification: the consumer's READs of `req` all finished; nothing reads its
+    blocks any more."""
 
     req: str
-    layer: int
-    num_layers: int
 
 
 ToProducer = Pull | Failed
@@ -73,10 +87,10 @@ ToConsumer = Blocks | Refused
 _encoder = msgspec.msgpack.Encoder()
 _to_producer = msgspec.msgpack.Decoder(ToProducer)
 _to_consumer = msgspec.msgpack.Decoder(ToConsumer)
-_notif = msgspec.msgpack.Decoder(LayerRead)
+_notif = msgspec.msgpack.Decoder(Read)
 
 
-def encode(msg: ToProducer | ToConsumer | LayerRead) -> bytes:
+def encode(msg: ToProducer | ToConsumer | Read) -> bytes:
     return _encoder.encode(msg)
 
 
@@ -88,5 +102,5 @@ def decode_to_consumer(data: bytes | memoryview) -> ToConsumer:
     return decode_frame(_to_consumer, data, MAX_TO_CONSUMER_BYTES)
 
 
-def decode_notif(data: bytes) -> LayerRead:
+def decode_notif(data: bytes) -> Read:
     return decode_frame(_notif, data, MAX_TO_PRODUCER_BYTES)
