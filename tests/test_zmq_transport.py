@@ -4,15 +4,19 @@ pulls them into its own KV memory."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 import trio
 import trio.testing
+import zmq
 
 from kvflow.layout import KVLayout
 from kvflow.testing.layouts import fill_blocks, make_layout
 from kvflow.transport import ChunkMissing, LoadJob, Offer, PeerSource, TransportContext
+from kvflow.zmqio import TrioSocket
 from kvflow_zmq import ZmqOptions, ZmqTransport
+from kvflow_zmq import _wire as wire
 
 BS = 4
 
@@ -144,3 +148,104 @@ async def test_a_dead_producer_makes_the_load_time_out_not_hang(
     with trio.move_on_after(0.3) as load_deadline:
         await consumer.load(job)
     assert load_deadline.cancelled_caught
+
+
+async def test_a_consumer_that_stops_reading_holds_up_only_its_own_pull(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A consumer stalls mid-pull with its connection open: another consumer's pull is
+    still answered, and the stalled pull's blocks stay held until ZMQ let go of every
+    frame (here: once the stalled consumer disconnects)."""
+    trackers: list[zmq.MessageTracker] = []
+
+    class TrackedFrame(zmq.Frame):  # records the producer's send trackers
+        def __init__(self, *args: Any, **kw: Any) -> None:
+            super().__init__(*args, **kw)
+            if kw.get("track"):
+                trackers.append(self.tracker)
+
+    monkeypatch.setattr(zmq, "Frame", TrackedFrame)
+    big_blocks, small_blocks = list(range(48)), [48, 49]
+    kw: dict[str, Any] = dict(num_layers=8, num_blocks=50, block_size=16, heads=8, head_dim=128)
+    prod = make_layout(block_granular=True, **kw)  # 128 KiB blocks: 48 MiB to stall on
+    cons = make_layout(block_granular=True, **kw)
+    fill_blocks(prod, small_blocks, seed=7)
+    full = [prod.block_size] * len(big_blocks)
+    big = Offer("big", big_blocks, full, prod.num_layers, _spans(prod, big_blocks, full))
+    counts = [prod.block_size, 3]
+    small = Offer(
+        "small", small_blocks, counts, prod.num_layers, _spans(prod, small_blocks, counts)
+    )
+    producer = ZmqTransport(ZmqOptions(), _ctx(prod))
+    consumer = ZmqTransport(ZmqOptions(), _ctx(cons))
+    for t, layout in ((producer, prod), (consumer, cons)):
+        await t.open()
+        await t.register(layout)
+    job = LoadJob(
+        "c-small",
+        ["k"] * 2,
+        counts,
+        cons.num_layers,
+        _spans(cons, [0, 1], counts),
+        lambda _: None,
+        PeerSource("e", [producer.address], "small", small_blocks),
+    )
+    small_outcome: list[str] = []
+    small_released = trio.Event()
+    big_hold = trio.CancelScope()
+    big_returned = trio.Event()
+    sent_when_returned: list[bool] = []
+
+    async def hold_small() -> None:
+        small_outcome.append(await producer.offer(small))
+        small_released.set()
+
+    async def hold_big() -> None:
+        with big_hold:  # cancelled: the hold deadline passes
+            await producer.offer(big)
+        sent_when_returned.append(all(t.done for t in trackers))
+        big_returned.set()
+
+    zctx = zmq.Context()
+    stalled = TrioSocket(zctx.socket(zmq.DEALER))
+    stalled.sock.setsockopt(zmq.RCVHWM, 1)  # its zmq queues no more than we read
+    stalled.sock.setsockopt(zmq.RCVBUF, 1 << 16)
+    try:
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(producer.serve)
+                nursery.start_soon(hold_big)
+                nursery.start_soon(hold_small)
+                await trio.testing.wait_all_tasks_blocked()
+                try:
+                    stalled.sock.connect(producer.address)
+                    await stalled.send_multipart([wire.encode(wire.Pull("big"))])
+                    frames = await stalled.recv_multipart()
+                    first = wire.decode_to_consumer(frames[0])
+                    assert isinstance(first, wire.Layer) and first.layer == 0
+                    assert len(frames) == 1 + len(big_blocks)  # then it reads no more
+
+                    await consumer.load(job)
+                    assert _bytes(cons, [0, 1], counts) == _bytes(prod, small_blocks, counts)
+                    await small_released.wait()
+                    assert small_outcome == ["done"]
+
+                    assert trackers and not all(t.done for t in trackers), "not stalled"
+                    assert "big" in producer.held, "the stalled pull's blocks stay held"
+                    big_hold.cancel()
+                    await trio.testing.wait_all_tasks_blocked()
+                    assert not big_returned.is_set(), "blocks handed back while zmq reads"
+                except BaseException:  # let a stuck producer finish: fail, don't hang
+                    with trio.CancelScope(shield=True), trio.move_on_after(5):
+                        for _ in range(1, prod.num_layers):
+                            await stalled.recv_multipart()
+                    raise
+                finally:
+                    stalled.close(linger_ms=0)  # zmq drops the queued frames
+                await big_returned.wait()
+                assert sent_when_returned == [True], "blocks handed back before zmq let go"
+                nursery.cancel_scope.cancel()
+    finally:
+        zctx.destroy(linger=0)
+        await producer.aclose()
+        await consumer.aclose()

@@ -17,7 +17,7 @@ import zmq
 
 from kvflow.keys import ChunkKey
 from kvflow.layout import KVLayout
-from kvflow.peer import HeldOffers, NotHeld
+from kvflow.peer import HeldOffers
 from kvflow.transport import (
     Capabilities,
     ChunkCorrupt,
@@ -126,12 +126,8 @@ class ZmqTransport(Transport):
                     reply = self._ipc_reply(offer) if lent else wire.Refused(msg.req, "expired")
                     if not await self._reply(router, ident, reply):
                         self.held.release(msg.req, "the consumer went away", peer=ident)
-                else:
-                    try:
-                        with self.held.reading(msg.req):
-                            await self._send_layers(router, ident, offer)
-                    except NotHeld:
-                        await self._reply(router, ident, wire.Refused(msg.req, "expired"))
+                elif not await leases.start(self._send_held, router, ident, offer):
+                    await self._reply(router, ident, wire.Refused(msg.req, "expired"))
 
     async def _reply(self, router: TrioSocket, ident: bytes, msg: wire.ToConsumer) -> bool:
         """Send a control frame to a consumer; False if it is gone (ROUTER_MANDATORY)."""
@@ -153,8 +149,38 @@ class ZmqTransport(Transport):
             self._handles,
         )
 
-    async def _send_layers(self, router: TrioSocket, ident: bytes, o: Offer) -> None:
-        trackers: list[zmq.MessageTracker] = []
+    async def _send_held(
+        self,
+        router: TrioSocket,
+        ident: bytes,
+        o: Offer,
+        *,
+        task_status: trio.TaskStatus[bool] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Answer one host-memory pull, started with `nursery.start`: queue `o`'s layers
+        for `ident` while serve() waits (the socket keeps one user at a time), start with
+        True, then keep the blocks held until ZMQ let go of every frame. serve() goes on
+        meanwhile, so a consumer that stops reading holds up only its own blocks. Starts
+        with False, sending nothing, if `o` is no longer held."""
+        if o.req not in self.held:  # expired or closing while serve() waited to start us
+            task_status.started(False)
+            return
+        with self.held.reading(o.req):  # the blocks stay held until the trackers fired
+            trackers: list[zmq.MessageTracker] = []
+            try:
+                await self._send_layers(router, ident, o, trackers)
+                task_status.started(True)
+            finally:
+                with trio.CancelScope(shield=True):  # zmq reads the blocks until then
+                    delay = 1e-4
+                    while not all(t.done for t in trackers):
+                        await trio.sleep(delay)
+                        delay = min(delay * 2, 5e-3)
+
+    async def _send_layers(
+        self, router: TrioSocket, ident: bytes, o: Offer, trackers: list[zmq.MessageTracker]
+    ) -> None:
+        """Queue `o`'s layers for `ident`, adding each sent layer's tracker to `trackers`."""
         try:
             for layer in range(o.num_layers):
                 spans = [s for chunk in o.spans(layer) for s in chunk]
@@ -172,12 +198,6 @@ class ZmqTransport(Transport):
                 trackers.append(tracker)  # only a sent frame's tracker will fire
         except zmq.ZMQError as exc:
             log.warning("kvflow zmq: sending %s failed: %s", o.req, exc)
-        finally:
-            with trio.CancelScope(shield=True):  # zmq reads the blocks until the trackers fire
-                delay = 1e-4
-                while not all(t.done for t in trackers):
-                    await trio.sleep(delay)
-                    delay = min(delay * 2, 5e-3)
 
     # -- consumer ----------------------------------------------------------
     async def load(self, job: LoadJob) -> None:
