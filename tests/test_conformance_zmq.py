@@ -17,8 +17,16 @@ import zmq
 
 from kvflow.layout import KVLayout
 from kvflow.testing.conformance import ContractViolation
+from kvflow.testing.layouts import fill_blocks
 from kvflow.testing.peer_conformance import PeerConformance, PeerPromise
-from kvflow.transport import ChunkMissing, LoadJob, Offer, TransportContext, TransportError
+from kvflow.transport import (
+    ChunkMissing,
+    LoadJob,
+    Offer,
+    PeerSource,
+    TransportContext,
+    TransportError,
+)
 from kvflow.zmqio import TrioSocket
 from kvflow_zmq import ZmqOptions, ZmqTransport
 from kvflow_zmq import _wire as wire
@@ -192,4 +200,49 @@ async def test_ipc_lease_hands_blocks_back_if_the_consumer_never_answers() -> No
             await returned.wait()
             dealer.close()
             nursery.cancel_scope.cancel()
+    await producer.aclose()
+
+
+@pytest.mark.parametrize("kind", ["nhd", "hnd"])
+async def test_ipc_consumer_with_more_blocks_than_the_producer(kind: str) -> None:
+    """Prefill and decode instances size their caches differently; in NHD/HND the V half
+    starts after all K blocks, so only the blocks' shape must match, not the offsets."""
+    suite = PeerConformance()
+    prod = _as_device(suite.build_layout(False, num_blocks=16, hnd=kind == "hnd"))
+    cons = _as_device(suite.build_layout(False, num_blocks=23, hnd=kind == "hnd"))
+    fill_blocks(prod, [2, 5], seed=3)
+    ctx = lambda layout: TransportContext(  # noqa: E731
+        "e", "worker", "ns", "tp0of1pp0", ["tp0of1pp0"], layout
+    )
+    producer, consumer = (
+        StandInIpcZmq(ZmqOptions(), ctx(prod)),
+        StandInIpcZmq(ZmqOptions(), ctx(cons)),
+    )
+    for t, layout in ((producer, prod), (consumer, cons)):
+        await t.open()
+        await t.register(layout)
+    counts = [prod.block_size, 3]
+    spans = lambda layer: [prod.spans(layer, b, n) for b, n in zip([2, 5], counts, strict=True)]  # noqa: E731
+    job = LoadJob(
+        "c",
+        ["k1", "k2"],
+        counts,
+        cons.num_layers,
+        lambda layer: [cons.spans(layer, b, n) for b, n in zip([20, 7], counts, strict=True)],
+        lambda layer: None,
+        PeerSource("e", [producer.address], "r", [2, 5]),
+        [20, 7],
+    )
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(producer.serve)
+            nursery.start_soon(producer.offer, Offer("r", [2, 5], counts, prod.num_layers, spans))
+            await trio.testing.wait_all_tasks_blocked()
+            await consumer.load(job)
+            nursery.cancel_scope.cancel()
+    for layer in range(prod.num_layers):
+        for a, b, n in zip([2, 5], [20, 7], counts, strict=True):
+            got = b"".join(bytes(s) for s in cons.spans(layer, b, n))
+            assert got == b"".join(bytes(s) for s in prod.spans(layer, a, n))
+    await consumer.aclose()
     await producer.aclose()

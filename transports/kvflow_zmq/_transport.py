@@ -270,8 +270,8 @@ class ZmqTransport(Transport):
                 f"CUDA IPC needs producer and consumer on one host: {address} is on "
                 f"{msg.host}, this consumer on {here}"
             )
-        unpaged = [msgspec.structs.replace(g, num_blocks=0) for g in msg.geometries]
-        if unpaged != [msgspec.structs.replace(g, num_blocks=0) for g in layout.geometries]:
+        shapes = [g.block_shape() for g in msg.geometries]
+        if shapes != [g.block_shape() for g in layout.geometries]:
             raise ChunkCorrupt(f"producer {address} has another KV layout than this consumer")
         if msg.block_ids != src.block_ids or len(job.block_ids) != len(src.block_ids):
             raise ChunkCorrupt(
