@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import trio
 
@@ -38,6 +39,7 @@ from .events import (
 from .layout import KVLayout, LayoutError
 from .metadata import LoadSpec, OfferSpec, SaveSpec, WorkerPlan
 from .runtime import Runtime
+from .staging import HostStage, mark
 from .transport import LoadJob, Offer, SaveJob, Transport, TransportError
 
 __all__ = ["TransferResults", "WorkerEngine"]
@@ -65,7 +67,9 @@ def _snapshot(spans: list[memoryview]) -> list[memoryview]:
 class _LayerGate:
     """Synchronous loads still owed per layer this step; vLLM's thread waits on it."""
 
-    def __init__(self, num_layers: int, pending: int) -> None:
+    def __init__(self, num_layers: int, pending: int, after: Any = None) -> None:
+        self.after = after
+        """Staging: an event on vLLM's stream at bind, which device writes follow."""
         self.events = [threading.Event() for _ in range(num_layers)]
         self.remaining = [pending] * num_layers
         self.unsettled = pending
@@ -119,6 +123,9 @@ class WorkerEngine:
         self.runtime = runtime
         self.bus = bus
         self.layout: KVLayout | None = None
+        self.staged = False
+        """The cache is device memory the transport cannot move: jobs go through host
+        memory (`kvflow.staging`)."""
         self._gate = _LayerGate(0, 0)
         self._step = 0
         self._step_saves = False
@@ -135,11 +142,19 @@ class WorkerEngine:
 
     # -- vLLM thread -------------------------------------------------------
     def register(self, layout: KVLayout) -> None:
-        memory = self.transport.capabilities.memory
-        if layout.memory not in memory:
+        caps = self.transport.capabilities
+        self.staged = layout.memory not in caps.memory
+        if self.staged and ("cpu" not in caps.memory or caps.peer or not layout.tensors):
             raise LayoutError(
                 f"kvflow: the KV cache is in {layout.memory} memory; transport "
-                f"{self.transport.name!r} moves {', '.join(sorted(memory))} memory only"
+                f"{self.transport.name!r} moves {', '.join(sorted(caps.memory))} memory only"
+                + (" (peer transports are not staged through host memory)" if caps.peer else "")
+            )
+        if self.staged:
+            log.info(
+                "kvflow: %s moves host memory; staging the %s KV cache through pinned host buffers",
+                self.transport.name,
+                layout.memory,
             )
         self.layout = layout
         self.runtime.call(self.transport.register, layout, timeout=60.0)
@@ -160,7 +175,8 @@ class WorkerEngine:
         """Start this step's transfers. Returns at once."""
         layout = self._require_layout() if (plan.loads or plan.saves) else self.layout
         sync_loads = sum(not spec.asynchronous for spec in plan.loads)
-        self._gate = _LayerGate(layout.num_layers if layout else 0, sync_loads)
+        after = mark(layout) if self.staged and layout and plan.loads else None
+        self._gate = _LayerGate(layout.num_layers if layout else 0, sync_loads, after)
         self._step = plan.step
         self._step_saves = bool(plan.saves)
         self._step_load_blocks = {
@@ -314,12 +330,18 @@ class WorkerEngine:
                 if sync_gate is not None:
                     sync_gate.loaded(layer)
 
+        stage: HostStage | None = None  # made inside the deadline: it may fail
+
         def transport_loaded(layer: int) -> None:
             if not signalled[layer]:
+                if stage is not None:  # the device blocks are written before the gate opens
+                    stage.scatter(layer, gate.after)
                 self.bus.emit(LayerLoaded(req=spec.req, layer=layer))
             layer_loaded(layer)
 
         def spans(layer: int) -> list[list[memoryview]]:
+            if stage is not None:
+                return stage.spans(layer)
             return layout.chunk_spans(layer, spec.block_ids, spec.token_counts)
 
         tokens = sum(spec.token_counts)
@@ -347,6 +369,8 @@ class WorkerEngine:
         error, intact, timed_out = "", 0, False
         try:
             with trio.move_on_after(self.config.load_timeout_s) as deadline:
+                if self.staged:
+                    stage = HostStage(layout, spec.block_ids, spec.token_counts)
                 async with self._limiter("load"):
                     await self.transport.load(job)
             if deadline.cancelled_caught:
@@ -409,8 +433,13 @@ class WorkerEngine:
     ) -> None:
         layout = self._require_layout()
 
+        stage: HostStage | None = None  # made inside the deadline: it may fail
+
         async def layer_spans(layer: int) -> list[list[memoryview]]:
             await step.wait_computed(layer)
+            if stage is not None:  # the host image is a snapshot by itself
+                await stage.gather(layer)
+                return stage.spans(layer)
             return [
                 _snapshot(layout.spans(layer, b, n))
                 # a block-granular partial block keeps changing as vLLM decodes into it
@@ -435,6 +464,8 @@ class WorkerEngine:
         error, timed_out = "", False
         try:
             with scope, trio.move_on_after(self.config.save_timeout_s) as deadline:
+                if self.staged:
+                    stage = HostStage(layout, spec.block_ids, spec.token_counts)
                 async with self._limiter("save"):
                     await self.transport.save(job)
             if deadline.cancelled_caught:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
+import torch
 import trio
 import trio.testing
 
@@ -33,12 +34,12 @@ from kvflow.events import (
     TransferFailed,
 )
 from kvflow.keys import ChunkKey, Fingerprint, chunk_keys
-from kvflow.layout import KVLayout
+from kvflow.layout import KVLayout, LayoutError
 from kvflow.metadata import LoadSpec, SaveSpec, WorkerPlan, decode_plan, encode_plan
 from kvflow.runtime import Runtime
 from kvflow.scheduler import ScheduledRequest, SchedulerEngine
 from kvflow.testing.layouts import fill_blocks, make_layout
-from kvflow.transport import LoadJob, SaveJob, Transport, TransportContext
+from kvflow.transport import Capabilities, LoadJob, SaveJob, Transport, TransportContext
 from kvflow.worker import WorkerEngine
 from kvflow_fs import FsOptions, FsTransport
 
@@ -188,6 +189,7 @@ def start_engine(make_runtime: MakeRuntime, store: Path) -> Callable[..., Engine
         *,
         config: KVFlowConfig | None = None,
         block_granular: bool = False,
+        device: bool = False,
         worker_transport: TransportFactory = FsTransport,
         worker_clock: trio.abc.Clock | None = None,
         worker_runtime_cls: type[Runtime] = Runtime,
@@ -196,6 +198,9 @@ def start_engine(make_runtime: MakeRuntime, store: Path) -> Callable[..., Engine
         layout = make_layout(
             num_layers=LAYERS, num_blocks=NUM_BLOCKS, block_size=BS, block_granular=block_granular
         )
+        if device:  # a stand-in for a CUDA cache: tensors only kvflow.staging copies from
+            layout.memory = "cuda"
+            layout.tensors = [torch.frombuffer(b, dtype=torch.uint8) for b in layout.buffers]
         ns = Fingerprint(
             model="kvflow-test",
             dtype="float32",
@@ -297,11 +302,18 @@ def stored_files(store: Path) -> list[Path]:
 # -- the main flow ---------------------------------------------------------
 
 
-@pytest.mark.parametrize("block_granular", [False, True], ids=["nhd", "block-granular"])
+@pytest.mark.parametrize(
+    ("block_granular", "device"),
+    [(False, False), (True, False), (False, True), (True, True)],
+    ids=["nhd", "block-granular", "nhd-staged", "block-granular-staged"],
+)
 def test_saved_prompt_is_loaded_by_a_fresh_engine(
-    start_engine: Callable[..., Engine], block_granular: bool
+    start_engine: Callable[..., Engine], block_granular: bool, device: bool
 ) -> None:
-    a = start_engine("a", block_granular=block_granular)
+    """`-staged`: the cache is device memory (a CPU stand-in for CUDA) that `fs` cannot
+    move; the worker stages it through host memory."""
+    a = start_engine("a", block_granular=block_granular, device=device)
+    assert a.worker.staged is device
     keys = a.keys(PROMPT)
     plan = prefill_cold(a, "r1", PROMPT, [1, 2, 3])
     assert plan.saves == [SaveSpec("r1", keys, [1, 2, 3], COUNTS)]  # incl. the partial tail
@@ -311,7 +323,7 @@ def test_saved_prompt_is_loaded_by_a_fresh_engine(
     decode = a.sched.plan([ScheduledRequest("r1", len(PROMPT), 1, [])])
     assert decode.saves == []  # the prompt is stored; decoding saves nothing more
 
-    b = start_engine("b", block_granular=block_granular)  # fresh runtimes and transports
+    b = start_engine("b", block_granular=block_granular, device=device)  # fresh runtimes
     assert b.keys(PROMPT) == keys
     assert lookup(b, "r2", PROMPT) == len(PROMPT) - 1  # vLLM computes the last token itself
     b.sched.allocated("r2", [5, 6, 7], len(PROMPT) - 1)
@@ -742,3 +754,16 @@ def test_a_producer_hands_blocks_back_when_no_consumer_comes(
     e.worker_events.wait_for(BlocksReleased, "r")
     assert e.worker.take_results().finished_sending == {"r"}
     assert time.monotonic() - t0 < 10, "the 30 s hold ran on trio's virtual clock"
+
+
+class HostOnlyPeer(FsTransport):
+    """A peer transport that moves host memory only."""
+
+    capabilities = Capabilities(store=True, peer=True, memory=frozenset({"cpu"}))
+
+
+def test_a_device_cache_is_refused_by_a_host_only_peer_transport(
+    start_engine: Callable[..., Engine],
+) -> None:
+    with pytest.raises(LayoutError, match="moves cpu memory only \\(peer transports are not"):
+        start_engine("a", device=True, worker_transport=HostOnlyPeer)

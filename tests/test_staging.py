@@ -1,0 +1,74 @@
+"""Host staging of device KV caches, on CPU tensors standing in for a CUDA cache (the
+copies are the same torch indexing on any device; tests/test_staging_cuda.py runs them on
+a GPU where one exists)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import trio
+
+from kvflow.layout import KVLayout
+from kvflow.staging import HostStage
+from kvflow.testing.layouts import fill_blocks, make_layout
+
+KINDS = {"nhd": {}, "hnd": {"hnd": True}, "packed": {"block_granular": True}}
+BS = 4
+COUNTS = [4, 4, 2]
+
+
+def device_layout(kind: str, num_blocks: int = 12) -> KVLayout:
+    """A layout whose `tensors` are the cache (memory 'cuda', as vLLM's GPU caches are);
+    `buffers` alias them so the test can read bytes."""
+    layout = make_layout(num_layers=3, num_blocks=num_blocks, block_size=BS, **KINDS[kind])
+    layout.memory = "cuda"
+    layout.tensors = [torch.frombuffer(b, dtype=torch.uint8) for b in layout.buffers]
+    return layout
+
+
+def tokens(layout: KVLayout, layer: int, block: int, n: int) -> bytes:
+    return b"".join(bytes(s) for s in layout.spans(layer, block, n))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_gather_hands_the_transport_each_chunks_tokens(kind: str) -> None:
+    layout = device_layout(kind)
+    fill_blocks(layout, [3, 5, 7], seed=1)
+    stage = HostStage(layout, [3, 5, 7], COUNTS)
+    for layer in range(layout.num_layers):
+        trio.run(stage.gather, layer)
+        for chunk, (block, n) in enumerate(zip([3, 5, 7], COUNTS, strict=True)):
+            got = b"".join(bytes(s) for s in stage.spans(layer)[chunk])
+            assert got == tokens(layout, layer, block, n)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_scatter_writes_the_chunks_and_nothing_else(kind: str) -> None:
+    src, dst = device_layout(kind), device_layout(kind, num_blocks=20)
+    fill_blocks(src, [0, 1, 2], seed=2)
+    out, into = HostStage(src, [0, 1, 2], COUNTS), HostStage(dst, [9, 4, 17], COUNTS)
+    before = [np.frombuffer(b, np.uint8).copy() for b in dst.buffers]
+    for layer in range(src.num_layers):
+        trio.run(out.gather, layer)
+        for mine, theirs in zip(into.spans(layer), out.spans(layer), strict=True):
+            for d, s in zip(mine, theirs, strict=True):
+                d[:] = s  # what a transport does with the spans
+        into.scatter(layer)
+    for layer in range(src.num_layers):
+        for a, b, n in zip([0, 1, 2], [9, 4, 17], COUNTS, strict=True):
+            assert tokens(dst, layer, b, n) == tokens(src, layer, a, n)
+        changed = np.flatnonzero(np.frombuffer(dst.buffers[layer], np.uint8) != before[layer])
+        g = dst.geometries[layer]
+        written = {
+            off + i
+            for b, n in zip([9, 4, 17], COUNTS, strict=True)
+            for off, length in g.ranges(b, n)
+            for i in range(length)
+        }
+        assert set(changed.tolist()) <= written, "a partial block's other slots stay as they were"
+
+
+def test_block_ids_outside_the_cache_are_refused_on_the_host() -> None:
+    with pytest.raises(IndexError, match=r"outside 0\.\.11"):
+        HostStage(device_layout("nhd"), [3, 12], [4, 4])

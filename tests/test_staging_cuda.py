@@ -1,0 +1,96 @@
+"""Host staging of a device cache: the `fs` transport saves FlashAttention-shaped
+device blocks through (pinned) host memory and loads them into other blocks of another
+cache, every token checked and nothing else written. The `cuda` case needs a GPU and is
+skipped without one; the `cpu` case runs the same test on CPU tensors everywhere."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvflow.keys import chunk_keys
+from kvflow.layout import KVLayout, geometry_from_strides
+from kvflow.staging import HostStage
+from kvflow.transport import LoadJob, SaveJob, TransportContext
+from kvflow_fs import FsOptions, FsTransport
+
+DEVICES = [
+    "cpu",  # the test itself, checked everywhere
+    pytest.param(
+        "cuda",
+        marks=pytest.mark.skipif(
+            not torch.cuda.is_available(),
+            reason="staging a CUDA cache needs an NVIDIA GPU; torch.cuda.is_available() is "
+            "False here",
+        ),
+    ),
+]
+
+LAYERS, BS = 4, 16
+COUNTS = [BS, BS, 5]
+
+
+def device_layout(device: str, blocks: int, seed: int) -> tuple[KVLayout, list[torch.Tensor]]:
+    gen = torch.Generator(device=device).manual_seed(seed)
+    caches = [
+        torch.randn(2, blocks, BS, 8, 128, generator=gen, device=device).half()
+        for _ in range(LAYERS)
+    ]
+    geos = [
+        geometry_from_strides(list(t.shape), list(t.stride()), 2, block_dim=1, token_dim=2)
+        for t in caches
+    ]
+    flat = [
+        torch.empty(0, dtype=torch.uint8, device=device).set_(t.untyped_storage()) for t in caches
+    ]
+    return KVLayout([f"l{i}" for i in range(LAYERS)], geos, [], "cuda", BS, flat), caches
+
+
+@pytest.mark.parametrize("device", DEVICES)
+async def test_fs_saves_and_loads_a_device_cache_through_host_staging(
+    tmp_path: Path, device: str
+) -> None:
+    src, src_caches = device_layout(device, 64, seed=1)
+    dst, dst_caches = device_layout(device, 100, seed=2)
+    before = [c.clone() for c in dst_caches]
+    ctx = lambda layout: TransportContext(  # noqa: E731
+        "e", "worker", "ns", "tp0of1pp0", ["tp0of1pp0"], layout
+    )
+    keys = chunk_keys("cuda-staging", list(range(sum(COUNTS))), BS)
+    saver = FsTransport(FsOptions(path=str(tmp_path)), ctx(src))
+    await saver.open()
+    await saver.register(src)
+    out = HostStage(src, [3, 40, 7], COUNTS)
+
+    async def spans(layer: int) -> list[list[memoryview]]:
+        await out.gather(layer)
+        return out.spans(layer)
+
+    await saver.save(SaveJob("s", keys, COUNTS, LAYERS, spans))
+    loader = FsTransport(FsOptions(path=str(tmp_path)), ctx(dst))
+    await loader.open()
+    await loader.register(dst)
+    into = HostStage(dst, [90, 0, 51], COUNTS)
+    after = None
+    if device == "cuda":  # what the worker records on vLLM's stream at bind
+        after = torch.cuda.Event()
+        after.record()
+    landed: list[int] = []
+
+    def loaded(layer: int) -> None:
+        into.scatter(layer, after)
+        landed.append(layer)
+
+    await loader.load(LoadJob("l", keys, COUNTS, LAYERS, into.spans, loaded))
+    assert landed == list(range(LAYERS))
+    for layer in range(LAYERS):
+        s, d, b = src_caches[layer], dst_caches[layer], before[layer]
+        for a, z, n in zip([3, 40, 7], [90, 0, 51], COUNTS, strict=True):
+            assert torch.equal(d[:, z, :n], s[:, a, :n]), (layer, a, z)
+            assert torch.equal(d[:, z, n:], b[:, z, n:]), "past a partial block's tokens"
+        others = [i for i in range(100) if i not in (90, 0, 51)]
+        assert torch.equal(d[:, others], b[:, others])
+    await saver.aclose()
+    await loader.aclose()
