@@ -20,6 +20,8 @@ import zmq
 __all__ = ["BadFrame", "TrioSocket", "bind_loopback", "decode_frame"]
 
 T = TypeVar("T")
+BUSY_PEER_MIN_S = 1e-4
+BUSY_PEER_MAX_S = 5e-3
 
 
 class BadFrame(ValueError):
@@ -50,11 +52,18 @@ class TrioSocket:
         self, frames: Sequence[Any], *, copy: bool = True, track: bool = False
     ) -> zmq.MessageTracker | None:
         await trio.lowlevel.checkpoint_if_cancelled()
+        delay = BUSY_PEER_MIN_S
         while True:
             try:
                 return self.sock.send_multipart(frames, zmq.NOBLOCK, copy=copy, track=track)
             except zmq.Again:
-                await self._ready(zmq.POLLOUT)
+                if int(self.sock.getsockopt(zmq.EVENTS)) & zmq.POLLOUT:
+                    # The socket has room, not for this peer (a ROUTER_MANDATORY peer
+                    # whose pipe is full): no FD edge will say when; back off.
+                    await trio.sleep(delay)
+                    delay = min(delay * 2, BUSY_PEER_MAX_S)
+                else:
+                    await self._ready(zmq.POLLOUT)
 
     async def recv_multipart(self, *, copy: bool = True) -> list[Any]:
         await trio.lowlevel.checkpoint_if_cancelled()

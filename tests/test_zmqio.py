@@ -76,3 +76,58 @@ async def test_two_tasks_on_one_socket_is_a_loud_error(ctx: zmq.Context) -> None
             nursery.start_soon(sock.recv_multipart)
     assert err.group_contains(trio.BusyResourceError)
     sock.close()
+
+
+class CountingSocket:
+    """A zmq socket that counts send attempts and gives up after `limit` (so a send
+    loop that never yields fails the test instead of freezing it)."""
+
+    def __init__(self, sock: zmq.Socket, limit: int = 1000) -> None:  # type: ignore[type-arg]
+        self._sock, self.attempts, self._limit = sock, 0, limit
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._sock, name)
+
+    def send_multipart(self, *args: object, **kw: object) -> object:
+        self.attempts += 1
+        if self.attempts > self._limit:
+            raise RuntimeError(f"{self.attempts} send attempts without waiting")
+        return self._sock.send_multipart(*args, **kw)
+
+
+async def test_a_router_send_to_a_full_peer_waits_without_spinning(
+    ctx: zmq.Context,  # type: ignore[type-arg]
+) -> None:
+    """ROUTER_MANDATORY: a send to a peer whose pipe is full raises EAGAIN while the
+    socket still reports POLLOUT (another peer has room); the send must back off, not
+    retry in a loop that never yields to trio."""
+    raw = ctx.socket(zmq.ROUTER)
+    raw.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    raw.setsockopt(zmq.SNDHWM, 1)
+    raw.setsockopt(zmq.SNDBUF, 4096)
+    endpoint = bind_loopback(raw)
+    peers = {}
+    for name in (b"stalled", b"live"):
+        peers[name] = ctx.socket(zmq.DEALER)
+        peers[name].setsockopt(zmq.IDENTITY, name)
+        peers[name].setsockopt(zmq.RCVHWM, 1)
+        peers[name].setsockopt(zmq.RCVBUF, 4096)
+        peers[name].connect(endpoint)
+        peers[name].send(b"hello")
+    counting = CountingSocket(raw)
+    router = TrioSocket(counting)  # type: ignore[arg-type]
+    with trio.fail_after(10):
+        for _ in peers:
+            await router.recv_multipart()
+        big = bytes(256 << 10)
+        sent = 0
+        with trio.move_on_after(0.5) as window:  # the stalled peer never reads
+            while True:
+                await router.send_multipart([b"stalled", big])
+                sent += 1
+    assert window.cancelled_caught and sent >= 1
+    assert int(raw.getsockopt(zmq.EVENTS)) & zmq.POLLOUT, "the live peer still has room"
+    assert counting.attempts < 300, f"{counting.attempts} attempts in 0.5 s: a busy loop"
+    raw.close(0)
+    for sock in peers.values():
+        sock.close(0)
