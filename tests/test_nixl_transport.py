@@ -3,6 +3,8 @@ producer holds blocks, a consumer READs them into its own KV memory."""
 
 from __future__ import annotations
 
+import contextvars
+import dataclasses
 import importlib.util
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -14,6 +16,7 @@ import trio.testing
 from kvflow.layout import KVLayout
 from kvflow.testing.layouts import fill_blocks, make_layout
 from kvflow.transport import (
+    ChunkCorrupt,
     ChunkMissing,
     LoadJob,
     Offer,
@@ -304,3 +307,86 @@ def test_a_bad_backend_names_the_key_and_the_choices() -> None:
 
     with pytest.raises(ConfigError, match=r"\['backend'\].*valid choices: UCX"):
         parse_options({"backend": "TCP"}, NixlOptions, "nixl")
+
+
+_failing_drain: contextvars.ContextVar[bool] = contextvars.ContextVar("fail", default=False)
+
+
+class GatedConsumer(NixlTransport):
+    """A consumer whose pull of `slow` waits for `gate` after the producer answered (its
+    agent in use), and whose pull of `fails` ends with a READ it could not drain."""
+
+    at_gate: trio.Event
+    gate: trio.Event
+
+    async def _read(self, agent: Any, job: LoadJob, *args: Any) -> None:
+        if job.req == "c-slow":
+            self.at_gate.set()
+            await self.gate.wait()
+        await super()._read(agent, job, *args)
+
+    async def _drain(self, agent: Any, xfers: list[Any], dlists: list[Any]) -> bool:
+        return await super()._drain(agent, xfers, dlists) and not _failing_drain.get()
+
+    async def load(self, job: LoadJob) -> None:
+        token = _failing_drain.set(job.req == "c-fails")  # this task's pull only
+        try:
+            await super().load(job)
+        finally:
+            _failing_drain.reset(token)
+
+
+async def test_a_producer_forgotten_mid_pull_stays_added_until_that_pull_ends(
+    layouts: tuple[KVLayout, KVLayout],
+) -> None:
+    """A failed READ makes the consumer forget the producer's agent; a concurrent pull
+    still READing with that agent and its prepared list must finish first."""
+    prod, cons = layouts
+    producer = await _open(prod)
+    consumer = GatedConsumer(NixlOptions(), _ctx(cons))
+    consumer.gate, consumer.at_gate = trio.Event(), trio.Event()
+    await consumer.open()
+    await consumer.register(cons)
+
+    def job(req: str) -> LoadJob:
+        return dataclasses.replace(_job(cons, producer.address, req), req=f"c-{req}")
+
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(producer.serve)
+            for req in ("first", "slow", "fails"):
+                nursery.start_soon(producer.offer, _offer(prod, req))
+            await trio.testing.wait_all_tasks_blocked()
+            await consumer.load(job("first"))  # the producer is added and prepared
+            (remote,) = consumer._remote.values()
+            async with trio.open_nursery() as pulls:
+                pulls.start_soon(consumer.load, job("slow"))
+                await consumer.at_gate.wait()
+                assert remote.users == 1, "the slow pull holds the agent"
+                await consumer.load(job("fails"))  # forgets the producer at its end
+                assert consumer._remote == {} and consumer._stale == {remote.name: remote}
+                consumer.gate.set()
+            assert consumer._stale == {}, "the last pull removed the forgotten agent"
+            assert _bytes(cons, [7, 8, 9], COUNTS) == _bytes(prod, [1, 2, 3], COUNTS)
+            nursery.cancel_scope.cancel()
+    await consumer.aclose()
+    await producer.aclose()
+
+
+async def test_a_pull_with_other_token_counts_than_offered_is_corrupt(
+    pair: tuple[NixlTransport, NixlTransport], layouts: tuple[KVLayout, KVLayout]
+) -> None:
+    """The producer holds 1 token in the last block; a consumer expecting 2 would read
+    a stale one."""
+    producer, consumer = pair
+    prod, cons = layouts
+    short = [4, 4, 1]
+    offer = Offer("p-req", [1, 2, 3], short, prod.num_layers, _spans(prod, [1, 2, 3], short))
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(producer.serve)
+            nursery.start_soon(producer.offer, offer)
+            await trio.testing.wait_all_tasks_blocked()
+            with pytest.raises(ChunkCorrupt, match=r"chunks of \[4, 4, 1\] tokens"):
+                await consumer.load(_job(cons, producer.address))
+            nursery.cancel_scope.cancel()

@@ -79,6 +79,9 @@ DRAIN_TIMEOUT_S = 5.0
 MAX_LEASE_S = 600.0
 """The longest a producer holds blocks for a consumer that never reports back."""
 LEASE_MARGIN_S = 1.0
+MAX_DESCRIPTORS = 1 << 27
+"""Bounds a prepared whole-memory list (80 layers x 2 runs x 800k blocks), so that no
+peer's `Regions` makes NIXL build an unbounded one (and indices stay int32)."""
 READ_AHEAD = 2
 """Layers whose READs are in flight at once: a posted READ may copy inside `transfer()`
 or in the next poll, which progresses every posted READ; a short window lets layer 0
@@ -170,8 +173,10 @@ def _prepare(
     starts = [0]
     for g in geometries:
         starts.append(starts[-1] + len(g.block_runs()) * g.num_blocks)
-    if starts[-1] >= 2**31:
-        raise TransportError(f"{starts[-1]} block descriptors exceed NIXL's int32 indices")
+    if starts[-1] > MAX_DESCRIPTORS:
+        raise TransportError(
+            f"{starts[-1]} block descriptors (layers x runs x blocks) exceed {MAX_DESCRIPTORS}"
+        )
     dlist = agent.prep_xfer_dlist(who, _strided(bases, geometries), memory, [backend])
     return _Table(dlist, starts[:-1], list(geometries))
 
@@ -234,6 +239,8 @@ class NixlTransport(Transport):
         self._local: _Table | None = None
         self._remote: dict[str, _Remote] = {}
         """Producer side-channel address -> its NIXL agent, added once (consumer cache)."""
+        self._stale: dict[str, _Remote] = {}
+        """Agents forgotten while a pull still used them; its last user removes them."""
         self._pulls: dict[str, _Pull] = {}
         self._reads_started = trio.Event()
 
@@ -274,6 +281,7 @@ class NixlTransport(Transport):
                 f"kv_connector_extra_config['options']['backend']: NIXL has no usable "
                 f"{backend!r} plugin; plugins found: {', '.join(agent.get_plugin_list())}"
             )
+        self._agent = agent  # from here on aclose() undoes what registration did
         sizes = [len(b) for b in layout.buffers] or [int(t.numel()) for t in layout.tensors]
         regions = [(a, n, dev, "") for (a, dev), n in zip(self._bases, sizes, strict=True)]
         try:
@@ -283,7 +291,6 @@ class NixlTransport(Transport):
             raise
         except Exception as exc:
             raise TransportError(f"NIXL cannot register the KV memory: {exc}") from None
-        self._agent = agent
 
     async def aclose(self) -> None:
         """Forget remote agents, deregister memory, drop the agent; each step survives a
@@ -292,6 +299,10 @@ class NixlTransport(Transport):
         if agent is not None:
             for address in list(self._remote):
                 self._forget(agent, address)
+            for remote in self._stale.values():
+                remote.users = 0
+                self._retire(agent, remote)
+            self._stale.clear()
             if self._local is not None:
                 _release(self._local.dlist)
                 self._local = None
@@ -334,10 +345,10 @@ class NixlTransport(Transport):
                 except BadFrame as exc:
                     log.warning("kvflow nixl: dropped a bad frame from a peer: %s", exc)
                     continue
-                if isinstance(msg, wire.Failed):  # only the consumer that pulls may end it
+                if not isinstance(msg, wire.Pull):  # only the consumer that pulls may end it
                     pull = self._pulls.get(msg.req)
                     if pull is not None and pull.ident == ident:
-                        pull.end(msg.reason)
+                        pull.end("done" if isinstance(msg, wire.Read) else msg.reason)
                     continue
                 why = "wire version" if msg.version != wire.WIRE_VERSION else ""
                 why = why or self.held.claim(msg.req, ident)
@@ -394,7 +405,14 @@ class NixlTransport(Transport):
                 raise TransportError("offer vanished")
             layout = self.context.layout
             assert layout is not None
-            reply = wire.Blocks(msg.req, agent.name, b"", list(offer.block_ids), self._memory)
+            reply = wire.Blocks(
+                msg.req,
+                agent.name,
+                b"",
+                list(offer.block_ids),
+                list(offer.token_counts),
+                self._memory,
+            )
             if msg.known != agent.name:
                 regions = wire.Regions(self._bases, list(layout.geometries))
                 metadata = agent.get_agent_metadata()
@@ -444,6 +462,7 @@ class NixlTransport(Transport):
         xfers: list[Any] = []
         dlists: list[Any] = []
         ok = refused = False
+        peer: _Remote | None = None
         try:
             sock.sock.connect(address)
             deadline = trio.current_effective_deadline()
@@ -457,27 +476,35 @@ class NixlTransport(Transport):
                 refused = True  # nothing is held for us: nothing to answer
                 raise ChunkMissing(f"producer {address} refused {src.req}: {msg.reason}")
             peer = self._add_remote(agent, address, msg)
+            peer.users += 1
             await self._read(agent, job, peer, msg, xfers, dlists)
             try:  # every READ is DONE: the producer may hand the blocks back
                 agent.send_notif(peer.name, wire.encode(wire.Read(src.req)))
-            except Exception as exc:  # it will hold them until our lease ends
-                log.warning("kvflow nixl: notifying %s of %s: %s", peer.name, src.req, exc)
+            except Exception as exc:  # the side channel's Read below still tells it
+                log.info("kvflow nixl: notifying %s of %s: %s", peer.name, src.req, exc)
             ok = True
         except BadFrame as exc:
             raise ChunkCorrupt(f"producer {address}: {exc}") from None
         finally:
             with trio.CancelScope(shield=True):
                 drained = await self._drain(agent, xfers, dlists)
-            if not drained:
-                self._forget(agent, address)
-            if not ok and not refused:
-                try:  # only now: none of our READs is in flight any more
-                    reason = wire.Failed(src.req, "consumer gave up")
-                    sock.sock.send_multipart([wire.encode(reason)], zmq.NOBLOCK)
-                    sock.close(linger_ms=1000)  # let Failed reach the producer
-                except zmq.ZMQError:
-                    sock.close()
-            else:
+            if peer is not None:
+                peer.users -= 1
+                if self._stale.get(peer.name) is peer and not peer.users:
+                    del self._stale[peer.name]
+                    self._retire(agent, peer)
+            if not drained and peer is not None and self._remote.get(address) is peer:
+                self._forget(agent, address)  # not a newer agent another pull added
+            answer: wire.ToProducer | None = None
+            if ok:
+                answer = wire.Read(src.req)
+            elif not refused:  # only now: none of our READs is in flight any more
+                answer = wire.Failed(src.req, "consumer gave up")
+            try:
+                if answer is not None:
+                    sock.sock.send_multipart([wire.encode(answer)], zmq.NOBLOCK)
+                sock.close(linger_ms=1000 if answer is not None else 0)  # let it arrive
+            except zmq.ZMQError:
                 sock.close()
 
     def _add_remote(self, agent: Any, address: str, msg: wire.Blocks) -> _Remote:
@@ -486,8 +513,12 @@ class NixlTransport(Transport):
         cached = self._remote.get(address)
         if cached is not None and cached.name == msg.agent:  # concurrent first pulls too
             return cached
-        if not msg.metadata or msg.regions is None:
-            raise ChunkCorrupt(f"producer {address} sent no NIXL metadata for {msg.agent}")
+        if msg.agent in self._stale:  # forgotten, but still added: take it back
+            self._forget(agent, address)
+            remote = self._remote[address] = self._stale.pop(msg.agent)
+            return remote
+        if not msg.metadata or msg.regions is None:  # we forgot it while it answered
+            raise TransportError(f"producer {address} sent no NIXL metadata for {msg.agent}")
         layout = self.context.layout
         assert layout is not None
         regions = msg.regions
@@ -517,10 +548,19 @@ class NixlTransport(Transport):
         return remote
 
     def _forget(self, agent: Any, address: str) -> None:
+        """Drop the cached producer at `address` (it restarted, or a READ of it failed)."""
         remote = self._remote.pop(address, None)
         if remote is not None:
-            _release(remote.table.dlist)
-            _remove_agent(agent, remote.name)
+            self._retire(agent, remote)
+
+    def _retire(self, agent: Any, remote: _Remote) -> None:
+        """Release a producer's prepared list and agent, or leave that to the last pull
+        still reading with them."""
+        if remote.users:
+            self._stale[remote.name] = remote
+            return
+        _release(remote.table.dlist)
+        _remove_agent(agent, remote.name)
 
     async def _read(
         self,
@@ -535,10 +575,11 @@ class NixlTransport(Transport):
         layout = self.context.layout
         local = self._local
         assert layout is not None and local is not None
-        if len(msg.block_ids) != len(job.block_ids):
+        if msg.token_counts != job.token_counts or len(msg.block_ids) != len(job.block_ids):
             raise ChunkCorrupt(
-                f"producer {peer.name} offers {len(msg.block_ids)} blocks for "
-                f"{len(job.block_ids)} chunks of {job.req}"
+                f"producer {peer.name} offers chunks of {msg.token_counts} tokens in blocks "
+                f"{msg.block_ids}; {job.req} expects {job.token_counts} in "
+                f"{len(job.block_ids)} blocks"
             )
         for g_theirs, g_ours in zip(peer.table.geometries, layout.geometries, strict=True):
             for ids, g, whose in (
@@ -675,6 +716,8 @@ class _Remote:
     table: _Table
     bases: list[tuple[int, int]]
     memory: str
+    users: int = 0
+    """Pulls reading with this agent right now."""
 
 
 def _release(handle: Any) -> bool:

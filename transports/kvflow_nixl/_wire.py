@@ -4,11 +4,14 @@ A pull is one DEALER->ROUTER conversation on the side channel, plus one NIXL
 notification for the data path:
 
     consumer -> producer   Pull(req, agent, known, lease_ms)
-    producer -> consumer   Blocks(req, agent, metadata, block_ids, memory, regions)
+    producer -> consumer   Blocks(req, agent, metadata, block_ids, token_counts, memory,
+                           regions)
                            (or Refused(req, reason))
     consumer ==> producer  NIXL READs, one per layer (two for a layer whose last
                            chunk is a partial block of a token-granular cache)
-    consumer ==> producer  the NIXL notification Read(req), once every READ is DONE
+    consumer ==> producer  the NIXL notification Read(req), once every READ is DONE,
+    consumer -> producer   and the same Read(req) over the side channel (UCX may hold a
+                           notification until the consumer's agent next progresses)
     consumer -> producer   Failed(req, reason), only if it gave up (no READ in flight)
 
 `metadata` (the producer agent's NIXL metadata) and `regions` (where its KV memory
@@ -58,6 +61,8 @@ class Blocks(msgspec.Struct, tag=True, frozen=True):
     """The producer agent's NIXL metadata; empty if the consumer `known`s the agent."""
     block_ids: list[int]
     """The offered blocks, chunk by chunk."""
+    token_counts: list[int]
+    """Tokens of each offered chunk: the consumer's must be the same."""
     memory: str = "DRAM"
     """NIXL memory type of the producer's KV: DRAM (CPU caches) or VRAM (CUDA caches)."""
     regions: Regions | None = None
@@ -75,13 +80,13 @@ class Failed(msgspec.Struct, tag=True, frozen=True):
 
 
 class Read(msgspec.Struct, tag=True, frozen=True):
-    """NIXL notification: the consumer's READs of `req` all finished; nothing reads its
-    blocks any more."""
+    """The consumer's READs of `req` all finished; nothing reads its blocks any more.
+    Sent as a NIXL notification and over the side channel (whichever arrives first)."""
 
     req: str
 
 
-ToProducer = Pull | Failed
+ToProducer = Pull | Failed | Read
 ToConsumer = Blocks | Refused
 
 _encoder = msgspec.msgpack.Encoder()
