@@ -27,7 +27,7 @@ import trio
 
 from .layout import KVLayout, LayerGeometry
 
-__all__ = ["HostStage", "block_views", "mark"]
+__all__ = ["HostStage", "block_views", "event_done", "mark"]
 
 
 def block_views(flat: Any, g: LayerGeometry) -> list[Any]:
@@ -39,6 +39,15 @@ def block_views(flat: Any, g: LayerGeometry) -> list[Any]:
         flat.as_strided((g.num_blocks, run), (g.block_stride, 1), base + off)
         for off in g.plane_offsets
     ]
+
+
+async def event_done(event: Any) -> None:
+    """Wait for a CUDA event from trio: completion is poll-only, so poll with a backoff
+    (20 us to 1 ms), never blocking the loop. None: nothing to wait for."""
+    delay = 2e-5
+    while event is not None and not event.query():
+        await trio.sleep(delay)
+        delay = min(delay * 2, 1e-3)
 
 
 def mark(layout: KVLayout) -> Any:
@@ -70,7 +79,6 @@ class HostStage:
         for g in layout.geometries:
             if any(not 0 <= b < g.num_blocks for b in self.block_ids):
                 raise IndexError(f"block ids {self.block_ids} outside 0..{g.num_blocks - 1}")
-        self._index = torch.tensor(self.block_ids, dtype=torch.long, device=self.device)
         self._whole = [c for c, n in enumerate(self.token_counts) if n >= layout.block_size]
         """Chunks that fill their block (in a block-granular layer every chunk does)."""
         self._host = [
@@ -86,6 +94,8 @@ class HostStage:
             for g in layout.geometries
         ]
         self._stream = torch.cuda.Stream(self.device) if self._cuda else None
+        with self._on_stream():  # allocated on the stream that uses it
+            self._index = torch.tensor(self.block_ids, dtype=torch.long, device=self.device)
 
     # -- what the transport sees ------------------------------------------------
     def spans(self, layer: int) -> list[list[memoryview]]:
@@ -150,7 +160,4 @@ class HostStage:
 
         event = torch.cuda.Event()
         event.record(self._stream)
-        delay = 2e-5
-        while not event.query():
-            await trio.sleep(delay)
-            delay = min(delay * 2, 1e-3)
+        await event_done(event)

@@ -39,7 +39,7 @@ from .events import (
 from .layout import KVLayout, LayoutError
 from .metadata import LoadSpec, OfferSpec, SaveSpec, WorkerPlan
 from .runtime import Runtime
-from .staging import HostStage, mark
+from .staging import HostStage, event_done, mark
 from .transport import LoadJob, Offer, SaveJob, Transport, TransportError
 
 __all__ = ["TransferResults", "WorkerEngine"]
@@ -201,7 +201,10 @@ class WorkerEngine:
     def end_step(self) -> None:
         """The forward is over: every layer is final, every synchronous load settled."""
         if self._step_saves:
-            self.runtime.submit(self._on_step_end, self._step)
+            # staged saves copy on their own stream: layers vLLM did not report must
+            # wait for what its stream queued up to here
+            done = mark(self.layout) if self.staged and self.layout else None
+            self.runtime.submit(self._on_step_end, self._step, done and done.query)
         # Not just every layer's gate: vLLM reads the load errors right after this returns.
         if not self._gate.settled.wait(self.config.load_timeout_s + 5.0):
             log.error("kvflow: this step's loads did not finish; reporting load errors")
@@ -295,11 +298,13 @@ class WorkerEngine:
             step.computed[layer].set()
             self.bus.emit(LayerComputed(step=step_no, layer=layer))
 
-    def _on_step_end(self, step_no: int) -> None:
+    def _on_step_end(self, step_no: int, ready: LayerReady | None) -> None:
         step = self._steps.get(step_no)
         if step is not None:
-            for ev in step.computed:
-                ev.set()
+            for layer, ev in enumerate(step.computed):
+                if not ev.is_set():
+                    step.ready[layer] = ready
+                    ev.set()
 
     def _maybe_release(self, req: str) -> None:
         if req in self._lent and self._pending_saves.get(req, 0) == 0:
@@ -369,9 +374,10 @@ class WorkerEngine:
         error, intact, timed_out = "", 0, False
         try:
             with trio.move_on_after(self.config.load_timeout_s) as deadline:
-                if self.staged:
-                    stage = HostStage(layout, spec.block_ids, spec.token_counts)
-                async with self._limiter("load"):
+                async with self._limiter("load"):  # which also bounds pinned staging memory
+                    if self.staged:
+                        stage = HostStage(layout, spec.block_ids, spec.token_counts)
+                        await event_done(gate.after)  # so no scatter waits on vLLM's queue
                     await self.transport.load(job)
             if deadline.cancelled_caught:
                 error, timed_out = (
@@ -464,9 +470,9 @@ class WorkerEngine:
         error, timed_out = "", False
         try:
             with scope, trio.move_on_after(self.config.save_timeout_s) as deadline:
-                if self.staged:
-                    stage = HostStage(layout, spec.block_ids, spec.token_counts)
-                async with self._limiter("save"):
+                async with self._limiter("save"):  # which also bounds pinned staging memory
+                    if self.staged:
+                        stage = HostStage(layout, spec.block_ids, spec.token_counts)
                     await self.transport.save(job)
             if deadline.cancelled_caught:
                 error, timed_out = (

@@ -30,6 +30,7 @@ import torch
 import trio
 
 from kvflow.layout import LayerGeometry
+from kvflow.staging import block_views, event_done
 
 __all__ = [
     "CudaDevice",
@@ -129,20 +130,7 @@ class CudaDevice(Device):
     async def done(self, device: torch.device) -> None:
         event = torch.cuda.Event()
         event.record(self._streams[device])
-        delay = 2e-5
-        while not event.query():  # CUDA completion is poll-only from trio's point of view
-            await trio.sleep(delay)
-            delay = min(delay * 2, 1e-3)
-
-
-def _block_views(flat: torch.Tensor, g: LayerGeometry) -> list[torch.Tensor]:
-    """One `[num_blocks, run]` view per plane of a layer: row b is block b's run."""
-    run = g.block_bytes or g.block_size * g.token_bytes
-    base = flat.storage_offset()
-    return [
-        flat.as_strided((g.num_blocks, run), (g.block_stride, 1), base + off)
-        for off in g.plane_offsets
-    ]
+        await event_done(event)
 
 
 def check_blocks(g: LayerGeometry, block_ids: Sequence[int], side: str) -> None:
@@ -186,7 +174,7 @@ def copy_chunks(
     token-granular layer moves only its tokens, so nothing past them is written.
     """
     si, di, full, partial = index
-    views = list(zip(_block_views(src, g_src), _block_views(dst, g_dst), strict=True))
+    views = list(zip(block_views(src, g_src), block_views(dst, g_dst), strict=True))
     if full:
         for s, d in views:
             d.index_copy_(0, di, s.index_select(0, si).to(dst.device, non_blocking=True))
