@@ -74,7 +74,8 @@ class LayerGeometry(msgspec.Struct, frozen=True):
     def block_shape(self) -> tuple[int, ...]:
         """What must match for a block of one cache to be copied into a block of another:
         everything but the number of blocks and where the planes start (NHD's V half
-        starts after all K blocks, so it moves with `num_blocks`)."""
+        starts after all K blocks, so it moves with `num_blocks`). With one block the
+        K and V halves touch and merge into one run: a one-block cache matches no other."""
         runs = [n for _, n in self.block_runs()]
         return (self.block_size, self.token_bytes, self.block_bytes, len(self.plane_offsets), *runs)
 
