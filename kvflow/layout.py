@@ -71,6 +71,14 @@ class LayerGeometry(msgspec.Struct, frozen=True):
         n = num_tokens * self.token_bytes
         return [(base + off, n) for off in self.plane_offsets]
 
+    def check_blocks(self, block_ids: Sequence[int], side: str) -> None:
+        """Refuse out-of-range block ids on the host (on a device an out-of-range index
+        is an assertion that takes the whole CUDA context down)."""
+        if any(not 0 <= b < self.num_blocks for b in block_ids):
+            raise LayoutError(
+                f"{side} block ids {list(block_ids)} outside 0..{self.num_blocks - 1}"
+            )
+
     def block_shape(self) -> tuple[int, ...]:
         """What must match for a block of one cache to be copied into a block of another:
         everything but the number of blocks and where the planes start (NHD's V half

@@ -77,8 +77,7 @@ class HostStage:
         self.device = layout.tensors[0].device
         self._cuda = self.device.type == "cuda"
         for g in layout.geometries:
-            if any(not 0 <= b < g.num_blocks for b in self.block_ids):
-                raise IndexError(f"block ids {self.block_ids} outside 0..{g.num_blocks - 1}")
+            g.check_blocks(self.block_ids, "staged")
         self._whole = [c for c, n in enumerate(self.token_counts) if n >= layout.block_size]
         """Chunks that fill their block (in a block-granular layer every chunk does)."""
         self._host = [

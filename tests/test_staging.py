@@ -9,7 +9,7 @@ import pytest
 import torch
 import trio
 
-from kvflow.layout import KVLayout
+from kvflow.layout import KVLayout, LayoutError
 from kvflow.staging import HostStage
 from kvflow.testing.layouts import fill_blocks, make_layout
 
@@ -70,5 +70,5 @@ def test_scatter_writes_the_chunks_and_nothing_else(kind: str) -> None:
 
 
 def test_block_ids_outside_the_cache_are_refused_on_the_host() -> None:
-    with pytest.raises(IndexError, match=r"outside 0\.\.11"):
+    with pytest.raises(LayoutError, match=r"staged block ids \[3, 12\] outside 0\.\.11"):
         HostStage(device_layout("nhd"), [3, 12], [4, 4])

@@ -581,15 +581,12 @@ class NixlTransport(Transport):
                 f"{msg.block_ids}; {job.req} expects {job.token_counts} in "
                 f"{len(job.block_ids)} blocks"
             )
-        for g_theirs, g_ours in zip(peer.table.geometries, layout.geometries, strict=True):
-            for ids, g, whose in (
-                (msg.block_ids, g_theirs, "producer"),
-                (job.block_ids, g_ours, "consumer"),
-            ):
-                if any(not 0 <= b < g.num_blocks for b in ids):
-                    raise ChunkCorrupt(
-                        f"{whose} block ids {ids} out of range ({g.num_blocks} blocks)"
-                    )
+        try:
+            for theirs, ours in zip(peer.table.geometries, layout.geometries, strict=True):
+                theirs.check_blocks(msg.block_ids, f"producer {peer.name}")
+                ours.check_blocks(job.block_ids, "consumer")
+        except LayoutError as exc:
+            raise ChunkCorrupt(str(exc)) from None
         # Whole blocks come from the prepared lists; a partial block of a token-granular
         # cache must move only its tokens, through a small list of its own.
         packed = all(g.block_bytes for g in layout.geometries)

@@ -36,7 +36,6 @@ __all__ = [
     "CudaDevice",
     "Device",
     "IpcHandle",
-    "check_blocks",
     "copy_chunks",
     "host_id",
     "index_tensors",
@@ -131,13 +130,6 @@ class CudaDevice(Device):
         event = torch.cuda.Event()
         event.record(self._streams[device])
         await event_done(event)
-
-
-def check_blocks(g: LayerGeometry, block_ids: Sequence[int], side: str) -> None:
-    """Refuse out-of-range block ids on the host: on the device they would be an
-    assertion that takes the whole CUDA context down."""
-    if any(not 0 <= b < g.num_blocks for b in block_ids):
-        raise IndexError(f"{side} block ids {list(block_ids)} outside 0..{g.num_blocks - 1}")
 
 
 def index_tensors(

@@ -16,7 +16,7 @@ import trio
 import zmq
 
 from kvflow.keys import ChunkKey
-from kvflow.layout import KVLayout
+from kvflow.layout import KVLayout, LayoutError
 from kvflow.peer import HeldOffers
 from kvflow.transport import (
     Capabilities,
@@ -280,9 +280,9 @@ class ZmqTransport(Transport):
             )
         try:
             for g_src, g_dst in zip(msg.geometries, layout.geometries, strict=True):
-                ipc.check_blocks(g_src, src.block_ids, f"producer {address}")
-                ipc.check_blocks(g_dst, job.block_ids, "destination")
-        except IndexError as exc:
+                g_src.check_blocks(src.block_ids, f"producer {address}")
+                g_dst.check_blocks(job.block_ids, "destination")
+        except LayoutError as exc:
             raise ChunkCorrupt(str(exc)) from None
         first = msg.handles[0].handle if msg.handles else b""
         if self._opened.get(address, (None,))[0] != first:  # new, or the producer restarted
