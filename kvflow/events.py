@@ -85,6 +85,8 @@ class StepPlanned(_Base):
 
 class RequestFinished(_Base):
     lent: bool
+    blocks: int = 0
+    """How many blocks vLLM lends (0 unless `lent`)."""
 
 
 # worker side

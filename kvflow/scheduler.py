@@ -265,7 +265,8 @@ class SchedulerEngine:
         lend = st is not None and (st.saves_issued or params is not None)
         if lend:
             self._lent.append(req)
-        self.runtime.submit(self.bus.emit, RequestFinished(req=req, lent=lend))
+        blocks = len(block_ids) if lend else 0
+        self.runtime.submit(self.bus.emit, RequestFinished(req=req, lent=lend, blocks=blocks))
         return lend, params
 
     def loads_failed(self, reqs: Iterable[str]) -> None:

@@ -28,6 +28,7 @@ from kvflow.events import (
     EventBus,
     LookupAnswered,
     Origin,
+    RequestFinished,
     SaveStarted,
     StepBound,
     TransferDone,
@@ -486,7 +487,8 @@ def test_lent_blocks_are_reported_once_after_the_lent_plan_is_bound(
     e = start_engine("lend")
     save_prompt(e, "r", PROMPT, [1, 2, 3])
     assert e.worker.take_results().finished_sending == set()
-    assert e.sched.finished("r")[0] is True  # vLLM lends the blocks to kvflow
+    assert e.sched.finished("r", [1, 2, 3])[0] is True  # vLLM lends the blocks to kvflow
+    assert e.sched_events.wait_for(RequestFinished, "r").blocks == 3  # kvflow inspect's "lent"
     assert e.worker.take_results().finished_sending == set()  # the worker has not heard yet
     plan = e.sched.plan([])
     assert plan.lent == ["r"]

@@ -126,15 +126,15 @@ def test_concurrent_saves_of_one_request_end_in_order_and_sends_have_no_start() 
 
 def test_lent_blocks_until_released_and_dropped_events_per_publisher() -> None:
     st = InspectState()
-    st.feed(at(S, RequestFinished(req="r1", lent=True)), 1)
-    st.feed(at(S, RequestFinished(req="r2", lent=True)), 1)
+    st.feed(at(S, RequestFinished(req="r1", lent=True, blocks=3)), 1)
+    st.feed(at(S, RequestFinished(req="r2", lent=True, blocks=5)), 1)
     st.feed(at(S, RequestFinished(req="r3", lent=False)), 1)
     st.feed(at(A, BlocksReleased(req="r1")), 2)
     st.set_dropped("engine-a", "ipc://a", 5)
     st.set_dropped("engine-a", "ipc://b", 2)
     st.set_dropped("engine-a", "ipc://a", 7)
     (tot,) = st.engines(3)
-    assert (tot.lent, tot.dropped) == ({"r2"}, 9)
+    assert (tot.lent, tot.dropped) == ({"r2": 5}, 9)
 
 
 def test_an_engine_that_vanishes_loses_its_transfers_and_is_forgotten() -> None:

@@ -166,7 +166,7 @@ def render(state: InspectState, now: float, *, where: str = "", max_rows: int = 
             human_bytes(e.bytes_sent),
             Text(str(e.failures), style="red" if e.failures else ""),
             Text(str(e.timeouts), style="red" if e.timeouts else ""),
-            str(len(e.lent)),
+            str(sum(e.lent.values())),
             Text(str(e.dropped), style="yellow" if e.dropped else ""),
             style="dim" if e.gone_at is not None else "",
         )

@@ -100,8 +100,8 @@ class EngineTotals:
     bytes_sent: int = 0
     failures: int = 0
     timeouts: int = 0
-    lent: set[str] = field(default_factory=set)
-    """Requests whose blocks vLLM lent to kvflow and that are not released yet."""
+    lent: dict[str, int] = field(default_factory=dict)
+    """Blocks vLLM lent to kvflow, by request, not released yet."""
     dropped_by: dict[str, int] = field(default_factory=dict)
     """Events this reader missed, per publisher endpoint."""
 
@@ -186,9 +186,9 @@ class InspectState:
             self._end(tot, ev, now)
         elif isinstance(ev, RequestFinished):
             if ev.lent:
-                tot.lent.add(ev.req)
+                tot.lent[ev.req] = ev.blocks
         elif isinstance(ev, BlocksReleased):
-            tot.lent.discard(ev.req)
+            tot.lent.pop(ev.req, None)
 
     def _end(self, tot: EngineTotals, ev: TransferDone | TransferFailed, now: float) -> None:
         o = ev.origin
