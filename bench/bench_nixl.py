@@ -30,8 +30,9 @@ blocks until the last byte landed):
   producer answers with `Blocks` (the offered block ids; its agent metadata and memory
   regions only on the first pull, when the consumer prepares one descriptor list over
   the producer's whole KV memory; its own list was prepared at registration), the
-  consumer picks the request's indices (numpy) and READs layer by layer (one transfer
-  per layer, two in flight), polling `check_xfer_state` with a 0.1-2 ms trio backoff
+  consumer picks the request's indices (numpy) and READs all layers in one transfer, as
+  for an asynchronous P/D pull (`--layerwise`: one transfer per layer, two in flight, as
+  for a load the forward waits on), polling `check_xfer_state` with a 0.1-2 ms trio backoff
   (a trio sleep under 1 ms lasts ~1.1 ms: epoll's timeout is in ms), releases the
   handles and sends one `Read` notification. Untimed, the consumer then waits until the
   producer's offer ended with "done" (the notification arrived).
@@ -388,7 +389,7 @@ class RawNixl:
 # -- one case --------------------------------------------------------------------------
 
 
-def _job(case: Case, address: str, req: str, loaded: list[int]) -> LoadJob:
+def _job(case: Case, address: str, req: str, loaded: list[int], layerwise: bool) -> LoadJob:
     return LoadJob(
         f"c-{req}",
         ["k"] * len(case.dst_ids),
@@ -398,10 +399,11 @@ def _job(case: Case, address: str, req: str, loaded: list[int]) -> LoadJob:
         loaded.append,
         PeerSource("bench", [address], req, case.src_ids),
         list(case.dst_ids),
+        layerwise=layerwise,
     )
 
 
-async def bench_case(case: Case, repeats: int) -> dict[str, Any]:
+async def bench_case(case: Case, repeats: int, layerwise: bool) -> dict[str, Any]:
     """Seconds per transfer of each method (warm-up dropped), and the first pulls."""
     nixl_prod = Producer(lambda: NixlTransport(NixlOptions(), _ctx(case.prod)), case).start()
     zmq_prod = Producer(lambda: ZmqTransport(ZmqOptions(), _ctx(case.prod)), case).start()
@@ -418,7 +420,7 @@ async def bench_case(case: Case, repeats: int) -> dict[str, Any]:
         async def kvflow(name: str, consumer: Transport, producer: Producer, req: str) -> float:
             await producer.offer(req)
             loaded: list[int] = []
-            job = _job(case, producer.address, req, loaded)
+            job = _job(case, producer.address, req, loaded, layerwise)
             with trio.fail_after(TIMEOUT_S):
                 t0 = time.perf_counter()
                 await consumer.load(job)
@@ -478,6 +480,12 @@ def main() -> int:
     ap.add_argument("--block-size", type=int, default=16, help="tokens per block")
     ap.add_argument("--repeats", type=int, default=15, help="timed transfers after 1 warm-up")
     ap.add_argument("--quick", action="store_true", help="smoke run: 64 blocks, 2 repeats")
+    ap.add_argument(
+        "--layerwise",
+        action="store_true",
+        help="kvflow nixl READs layer by layer, as for a load the forward waits on "
+        "(default: all layers at once, as the worker runs a P/D pull)",
+    )
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "nixl.json"))
     args = ap.parse_args()
     if args.quick:
@@ -500,7 +508,7 @@ def main() -> int:
             case = _case(prod, cons, n, args.block_size, seed=n)
             name = f"{model} {n} blocks"
             print(f"  {name} ({per_block // 1024} KiB/block/layer) ...", flush=True)
-            res = trio.run(bench_case, case, args.repeats)
+            res = trio.run(bench_case, case, args.repeats, args.layerwise)
             med = {m: statistics.median(res["times"][m]) for m in METHODS}
             gbs = {m: case.nbytes / med[m] / 1e9 for m in METHODS}
             rows.append(

@@ -138,6 +138,11 @@ class LoadJob:
     block_ids: list[int] = field(default_factory=list)
     """The destination block of each chunk (device-memory transports address blocks,
     not `spans`)."""
+    layerwise: bool = True
+    """Whether the forward waits on each layer (a load within the step: signal layer i
+    as soon as it lands). False for asynchronous loads (a P/D pull before the request
+    is scheduled): only the end matters, so a transport may move all layers at once
+    (`layer_loaded` is still called for every layer, in order)."""
 
 
 @dataclass

@@ -369,6 +369,7 @@ class WorkerEngine:
             transport_loaded,
             spec.source,
             list(spec.block_ids),
+            layerwise=not spec.asynchronous,
         )
         t0 = time.perf_counter()
         error, intact, timed_out = "", 0, False

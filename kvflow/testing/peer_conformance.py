@@ -22,6 +22,7 @@ Failures raise `ContractViolation` naming the broken promise (`PeerPromise`).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Sequence
 from typing import ClassVar
@@ -112,6 +113,7 @@ class PeerConformance(ConformanceSuite):
         *,
         req: str = "pd-req",
         layout: KVLayout | None = None,
+        layerwise: bool = True,
     ) -> None:
         """Offer `src` on `producer`, pull it into new blocks with `consumer`, and check the
         bytes, the layer signals and the offer's outcome."""
@@ -133,6 +135,7 @@ class PeerConformance(ConformanceSuite):
             nursery.start_soon(hold)
             await trio.testing.wait_all_tasks_blocked()
             job, signalled = kv.load_job(dst, layout, on_layer, self.source([producer], req, src))
+            job = dataclasses.replace(job, layerwise=layerwise)
             try:
                 await consumer.load(job)
             except Exception as exc:
@@ -218,6 +221,14 @@ class PeerConformance(ConformanceSuite):
         producer, consumer = await kv.worker(), await kv.worker()
         await self.pull(kv, producer, consumer, kv.chunks(3), req="full")
         await self.pull(kv, producer, consumer, kv.chunks(2, partial=1), req="partial")
+
+    async def test_an_asynchronous_pull_moves_the_offered_blocks(self, kv: Harness) -> None:
+        """`LoadJob.layerwise=False` (a P/D pull): all layers may move at once, but every
+        layer is still signalled, in order."""
+        producer, consumer = await kv.worker(), await kv.worker()
+        await self.pull(kv, producer, consumer, kv.chunks(3), req="full", layerwise=False)
+        src = kv.chunks(2, partial=1)
+        await self.pull(kv, producer, consumer, src, req="partial", layerwise=False)
 
     async def test_pull_leaves_a_layer_alone_once_it_is_signalled(self, kv: Harness) -> None:
         """vLLM computes into a layer as soon as it is signalled (see the store suite)."""

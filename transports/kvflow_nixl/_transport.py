@@ -628,21 +628,26 @@ class NixlTransport(Transport):
                 ) from None
             tails = (dlists[-2], dlists[-1])
 
-        layers: list[list[Any]] = []
+        # Layer by layer (layer 0 lands, and attention can start, early), or all layers
+        # in one READ when nobody waits on single layers (an asynchronous P/D pull).
+        step = 1 if job.layerwise else job.num_layers
+        groups = [range(i, min(i + step, job.num_layers)) for i in range(0, job.num_layers, step)]
+        posted: list[list[Any]] = []
 
-        def post(i: int) -> None:
+        def post(group: range) -> None:
+            i = group[0]
             sides = []
             if len(whole):
                 sides.append(
                     (
                         local.dlist,
-                        local.index(i, ours_ids),
+                        np.concatenate([local.index(n, ours_ids) for n in group]),
                         peer.table.dlist,
-                        peer.table.index(i, theirs_ids),
+                        np.concatenate([peer.table.index(n, theirs_ids) for n in group]),
                     )
                 )
             if tails is not None:
-                idx = np.arange(tail_starts[i], tail_starts[i + 1], dtype=np.int32)
+                idx = np.arange(tail_starts[i], tail_starts[group[-1] + 1], dtype=np.int32)
                 sides.append((tails[0], idx, tails[1], idx))
             handles = []
             for mine_dl, mine_idx, their_dl, their_idx in sides:
@@ -661,22 +666,23 @@ class NixlTransport(Transport):
                     raise TransportError(
                         f"NIXL could not post the READ of layer {i} from {peer.name}"
                     )
-            layers.append(handles)
+            posted.append(handles)
 
-        for i in range(min(READ_AHEAD, job.num_layers)):
-            post(i)
-        for i in range(job.num_layers):
-            for h in layers[i]:
+        for group in groups[:READ_AHEAD]:
+            post(group)
+        for g, group in enumerate(groups):
+            for h in posted[g]:
                 delay = POLL_MIN_S
                 while (state := agent.check_xfer_state(h)) == "PROC":
                     delay = await _backoff(delay)
                 if state != "DONE":
                     raise TransportError(
-                        f"NIXL READ of layer {i} from {peer.name} failed ({state})"
+                        f"NIXL READ of layer {group[0]} from {peer.name} failed ({state})"
                     )
-            if i + READ_AHEAD < job.num_layers:
-                post(i + READ_AHEAD)
-            job.layer_loaded(i)
+            if g + READ_AHEAD < len(groups):
+                post(groups[g + READ_AHEAD])
+            for i in group:
+                job.layer_loaded(i)
             await trio.lowlevel.checkpoint()
 
     async def _drain(self, agent: Any, xfers: list[Any], dlists: list[Any]) -> bool:
