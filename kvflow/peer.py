@@ -11,7 +11,7 @@ task looks offers up, wraps each read in `reading()` and calls `release()`.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -19,7 +19,26 @@ import trio
 
 from .transport import Offer
 
-__all__ = ["HeldOffers", "NotHeld"]
+__all__ = ["HeldOffers", "NotHeld", "select_blocks"]
+
+
+def select_blocks(offer: Offer, block_ids: Sequence[int]) -> Offer | None:
+    """The part of `offer` a consumer pulls: the chunks in `block_ids` (all of them if
+    empty). A consumer that already has a prefix of the prompt (its prefix cache) pulls
+    only the rest. None if a block is not offered."""
+    if not block_ids:
+        return offer
+    where = {b: i for i, b in enumerate(offer.block_ids)}
+    if any(b not in where for b in block_ids):
+        return None
+    idx = [where[b] for b in block_ids]
+
+    def spans(layer: int) -> list[list[memoryview]]:
+        chunks = offer.spans(layer)
+        return [chunks[i] for i in idx]
+
+    counts = [offer.token_counts[i] for i in idx]
+    return Offer(offer.req, list(block_ids), counts, offer.num_layers, spans)
 
 
 class NotHeld(KeyError):

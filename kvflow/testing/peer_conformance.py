@@ -114,16 +114,18 @@ class PeerConformance(ConformanceSuite):
         req: str = "pd-req",
         layout: KVLayout | None = None,
         layerwise: bool = True,
+        only: Sequence[int] | None = None,
     ) -> None:
-        """Offer `src` on `producer`, pull it into new blocks with `consumer`, and check the
-        bytes, the layer signals and the offer's outcome."""
+        """Offer `src` on `producer`, pull it (or its chunks `only`) into new blocks with
+        `consumer`, and check the bytes, the layer signals and the offer's outcome."""
         layout = layout or kv.layout
+        offered, src = src, src if only is None else src.take(only)
         dst, source, before = kv.destination(src, layout)
         outcome: list[str] = []
         returned = trio.Event()
 
         async def hold() -> None:
-            outcome.append(await producer.offer(self.offer_of(kv, req, src, layout)))
+            outcome.append(await producer.offer(self.offer_of(kv, req, offered, layout)))
             returned.set()
 
         def on_layer(layer: int) -> None:
@@ -229,6 +231,15 @@ class PeerConformance(ConformanceSuite):
         await self.pull(kv, producer, consumer, kv.chunks(3), req="full", layerwise=False)
         src = kv.chunks(2, partial=1)
         await self.pull(kv, producer, consumer, src, req="partial", layerwise=False)
+
+    async def test_a_consumer_with_a_prefix_pulls_only_the_rest(self, kv: Harness) -> None:
+        """A decode instance whose prefix cache holds the first chunks asks for the other
+        blocks of the offer only (`PeerSource.block_ids` is that part)."""
+        producer, consumer = await kv.worker(), await kv.worker()
+        src = kv.chunks(4, partial=2)
+        await self.pull(kv, producer, consumer, src, req="rest", only=[2, 3])
+        src = kv.chunks(3)
+        await self.pull(kv, producer, consumer, src, req="rest-async", only=[1, 2], layerwise=False)
 
     async def test_pull_leaves_a_layer_alone_once_it_is_signalled(self, kv: Harness) -> None:
         """vLLM computes into a layer as soon as it is signalled (see the store suite)."""

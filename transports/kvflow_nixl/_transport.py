@@ -55,7 +55,7 @@ import zmq
 
 from kvflow.keys import ChunkKey
 from kvflow.layout import KVLayout, LayerGeometry, LayoutError
-from kvflow.peer import HeldOffers
+from kvflow.peer import HeldOffers, select_blocks
 from kvflow.transport import (
     Capabilities,
     ChunkCorrupt,
@@ -351,6 +351,9 @@ class NixlTransport(Transport):
                         pull.end("done" if isinstance(msg, wire.Read) else msg.reason)
                     continue
                 why = "wire version" if msg.version != wire.WIRE_VERSION else ""
+                offer = None if why else self.held.get(msg.req)
+                if offer is not None and select_blocks(offer, msg.block_ids) is None:
+                    why = f"blocks {msg.block_ids} are not all offered"
                 why = why or self.held.claim(msg.req, ident)
                 pull = None if why else await nursery.start(self._hold, msg, ident)
                 if pull is None:
@@ -399,7 +402,8 @@ class NixlTransport(Transport):
     async def _reply(
         self, router: TrioSocket, ident: bytes, agent: Any, msg: wire.Pull, pull: _Pull
     ) -> None:
-        offer = self.held.get(msg.req)
+        held = self.held.get(msg.req)
+        offer = None if held is None else select_blocks(held, msg.block_ids)
         try:
             if offer is None:
                 raise TransportError("offer vanished")
@@ -469,7 +473,7 @@ class NixlTransport(Transport):
             left = deadline - trio.current_time()
             lease_ms = 0 if math.isinf(left) else max(1, int((left + DRAIN_TIMEOUT_S) * 1000))
             known = self._remote[address].name if address in self._remote else ""
-            pull = wire.Pull(src.req, agent.name, known, lease_ms)
+            pull = wire.Pull(src.req, agent.name, known, lease_ms, list(src.block_ids))
             await sock.send_multipart([wire.encode(pull)])
             msg = wire.decode_to_consumer((await sock.recv_multipart())[0])
             if isinstance(msg, wire.Refused):
@@ -493,8 +497,10 @@ class NixlTransport(Transport):
                 if self._stale.get(peer.name) is peer and not peer.users:
                     del self._stale[peer.name]
                     self._retire(agent, peer)
-            if not drained and peer is not None and self._remote.get(address) is peer:
-                self._forget(agent, address)  # not a newer agent another pull added
+            if not drained and peer is not None:
+                peer.broken = True  # never taken back: re-added once its last pull ended
+                if self._remote.get(address) is peer:  # not a newer one another pull added
+                    self._forget(agent, address)
             answer: wire.ToProducer | None = None
             if ok:
                 answer = wire.Read(src.req)
@@ -513,8 +519,13 @@ class NixlTransport(Transport):
         cached = self._remote.get(address)
         if cached is not None and cached.name == msg.agent:  # concurrent first pulls too
             return cached
-        if msg.agent in self._stale:  # forgotten, but still added: take it back
-            self._forget(agent, address)
+        if msg.agent in self._stale:  # forgotten, but still added
+            if self._stale[msg.agent].broken:
+                raise TransportError(
+                    f"a READ from {address} failed; its NIXL agent is re-added once the "
+                    "pulls still using it end"
+                )
+            self._forget(agent, address)  # take it back
             remote = self._remote[address] = self._stale.pop(msg.agent)
             return remote
         if not msg.metadata or msg.regions is None:  # we forgot it while it answered
@@ -630,7 +641,7 @@ class NixlTransport(Transport):
 
         # Layer by layer (layer 0 lands, and attention can start, early), or all layers
         # in one READ when nobody waits on single layers (an asynchronous P/D pull).
-        step = 1 if job.layerwise else job.num_layers
+        step = 1 if job.layerwise else max(1, job.num_layers)
         groups = [range(i, min(i + step, job.num_layers)) for i in range(0, job.num_layers, step)]
         posted: list[list[Any]] = []
 
@@ -721,6 +732,8 @@ class _Remote:
     memory: str
     users: int = 0
     """Pulls reading with this agent right now."""
+    broken: bool = False
+    """A READ with it could not be drained: forget it, never take it back."""
 
 
 def _release(handle: Any) -> bool:

@@ -3,7 +3,7 @@
 A pull is one DEALER->ROUTER conversation on the side channel, plus one NIXL
 notification for the data path:
 
-    consumer -> producer   Pull(req, agent, known, lease_ms)
+    consumer -> producer   Pull(req, agent, known, lease_ms, block_ids)
     producer -> consumer   Blocks(req, agent, metadata, block_ids, token_counts, memory,
                            regions)
                            (or Refused(req, reason))
@@ -27,7 +27,7 @@ import msgspec
 from kvflow.layout import LayerGeometry
 from kvflow.zmqio import decode_frame
 
-WIRE_VERSION = 2
+WIRE_VERSION = 3
 MAX_TO_PRODUCER_BYTES = 64 << 10
 """Pull / Failed / notifications: small, fixed-shape frames."""
 MAX_TO_CONSUMER_BYTES = 64 << 20
@@ -43,6 +43,8 @@ class Pull(msgspec.Struct, tag=True, frozen=True):
     """The producer agent the consumer already added (its metadata is not resent)."""
     lease_ms: int = 0
     """The consumer stops reading within this many ms (0: unknown; the producer caps it)."""
+    block_ids: list[int] = []
+    """The offered blocks this consumer wants (it may have a prefix already); [] all."""
     version: int = WIRE_VERSION
 
 

@@ -17,7 +17,7 @@ import zmq
 
 from kvflow.keys import ChunkKey
 from kvflow.layout import KVLayout, LayoutError
-from kvflow.peer import HeldOffers
+from kvflow.peer import HeldOffers, select_blocks
 from kvflow.transport import (
     Capabilities,
     ChunkCorrupt,
@@ -118,6 +118,9 @@ class ZmqTransport(Transport):
                     continue
                 why = "wire version" if msg.version != wire.WIRE_VERSION else ""
                 offer = None if why else self.held.get(msg.req)
+                if offer is not None:
+                    offer = select_blocks(offer, msg.block_ids)
+                    why = "" if offer else f"blocks {msg.block_ids} are not all offered"
                 why = why or self.held.claim(msg.req, ident)
                 if why or offer is None:
                     await self._reply(router, ident, wire.Refused(msg.req, why))
@@ -210,7 +213,7 @@ class ZmqTransport(Transport):
         try:
             sock.sock.connect(address)
             pulled = trio.current_time()  # a lease can start no earlier than this
-            await sock.send_multipart([wire.encode(wire.Pull(src.req))])
+            await sock.send_multipart([wire.encode(wire.Pull(src.req, list(src.block_ids)))])
             for layer in range(job.num_layers):
                 frames: list[Any] = await sock.recv_multipart(copy=False)
                 msg = wire.decode_to_consumer(frames[0].buffer)

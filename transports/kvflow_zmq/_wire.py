@@ -2,7 +2,7 @@
 
 A pull is one DEALER->ROUTER conversation:
 
-    consumer -> producer   Pull(req)
+    consumer -> producer   Pull(req, block_ids)
     producer -> consumer   Layer(req, layer, sizes) + one raw frame per span, per layer
                            (host memory), or
                            Ipc(req, host, geometries, block_ids, handles) (CUDA memory:
@@ -20,12 +20,14 @@ from kvflow.zmqio import decode_frame
 
 from ._ipc import IpcHandle
 
-WIRE_VERSION = 1
+WIRE_VERSION = 2
 MAX_CONTROL_BYTES = 1 << 20
 
 
 class Pull(msgspec.Struct, tag=True, frozen=True):
     req: str
+    block_ids: list[int] = []
+    """The offered blocks this consumer wants (it may have a prefix already); [] all."""
     version: int = WIRE_VERSION
 
 
