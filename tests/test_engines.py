@@ -37,6 +37,7 @@ from kvflow.events import (
 from kvflow.keys import ChunkKey, Fingerprint, chunk_keys
 from kvflow.layout import KVLayout, LayoutError
 from kvflow.metadata import LoadSpec, SaveSpec, WorkerPlan, decode_plan, encode_plan
+from kvflow.pd import PD_VERSION, PdParams
 from kvflow.runtime import Runtime
 from kvflow.scheduler import ScheduledRequest, SchedulerEngine
 from kvflow.testing.layouts import fill_blocks, make_layout
@@ -769,3 +770,27 @@ def test_a_device_cache_is_refused_by_a_host_only_peer_transport(
 ) -> None:
     with pytest.raises(LayoutError, match="moves cpu memory only \\(peer transports are not"):
         start_engine("a", device=True, worker_transport=HostOnlyPeer)
+
+
+def test_a_pd_consumer_with_a_cached_prefix_pulls_only_the_rest(
+    start_engine: Callable[..., Engine],
+) -> None:
+    """vLLM's prefix cache already computed the first block: the load (and the pull it
+    asks the producer for) covers the other blocks only."""
+    e = start_engine("pd")
+    sched = SchedulerEngine(
+        config=KVFlowConfig(),
+        transport=e.sched.transport,
+        runtime=e.sched.runtime,
+        bus=e.sched.bus,
+        namespace=e.namespace,
+        block_size=BS,
+        can_pull=True,
+    )
+    pd = PdParams(PD_VERSION, "producer", ["tcp://p:1"], "p-req", [10, 11, 12], len(PROMPT))
+    sched.add_request("r", PROMPT, pd=pd)
+    assert sched.lookup("r", BS) == len(PROMPT) - BS
+    sched.allocated("r", [5, 6, 7], len(PROMPT) - BS)
+    (load,) = sched.plan([]).loads
+    assert (load.block_ids, load.token_counts) == ([6, 7], COUNTS[1:])
+    assert load.source is not None and load.source.block_ids == [11, 12]
