@@ -225,10 +225,9 @@ class KVLayout:
     def ranges(self, layer: int, block_id: int, num_tokens: int) -> list[tuple[int, int]]:
         """(byte offset, length) of each run holding the first `num_tokens` tokens of
         `block_id` in `layer`, relative to the layer's buffer."""
-        g = self.geometries[layer]
-        if not 0 <= block_id < g.num_blocks or not 0 < num_tokens <= self.block_size:
+        if not 0 < num_tokens <= self.block_size:  # the geometry checks the block id
             raise LayoutError(f"block {block_id} / {num_tokens} tokens out of range")
-        return g.ranges(block_id, num_tokens)
+        return self.geometries[layer].ranges(block_id, num_tokens)
 
     def spans(self, layer: int, block_id: int, num_tokens: int) -> list[memoryview]:
         """The runs holding the first `num_tokens` tokens of `block_id` in `layer`."""

@@ -279,6 +279,15 @@ class Runtime:
                         log.exception("kvflow runtime %r: closer %r failed", self.name, closer)
 
 
+async def poll_until(done: Callable[[], bool]) -> None:
+    """Wait for a condition only polling can see (a CUDA event): backoff from 20 us to
+    1 ms, never blocking the loop."""
+    delay = 2e-5
+    while not done():
+        await trio.sleep(delay)
+        delay = min(delay * 2, 1e-3)
+
+
 def _name_of(fn: object) -> str:
     return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
 

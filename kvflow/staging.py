@@ -26,6 +26,7 @@ from typing import Any
 import trio
 
 from .layout import KVLayout, LayerGeometry
+from .runtime import poll_until
 
 __all__ = ["HostStage", "block_views", "event_done", "mark"]
 
@@ -42,12 +43,10 @@ def block_views(flat: Any, g: LayerGeometry) -> list[Any]:
 
 
 async def event_done(event: Any) -> None:
-    """Wait for a CUDA event from trio: completion is poll-only, so poll with a backoff
-    (20 us to 1 ms), never blocking the loop. None: nothing to wait for."""
-    delay = 2e-5
-    while event is not None and not event.query():
-        await trio.sleep(delay)
-        delay = min(delay * 2, 1e-3)
+    """Wait for a CUDA event from trio (completion is poll-only); None: nothing to wait
+    for."""
+    if event is not None:
+        await poll_until(event.query)
 
 
 def mark(layout: KVLayout) -> Any:

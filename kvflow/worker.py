@@ -38,7 +38,7 @@ from .events import (
 )
 from .layout import KVLayout, LayoutError
 from .metadata import LoadSpec, OfferSpec, SaveSpec, WorkerPlan
-from .runtime import Runtime
+from .runtime import Runtime, poll_until
 from .staging import HostStage, event_done, mark
 from .transport import LoadJob, Offer, SaveJob, Transport, TransportError
 
@@ -106,10 +106,8 @@ class _Step:
     async def wait_computed(self, layer: int) -> None:
         await self.computed[layer].wait()
         ready = self.ready[layer]
-        delay = 20e-6
-        while ready is not None and not ready():
-            await trio.sleep(delay)
-            delay = min(delay * 2, 1e-3)
+        if ready is not None:
+            await poll_until(ready)
 
 
 class WorkerEngine:
