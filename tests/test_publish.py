@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import statistics
 import subprocess
 import sys
 import threading
@@ -231,19 +230,17 @@ def test_publisher_side_drops_are_counted_and_carried_in_the_next_message(
     assert pub.dropped == 8
 
 
-def _emit_cost(rt: Runtime, bus: EventBus, n: int) -> float:
-    """Seconds per `bus.emit`, timed on the runtime's thread, median of 5 rounds."""
+def _emit_burst(rt: Runtime, bus: EventBus, n: int) -> None:
+    """`n` events emitted back to back on the runtime's thread."""
     ev = TransferDone(
         req="cmpl-3f2a9c-0", direction="save", chunks=8, nbytes=1 << 22, elapsed_s=0.01
     )
 
-    async def burst() -> float:
-        t0 = time.perf_counter()
+    async def burst() -> None:
         for _ in range(n):
             bus.emit(ev)
-        return (time.perf_counter() - t0) / n
 
-    return statistics.median(rt.call(burst, timeout=60) for _ in range(5))
+    rt.call(burst, timeout=60)
 
 
 class Reader(threading.Thread):
@@ -255,17 +252,21 @@ class Reader(threading.Thread):
         self.received = 0
         self.stop = threading.Event()
         self.first = threading.Event()
+        self.last_req = ""
+        self.got_marker = threading.Event()
 
     def run(self) -> None:
         while not self.stop.is_set():
             if self.sock.poll(20):
                 while True:
                     try:
-                        self.sock.recv(zmq.NOBLOCK)
+                        msg = self.sock.recv(zmq.NOBLOCK)
                     except zmq.Again:
                         break
                     self.received += 1
                     self.first.set()
+                    if decode_envelope(msg).event.req == "marker":
+                        self.got_marker.set()
         self.sock.close(linger=0)
 
     def join_publisher(self, rt: Runtime, bus: EventBus) -> None:
@@ -275,35 +276,33 @@ class Reader(threading.Thread):
             rt.submit(bus.emit, probe())
 
 
-def test_a_stalled_reader_does_not_slow_emitting_and_its_misses_are_counted(
+def test_a_stalled_reader_does_not_hold_up_the_others_and_its_misses_are_counted(
     make_runtime: MakeRuntime, rdir: Path, ctx: zmq.Context[Any]
 ) -> None:
+    # What emitting costs (with and without readers) is measured, not asserted:
+    # `python bench/bench_publish.py`, figures in docs/inspect.md.
     n = 20_000  # per round; > SNDHWM + RCVHWM, so the stalled reader's queue overflows
     rt = make_runtime("stall")
     bus = EventBus(Origin("e", "worker"))
-    cost = {"no publisher": _emit_cost(rt, bus, n)}
     pub = start_publisher(rt, bus, directory=rdir)
     assert pub is not None
-    cost["publisher, no reader"] = _emit_cost(rt, bus, n)
     reader = Reader(pub.endpoint, ctx)
     reader.start()
     try:
         reader.join_publisher(rt, bus)
-        cost["one reader keeping up"] = _emit_cost(rt, bus, n)
         stalled = open_subscriber(pub.endpoint, ctx, rcvhwm=1000)  # never read during bursts
         join(rt, bus, stalled)
-        cost["plus a stalled reader"] = _emit_cost(rt, bus, n)
+        for _ in range(5):
+            _emit_burst(rt, bus, n)
+        # the stalled reader's queues are full: delivery to the live one goes on
+        # (re-sent: a live reader that fell behind a burst may itself miss one)
+        deadline = time.monotonic() + WAIT
+        while not reader.got_marker.wait(0.05):
+            assert time.monotonic() < deadline, "the live reader was held up by the stalled one"
+            rt.submit(bus.emit, TransferFailed(req="marker", direction="load", reason="x"))
     finally:
         reader.stop.set()
         reader.join(WAIT)
-    print("\nemit cost per event: " + ", ".join(f"{k} {v * 1e6:.2f} us" for k, v in cost.items()))
-    assert cost["publisher, no reader"] < 2 * cost["no publisher"] + 1e-6  # a flag check
-    assert cost["one reader keeping up"] < 50e-6
-    # the stalled reader costs the others nothing
-    assert cost["plus a stalled reader"] < 1.5 * cost["one reader keeping up"] + 2e-6
-    # the stalled reader does not hold up delivery to the live one (which, on a loaded
-    # machine, may itself fall behind a burst: that is the drop path, counted below)
-    assert reader.received > 2 * n
     assert pub.dropped == 0  # PUB drops per subscriber, never at the publisher
 
     # what the stalled reader finally reads: what fitted in its queues, then a gap

@@ -6,7 +6,6 @@ import functools
 import logging
 import os
 import signal
-import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -347,23 +346,13 @@ def test_forked_child_gets_a_fresh_loop(make_runtime: MakeRuntime) -> None:
 # -- cost ------------------------------------------------------------------
 
 
-def test_submit_cost(make_runtime: MakeRuntime) -> None:
-    rt = make_runtime("cost")
+def test_submits_run_in_order_once_each(make_runtime: MakeRuntime) -> None:
+    # what a submit costs vLLM's thread is measured in bench/bench_publish.py
+    rt = make_runtime("order")
     rt.start()
-    count = [0]
-
-    def tick() -> None:
-        count[0] += 1
-
-    samples = []
+    seen: list[int] = []
     n = 5000
-    for _ in range(n):
-        t0 = time.perf_counter_ns()
-        rt.submit(tick)
-        samples.append(time.perf_counter_ns() - t0)
-    rt.call(answer, timeout=WAIT)  # FIFO: every tick has run before this answers
-    assert count[0] == n
-    median_us = statistics.median(samples) / 1000
-    p99_us = statistics.quantiles(samples, n=100)[98] / 1000
-    print(f"\nRuntime.submit: median {median_us:.2f} us, p99 {p99_us:.2f} us over {n} calls")
-    assert median_us < 200.0
+    for i in range(n):
+        rt.submit(seen.append, i)
+    rt.call(answer, timeout=WAIT)  # FIFO: every submit has run before this answers
+    assert seen == list(range(n))

@@ -56,7 +56,45 @@ def model_dir(name: str) -> str:
     out = default_cache_dir() / "models" / f"{name}-{tag}"
     if not (out / "model.safetensors").exists():
         _write_weights(out, config)
+    if not (out / "tokenizer.json").exists():
+        _write_tokenizer(out, config["vocab_size"])
     return str(out)
+
+
+def _write_tokenizer(out: Path, vocab_size: int) -> None:
+    """A byte-level BPE over `vocab_size` ids (0-2: <unk>, <s>, </s>), so vLLM's OpenAI
+    server (which needs a tokenizer) serves the model. Trained on a fixed corpus: any
+    text encodes, and the same text gives the same ids in every process."""
+    import random
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    rng = random.Random(0)
+    words = [
+        "".join(rng.choice("etaoinshrdlucmfwypvbgk") for _ in range(rng.randrange(2, 9)))
+        for _ in range(3000)
+    ]
+    corpus = [" ".join(rng.choice(words) for _ in range(40)) + "." for _ in range(400)]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<unk>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    )
+    tmp = out / f"tokenizer.tmp{os.getpid()}"
+    fast.save_pretrained(str(tmp))
+    # tokenizer.json last: its presence says the tokenizer is complete
+    for f in sorted(tmp.iterdir(), key=lambda f: f.name == "tokenizer.json"):
+        os.replace(f, out / f.name)
+    tmp.rmdir()
 
 
 _WEIGHTS_RECIPE = "normal(0,0.05) seed=0 norms=1"
