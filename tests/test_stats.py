@@ -105,7 +105,7 @@ def test_prometheus_metrics_observe_histograms_and_counters() -> None:
     }
     config: Any = SimpleNamespace(kv_transfer_config=None)
     prom = KVFlowConnector.build_prom_metrics(config, types, ["engine"], {0: ["0"]})
-    data = {**stats.empty(), "hit_tokens": 96, "timeouts": 1, "failures": 1}
+    data = {**stats.empty(), "hit_tokens": 96, "timeouts": 1, "failures": 1, "load_tokens": 150}
     data["transfers"] = [["load", 4 * MB, 1.0, 1.02], ["send", MB, 2.0, 2.5]]
     prom.observe(data, 0)
     get = registry.get_sample_value
@@ -114,4 +114,6 @@ def test_prometheus_metrics_observe_histograms_and_counters() -> None:
     assert get("vllm:kvflow_transfer_seconds_sum", load) == pytest.approx(0.02)
     assert get("vllm:kvflow_transfer_bytes_sum", {"engine": "0", "direction": "send"}) == MB
     assert get("vllm:kvflow_hit_tokens_total", {"engine": "0"}) == 96
+    assert get("vllm:kvflow_tokens_total", load) == 150  # a P/D pull is no lookup hit
+    assert get("vllm:kvflow_tokens_total", {"engine": "0", "direction": "send"}) == 0
     assert get("vllm:kvflow_timeouts_total", {"engine": "0"}) == 1

@@ -1,4 +1,4 @@
-"""The `kvflow` command: `demo`, `transports`, `new-transport`, `inspect`."""
+"""The `kvflow` command: `demo`, `proxy`, `transports`, `new-transport`, `inspect`."""
 
 from __future__ import annotations
 
@@ -50,6 +50,12 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     )
 
 
+def _cmd_proxy(args: argparse.Namespace) -> int:
+    from kvflow_vllm.proxy import run
+
+    return run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvflow", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -70,6 +76,15 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--prompt-len", type=int, default=1000)
     d.add_argument("--max-tokens", type=int, default=16)
     d.set_defaults(fn=_cmd_demo)
+    x = sub.add_parser(
+        "proxy",
+        help="a prefill/decode proxy following vLLM's convention, between OpenAI servers",
+    )
+    x.add_argument("--prefill", nargs="+", required=True, help="prefill server base URL(s)")
+    x.add_argument("--decode", nargs="+", required=True, help="decode server base URL(s)")
+    x.add_argument("--host", default="127.0.0.1")
+    x.add_argument("--port", type=int, default=8000)
+    x.set_defaults(fn=_cmd_proxy)
     from .scaffold import add_parser as add_scaffold_parser
 
     add_scaffold_parser(sub)

@@ -9,6 +9,7 @@ vLLM's contract requires an answer now.
 from __future__ import annotations
 
 import logging
+import os
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -32,6 +33,7 @@ from kvflow.layout import (
     geometry_from_strides,
 )
 from kvflow.metadata import WorkerPlan, decode_plan, encode_plan
+from kvflow.neighbours import pinned_neighbours
 from kvflow.pd import PdParamsError, parse_pd_params
 from kvflow.publish import start_publisher
 from kvflow.runtime import Runtime
@@ -400,6 +402,18 @@ class KVFlowConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         layout = layout_from_tensors(kv_caches, self._num_blocks, self.block_size)
         self.worker.register(layout)
+        for reg, shared in pinned_neighbours(self.engine_id):
+            log.warning(
+                "kvflow: this worker (pid %d) and engine %s's worker (pid %d) on this host "
+                "are both pinned to CPU cores %s. vLLM's CPU workers busy-wait for their next "
+                "step, so the two starve each other: steps stall, and P/D pulls between them "
+                "wait tens of seconds. Give each instance its own cores with "
+                "VLLM_CPU_OMP_THREADS_BIND (e.g. '0' for one, '1' for the other).",
+                os.getpid(),
+                reg.engine,
+                reg.pid,
+                sorted(shared),
+            )
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)

@@ -93,6 +93,14 @@ class KVFlowPromMetrics(KVConnectorPromMetrics):
                 labelnames=labels,
             )
         )
+        self.tokens = per_direction(
+            counter(
+                name="vllm:kvflow_tokens",
+                documentation="Prompt tokens kvflow moved: loaded (from a store or a P/D "
+                "producer), saved, sent to a P/D consumer",
+                labelnames=labels,
+            )
+        )
         self.counters: dict[str, dict[int, Any]] = {
             key: create_metric_per_engine(
                 counter(name=f"vllm:kvflow_{key}", documentation=doc, labelnames=labelnames),
@@ -105,6 +113,9 @@ class KVFlowPromMetrics(KVConnectorPromMetrics):
         for direction, nbytes, start, end in transfer_stats_data.get("transfers", []):
             self.seconds[engine_idx][direction].observe(end - start)
             self.nbytes[engine_idx][direction].observe(nbytes)
+        for direction in stats.DIRECTIONS:
+            if value := transfer_stats_data.get(f"{direction}_tokens", 0):
+                self.tokens[engine_idx][direction].inc(value)
         for key, per_engine in self.counters.items():
             if value := transfer_stats_data.get(key, 0):
                 per_engine[engine_idx].inc(value)

@@ -1,0 +1,183 @@
+"""A prefill/decode proxy that follows vLLM's convention (`kvflow proxy`).
+
+What vLLM's own disaggregation proxies do, in a few dozen lines of the standard
+library: each completion request goes first to a prefill server with
+`max_tokens=1` and `kv_transfer_params={"do_remote_decode": true, ...}` (the other
+fields vLLM's proxies send as null), then to a decode server with the
+`kv_transfer_params` the prefill returned, as they came. The decode server's
+answer (streamed or not) is passed through; a client that disconnects closes the
+decode request, which vLLM aborts. Servers are used round robin.
+
+Nothing here is kvflow-specific: it drives any connector that follows the
+convention. It imports no vLLM.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import logging
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Sequence
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+__all__ = ["PREFILL_PARAMS", "PdProxy", "prefill_request"]
+
+log = logging.getLogger("kvflow.proxy")
+
+PREFILL_PARAMS: dict[str, Any] = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+"""What vLLM's proxies put in the prefill request's `kv_transfer_params`."""
+
+PATHS = ("/v1/completions", "/v1/chat/completions")
+
+
+def prefill_request(body: dict[str, Any]) -> dict[str, Any]:
+    """The prefill server's copy of a client request: one token, no stream."""
+    pre = dict(body, max_tokens=1, stream=False, kv_transfer_params=dict(PREFILL_PARAMS))
+    pre.pop("stream_options", None)
+    if "max_completion_tokens" in pre:
+        pre["max_completion_tokens"] = 1
+    return pre
+
+
+class PdProxy:
+    """`prefill` and `decode` are base URLs (`http://127.0.0.1:8100`)."""
+
+    def __init__(
+        self,
+        prefill: Sequence[str],
+        decode: Sequence[str],
+        host: str = "127.0.0.1",
+        port: int = 0,
+        timeout_s: float = 600.0,
+    ) -> None:
+        if not prefill or not decode:
+            raise ValueError("a P/D proxy needs at least one prefill and one decode server")
+        self.timeout_s = timeout_s
+        self._prefill = itertools.cycle([u.rstrip("/") for u in prefill])
+        self._decode = itertools.cycle([u.rstrip("/") for u in decode])
+        self._next_lock = threading.Lock()
+        self.httpd = ThreadingHTTPServer((host, port), self._handler())
+        self.httpd.daemon_threads = True
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        host, port = self.httpd.server_address[:2]
+        return f"http://{host!s}:{port}"
+
+    def start(self) -> PdProxy:
+        """Serve in a background thread."""
+        self._thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self._thread.start()
+        return self
+
+    def serve_forever(self) -> None:
+        self.httpd.serve_forever()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+    def _servers(self) -> tuple[str, str]:
+        with self._next_lock:
+            return next(self._prefill), next(self._decode)
+
+    def _handler(self) -> type[BaseHTTPRequestHandler]:
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, format: str, *args: Any) -> None:
+                log.debug(format, *args)
+
+            def do_POST(self) -> None:
+                if self.path not in PATHS:
+                    self._reply(404, {"error": f"the proxy serves {', '.join(PATHS)}"})
+                    return
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+                prefill, decode = proxy._servers()
+                try:
+                    with _post(prefill + self.path, prefill_request(body), proxy.timeout_s) as r:
+                        done = json.loads(r.read())
+                except urllib.error.HTTPError as exc:
+                    self._reply(exc.code, _error_body(exc, "prefill"))
+                    return
+                except OSError as exc:
+                    self._reply(502, {"error": f"prefill server {prefill}: {exc}"})
+                    return
+                body["kv_transfer_params"] = done.get("kv_transfer_params")
+                try:
+                    upstream = _post(decode + self.path, body, proxy.timeout_s)
+                except urllib.error.HTTPError as exc:
+                    self._reply(exc.code, _error_body(exc, "decode"))
+                    return
+                except OSError as exc:
+                    self._reply(502, {"error": f"decode server {decode}: {exc}"})
+                    return
+                with upstream:  # closing it early (client gone) makes vLLM abort the request
+                    self.send_response(upstream.status)
+                    self.send_header("Content-Type", upstream.headers.get("Content-Type", ""))
+                    self.send_header("Transfer-Encoding", "chunked")
+                    self.end_headers()
+                    try:
+                        for chunk in _chunks(upstream):
+                            self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                            self.wfile.flush()
+                        self.wfile.write(b"0\r\n\r\n")
+                    except (BrokenPipeError, ConnectionResetError):
+                        log.info("kvflow proxy: client went away; aborting the decode request")
+
+            def do_GET(self) -> None:
+                self._reply(200 if self.path == "/health" else 404, {})
+
+            def _reply(self, code: int, payload: dict[str, Any]) -> None:
+                data = json.dumps(payload).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        return Handler
+
+
+def _post(url: str, body: dict[str, Any], timeout: float) -> Any:
+    req = urllib.request.Request(
+        url, json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    return urllib.request.urlopen(req, timeout=timeout)
+
+
+def _chunks(resp: Any) -> Iterator[bytes]:
+    while chunk := resp.read1(1 << 16):
+        yield chunk
+
+
+def _error_body(exc: urllib.error.HTTPError, which: str) -> dict[str, Any]:
+    try:
+        payload: dict[str, Any] = json.loads(exc.read())
+    except ValueError:
+        payload = {"error": str(exc)}
+    payload.setdefault("kvflow_proxy", f"the {which} server answered {exc.code}")
+    return payload
+
+
+def run(args: Any) -> int:
+    proxy = PdProxy(args.prefill, args.decode, args.host, args.port)
+    print(f"kvflow proxy on {proxy.url}: prefill {args.prefill}, decode {args.decode}", flush=True)
+    with contextlib.suppress(KeyboardInterrupt):
+        proxy.serve_forever()
+    return 0

@@ -1,0 +1,150 @@
+"""Prefill/decode through vLLM's OpenAI server, as a user runs it.
+
+Two `python -m vllm.entrypoints.openai.api_server` processes on this host, each in
+its own session (as a supervisor or two terminals start them) and, on vLLM's CPU
+build, on its own core; kvflow's proxy between them follows vLLM's convention. zmq
+runs with the *same* `--kv-transfer-config` (`kv_both`) on both servers, nixl with
+`kv_producer` / `kv_consumer`; both with `kv_load_failure_policy: fail`, so a pull
+that fails is a request error here, never a silent recompute.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+
+from kvflow_vllm.apiserver import ApiServer
+from kvflow_vllm.proxy import PdProxy
+
+pytestmark = pytest.mark.engine
+
+_rng = random.Random(23)
+
+
+def _prompt(n: int) -> list[int]:
+    return [_rng.randrange(3, 1000) for _ in range(n)]
+
+
+def _config(transport: str, role: str) -> dict[str, Any]:
+    return {
+        "kv_connector": "KVFlowConnector",
+        "kv_role": role,
+        "kv_load_failure_policy": "fail",
+        "kv_connector_extra_config": {"transport": transport},
+    }
+
+
+class PD:
+    def __init__(self, prefill: ApiServer, decode: ApiServer, proxy: PdProxy) -> None:
+        self.prefill, self.decode, self.proxy = prefill, decode, proxy
+
+    def reference(self, prompt: list[int], max_tokens: int = 8) -> dict[str, Any]:
+        """One server doing everything (the prefill server, asked plainly)."""
+        return self.prefill.completion(prompt, max_tokens)
+
+    def ask(self, prompt: list[int], max_tokens: int = 8) -> dict[str, Any]:
+        return self.decode.completion(prompt, max_tokens, url=self.proxy.url)
+
+
+@pytest.fixture(
+    scope="module",
+    params=[("zmq", "kv_both", "kv_both"), ("nixl", "kv_producer", "kv_consumer")],
+    ids=["zmq-kv_both", "nixl-producer-consumer"],
+)
+def pd(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PD]:
+    transport, p_role, d_role = request.param
+    if transport == "nixl":
+        pytest.importorskip("nixl_cu12", reason="NIXL is an optional extra: kvflow[nixl]")
+    tmp = tmp_path_factory.mktemp(f"serve-pd-{transport}")
+    prefill = ApiServer(tmp, "prefill", _config(transport, p_role), cores="0")
+    decode = ApiServer(tmp, "decode", _config(transport, d_role), cores="1")
+    proxy = None
+    try:
+        prefill.wait_ready()
+        decode.wait_ready()
+        proxy = PdProxy([prefill.url], [decode.url]).start()
+        yield PD(prefill, decode, proxy)
+    finally:
+        if proxy is not None:
+            proxy.close()
+        prefill.close()
+        decode.close()
+
+
+def assert_same(got: dict[str, Any], want: dict[str, Any], what: str) -> None:
+    assert "choices" in got, f"{what}: the request failed: {got}"
+    g, w = got["choices"][0], want["choices"][0]
+    assert g["text"] == w["text"], f"{what}: {g['text']!r} != one server's {w['text']!r}"
+    lg, lw = g["logprobs"]["token_logprobs"], w["logprobs"]["token_logprobs"]
+    worst = max(abs(a - b) for a, b in zip(lg, lw, strict=True))
+    assert worst <= 2e-3, f"{what}: log-probabilities differ by {worst:.2e}"
+
+
+def _loaded(server: ApiServer) -> tuple[float, float, float]:
+    """(kvflow's loaded tokens, vLLM's external-transfer tokens, vLLM's local cache hits)."""
+    m = server.metrics()
+    return (
+        m.get('vllm:kvflow_tokens_total{direction="load"}', 0.0),
+        m.get('vllm:prompt_tokens_by_source_total{source="external_kv_transfer"}', 0.0),
+        m.get('vllm:prompt_tokens_by_source_total{source="local_cache_hit"}', 0.0),
+    )
+
+
+def _loaded_since(server: ApiServer, before: tuple[float, ...]) -> tuple[float, ...]:
+    """What `_loaded` grew by, once kvflow's stats (reported a step after the load) agree
+    with vLLM's count of external tokens, or after 30 s with whatever they say then."""
+    deadline = time.monotonic() + 30
+    while True:
+        delta = tuple(a - b for a, b in zip(_loaded(server), before, strict=True))
+        if delta[0] == delta[1] or time.monotonic() > deadline:
+            return delta
+        time.sleep(0.2)  # polls another process's metrics endpoint
+
+
+def test_one_request_at_a_time_with_the_prefill_server_idle_between(pd: PD) -> None:
+    # shorter than a block (32), a few blocks, a partial last block
+    for n in (10, 150, 301):
+        prompt = _prompt(n)
+        want = pd.reference(prompt)
+        before = _loaded(pd.decode)
+        got = pd.ask(prompt)
+        assert_same(got, want, f"a {n}-token prompt through P/D")
+        pulled, external, _ = _loaded_since(pd.decode, before)
+        assert pulled == external == n, f"{n} prompt tokens: pulled {pulled}, vLLM {external}"
+
+
+def test_a_prefix_already_in_the_decode_servers_cache_is_not_pulled_again(pd: PD) -> None:
+    first = _prompt(128)  # four whole blocks
+    assert_same(pd.ask(first), pd.reference(first), "the first prompt")
+    longer = first + _prompt(90)
+    want = pd.reference(longer)
+    before = _loaded(pd.decode)
+    assert_same(pd.ask(longer), want, "a prompt whose first blocks the decode server holds")
+    pulled, external, local = _loaded_since(pd.decode, before)
+    assert local == 128, "the decode server's own prefix cache supplied the first blocks"
+    assert pulled == external == len(longer) - 128, (pulled, external, local)
+
+
+def test_sixteen_concurrent_requests(pd: PD) -> None:
+    prompts = [_prompt(40 + 23 * i) for i in range(16)]
+    want = [pd.reference(p) for p in prompts]
+    with ThreadPoolExecutor(16) as ex:
+        got = list(ex.map(pd.ask, prompts))
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert_same(g, w, f"concurrent request {i}")
+
+
+def test_no_pull_failed_or_timed_out(pd: PD) -> None:
+    m = pd.decode.metrics()
+    assert m.get('vllm:kvflow_tokens_total{direction="load"}', 0) > 0
+    assert m.get("vllm:kvflow_failures_total", 0) == 0, m
+    assert m.get("vllm:kvflow_timeouts_total", 0) == 0, m
+    log = pd.decode.log_text()
+    assert "kvflow load of" not in log, "a load failed: " + log[-3000:]
+    assert "pinned to CPU cores" not in log  # each server on its own core: no clash reported
+    assert pd.prefill.metrics().get("vllm:kvflow_failures_total", 0) == 0
