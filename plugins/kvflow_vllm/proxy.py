@@ -109,23 +109,13 @@ class PdProxy:
                     return
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
                 prefill, decode = proxy._servers()
-                try:
-                    with _post(prefill + self.path, prefill_request(body), proxy.timeout_s) as r:
-                        done = json.loads(r.read())
-                except urllib.error.HTTPError as exc:
-                    self._reply(exc.code, _error_body(exc, "prefill"))
+                answer = self._upstream("prefill", prefill, prefill_request(body))
+                if answer is None:
                     return
-                except OSError as exc:
-                    self._reply(502, {"error": f"prefill server {prefill}: {exc}"})
-                    return
-                body["kv_transfer_params"] = done.get("kv_transfer_params")
-                try:
-                    upstream = _post(decode + self.path, body, proxy.timeout_s)
-                except urllib.error.HTTPError as exc:
-                    self._reply(exc.code, _error_body(exc, "decode"))
-                    return
-                except OSError as exc:
-                    self._reply(502, {"error": f"decode server {decode}: {exc}"})
+                with answer:
+                    body["kv_transfer_params"] = json.loads(answer.read()).get("kv_transfer_params")
+                upstream = self._upstream("decode", decode, body)
+                if upstream is None:
                     return
                 with upstream:  # closing it early (client gone) makes vLLM abort the request
                     self.send_response(upstream.status)
@@ -139,6 +129,16 @@ class PdProxy:
                         self.wfile.write(b"0\r\n\r\n")
                     except (BrokenPipeError, ConnectionResetError):
                         log.info("kvflow proxy: client went away; aborting the decode request")
+
+            def _upstream(self, which: str, base: str, body: dict[str, Any]) -> Any:
+                """POST `body` to a server; on failure answer the client and return None."""
+                try:
+                    return _post(base + self.path, body, proxy.timeout_s)
+                except urllib.error.HTTPError as exc:
+                    self._reply(exc.code, _error_body(exc, which))
+                except OSError as exc:
+                    self._reply(502, {"error": f"{which} server {base}: {exc}"})
+                return None
 
             def do_GET(self) -> None:
                 self._reply(200 if self.path == "/health" else 404, {})
