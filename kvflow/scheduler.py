@@ -88,6 +88,7 @@ class SchedulerEngine:
         can_pull: bool = False,
         can_offer: bool = False,
         engine_id: str = "",
+        num_shards: int = 1,
     ) -> None:
         self.config = config
         self.transport = transport
@@ -100,6 +101,8 @@ class SchedulerEngine:
         self.can_pull = can_pull
         self.can_offer = can_offer
         self.engine_id = engine_id
+        self.num_shards = num_shards
+        """This engine's worker shards (tensor x pipeline parallel ranks)."""
         self.peer_addresses: list[str] = []
         """This engine's worker endpoints by shard, learned from the workers' handshake."""
         self._offers: list[OfferSpec] = []
@@ -116,6 +119,17 @@ class SchedulerEngine:
         """Key a new request's prompt (once; keys are reused by lookups and saves)."""
         if req in self._reqs:
             return
+        if pd is not None and self.can_pull and len(pd.addresses) != self.num_shards:
+            log.error(
+                "kvflow: request %s: producer %s runs %d worker shard(s), this consumer %d; "
+                "kvflow pulls between equal tensor x pipeline parallel shapes only: "
+                "computing its prompt here",
+                req,
+                pd.engine_id,
+                len(pd.addresses),
+                self.num_shards,
+            )
+            pd = None
         if pd is not None and self.can_pull:
             n = min(pd.num_tokens, len(token_ids))
             counts = chunk_token_counts(n, self.block_size)[: len(pd.block_ids)]

@@ -95,6 +95,18 @@ class TransportContext:
     """The registered KV memory (workers only)."""
     extra: dict[str, Any] = field(default_factory=dict)
 
+    def peer_address(self, src: PeerSource) -> str:
+        """The producer endpoint serving this worker's shard; a `TransportError` if the
+        producer has another number of shards (another tensor/pipeline parallel shape)."""
+        if len(src.addresses) != len(self.shards):
+            raise TransportError(
+                f"producer {src.engine_id} runs {len(src.addresses)} worker shard(s), this "
+                f"consumer {len(self.shards)} ({', '.join(self.shards)}); kvflow pulls "
+                "between equal tensor x pipeline parallel shapes only",
+                chunk=0,
+            )
+        return src.addresses[self.shards.index(self.shard)]
+
 
 @dataclass
 class SaveJob:

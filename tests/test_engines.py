@@ -41,7 +41,15 @@ from kvflow.pd import PD_VERSION, PdParams
 from kvflow.runtime import Runtime
 from kvflow.scheduler import ScheduledRequest, SchedulerEngine
 from kvflow.testing.layouts import fill_blocks, make_layout
-from kvflow.transport import Capabilities, LoadJob, SaveJob, Transport, TransportContext
+from kvflow.transport import (
+    Capabilities,
+    LoadJob,
+    PeerSource,
+    SaveJob,
+    Transport,
+    TransportContext,
+    TransportError,
+)
 from kvflow.worker import WorkerEngine
 from kvflow_fs import FsOptions, FsTransport
 
@@ -794,3 +802,34 @@ def test_a_pd_consumer_with_a_cached_prefix_pulls_only_the_rest(
     (load,) = sched.plan([]).loads
     assert (load.block_ids, load.token_counts) == ([6, 7], COUNTS[1:])
     assert load.source is not None and load.source.block_ids == [11, 12]
+
+
+def test_a_pd_producer_with_another_parallel_shape_is_refused_naming_both(
+    start_engine: Callable[..., Engine], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A TP=1 producer and a TP=2 consumer: the prompt is computed here, never pulled
+    shard-crossed (each rank holds other heads)."""
+    e = start_engine("tp")
+    sched = SchedulerEngine(
+        config=KVFlowConfig(),
+        transport=e.sched.transport,
+        runtime=e.sched.runtime,
+        bus=e.sched.bus,
+        namespace=e.namespace,
+        block_size=BS,
+        can_pull=True,
+        num_shards=2,
+    )
+    pd = PdParams(PD_VERSION, "producer", ["tcp://p:1"], "p-req", [10, 11, 12], len(PROMPT))
+    sched.add_request("r", PROMPT, pd=pd)
+    assert not sched.is_remote("r")
+    assert "runs 1 worker shard(s), this consumer 2" in caplog.text
+
+
+def test_a_worker_refuses_a_pull_from_another_number_of_shards() -> None:
+    ctx = TransportContext("e", "worker", "ns", "tp1of2pp0", ["tp0of2pp0", "tp1of2pp0"])
+    assert ctx.peer_address(PeerSource("p", ["a", "b"], "r", [1])) == "b"
+    with pytest.raises(
+        TransportError, match=r"producer p runs 1 worker shard\(s\), this consumer 2"
+    ):
+        ctx.peer_address(PeerSource("p", ["a"], "r", [1]))

@@ -270,6 +270,7 @@ class KVFlowConnector(KVConnectorBase_V1):
                 can_pull=consumes and caps.peer,
                 can_offer=produces and caps.peer,
                 engine_id=self.engine_id,
+                num_shards=len(ctx.shards),
             )
         else:
             self._worker = WorkerEngine(

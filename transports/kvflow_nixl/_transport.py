@@ -461,7 +461,7 @@ class NixlTransport(Transport):
         if src is None:
             raise TransportError("a nixl load needs a PeerSource (kv_transfer_params)")
         agent = self._require_agent()
-        address = src.addresses[self.context.shards.index(self.context.shard)]
+        address = self.context.peer_address(src)
         sock = TrioSocket(self._zmq.socket(zmq.DEALER))
         xfers: list[Any] = []
         dlists: list[Any] = []

@@ -207,9 +207,9 @@ class ZmqTransport(Transport):
         src = job.source
         if src is None:
             raise TransportError("a zmq load needs a PeerSource (kv_transfer_params)")
+        address = self.context.peer_address(src)
         sock = TrioSocket(self._zmq.socket(zmq.DEALER))
         ok = refused = False
-        address = src.addresses[self.context.shards.index(self.context.shard)]
         try:
             sock.sock.connect(address)
             pulled = trio.current_time()  # a lease can start no earlier than this
