@@ -51,11 +51,11 @@ def test_pd_demo_pulls_every_prompt_and_matches_one_engine() -> None:
     )
     out = proc.stdout
     assert proc.returncode == 0, out + proc.stderr[-3000:]
-    assert "proxy: producer answered do_remote_prefill from ['tcp://127.0.0.1:" in out, out
+    assert "kvflow proxy http://127.0.0.1:" in out and "decode http://127.0.0.1:" in out, out
     rows = [line for line in out.splitlines() if line.startswith("│")]
     assert len(rows) == 2, out
     for row in rows:
         cells = [c.strip() for c in row.strip("│").split("│")]
-        assert cells[0] == cells[1] == "200", f"the consumer pulled every prompt token: {row}"
-        assert cells[-1] == "yes", f"consumer tokens identical to one engine's: {row}"
+        assert cells[0] == cells[1] == "200", f"the decode server pulled every token: {row}"
+        assert cells[-1] == "yes", f"text identical to one server's: {row}"
     assert "result: OK" in out

@@ -3,9 +3,10 @@
 - `kvflow demo`: one engine cold, restarted, warm from kvflow's `fs` cache.
   Each engine runs in its own process (`python -m kvflow_vllm.engine`), so the
   warm run shares nothing with the cold one but the cache directory.
-- `kvflow demo --pd`: prefill/decode disaggregation. A producer engine
-  prefills, a consumer engine pulls the KV over a peer transport (`zmq`) and
-  decodes; the demo plays vLLM's disaggregation proxy between them.
+- `kvflow demo --pd`: prefill/decode disaggregation as it is served: two
+  OpenAI-compatible vLLM servers with the same kvflow configuration and
+  `kvflow proxy` between them; the decode server pulls each prompt's KV from the
+  prefill server over a peer transport (`zmq`, `nixl`).
 
 Prompts are fresh random token ids every run, so nothing is warm by accident.
 """
@@ -14,14 +15,17 @@ from __future__ import annotations
 
 import random
 import tempfile
+import time
 from pathlib import Path
+from typing import Any
 
 from kvflow.config import default_cache_dir
 from kvflow.eventlog import read_event_log
 from kvflow.events import Event, LoadStarted, TransferDone, TransferFailed
 
+from .apiserver import ApiServer
 from .engine import EngineFailed, Scenario, spawn_engine
-from .serving import ServingEngine
+from .proxy import PdProxy
 
 __all__ = ["run_demo", "run_pd_demo"]
 
@@ -122,65 +126,102 @@ def _print_table(
 
 
 def run_pd_demo(*, transport: str, num_prompts: int, prompt_len: int, max_tokens: int) -> int:
+    """Two OpenAI servers with the same kvflow configuration and `kvflow proxy` between
+    them, as a deployment runs them; each prompt is also asked of one server alone."""
+    from vllm.platforms import current_platform
+
     prompts = _prompts(num_prompts, prompt_len)
     print(f"kvflow demo --pd: {num_prompts} prompts x {prompt_len} tokens over `{transport}`")
+    config = {
+        "kv_connector": "KVFlowConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"transport": transport},
+    }
+    cpu = current_platform.is_cpu()
+    # CPU build: each server its own cores (docs/transports.md); GPU: both share one GPU
+    extra = () if cpu else ("--gpu-memory-utilization", "0.35")
     rows: list[tuple[int, int, float, float, float, float, bool]] = []
     with tempfile.TemporaryDirectory(prefix="kvflow-demo-pd-") as t:
         tmp = Path(t)
-
-        def engine(name: str, role: str) -> ServingEngine:
-            extra = {"transport": transport, "event_log": str(tmp / f"{name}.events.jsonl")}
-            return ServingEngine(tmp, name, kv_role=role, extra_config=extra)
-
-        print("  starting a producer and a consumer engine (two vLLM processes) ...", flush=True)
-        producer, consumer = engine("producer", "kv_producer"), engine("consumer", "kv_consumer")
+        print("  starting a prefill and a decode server (vllm.entrypoints.openai.api_server) ...")
+        servers = [
+            ApiServer(tmp, name, config, *extra, cores=str(i) if cpu else None)
+            for i, name in enumerate(("prefill", "decode"))
+        ]
+        prefill, decode = servers
+        proxy = None
         try:
-            producer.wait_ready()
-            consumer.wait_ready()
+            for server in servers:
+                server.wait_ready()
+            proxy = PdProxy([prefill.url], [decode.url]).start()
+            print(f"  kvflow proxy {proxy.url}: prefill {prefill.url}, decode {decode.url}")
             for p in prompts:
-                single = producer.ask(p, max_tokens)  # one engine doing everything
-                prefill = producer.ask(p, 1, {"do_remote_decode": True})
-                params = prefill.kv_transfer_params or {}
-                if not rows:
-                    where = params.get("kvflow", {}).get("addresses")
-                    print(f"  proxy: producer answered do_remote_prefill from {where}")
-                decoded = consumer.ask(p, max_tokens, params)
-                ev = _by_request(read_event_log(str(tmp / "consumer.events.jsonl")))
-                ev_req = ev.get(decoded.request_id, [])
-                for e in ev_req:
-                    if isinstance(e, TransferFailed):
-                        print(f"  request {decoded.request_id}: pull failed: {e.reason}")
-                pulled = sum(e.tokens for e in ev_req if isinstance(e, LoadStarted))
-                done = [e for e in ev_req if isinstance(e, TransferDone)]
-                nbytes = sum(e.nbytes for e in done)
-                secs = sum(e.elapsed_s for e in done)
+                t0 = time.perf_counter()
+                single = prefill.completion(p, max_tokens)  # one server doing everything
+                t1 = time.perf_counter()
+                before = decode.metrics()
+                t2 = time.perf_counter()
+                pd = decode.completion(p, max_tokens, url=proxy.url)
+                t3 = time.perf_counter()
+                moved = _settled_load(decode, before)
                 rows.append(
                     (
                         len(p),
-                        pulled,
-                        single.ttft_s * 1e3,
-                        decoded.ttft_s * 1e3,
-                        nbytes / 2**20,
-                        nbytes / secs / 1e9 if secs else 0.0,
-                        decoded.tokens == single.tokens and not decoded.error,
+                        int(moved["tokens"]),
+                        (t1 - t0) * 1e3,
+                        (t3 - t2) * 1e3,
+                        moved["bytes"] / 2**20,
+                        moved["bytes"] / moved["seconds"] / 1e9 if moved["seconds"] else 0.0,
+                        _text(pd) == _text(single) and _text(pd) is not None,
                     )
                 )
+            if "kvflow load of" in decode.log_text():
+                print("  the decode server reported a failed load: see its log")
         except (TimeoutError, RuntimeError) as exc:
             print(f"kvflow demo --pd failed: {exc}")
             return 1
         finally:
-            producer.close()
-            consumer.close()
+            if proxy is not None:
+                proxy.close()
+            for server in servers:
+                server.close()
     _print_table(
         rows,
-        "kvflow demo --pd: one engine vs producer prefill + consumer decode",
-        ("prompt tok", "pulled tok", "TTFT single ms", "TTFT consumer ms", "MiB", "pull GB/s"),
+        "kvflow demo --pd: one server vs prefill server + decode server through the proxy",
+        ("prompt tok", "pulled tok", "one server ms", "P/D ms", "MiB", "pull GB/s"),
     )
     ok = all(r[-1] for r in rows) and all(r[1] > 0 for r in rows)
     print(
         "result:",
-        "OK - consumer tokens identical, its prompt KV pulled from the producer"
+        "OK - text identical to one server's, the prompt's KV pulled from the prefill server"
         if ok
         else "FAILED",
     )
     return 0 if ok else 1
+
+
+def _text(answer: dict[str, Any]) -> str | None:
+    choices = answer.get("choices")
+    return str(choices[0]["text"]) if choices else None
+
+
+LOAD = 'direction="load"'
+
+
+def _settled_load(server: ApiServer, before: dict[str, float]) -> dict[str, float]:
+    """Tokens, bytes and seconds the server loaded since `before`, once kvflow's stats
+    (reported a step after the load) are in its metrics (at most 30 s)."""
+    deadline = time.monotonic() + 30
+    while True:
+        m = server.metrics()
+        d = {}
+        for k, name in (
+            ("tokens", "tokens_total"),
+            ("bytes", "transfer_bytes_sum"),
+            ("seconds", "transfer_seconds_sum"),
+        ):
+            key = f"vllm:kvflow_{name}{{{LOAD}}}"
+            d[k] = m.get(key, 0.0) - before.get(key, 0.0)
+        if d["tokens"] > 0 or time.monotonic() > deadline:
+            return d
+        time.sleep(0.2)  # polls another process's metrics endpoint
