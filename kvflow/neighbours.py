@@ -24,7 +24,7 @@ def pinned_neighbours(
     """Workers of other engines pinned to some of this process's cores, with the shared
     cores. Empty when this process is not pinned (it may run on every core)."""
     cpus = os.sched_getaffinity(0) if own is None else own
-    everywhere = set(range(os.cpu_count() or 1))
+    everywhere = _host_cpus()
     if cpus >= everywhere:
         return []
     found = []
@@ -38,3 +38,11 @@ def pinned_neighbours(
         if theirs < everywhere and (shared := cpus & theirs):
             found.append((reg, shared))
     return found
+
+
+def _host_cpus() -> set[int]:
+    """The cores processes here may use unpinned: init's (a container's cpuset)."""
+    try:
+        return os.sched_getaffinity(1)
+    except OSError:
+        return set(range(os.cpu_count() or 1))
