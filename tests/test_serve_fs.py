@@ -26,7 +26,7 @@ from kvflow_vllm.apiserver import ApiServer
 
 from .test_serve_pd import assert_same
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 _rng = random.Random(5)
 PROMPTS = [[_rng.randrange(3, 1000) for _ in range(100 + 37 * i)] for i in range(16)]

@@ -20,7 +20,7 @@ from kvflow.events import LoadStarted, TransferDone
 
 from .e2e import ServingEngine, assert_same_generation, events_for, run_engine
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 _rng = random.Random(17)
 PROMPTS = [[_rng.randrange(3, 1000) for _ in range(n)] for n in (150, 75, 200)]
