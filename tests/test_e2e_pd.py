@@ -37,7 +37,11 @@ HOLD_S = 6.0
 LOAD_S = {"consumer": 10.0, "strict": 5.0}
 
 
-@pytest.fixture(scope="module", params=["zmq", "nixl"])
+@pytest.fixture(
+    scope="module",
+    # nixl's serving path runs by default in test_serve_pd; its failure paths here are slow
+    params=["zmq", pytest.param("nixl", marks=pytest.mark.slow)],
+)
 def engines(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[ServingEngine, ...]]:

@@ -98,3 +98,14 @@ def test_another_parallel_shape_is_refused_naming_both_and_computed_here(
     shards = {"tp1": 1, "tp2a": 2, "tp2b": 2}
     message = f"runs {shards[producer]} worker shard(s), this consumer {shards[consumer]}"
     assert message in d.log.read_text(errors="replace")
+
+
+def test_engines_pinned_to_the_same_cores_are_warned_about(engines: dict[str, object]) -> None:
+    """The two TP=2 engines both pin rank 0 to core 0 and rank 1 to core 1: the worker
+    that registered last saw the others' records and says so, naming the fix."""
+    logs = [
+        e.log.read_text(errors="replace") for e in engines.values() if isinstance(e, ServingEngine)
+    ]
+    warned = [log for log in logs if "are both pinned to CPU cores" in log]
+    assert warned, "no engine reported sharing cores with another"
+    assert "VLLM_CPU_OMP_THREADS_BIND" in warned[0]
