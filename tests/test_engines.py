@@ -780,13 +780,9 @@ def test_a_device_cache_is_refused_by_a_host_only_peer_transport(
         start_engine("a", device=True, worker_transport=HostOnlyPeer)
 
 
-def test_a_pd_consumer_with_a_cached_prefix_pulls_only_the_rest(
-    start_engine: Callable[..., Engine],
-) -> None:
-    """vLLM's prefix cache already computed the first block: the load (and the pull it
-    asks the producer for) covers the other blocks only."""
-    e = start_engine("pd")
-    sched = SchedulerEngine(
+def _pd_consumer(e: Engine, num_shards: int = 1) -> SchedulerEngine:
+    """A P/D consumer's scheduler side on `e`'s runtime and transport."""
+    return SchedulerEngine(
         config=KVFlowConfig(),
         transport=e.sched.transport,
         runtime=e.sched.runtime,
@@ -794,7 +790,16 @@ def test_a_pd_consumer_with_a_cached_prefix_pulls_only_the_rest(
         namespace=e.namespace,
         block_size=BS,
         can_pull=True,
+        num_shards=num_shards,
     )
+
+
+def test_a_pd_consumer_with_a_cached_prefix_pulls_only_the_rest(
+    start_engine: Callable[..., Engine],
+) -> None:
+    """vLLM's prefix cache already computed the first block: the load (and the pull it
+    asks the producer for) covers the other blocks only."""
+    sched = _pd_consumer(start_engine("pd"))
     pd = PdParams(PD_VERSION, "producer", ["tcp://p:1"], "p-req", [10, 11, 12], len(PROMPT))
     sched.add_request("r", PROMPT, pd=pd)
     assert sched.lookup("r", BS) == len(PROMPT) - BS
@@ -809,17 +814,7 @@ def test_a_pd_producer_with_another_parallel_shape_is_refused_naming_both(
 ) -> None:
     """A TP=1 producer and a TP=2 consumer: the prompt is computed here, never pulled
     shard-crossed (each rank holds other heads)."""
-    e = start_engine("tp")
-    sched = SchedulerEngine(
-        config=KVFlowConfig(),
-        transport=e.sched.transport,
-        runtime=e.sched.runtime,
-        bus=e.sched.bus,
-        namespace=e.namespace,
-        block_size=BS,
-        can_pull=True,
-        num_shards=2,
-    )
+    sched = _pd_consumer(start_engine("tp"), num_shards=2)
     pd = PdParams(PD_VERSION, "producer", ["tcp://p:1"], "p-req", [10, 11, 12], len(PROMPT))
     sched.add_request("r", PROMPT, pd=pd)
     assert not sched.is_remote("r")
