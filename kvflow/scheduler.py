@@ -28,7 +28,7 @@ from .keys import ChunkKey, chunk_keys, chunk_token_counts
 from .metadata import LoadSpec, OfferSpec, SaveSpec, WorkerPlan
 from .pd import PD_VERSION, PdParams, consumer_params
 from .runtime import Runtime
-from .transport import PeerSource, Transport
+from .transport import PeerSource, Transport, shard_mismatch
 
 __all__ = ["ScheduledRequest", "SchedulerEngine"]
 
@@ -120,15 +120,8 @@ class SchedulerEngine:
         if req in self._reqs:
             return
         if pd is not None and self.can_pull and len(pd.addresses) != self.num_shards:
-            log.error(
-                "kvflow: request %s: producer %s runs %d worker shard(s), this consumer %d; "
-                "kvflow pulls between equal tensor x pipeline parallel shapes only: "
-                "computing its prompt here",
-                req,
-                pd.engine_id,
-                len(pd.addresses),
-                self.num_shards,
-            )
+            why = shard_mismatch(pd.engine_id, len(pd.addresses), self.num_shards)
+            log.error("kvflow: request %s: %s: computing its prompt here", req, why)
             pd = None
         if pd is not None and self.can_pull:
             n = min(pd.num_tokens, len(token_ids))

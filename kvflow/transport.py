@@ -40,6 +40,7 @@ __all__ = [
     "TransportNotFound",
     "available_transports",
     "load_transport",
+    "shard_mismatch",
 ]
 
 ENTRY_POINT_GROUP = "kvflow.transports"
@@ -100,12 +101,17 @@ class TransportContext:
         producer has another number of shards (another tensor/pipeline parallel shape)."""
         if len(src.addresses) != len(self.shards):
             raise TransportError(
-                f"producer {src.engine_id} runs {len(src.addresses)} worker shard(s), this "
-                f"consumer {len(self.shards)} ({', '.join(self.shards)}); kvflow pulls "
-                "between equal tensor x pipeline parallel shapes only",
-                chunk=0,
+                shard_mismatch(src.engine_id, len(src.addresses), len(self.shards)), chunk=0
             )
         return src.addresses[self.shards.index(self.shard)]
+
+
+def shard_mismatch(producer: str, theirs: int, ours: int) -> str:
+    """Why a consumer does not pull from a producer of another parallel shape."""
+    return (
+        f"producer {producer} runs {theirs} worker shard(s), this consumer {ours}; kvflow "
+        "pulls between equal tensor x pipeline parallel shapes only"
+    )
 
 
 @dataclass

@@ -14,7 +14,6 @@ from __future__ import annotations
 import http.client
 import json
 import random
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -62,13 +61,12 @@ def restarted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ApiSer
 
 def _wait_idle(server: ApiServer, timeout: float = 60) -> dict[str, float]:
     """Metrics once vLLM runs nothing and holds no block, or after `timeout` as they are."""
-    deadline = time.monotonic() + timeout
-    while True:
-        m = server.metrics()
-        idle = m.get("vllm:num_requests_running", 0) == 0
-        if (idle and m.get("vllm:kv_cache_usage_perc", 1) == 0) or time.monotonic() > deadline:
-            return m
-        time.sleep(0.2)  # polls another process's metrics endpoint
+    return server.metrics_once(
+        lambda m: (
+            m.get("vllm:num_requests_running", 0) == 0 and m.get("vllm:kv_cache_usage_perc", 1) == 0
+        ),
+        timeout,
+    )
 
 
 def test_a_restarted_server_serves_the_prompts_from_the_store(

@@ -11,7 +11,6 @@ that fails is a request error here, never a silent recompute.
 from __future__ import annotations
 
 import random
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -85,9 +84,8 @@ def assert_same(got: dict[str, Any], want: dict[str, Any], what: str) -> None:
     assert worst <= 2e-3, f"{what}: log-probabilities differ by {worst:.2e}"
 
 
-def _loaded(server: ApiServer) -> tuple[float, float, float]:
+def _loaded(m: dict[str, float]) -> tuple[float, float, float]:
     """(kvflow's loaded tokens, vLLM's external-transfer tokens, vLLM's local cache hits)."""
-    m = server.metrics()
     return (
         m.get('vllm:kvflow_tokens_total{direction="load"}', 0.0),
         m.get('vllm:prompt_tokens_by_source_total{source="external_kv_transfer"}', 0.0),
@@ -98,12 +96,11 @@ def _loaded(server: ApiServer) -> tuple[float, float, float]:
 def _loaded_since(server: ApiServer, before: tuple[float, ...]) -> tuple[float, ...]:
     """What `_loaded` grew by, once kvflow's stats (reported a step after the load) agree
     with vLLM's count of external tokens, or after 30 s with whatever they say then."""
-    deadline = time.monotonic() + 30
-    while True:
-        delta = tuple(a - b for a, b in zip(_loaded(server), before, strict=True))
-        if delta[0] == delta[1] or time.monotonic() > deadline:
-            return delta
-        time.sleep(0.2)  # polls another process's metrics endpoint
+
+    def delta(m: dict[str, float]) -> tuple[float, ...]:
+        return tuple(a - b for a, b in zip(_loaded(m), before, strict=True))
+
+    return delta(server.metrics_once(lambda m: delta(m)[0] == delta(m)[1]))
 
 
 def test_one_request_at_a_time_with_the_prefill_server_idle_between(pd: PD) -> None:
@@ -111,7 +108,7 @@ def test_one_request_at_a_time_with_the_prefill_server_idle_between(pd: PD) -> N
     for n in (10, 150, 301):
         prompt = _prompt(n)
         want = pd.reference(prompt)
-        before = _loaded(pd.decode)
+        before = _loaded(pd.decode.metrics())
         got = pd.ask(prompt)
         assert_same(got, want, f"a {n}-token prompt through P/D")
         pulled, external, _ = _loaded_since(pd.decode, before)
@@ -123,7 +120,7 @@ def test_a_prefix_already_in_the_decode_servers_cache_is_not_pulled_again(pd: PD
     assert_same(pd.ask(first), pd.reference(first), "the first prompt")
     longer = first + _prompt(90)
     want = pd.reference(longer)
-    before = _loaded(pd.decode)
+    before = _loaded(pd.decode.metrics())
     assert_same(pd.ask(longer), want, "a prompt whose first blocks the decode server holds")
     pulled, external, local = _loaded_since(pd.decode, before)
     assert local == 128, "the decode server's own prefix cache supplied the first blocks"

@@ -20,8 +20,11 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from .proxy import open_post
 
 __all__ = ["ApiServer", "free_port", "server_command"]
 
@@ -72,7 +75,6 @@ class ApiServer:
         *extra: str,
         model: str | None = None,
         cores: str | None = None,
-        env: dict[str, str] | None = None,
     ) -> None:
         from .engine import tiny_model_dir
 
@@ -84,7 +86,6 @@ class ApiServer:
         environ = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", PYTHONUNBUFFERED="1")
         if cores is not None:
             environ["VLLM_CPU_OMP_THREADS_BIND"] = cores
-        environ.update(env or {})
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(
                 server_command(self.model, self.port, kv_transfer_config, *extra),
@@ -107,9 +108,6 @@ class ApiServer:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"server {self.name} not ready in {timeout}s") from None
                 time.sleep(0.5)  # polls another process's HTTP port
-
-    def post(self, path: str, body: dict[str, Any], timeout: float = 300) -> dict[str, Any]:
-        return post(self.url + path, body, timeout)
 
     def completion(
         self,
@@ -143,6 +141,16 @@ class ApiServer:
                 out[key] = out.get(key, 0.0) + float(value)
         return out
 
+    def metrics_once(
+        self, ready: Callable[[dict[str, float]], bool], timeout: float = 30
+    ) -> dict[str, float]:
+        """`metrics()` once `ready(metrics)` holds, or after `timeout` as they are then
+        (vLLM publishes a step's stats after the step, kvflow's a step after a transfer)."""
+        deadline = time.monotonic() + timeout
+        while not ready(m := self.metrics()) and time.monotonic() < deadline:
+            time.sleep(0.2)  # polls another process's metrics endpoint
+        return m
+
     def log_text(self) -> str:
         return self.log.read_text(errors="replace")
 
@@ -159,11 +167,8 @@ class ApiServer:
 
 
 def post(url: str, body: dict[str, Any], timeout: float = 300) -> dict[str, Any]:
-    req = urllib.request.Request(
-        url, json.dumps(body).encode(), {"Content-Type": "application/json"}
-    )
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
+        with open_post(url, body, timeout) as r:
             result: dict[str, Any] = json.loads(r.read())
             return result
     except urllib.error.HTTPError as exc:

@@ -206,22 +206,15 @@ def _text(answer: dict[str, Any]) -> str | None:
 
 
 LOAD = 'direction="load"'
+MOVED = {"tokens": "tokens_total", "bytes": "transfer_bytes_sum", "seconds": "transfer_seconds_sum"}
 
 
 def _settled_load(server: ApiServer, before: dict[str, float]) -> dict[str, float]:
     """Tokens, bytes and seconds the server loaded since `before`, once kvflow's stats
     (reported a step after the load) are in its metrics (at most 30 s)."""
-    deadline = time.monotonic() + 30
-    while True:
-        m = server.metrics()
-        d = {}
-        for k, name in (
-            ("tokens", "tokens_total"),
-            ("bytes", "transfer_bytes_sum"),
-            ("seconds", "transfer_seconds_sum"),
-        ):
-            key = f"vllm:kvflow_{name}{{{LOAD}}}"
-            d[k] = m.get(key, 0.0) - before.get(key, 0.0)
-        if d["tokens"] > 0 or time.monotonic() > deadline:
-            return d
-        time.sleep(0.2)  # polls another process's metrics endpoint
+
+    def moved(m: dict[str, float]) -> dict[str, float]:
+        keys = {k: f"vllm:kvflow_{name}{{{LOAD}}}" for k, name in MOVED.items()}
+        return {k: m.get(key, 0.0) - before.get(key, 0.0) for k, key in keys.items()}
+
+    return moved(server.metrics_once(lambda m: moved(m)["tokens"] > 0))
