@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import urllib.error
 import urllib.request
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -38,6 +40,31 @@ def test_a_dead_prefill_server_is_a_clear_502_naming_it() -> None:
         assert f"prefill server {dead}" in json.loads(err.value.read())["error"]
     finally:
         proxy.close()
+
+
+def test_a_burst_of_clients_is_answered_not_reset() -> None:
+    """64 clients connecting at once (socketserver's backlog of 5 reset some of them)."""
+    dead = f"http://127.0.0.1:{free_port()}"
+    proxy = PdProxy([dead], [dead]).start()
+
+    def ask(_: int) -> int | str:
+        req = urllib.request.Request(
+            proxy.url + "/v1/completions", b'{"prompt": "hi"}', {"Content-Type": "application/json"}
+        )
+        try:
+            urllib.request.urlopen(req, timeout=60)
+        except urllib.error.HTTPError as exc:
+            return exc.code
+        except OSError as exc:
+            return type(exc).__name__
+        return 200
+
+    try:
+        with ThreadPoolExecutor(64) as ex:
+            answers = list(ex.map(ask, range(256)))
+    finally:
+        proxy.close()
+    assert answers == [502] * 256, Counter(answers)
 
 
 def test_a_proxy_needs_both_kinds_of_server() -> None:

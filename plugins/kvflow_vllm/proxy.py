@@ -25,7 +25,7 @@ from collections.abc import Iterator, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-__all__ = ["PREFILL_PARAMS", "PdProxy", "prefill_request"]
+__all__ = ["PREFILL_PARAMS", "PdProxy", "open_post", "prefill_request"]
 
 log = logging.getLogger("kvflow.proxy")
 
@@ -68,8 +68,7 @@ class PdProxy:
         self._prefill = itertools.cycle([u.rstrip("/") for u in prefill])
         self._decode = itertools.cycle([u.rstrip("/") for u in decode])
         self._next_lock = threading.Lock()
-        self.httpd = ThreadingHTTPServer((host, port), self._handler())
-        self.httpd.daemon_threads = True
+        self.httpd = _Server((host, port), self._handler())
         self._thread: threading.Thread | None = None
 
     @property
@@ -133,7 +132,7 @@ class PdProxy:
             def _upstream(self, which: str, base: str, body: dict[str, Any]) -> Any:
                 """POST `body` to a server; on failure answer the client and return None."""
                 try:
-                    return _post(base + self.path, body, proxy.timeout_s)
+                    return open_post(base + self.path, body, proxy.timeout_s)
                 except urllib.error.HTTPError as exc:
                     self._reply(exc.code, _error_body(exc, which))
                 except OSError as exc:
@@ -154,7 +153,15 @@ class PdProxy:
         return Handler
 
 
-def _post(url: str, body: dict[str, Any], timeout: float) -> Any:
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 1024
+    """The listen backlog (socketserver's default is 5: a burst of clients connecting at
+    once was reset)."""
+
+
+def open_post(url: str, body: dict[str, Any], timeout: float) -> Any:
+    """POST `body` as JSON; the open response (an `HTTPError` for an error status)."""
     req = urllib.request.Request(
         url, json.dumps(body).encode(), {"Content-Type": "application/json"}
     )
