@@ -5,8 +5,9 @@ device-to-device copy of the same blocks, in the same run.
     python bench/bench_cuda_ipc.py --quick    # a few seconds; what the test suite runs
 
 A producer process (CUDA IPC handles do not open in the process that exported
-them) registers FlashAttention-shaped KV caches (`[2, blocks, 16, 8, 128]`
-float16 per layer: 64 KiB per block and layer, Llama-3-8B's geometry) with a
+them) registers KV caches laid out as vLLM lays out FlashAttention's default (LBNHC,
+logical `[blocks, 8 heads, 16 tokens, 256]` float16 per layer: 64 KiB per block and
+layer, Llama-3-8B's geometry) with a
 `zmq` transport and offers the same blocks once per request; this process, the
 consumer, pulls each request into other blocks of its own caches and checks
 every byte. The baseline is what the pull does at best: `index_copy_` of the
@@ -30,7 +31,8 @@ from typing import Any
 import torch
 import trio
 
-from kvflow.layout import KVLayout, geometry_from_strides
+from kvflow.layout import KVLayout
+from kvflow.testing.layouts import device_layout
 from kvflow.transport import LoadJob, Offer, PeerSource, TransportContext
 from kvflow_zmq import ZmqOptions, ZmqTransport
 
@@ -38,30 +40,17 @@ BLOCK, HEADS, HEAD_DIM = 16, 8, 128
 
 
 def make_layout(layers: int, blocks: int, seed: int) -> tuple[KVLayout, list[torch.Tensor]]:
-    """FlashAttention-shaped caches filled from `seed`, and the tensors themselves."""
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    caches = [
-        torch.randn(2, blocks, BLOCK, HEADS, HEAD_DIM, generator=gen, device="cuda").half()
-        for _ in range(layers)
-    ]
-    geos = [
-        geometry_from_strides(
-            list(t.shape), list(t.stride()), t.element_size(), block_dim=1, token_dim=2
-        )
-        for t in caches
-    ]
-    flat = [
-        torch.empty(0, dtype=torch.uint8, device="cuda").set_(t.untyped_storage()) for t in caches
-    ]
-    layout = KVLayout(
-        names=[f"layer{i}" for i in range(layers)],
-        geometries=geos,
-        buffers=[],
-        memory="cuda",
+    """Caches laid out as vLLM's FlashAttention default (LBNHC) filled from `seed`, and
+    their views."""
+    return device_layout(
+        "cuda",
+        num_layers=layers,
+        num_blocks=blocks,
         block_size=BLOCK,
-        tensors=flat,
+        heads=HEADS,
+        head_dim=HEAD_DIM,
+        seed=seed,
     )
-    return layout, caches
 
 
 def _context(layout: KVLayout) -> TransportContext:
@@ -93,13 +82,13 @@ def plain_copy_gbs(caches: list[torch.Tensor], src: list[int], dst: list[int]) -
     """Best of 5: the same blocks copied between two tensors of this process."""
     other = [c.clone() for c in caches]
     si, di = torch.tensor(src, device="cuda"), torch.tensor(dst, device="cuda")
-    nbytes = sum(c[:, 0].numel() * c.element_size() for c in caches) * len(src)
+    nbytes = sum(c[0].numel() * c.element_size() for c in caches) * len(src)
     best = float("inf")
     for _ in range(5):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         for c, o in zip(caches, other, strict=True):
-            o.index_copy_(1, di, c.index_select(1, si))
+            o.index_copy_(0, di, c.index_select(0, si))
         torch.cuda.synchronize()
         best = min(best, time.perf_counter() - t0)
     return nbytes / best / 1e9
@@ -152,8 +141,8 @@ def main() -> int:
             await t.load(job)
             torch.cuda.synchronize()
             secs.append(time.perf_counter() - t0)
-            got = [c[:, dst_ids] for c in caches]
-            want = [e[:, src_ids] for e in expected]
+            got = [c[dst_ids] for c in caches]
+            want = [e[src_ids] for e in expected]
             equal &= all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
             equal &= signalled == list(range(args.layers))
         await t.aclose()
@@ -161,7 +150,7 @@ def main() -> int:
     trio.run(consume)
     outcomes = parent.recv()
     proc.join(30)
-    nbytes = sum(c[:, 0].numel() * c.element_size() for c in caches) * half
+    nbytes = sum(c[0].numel() * c.element_size() for c in caches) * half
     ipc_gbs = nbytes / statistics.median(secs[1:] or secs) / 1e9  # the first pull opens handles
     plain = plain_copy_gbs(caches, src_ids, dst_ids)
     result: dict[str, Any] = {

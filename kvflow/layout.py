@@ -1,12 +1,19 @@
 """KV memory geometry as byte spans.
 
-A layer's paged KV buffer is some strided tensor with a block dimension and a
-token dimension (e.g. `[2, num_blocks, block_size, heads, head_dim]` for NHD,
-`[2, num_blocks, heads, block_size, head_dim]` for HND). Whatever the attention
-backend, the bytes of `n` tokens of one block are a few contiguous *runs*, one
-per *plane* (a K or V half, a head in HND). `LayerGeometry` records planes by
-byte offset and strides, so transports move `memoryview` spans and never learn
-backend shapes.
+vLLM describes a layer's paged KV cache as a logical `[blocks, heads, tokens,
+content]` view (`create_kv_cache_views`), laid out in memory in one of several
+orders (its `KVCacheLayout`: tokens inside heads for HND, heads inside tokens
+for NHD, with the layer and head dimensions inside or outside the blocks). One
+*cell*, a token of a head (its K and V content), is always contiguous. A
+manager block may be stored as several *kernel blocks* (vLLM's kernel block
+splitting: a block of 64 tokens as two of 32).
+
+`LayerGeometry` records exactly that description in bytes: the sizes and
+strides of the block, head, kernel-block and token dimensions and the cell
+size. From it follow the contiguous *runs* holding the first `n` tokens of a
+block, so transports move `memoryview` spans and never learn backend shapes.
+Dimensions are known by their position in vLLM's logical view, never guessed
+from their sizes.
 
 Some backends pack a block so that tokens are not separable (vLLM's CPU
 attention stores K transposed inside each block). Their geometry is
@@ -17,7 +24,7 @@ never read: vLLM overwrites them as it computes those positions).
 
 from __future__ import annotations
 
-import math
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,7 +36,7 @@ __all__ = [
     "LayerGeometry",
     "LayoutError",
     "block_geometry",
-    "geometry_from_strides",
+    "view_geometry",
 ]
 
 
@@ -37,28 +44,58 @@ class LayoutError(ValueError):
     """Registered KV memory that kvflow cannot describe as spans."""
 
 
-class LayerGeometry(msgspec.Struct, frozen=True):
-    """Where one layer's tokens live in its buffer, in bytes."""
+class LayerGeometry(msgspec.Struct, frozen=True, kw_only=True):
+    """Where one layer's tokens live in its buffer, in bytes (see the module text)."""
 
     num_blocks: int
     block_size: int
-    plane_offsets: tuple[int, ...]
+    """Tokens in a (manager) block; 0 when block-granular."""
     block_stride: int
-    token_bytes: int
-    """Contiguous bytes of one token in one plane (0 when block-granular)."""
+    heads: int = 1
+    head_stride: int = 0
+    token_stride: int = 0
+    cell_bytes: int = 0
+    """Contiguous bytes of one token of one head (0 when block-granular)."""
+    kernel_blocks: int = 1
+    """Kernel blocks a block is stored as (vLLM's kernel block splitting)."""
+    kernel_stride: int = 0
     block_bytes: int = 0
     """Non-zero for block-granular layouts: a block is one opaque run of this size."""
+
+    @property
+    def kernel_tokens(self) -> int:
+        return self.block_size // self.kernel_blocks
 
     def chunk_nbytes(self, num_tokens: int) -> int:
         """Bytes a chunk of `num_tokens` tokens occupies in this layer."""
         if self.block_bytes:
             return self.block_bytes
-        return num_tokens * len(self.plane_offsets) * self.token_bytes
+        return num_tokens * self.heads * self.cell_bytes
+
+    def order(self) -> tuple[str, ...]:
+        """The in-block dimensions from outermost to innermost in memory (those of size
+        above one): what, with the sizes, fixes where each cell of a block lies."""
+        dims = [
+            ("kernel", self.kernel_blocks, self.kernel_stride),
+            ("head", self.heads, self.head_stride),
+            ("token", self.kernel_tokens, self.token_stride),
+        ]
+        return tuple(name for name, n, s in sorted(dims, key=lambda d: -d[2]) if n > 1)
 
     def describe(self) -> str:
+        """Readable and stable (fingerprints, errors naming two layouts)."""
         if self.block_bytes:
             return f"block_bytes={self.block_bytes}"
-        return f"planes={len(self.plane_offsets)},token_bytes={self.token_bytes}"
+        order = [d for d in self.order() if d != "kernel"]
+        kinds: dict[tuple[str, ...], str] = {("head", "token"): "HND", ("token", "head"): "NHD"}
+        kind = "one head" if self.heads == 1 else kinds.get(tuple(order), ">".join(order))
+        kernel = f" in {self.kernel_blocks} kernel blocks" if self.kernel_blocks > 1 else ""
+        return f"{kind} block={self.block_size}{kernel} heads={self.heads} cell={self.cell_bytes}B"
+
+    def runs(self, num_tokens: int) -> tuple[tuple[int, int], ...]:
+        """(offset within a block, length) of the runs holding its first `num_tokens`
+        tokens, in memory order, neighbours merged (a dense block is one run)."""
+        return _runs(self, num_tokens)
 
     def ranges(self, block_id: int, num_tokens: int) -> list[tuple[int, int]]:
         """(byte offset, length) of each run holding the first `num_tokens` tokens of
@@ -66,10 +103,7 @@ class LayerGeometry(msgspec.Struct, frozen=True):
         if not 0 <= block_id < self.num_blocks:
             raise LayoutError(f"block {block_id} out of range (the layer has {self.num_blocks})")
         base = block_id * self.block_stride
-        if self.block_bytes:
-            return [(base, self.block_bytes)]
-        n = num_tokens * self.token_bytes
-        return [(base + off, n) for off in self.plane_offsets]
+        return [(base + off, n) for off, n in _runs(self, num_tokens)]
 
     def check_blocks(self, block_ids: Sequence[int], side: str) -> None:
         """Refuse out-of-range block ids on the host (on a device an out-of-range index
@@ -79,85 +113,123 @@ class LayerGeometry(msgspec.Struct, frozen=True):
                 f"{side} block ids {list(block_ids)} outside 0..{self.num_blocks - 1}"
             )
 
-    def block_shape(self) -> tuple[int, ...]:
-        """What must match for a block of one cache to be copied into a block of another:
-        everything but the number of blocks and where the planes start (NHD's V half
-        starts after all K blocks, so it moves with `num_blocks`). With one block the
-        K and V halves touch and merge into one run: a one-block cache matches no other."""
-        runs = [n for _, n in self.block_runs()]
-        return (self.block_size, self.token_bytes, self.block_bytes, len(self.plane_offsets), *runs)
+    def block_shape(self) -> tuple[Any, ...]:
+        """What must match for a block of one cache to be copied run by run into a block
+        of another: everything but the number of blocks and where the runs start (a
+        layout with heads outside the blocks has them a whole layer apart)."""
+        runs = tuple(n for _, n in self.block_runs())
+        return (
+            self.block_size,
+            self.heads,
+            self.cell_bytes,
+            self.kernel_blocks,
+            self.block_bytes,
+            self.order(),
+            runs,
+        )
 
     def block_runs(self) -> list[tuple[int, int]]:
-        """(offset within a block, length) of the runs of one whole block, neighbouring
-        planes merged (HND's heads of one K or V half are one run): what moves a full
-        block with the fewest descriptors."""
-        if self.block_bytes:
-            return [(0, self.block_bytes)]
-        runs: list[tuple[int, int]] = []
-        n = self.block_size * self.token_bytes
-        for off in sorted(self.plane_offsets):
-            if runs and sum(runs[-1]) == off:
-                runs[-1] = (runs[-1][0], runs[-1][1] + n)
-            else:
-                runs.append((off, n))
-        return runs
+        """(offset within a block, length) of the runs of one whole block: what moves a
+        full block with the fewest descriptors."""
+        return list(_runs(self, self.block_size))
 
 
-def geometry_from_strides(
-    shape: Sequence[int],
-    strides: Sequence[int],
-    itemsize: int,
-    *,
-    block_dim: int,
-    token_dim: int,
+@functools.lru_cache(maxsize=4096)
+def _runs(g: LayerGeometry, num_tokens: int) -> tuple[tuple[int, int], ...]:
+    if g.block_bytes:
+        return ((0, g.block_bytes),)
+    if not 0 < num_tokens <= g.block_size:
+        raise LayoutError(f"{num_tokens} tokens out of range (a block holds {g.block_size})")
+    cell, per_kernel = g.cell_bytes, g.kernel_tokens
+    pieces: list[tuple[int, int]] = []
+    for k in range(-(-num_tokens // per_kernel)):
+        m = min(per_kernel, num_tokens - k * per_kernel)
+        base = k * g.kernel_stride
+        (outer, n_outer), (inner, n_inner) = sorted(
+            [(g.head_stride, g.heads), (g.token_stride, m)], reverse=True
+        )
+        if n_inner == 1 or inner == cell:  # the inner dimension's cells touch
+            pieces += [(base + i * outer, n_inner * cell) for i in range(n_outer)]
+        else:
+            pieces += [
+                (base + i * outer + j * inner, cell) for i in range(n_outer) for j in range(n_inner)
+            ]
+    merged: list[tuple[int, int]] = []
+    for off, n in sorted(pieces):
+        if merged and sum(merged[-1]) == off:
+            merged[-1] = (merged[-1][0], merged[-1][1] + n)
+        else:
+            merged.append((off, n))
+    return tuple(merged)
+
+
+def _check_disjoint(dims: Sequence[tuple[int, int]], cell: int, what: str) -> None:
+    """Refuse (size, byte stride) dimensions whose cells would overlap."""
+    extent = cell
+    for n, stride in sorted((d for d in dims if d[0] > 1), key=lambda d: d[1]):
+        if stride < extent:
+            raise LayoutError(f"{what}: dimensions overlap (stride {stride} < {extent} bytes)")
+        extent = stride * (n - 1) + extent
+
+
+def view_geometry(
+    shape: Sequence[int], strides: Sequence[int], itemsize: int, num_blocks: int
 ) -> LayerGeometry:
-    """Describe a strided tensor whose `block_dim` indexes blocks and `token_dim` tokens.
-
-    Dimensions after `token_dim` must be dense (one token is one run); every
-    other dimension becomes a plane.
-    """
-    if not 0 <= block_dim < token_dim < len(shape):
-        raise LayoutError(f"need block_dim < token_dim in shape {tuple(shape)}")
-    inner = shape[token_dim + 1 :]
-    expect = itemsize
-    for size, stride in zip(reversed(inner), reversed(strides[token_dim + 1 :]), strict=True):
-        if size > 1 and stride * itemsize != expect:
-            raise LayoutError(f"token data is not contiguous in shape {tuple(shape)}")
-        expect *= size
-    token_bytes = itemsize * math.prod(inner)
-    if shape[token_dim] > 1 and strides[token_dim] * itemsize != token_bytes:
-        raise LayoutError(f"tokens of a block are not adjacent in shape {tuple(shape)}")
-    plane_dims = [d for d in range(token_dim) if d != block_dim]
-    offsets = [0]
-    for d in plane_dims:
-        offsets = [o + i * strides[d] * itemsize for o in offsets for i in range(shape[d])]
+    """Describe a layer from vLLM's logical view `[blocks, heads, tokens, content]`
+    (strides in elements), where `num_blocks` manager blocks may be split into
+    `shape[0] // num_blocks` kernel blocks of `shape[2]` tokens each."""
+    what = f"KV view {tuple(shape)} strides {tuple(strides)}"
+    if len(shape) != 4 or len(strides) != 4:
+        raise LayoutError(f"{what}: expected vLLM's [blocks, heads, tokens, content]")
+    kernel_blocks, heads, tokens, content = shape
+    if num_blocks < 1 or kernel_blocks % num_blocks:
+        raise LayoutError(
+            f"{what}: expected {num_blocks} blocks first (or a multiple: kernel blocks)"
+        )
+    if content > 1 and strides[3] != 1:
+        raise LayoutError(f"{what}: a token's content is not contiguous")
+    ratio = kernel_blocks // num_blocks
+    kstride, hstride, tstride = (s * itemsize for s in strides[:3])
+    cell = content * itemsize
+    dims = [(num_blocks, kstride * ratio), (ratio, kstride), (heads, hstride), (tokens, tstride)]
+    _check_disjoint(dims, cell, what)
     return LayerGeometry(
-        num_blocks=shape[block_dim],
-        block_size=shape[token_dim],
-        plane_offsets=tuple(offsets),
-        block_stride=strides[block_dim] * itemsize,
-        token_bytes=token_bytes,
+        num_blocks=num_blocks,
+        block_size=ratio * tokens,
+        block_stride=kstride * ratio,
+        heads=heads,
+        head_stride=hstride if heads > 1 else 0,
+        token_stride=tstride if tokens > 1 else 0,
+        cell_bytes=cell,
+        kernel_blocks=ratio,
+        kernel_stride=kstride if ratio > 1 else 0,
     )
 
 
 def block_geometry(
-    shape: Sequence[int], strides: Sequence[int], itemsize: int, *, block_dim: int = 0
+    shape: Sequence[int], strides: Sequence[int], itemsize: int, num_blocks: int | None = None
 ) -> LayerGeometry:
-    """Describe a tensor whose blocks (index `block_dim`) are each one dense run."""
-    if block_dim != 0:
-        raise LayoutError("block-granular layouts need the block dimension first")
+    """Describe a tensor whose blocks (dimension 0, `num_blocks` blocks, each stored as
+    `shape[0] // num_blocks` kernel blocks) are each one dense run."""
+    num_blocks = num_blocks or shape[0]
+    if shape[0] % num_blocks:
+        raise LayoutError(
+            f"shape {tuple(shape)}: expected {num_blocks} blocks first (or a multiple: "
+            "kernel blocks)"
+        )
     expect = itemsize
     for size, stride in zip(reversed(shape[1:]), reversed(strides[1:]), strict=True):
         if size > 1 and stride * itemsize != expect:
             raise LayoutError(f"blocks are not dense in shape {tuple(shape)}")
         expect *= size
+    ratio = shape[0] // num_blocks
+    if ratio > 1 and strides[0] * itemsize != expect:
+        raise LayoutError(f"kernel blocks of a block are not adjacent in shape {tuple(shape)}")
     return LayerGeometry(
-        num_blocks=shape[0],
+        num_blocks=num_blocks,
         block_size=0,
-        plane_offsets=(0,),
-        block_stride=strides[0] * itemsize,
-        token_bytes=0,
-        block_bytes=expect,
+        block_stride=strides[0] * itemsize * ratio,
+        block_bytes=expect * ratio,
     )
 
 

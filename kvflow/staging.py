@@ -7,11 +7,11 @@ through a compact host image of its blocks: a save gathers a layer's blocks
 hands the transport the image's spans and scatters each layer into the
 device blocks as soon as the transport filled it, before the layer's gate
 opens (synchronously: the scatter of one layer of one request, a few hundred
-microseconds at PCIe speed, holds the worker's loop). Per layer and plane, one
-gather (or scatter) on the device plus one copy between the device and pinned
-host memory, on a side stream; a gather's completion is polled from trio. A
-partial block moves whole to the host (a read), but only its tokens are written
-back into the device.
+microseconds at PCIe speed, holds the worker's loop). Per layer and run of a
+whole block (`LayerGeometry.block_runs`), one gather (or scatter) on the device
+plus one copy between the device and pinned host memory, on a side stream; a
+gather's completion is polled from trio. A partial block moves whole to the
+host (a read), but only its tokens are written back into the device.
 
 The copies are plain torch indexing, so they run on any device; the CPU test
 suite runs them on CPU tensors standing in for a CUDA cache.
@@ -32,14 +32,28 @@ __all__ = ["HostStage", "block_views", "event_done", "mark"]
 
 
 def block_views(flat: Any, g: LayerGeometry) -> list[Any]:
-    """One `[num_blocks, run]` view per plane of a flat uint8 layer tensor: row b is
-    block b's run in that plane (the whole block, if block-granular)."""
-    run = g.block_bytes or g.block_size * g.token_bytes
+    """One `[num_blocks, run length]` view per run of a whole block of a flat uint8
+    layer tensor (`LayerGeometry.block_runs`): row b is that run of block b."""
     base = flat.storage_offset()
     return [
-        flat.as_strided((g.num_blocks, run), (g.block_stride, 1), base + off)
-        for off in g.plane_offsets
+        flat.as_strided((g.num_blocks, n), (g.block_stride, 1), base + off)
+        for off, n in g.block_runs()
     ]
+
+
+def image_ranges(g: LayerGeometry, num_tokens: int) -> list[tuple[int, int, int]]:
+    """(offset in the block, offset in the block's image, length) of each run holding
+    the first `num_tokens` tokens: the image of a block is its whole-block runs end to
+    end (`block_views` order)."""
+    starts, at = [], 0
+    for off, n in g.block_runs():
+        starts.append((off, at, n))
+        at += n
+    out = []
+    for off, n in g.runs(num_tokens):
+        run_off, img, _ = next(r for r in starts if r[0] <= off < r[0] + r[2])
+        out.append((off, img + off - run_off, n))
+    return out
 
 
 async def event_done(event: Any) -> None:
@@ -63,7 +77,7 @@ def mark(layout: KVLayout) -> Any:
 
 class HostStage:
     """One job's blocks in a compact host image: chunk `c` of layer `l` is
-    `host[l][plane, c]`, a whole block's run per plane."""
+    `host[l][c]`, its block's whole-block runs end to end (`image_ranges`)."""
 
     def __init__(
         self, layout: KVLayout, block_ids: Sequence[int], token_counts: Sequence[int]
@@ -81,11 +95,7 @@ class HostStage:
         """Chunks that fill their block (in a block-granular layer every chunk does)."""
         self._host = [
             torch.empty(
-                (
-                    len(g.plane_offsets),
-                    len(self.block_ids),
-                    g.block_bytes or g.block_size * g.token_bytes,
-                ),
+                (len(self.block_ids), sum(n for _, n in g.block_runs())),
                 dtype=torch.uint8,
                 pin_memory=self._cuda,
             )
@@ -97,21 +107,24 @@ class HostStage:
 
     # -- what the transport sees ------------------------------------------------
     def spans(self, layer: int) -> list[list[memoryview]]:
-        """Each chunk's runs in the host image: its tokens of every plane."""
+        """Each chunk's runs in the host image: the runs of its tokens."""
         g = self.layout.geometries[layer]
         host = self._host[layer].numpy()
         return [
-            [host[p, c, : g.block_bytes or n * g.token_bytes].data for p in range(len(host))]
-            for c, n in enumerate(self.token_counts)
+            [host[c, img : img + n].data for _, img, n in image_ranges(g, count)]
+            for c, count in enumerate(self.token_counts)
         ]
 
     # -- device <-> host ---------------------------------------------------------
     async def gather(self, layer: int) -> None:
         """Copy the job's blocks of `layer` from the device into the host image."""
         views = block_views(self.layout.tensors[layer], self.layout.geometries[layer])
+        host, at = self._host[layer], 0
         with self._on_stream():
-            for p, view in enumerate(views):
-                self._host[layer][p].copy_(view.index_select(0, self._index), non_blocking=True)
+            for view in views:
+                n = view.shape[1]
+                host[:, at : at + n].copy_(view.index_select(0, self._index), non_blocking=True)
+                at += n
         await self._done()
 
     def scatter(self, layer: int, after: Any = None) -> None:
@@ -121,7 +134,7 @@ class HostStage:
         import torch
 
         g = self.layout.geometries[layer]
-        views = block_views(self.layout.tensors[layer], g)
+        flat = self.layout.tensors[layer]
         whole = list(range(len(self.block_ids))) if g.block_bytes else self._whole
         keep = set(whole)
         partial = [c for c in range(len(self.block_ids)) if c not in keep]
@@ -129,13 +142,20 @@ class HostStage:
             if after is not None and self._stream is not None:
                 self._stream.wait_event(after)
             staged = self._host[layer].to(self.device, non_blocking=True)
-            chunks = torch.tensor(whole, dtype=torch.long, device=self.device)
-            for p, view in enumerate(views):
-                if whole:
-                    view.index_copy_(0, self._index[chunks], staged[p].index_select(0, chunks))
-                for c in partial:
-                    n = self.token_counts[c] * g.token_bytes
-                    view[self.block_ids[c], :n].copy_(staged[p, c, :n], non_blocking=True)
+            if whole:
+                chunks = torch.tensor(whole, dtype=torch.long, device=self.device)
+                at = 0
+                for view in block_views(flat, g):
+                    n = view.shape[1]
+                    rows = staged[:, at : at + n].index_select(0, chunks)
+                    view.index_copy_(0, self._index[chunks], rows)
+                    at += n
+            for c in partial:
+                base = self.block_ids[c] * g.block_stride
+                for off, img, n in image_ranges(g, self.token_counts[c]):
+                    flat[base + off : base + off + n].copy_(
+                        staged[c, img : img + n], non_blocking=True
+                    )
         if self._stream is not None:
             self._stream.synchronize()
 

@@ -1,6 +1,7 @@
-"""The `nixl` transport on CUDA caches (VRAM): two agents READ FlashAttention-shaped
-blocks device to device, every byte checked. Skipped without a GPU (the DRAM path runs
-everywhere: tests/test_nixl_transport.py, tests/test_conformance_nixl.py)."""
+"""The `nixl` transport on CUDA caches (VRAM): two agents READ blocks laid out as
+vLLM's FlashAttention default (LBNHC) device to device, every byte checked. Skipped
+without a GPU (the DRAM path runs everywhere: tests/test_nixl_transport.py,
+tests/test_conformance_nixl.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import torch
 import trio
 import trio.testing
 
-from kvflow.layout import KVLayout, geometry_from_strides
+from kvflow.layout import KVLayout
+from kvflow.testing.layouts import device_layout
 from kvflow.transport import LoadJob, Offer, PeerSource, TransportContext
 
 pytestmark = pytest.mark.skipif(
@@ -22,20 +24,7 @@ LAYERS, BLOCKS, BS = 4, 64, 16
 
 
 def cuda_layout(seed: int) -> tuple[KVLayout, list[torch.Tensor]]:
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    caches = [
-        torch.randn(2, BLOCKS, BS, 8, 128, generator=gen, device="cuda").half()
-        for _ in range(LAYERS)
-    ]
-    geos = [
-        geometry_from_strides(list(t.shape), list(t.stride()), 2, block_dim=1, token_dim=2)
-        for t in caches
-    ]
-    flat = [
-        torch.empty(0, dtype=torch.uint8, device="cuda").set_(t.untyped_storage()) for t in caches
-    ]
-    names = [f"l{i}" for i in range(LAYERS)]
-    return KVLayout(names, geos, [], "cuda", BS, flat), caches
+    return device_layout("cuda", num_layers=LAYERS, num_blocks=BLOCKS, block_size=BS, seed=seed)
 
 
 async def test_consumer_reads_vram_blocks_device_to_device() -> None:
@@ -76,4 +65,4 @@ async def test_consumer_reads_vram_blocks_device_to_device() -> None:
     assert signalled == list(range(LAYERS)) and outcome == ["done"]
     for t_src, t_dst in zip(theirs, ours, strict=True):
         for s, d, n in zip(src, dst, counts, strict=True):
-            assert torch.equal(t_dst[:, d, :n], t_src[:, s, :n]), f"block {s} -> {d}"
+            assert torch.equal(t_dst[d, :, :n], t_src[s, :, :n]), f"block {s} -> {d}"

@@ -11,11 +11,15 @@ import trio
 
 from kvflow.layout import KVLayout, LayoutError
 from kvflow.staging import HostStage
-from kvflow.testing.layouts import fill_blocks, make_layout
+from kvflow.testing.layouts import LAYOUTS, fill_blocks, make_layout
 
-KINDS = {"nhd": {}, "hnd": {"hnd": True}, "packed": {"block_granular": True}}
 BS = 4
-COUNTS = [4, 4, 2]
+KINDS = {name: {"layout": name} for name in LAYOUTS} | {
+    "packed": {"block_granular": True},
+    "LBHNC-kernel2": {"layout": "LBHNC", "kernel_block_size": BS // 2},
+    "LBNHC-kernel2": {"layout": "LBNHC", "kernel_block_size": BS // 2},
+}
+COUNTS = [4, 4, 3]
 
 
 def device_layout(kind: str, num_blocks: int = 12) -> KVLayout:
@@ -48,17 +52,16 @@ def test_scatter_writes_the_chunks_and_nothing_else(kind: str) -> None:
     src, dst = device_layout(kind), device_layout(kind, num_blocks=20)
     fill_blocks(src, [0, 1, 2], seed=2)
     out, into = HostStage(src, [0, 1, 2], COUNTS), HostStage(dst, [9, 4, 17], COUNTS)
-    before = [np.frombuffer(b, np.uint8).copy() for b in dst.buffers]
     for layer in range(src.num_layers):
         trio.run(out.gather, layer)
         for mine, theirs in zip(into.spans(layer), out.spans(layer), strict=True):
             for d, s in zip(mine, theirs, strict=True):
                 d[:] = s  # what a transport does with the spans
+        before = np.frombuffer(dst.buffers[layer], np.uint8).copy()
         into.scatter(layer)
-    for layer in range(src.num_layers):
         for a, b, n in zip([0, 1, 2], [9, 4, 17], COUNTS, strict=True):
             assert tokens(dst, layer, b, n) == tokens(src, layer, a, n)
-        changed = np.flatnonzero(np.frombuffer(dst.buffers[layer], np.uint8) != before[layer])
+        changed = np.flatnonzero(np.frombuffer(dst.buffers[layer], np.uint8) != before)
         g = dst.geometries[layer]
         written = {
             off + i
@@ -71,4 +74,4 @@ def test_scatter_writes_the_chunks_and_nothing_else(kind: str) -> None:
 
 def test_block_ids_outside_the_cache_are_refused_on_the_host() -> None:
     with pytest.raises(LayoutError, match=r"staged block ids \[3, 12\] outside 0\.\.11"):
-        HostStage(device_layout("nhd"), [3, 12], [4, 4])
+        HostStage(device_layout("LBNHC"), [3, 12], [4, 4])

@@ -1,7 +1,8 @@
-"""Host staging of a device cache: the `fs` transport saves FlashAttention-shaped
-device blocks through (pinned) host memory and loads them into other blocks of another
-cache, every token checked and nothing else written. The `cuda` case needs a GPU and is
-skipped without one; the `cpu` case runs the same test on CPU tensors everywhere."""
+"""Host staging of a device cache: the `fs` transport saves device blocks laid out
+as vLLM's FlashAttention default (LBNHC) through (pinned) host memory and loads them
+into other blocks of another cache, every token checked and nothing else written. The
+`cuda` case needs a GPU and is skipped without one; the `cpu` case runs the same test on
+CPU tensors everywhere."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ import pytest
 import torch
 
 from kvflow.keys import chunk_keys
-from kvflow.layout import KVLayout, geometry_from_strides
+from kvflow.layout import KVLayout
 from kvflow.staging import HostStage
+from kvflow.testing.layouts import device_layout
 from kvflow.transport import LoadJob, SaveJob, TransportContext
 from kvflow_fs import FsOptions, FsTransport
 
@@ -32,28 +34,16 @@ LAYERS, BS = 4, 16
 COUNTS = [BS, BS, 5]
 
 
-def device_layout(device: str, blocks: int, seed: int) -> tuple[KVLayout, list[torch.Tensor]]:
-    gen = torch.Generator(device=device).manual_seed(seed)
-    caches = [
-        torch.randn(2, blocks, BS, 8, 128, generator=gen, device=device).half()
-        for _ in range(LAYERS)
-    ]
-    geos = [
-        geometry_from_strides(list(t.shape), list(t.stride()), 2, block_dim=1, token_dim=2)
-        for t in caches
-    ]
-    flat = [
-        torch.empty(0, dtype=torch.uint8, device=device).set_(t.untyped_storage()) for t in caches
-    ]
-    return KVLayout([f"l{i}" for i in range(LAYERS)], geos, [], "cuda", BS, flat), caches
+def vllm_layout(device: str, blocks: int, seed: int) -> tuple[KVLayout, list[torch.Tensor]]:
+    return device_layout(device, num_layers=LAYERS, num_blocks=blocks, block_size=BS, seed=seed)
 
 
 @pytest.mark.parametrize("device", DEVICES)
 async def test_fs_saves_and_loads_a_device_cache_through_host_staging(
     tmp_path: Path, device: str
 ) -> None:
-    src, src_caches = device_layout(device, 64, seed=1)
-    dst, dst_caches = device_layout(device, 100, seed=2)
+    src, src_caches = vllm_layout(device, 64, seed=1)
+    dst, dst_caches = vllm_layout(device, 100, seed=2)
     before = [c.clone() for c in dst_caches]
     ctx = lambda layout: TransportContext(  # noqa: E731
         "e", "worker", "ns", "tp0of1pp0", ["tp0of1pp0"], layout
@@ -88,9 +78,9 @@ async def test_fs_saves_and_loads_a_device_cache_through_host_staging(
     for layer in range(LAYERS):
         s, d, b = src_caches[layer], dst_caches[layer], before[layer]
         for a, z, n in zip([3, 40, 7], [90, 0, 51], COUNTS, strict=True):
-            assert torch.equal(d[:, z, :n], s[:, a, :n]), (layer, a, z)
-            assert torch.equal(d[:, z, n:], b[:, z, n:]), "past a partial block's tokens"
+            assert torch.equal(d[z, :, :n], s[a, :, :n]), (layer, a, z)
+            assert torch.equal(d[z, :, n:], b[z, :, n:]), "past a partial block's tokens"
         others = [i for i in range(100) if i not in (90, 0, 51)]
-        assert torch.equal(d[:, others], b[:, others])
+        assert torch.equal(d[others], b[others])
     await saver.aclose()
     await loader.aclose()

@@ -174,11 +174,7 @@ def _spans(layout: KVLayout, layer: int, chunks: Chunks) -> list[list[memoryview
 
 def _span_ranges(layout: KVLayout, layer: int, num_tokens: int) -> list[tuple[int, int]]:
     """Byte ranges, relative to a block's start, of the spans of `num_tokens` tokens."""
-    g = layout.geometries[layer]
-    if g.block_bytes:
-        return [(0, g.block_bytes)]
-    n = num_tokens * g.token_bytes
-    return [(off, off + n) for off in g.plane_offsets]
+    return [(off, off + n) for off, n in layout.geometries[layer].runs(num_tokens)]
 
 
 def _locate(layout: KVLayout, layer: int, index: int) -> tuple[int | None, int]:

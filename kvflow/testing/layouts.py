@@ -1,12 +1,43 @@
-"""Synthetic KV memory for tests: real buffers shaped like vLLM's paged caches."""
+"""Synthetic KV memory for tests: real buffers laid out as vLLM lays out its paged caches."""
 
 from __future__ import annotations
 
 import numpy as np
+import torch
 
-from ..layout import KVLayout, block_geometry, geometry_from_strides
+from ..layout import KVLayout, block_geometry, view_geometry
 
-__all__ = ["fill_blocks", "make_layout"]
+__all__ = ["LAYOUTS", "device_layout", "fill_blocks", "make_layout"]
+
+LAYOUTS = {
+    "LBHNC": (0, 1, 2, 3, 4),
+    "LBNHC": (0, 1, 3, 2, 4),
+    "LHBNC": (0, 2, 1, 3, 4),
+    "BLHNC": (1, 0, 2, 3, 4),
+    "BLNHC": (1, 0, 3, 2, 4),
+    "BHLNC": (1, 2, 0, 3, 4),
+}
+"""vLLM's `KVCacheLayout` members: the memory order of the logical `[layers, blocks,
+heads, tokens, content]` dimensions, outermost first."""
+
+
+def _vllm_strides(
+    name: str, num_layers: int, num_blocks: int, heads: int, block_size: int, kernel: int, cell: int
+) -> tuple[tuple[int, ...], list[int], int]:
+    """The logical `[layers, kernel blocks, heads, tokens, content]` shape, its strides in
+    elements as vLLM's `compute_layout_strides` gives them for layout `name`, and the
+    elements of the backing buffer."""
+    order = LAYOUTS[name]
+    ratio = block_size // kernel
+    if ratio > 1 and order[:2] != (0, 1):  # as vLLM refuses it
+        raise ValueError(f"{name} does not store blocks as dense pages: no kernel blocks")
+    shape = (num_layers, num_blocks * ratio, heads, kernel, cell)
+    strides = [0] * 5
+    size = 1
+    for dim in reversed(order):
+        strides[dim] = size
+        size *= shape[dim]
+    return shape, strides, size
 
 
 def make_layout(
@@ -18,33 +49,70 @@ def make_layout(
     head_dim: int = 8,
     block_granular: bool = False,
     hnd: bool = False,
+    layout: str = "",
+    kernel_block_size: int = 0,
     dtype: str = "float32",
 ) -> KVLayout:
-    """A layout over zeroed numpy buffers.
+    """All layers in one zeroed numpy buffer, each viewed as vLLM's
+    `create_kv_cache_views` views it: logical `[blocks, heads, tokens, 2*head_dim]` (K
+    and V side by side in a cell) in the memory order of `layout` (a `LAYOUTS` name;
+    default LBNHC, vLLM's NHD default, or LBHNC with `hnd=True`), each block stored
+    as `block_size // kernel_block_size` kernel blocks.
 
-    `block_granular=True` mimics vLLM's CPU cache `[blocks, heads, block_size, 2*head_dim]`
-    (blocks opaque); `hnd=True` an HND cache `[2, blocks, heads, block_size, head_dim]`
-    (one plane per K/V head); otherwise an NHD cache `[2, blocks, block_size, heads,
-    head_dim]`.
+    `block_granular=True` describes the blocks as opaque, as vLLM's CPU attention
+    packs them.
     """
+    name = layout or ("LBHNC" if hnd or block_granular else "LBNHC")
+    kernel = kernel_block_size or block_size
+    shape, strides, size = _vllm_strides(
+        name, num_layers, num_blocks, heads, block_size, kernel, 2 * head_dim
+    )
+    backing = np.zeros(size, dtype=dtype)
+    raw = backing.view(np.uint8)
+    itemsize = backing.itemsize
+    extent = (1 + sum((n - 1) * s for n, s in zip(shape[1:], strides[1:], strict=True))) * itemsize
+    geometry = block_geometry if block_granular else view_geometry
     names, geos, bufs = [], [], []
     for i in range(num_layers):
-        if block_granular:
-            arr = np.zeros((num_blocks, heads, block_size, 2 * head_dim), dtype=dtype)
-            strides = [s // arr.itemsize for s in arr.strides]
-            geo = block_geometry(arr.shape, strides, arr.itemsize)
-        elif hnd:
-            arr = np.zeros((2, num_blocks, heads, block_size, head_dim), dtype=dtype)
-            strides = [s // arr.itemsize for s in arr.strides]
-            geo = geometry_from_strides(arr.shape, strides, arr.itemsize, block_dim=1, token_dim=3)
-        else:
-            arr = np.zeros((2, num_blocks, block_size, heads, head_dim), dtype=dtype)
-            strides = [s // arr.itemsize for s in arr.strides]
-            geo = geometry_from_strides(arr.shape, strides, arr.itemsize, block_dim=1, token_dim=2)
+        start = i * strides[0] * itemsize
         names.append(f"model.layers.{i}.self_attn.attn")
-        geos.append(geo)
-        bufs.append(memoryview(arr.reshape(-1).view(np.uint8)))  # type: ignore[arg-type]
+        geos.append(geometry(shape[1:], strides[1:], itemsize, num_blocks))
+        bufs.append(memoryview(raw[start : start + extent]))  # type: ignore[arg-type]
     return KVLayout(names=names, geometries=geos, buffers=bufs, memory="cpu", block_size=block_size)
+
+
+def device_layout(
+    device: str = "cpu",
+    *,
+    layout: str = "LBNHC",
+    num_layers: int = 4,
+    num_blocks: int = 64,
+    block_size: int = 16,
+    heads: int = 8,
+    head_dim: int = 128,
+    kernel_block_size: int = 0,
+    seed: int = 0,
+) -> tuple[KVLayout, list[torch.Tensor]]:
+    """fp16 caches on `device` as vLLM's GPU runner allocates them (one backing buffer,
+    each layer a `[blocks, heads, tokens, 2*head_dim]` view in `layout`'s memory order),
+    filled from `seed`, and those views. The `KVLayout` is what the worker sees of a GPU
+    cache (memory "cuda", flat uint8 `tensors`) whatever the device, so the CPU suite
+    runs the device code paths."""
+    kernel = kernel_block_size or block_size
+    shape, strides, size = _vllm_strides(
+        layout, num_layers, num_blocks, heads, block_size, kernel, 2 * head_dim
+    )
+    gen = torch.Generator(device=device).manual_seed(seed)
+    backing = torch.randn(size, generator=gen, device=device).half()
+    raw = backing.view(torch.uint8)
+    extent = 2 * (1 + sum((n - 1) * s for n, s in zip(shape[1:], strides[1:], strict=True)))
+    views, geos, flat = [], [], []
+    for i in range(num_layers):
+        views.append(backing.as_strided(shape[1:], strides[1:], i * strides[0]))
+        geos.append(view_geometry(shape[1:], strides[1:], 2, num_blocks))
+        flat.append(raw[2 * i * strides[0] : 2 * i * strides[0] + extent])
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(num_layers)]
+    return KVLayout(names, geos, [], "cuda", block_size, flat), views
 
 
 def fill_blocks(layout: KVLayout, block_ids: list[int], seed: int = 0) -> None:

@@ -25,13 +25,7 @@ from kvflow.config import ConfigError, KVFlowConfig, parse_config, parse_options
 from kvflow.eventlog import JsonlEventLog
 from kvflow.events import EventBus, Origin
 from kvflow.keys import Fingerprint
-from kvflow.layout import (
-    KVLayout,
-    LayerGeometry,
-    LayoutError,
-    block_geometry,
-    geometry_from_strides,
-)
+from kvflow.layout import KVLayout, LayoutError, block_geometry, view_geometry
 from kvflow.metadata import WorkerPlan, decode_plan, encode_plan
 from kvflow.neighbours import pinned_neighbours
 from kvflow.pd import PdParamsError, parse_pd_params
@@ -127,42 +121,84 @@ def fingerprint(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Fing
     )
 
 
+def layer_specs(kv_cache_config: KVCacheConfig) -> dict[str, Any]:
+    """Each layer's KV cache spec, by layer name."""
+    specs: dict[str, Any] = {}
+    for group in kv_cache_config.kv_cache_groups:
+        per_layer = getattr(group.kv_cache_spec, "kv_cache_specs", None)  # mixed groups
+        for name in group.layer_names:
+            specs[name] = per_layer[name] if per_layer else group.kv_cache_spec
+    return specs
+
+
+def check_spec(name: str, spec: Any) -> None:
+    """Refuse, naming the spec, a layer whose cache is not one state per token of
+    attention KV (Mamba state, compressed sparse MLA)."""
+    from vllm.v1.kv_cache_interface import AttentionSpec
+
+    kind = type(spec).__name__
+    if not isinstance(spec, AttentionSpec):
+        raise LayoutError(
+            f"kvflow: layer {name} has a {kind} cache; kvflow moves attention KV "
+            "(FullAttentionSpec, SlidingWindowSpec, MLAAttentionSpec and their kin) only"
+        )
+    if spec.tokens_per_state != 1:
+        raise LayoutError(
+            f"kvflow: layer {name}'s {kind} stores a state per {spec.tokens_per_state} "
+            "tokens; kvflow moves caches of one state per token"
+        )
+
+
 def _shard(tp_rank: int, tp_size: int, pp_rank: int) -> str:
     return f"tp{tp_rank}of{tp_size}pp{pp_rank}"
 
 
 def layout_from_tensors(
-    kv_caches: dict[str, torch.Tensor], num_blocks: int, block_size: int
+    kv_caches: dict[str, torch.Tensor],
+    num_blocks: int,
+    block_size: int,
+    *,
+    opaque_blocks: bool | None = None,
 ) -> KVLayout:
-    """Describe vLLM's per-layer KV tensors as byte spans (see kvflow.layout).
+    """Describe vLLM's per-layer KV views as byte spans (see kvflow.layout).
 
-    On CPU (vLLM's CPU_ATTN backend, `[blocks, heads, block_size, 2*head_size]`
-    with K packed per instruction set) blocks are opaque, so the geometry is
-    block-granular, over memoryviews. On CUDA the block dimension is the first
-    of size `num_blocks` and the token dimension the next of size `block_size`
-    (FlashAttention `[2, blocks, block_size, heads, head]`, FlashInfer
-    `[blocks, 2, block_size, heads, head]`); the layers are flat uint8 tensors.
+    vLLM (0.32 and later) hands every layer over as its `create_kv_cache_views`
+    view: logical `[blocks, heads, tokens, content]` whatever the memory order
+    (`KVCacheLayout`), with `blocks` counting kernel blocks when a block is split
+    into several. On CPU (vLLM's CPU attention packs K per instruction set inside a
+    block) blocks are opaque, so the geometry is block-granular, over memoryviews;
+    on CUDA it is cell by cell, and the layers are flat uint8 tensors.
+    `opaque_blocks` overrides the choice (False: host memory laid out as on a GPU).
     """
     names, geos, bufs, tensors = [], [], [], []
     memory = "cpu"
     for name, t in kv_caches.items():
         shape, strides = list(t.shape), list(t.stride())
+        if len(shape) != 4:
+            raise LayoutError(
+                f"kvflow: layer {name} has a KV cache of shape {tuple(shape)}; expected "
+                "vLLM's [blocks, heads, tokens, content] view"
+            )
         memory = t.device.type
         whole = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
         start = t.storage_offset() * t.element_size()
         extent = (1 + sum((n - 1) * st for n, st in zip(shape, strides, strict=True))) * (
             t.element_size()
         )  # the layer's own bytes: layers may share one storage
+        opaque = memory == "cpu" if opaque_blocks is None else opaque_blocks
+        try:
+            if opaque:
+                geo = block_geometry(shape, strides, t.element_size(), num_blocks)
+            else:
+                geo = view_geometry(shape, strides, t.element_size(), num_blocks)
+                if geo.block_size != block_size:
+                    raise LayoutError(f"{geo.block_size} tokens a block, not {block_size}")
+        except LayoutError as exc:
+            raise LayoutError(f"kvflow: layer {name}: {exc}") from None
+        geos.append(geo)
         if memory == "cpu":
-            if shape[0] != num_blocks:
-                raise LayoutError(
-                    f"kvflow: layer {name} has shape {tuple(shape)}; "
-                    f"expected {num_blocks} blocks first"
-                )
-            geos.append(block_geometry(shape, strides, t.element_size()))
             bufs.append(memoryview(whole.numpy()).cast("B")[start : start + extent])  # type: ignore[arg-type]
         else:
-            geos.append(_device_geometry(name, t, num_blocks, block_size))
             tensors.append(whole[start : start + extent])
         names.append(name)
     return KVLayout(
@@ -172,21 +208,6 @@ def layout_from_tensors(
         memory=memory,
         block_size=block_size,
         tensors=tensors,
-    )
-
-
-def _device_geometry(name: str, t: torch.Tensor, num_blocks: int, block_size: int) -> LayerGeometry:
-    shape = list(t.shape)
-    try:
-        block_dim = shape.index(num_blocks)
-        token_dim = shape.index(block_size, block_dim + 1)
-    except ValueError:
-        raise LayoutError(
-            f"kvflow: layer {name} has shape {tuple(shape)}; expected a dimension of "
-            f"{num_blocks} blocks followed by one of {block_size} tokens"
-        ) from None
-    return geometry_from_strides(
-        shape, list(t.stride()), t.element_size(), block_dim=block_dim, token_dim=token_dim
     )
 
 
@@ -401,6 +422,9 @@ class KVFlowConnector(KVConnectorBase_V1):
         return KVFlowHandshake(address) if address else None
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        for name, spec in layer_specs(self._kv_cache_config).items():
+            if name in kv_caches:
+                check_spec(name, spec)
         layout = layout_from_tensors(kv_caches, self._num_blocks, self.block_size)
         self.worker.register(layout)
         for reg, shared in pinned_neighbours(self.engine_id):

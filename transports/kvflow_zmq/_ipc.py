@@ -162,8 +162,8 @@ def copy_chunks(
     """Queue the copy of chunk i from `src_blocks[i]` to `dst_blocks[i]` (one layer; the
     geometries differ at most in their number of blocks; `index` from `index_tensors`).
 
-    Full chunks go in one gather/scatter per plane; a partial chunk of a
-    token-granular layer moves only its tokens, so nothing past them is written.
+    Full chunks go in one gather/scatter per run of a whole block; a partial chunk
+    of a token-granular layer moves only its tokens, so nothing past them is written.
     """
     si, di, full, partial = index
     views = list(zip(block_views(src, g_src), block_views(dst, g_dst), strict=True))
@@ -171,6 +171,7 @@ def copy_chunks(
         for s, d in views:
             d.index_copy_(0, di, s.index_select(0, si).to(dst.device, non_blocking=True))
     for i in partial:
-        n = token_counts[i] * g_dst.token_bytes
-        for s, d in views:
-            d[dst_blocks[i], :n].copy_(s[src_blocks[i], :n], non_blocking=True)
+        n, sb, db = token_counts[i], src_blocks[i], dst_blocks[i]
+        for (so, length), (do, _) in zip(g_src.runs(n), g_dst.runs(n), strict=True):
+            s0, d0 = sb * g_src.block_stride + so, db * g_dst.block_stride + do
+            dst[d0 : d0 + length].copy_(src[s0 : s0 + length], non_blocking=True)
