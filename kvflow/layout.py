@@ -36,6 +36,7 @@ __all__ = [
     "LayerGeometry",
     "LayoutError",
     "block_geometry",
+    "layout_mismatch",
     "view_geometry",
 ]
 
@@ -161,6 +162,23 @@ def _runs(g: LayerGeometry, num_tokens: int) -> tuple[tuple[int, int], ...]:
         else:
             merged.append((off, n))
     return tuple(merged)
+
+
+def layout_mismatch(
+    producer: Sequence[LayerGeometry], consumer: Sequence[LayerGeometry]
+) -> str:
+    """Why a consumer cannot copy a producer's blocks as they are, naming both layouts;
+    "" when every layer's blocks match (`LayerGeometry.block_shape`)."""
+    if len(producer) != len(consumer):
+        return f"the producer has {len(producer)} KV layers, the consumer {len(consumer)}"
+    for i, (p, c) in enumerate(zip(producer, consumer, strict=True)):
+        if p.block_shape() != c.block_shape():
+            return (
+                f"KV layouts differ (layer {i}): producer {p.describe()}, consumer "
+                f"{c.describe()}; kvflow moves blocks between equal layouts: give both "
+                "instances the same --block-size and VLLM_KV_CACHE_LAYOUT"
+            )
+    return ""
 
 
 def _check_disjoint(dims: Sequence[tuple[int, int]], cell: int, what: str) -> None:

@@ -16,7 +16,7 @@ import msgspec
 
 __all__ = ["PD_VERSION", "PdParams", "PdParamsError", "consumer_params", "parse_pd_params"]
 
-PD_VERSION = 1
+PD_VERSION = 2
 KEY = "kvflow"
 
 
@@ -35,6 +35,10 @@ class PdParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """The request id on the producer."""
     block_ids: list[int]
     num_tokens: int
+    block_size: int
+    """Tokens in one of the producer's blocks."""
+    layout: str
+    """The producer's KV cache layout (vLLM's `KVCacheLayout` name)."""
 
 
 def consumer_params(p: PdParams) -> dict[str, Any]:

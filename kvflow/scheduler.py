@@ -89,6 +89,7 @@ class SchedulerEngine:
         can_offer: bool = False,
         engine_id: str = "",
         num_shards: int = 1,
+        kv_layout: str = "",
     ) -> None:
         self.config = config
         self.transport = transport
@@ -103,6 +104,8 @@ class SchedulerEngine:
         self.engine_id = engine_id
         self.num_shards = num_shards
         """This engine's worker shards (tensor x pipeline parallel ranks)."""
+        self.kv_layout = kv_layout
+        """vLLM's name of this engine's KV cache layout (a P/D consumer pulls only the same)."""
         self.peer_addresses: list[str] = []
         """This engine's worker endpoints by shard, learned from the workers' handshake."""
         self._offers: list[OfferSpec] = []
@@ -119,8 +122,7 @@ class SchedulerEngine:
         """Key a new request's prompt (once; keys are reused by lookups and saves)."""
         if req in self._reqs:
             return
-        if pd is not None and self.can_pull and len(pd.addresses) != self.num_shards:
-            why = shard_mismatch(pd.engine_id, len(pd.addresses), self.num_shards)
+        if pd is not None and self.can_pull and (why := self._refuse_pull(pd)):
             log.error("kvflow: request %s: %s: computing its prompt here", req, why)
             pd = None
         if pd is not None and self.can_pull:
@@ -267,6 +269,8 @@ class SchedulerEngine:
                 req=req,
                 block_ids=list(block_ids[: len(counts)]),
                 num_tokens=sum(counts),
+                block_size=self.block_size,
+                layout=self.kv_layout,
             )
             params = consumer_params(pd)
         lend = st is not None and (st.saves_issued or params is not None)
@@ -275,6 +279,18 @@ class SchedulerEngine:
         blocks = len(block_ids) if lend else 0
         self.runtime.submit(self.bus.emit, RequestFinished(req=req, lent=lend, blocks=blocks))
         return lend, params
+
+    def _refuse_pull(self, pd: PdParams) -> str:
+        """Why this consumer cannot copy `pd`'s blocks as they are ("" if it can)."""
+        if len(pd.addresses) != self.num_shards:
+            return shard_mismatch(pd.engine_id, len(pd.addresses), self.num_shards)
+        if (pd.block_size, pd.layout) != (self.block_size, self.kv_layout):
+            return (
+                f"producer {pd.engine_id} has blocks of {pd.block_size} tokens in KV layout "
+                f"{pd.layout}, this consumer {self.block_size} in {self.kv_layout}; give both "
+                "instances the same --block-size and VLLM_KV_CACHE_LAYOUT"
+            )
+        return ""
 
     def loads_failed(self, reqs: Iterable[str]) -> None:
         """Asynchronous loads of `reqs` failed: never offer the same hit again."""

@@ -780,7 +780,7 @@ def test_a_device_cache_is_refused_by_a_host_only_peer_transport(
         start_engine("a", device=True, worker_transport=HostOnlyPeer)
 
 
-def _pd_consumer(e: Engine, num_shards: int = 1) -> SchedulerEngine:
+def _pd_consumer(e: Engine, num_shards: int = 1, block_size: int = BS) -> SchedulerEngine:
     """A P/D consumer's scheduler side on `e`'s runtime and transport."""
     return SchedulerEngine(
         config=KVFlowConfig(),
@@ -788,10 +788,16 @@ def _pd_consumer(e: Engine, num_shards: int = 1) -> SchedulerEngine:
         runtime=e.sched.runtime,
         bus=e.sched.bus,
         namespace=e.namespace,
-        block_size=BS,
+        block_size=block_size,
         can_pull=True,
         num_shards=num_shards,
+        kv_layout="LBNHC",
     )
+
+
+def _pd(block_size: int = BS, layout: str = "LBNHC") -> PdParams:
+    blocks, n = [10, 11, 12], len(PROMPT)
+    return PdParams(PD_VERSION, "producer", ["tcp://p:1"], "p-req", blocks, n, block_size, layout)
 
 
 def test_a_pd_consumer_with_a_cached_prefix_pulls_only_the_rest(
@@ -800,8 +806,7 @@ def test_a_pd_consumer_with_a_cached_prefix_pulls_only_the_rest(
     """vLLM's prefix cache already computed the first block: the load (and the pull it
     asks the producer for) covers the other blocks only."""
     sched = _pd_consumer(start_engine("pd"))
-    pd = PdParams(PD_VERSION, "producer", ["tcp://p:1"], "p-req", [10, 11, 12], len(PROMPT))
-    sched.add_request("r", PROMPT, pd=pd)
+    sched.add_request("r", PROMPT, pd=_pd())
     assert sched.lookup("r", BS) == len(PROMPT) - BS
     sched.allocated("r", [5, 6, 7], len(PROMPT) - BS)
     (load,) = sched.plan([]).loads
@@ -815,10 +820,29 @@ def test_a_pd_producer_with_another_parallel_shape_is_refused_naming_both(
     """A TP=1 producer and a TP=2 consumer: the prompt is computed here, never pulled
     shard-crossed (each rank holds other heads)."""
     sched = _pd_consumer(start_engine("tp"), num_shards=2)
-    pd = PdParams(PD_VERSION, "producer", ["tcp://p:1"], "p-req", [10, 11, 12], len(PROMPT))
-    sched.add_request("r", PROMPT, pd=pd)
+    sched.add_request("r", PROMPT, pd=_pd())
     assert not sched.is_remote("r")
     assert "runs 1 worker shard(s), this consumer 2" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("block_size", "layout"), [(BS * 4, "LBNHC"), (BS, "LBHNC")], ids=["block", "layout"]
+)
+def test_a_pd_producer_with_other_blocks_is_refused_naming_both(
+    start_engine: Callable[..., Engine],
+    caplog: pytest.LogCaptureFixture,
+    block_size: int,
+    layout: str,
+) -> None:
+    """P with blocks of 16 tokens and D with 64, or P in HND and D in NHD: computed here,
+    never copied block for block into blocks that hold other tokens."""
+    sched = _pd_consumer(start_engine("blocks"))
+    sched.add_request("r", PROMPT, pd=_pd(block_size, layout))
+    assert not sched.is_remote("r")
+    assert (
+        f"producer producer has blocks of {block_size} tokens in KV layout {layout}, this "
+        f"consumer {BS} in LBNHC" in caplog.text
+    )
 
 
 def test_a_worker_refuses_a_pull_from_another_number_of_shards() -> None:

@@ -292,6 +292,7 @@ class KVFlowConnector(KVConnectorBase_V1):
                 can_offer=produces and caps.peer,
                 engine_id=self.engine_id,
                 num_shards=len(ctx.shards),
+                kv_layout=str(kv_cache_config.kv_cache_layout or ""),
             )
         else:
             self._worker = WorkerEngine(

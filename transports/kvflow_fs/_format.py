@@ -21,6 +21,8 @@ class ChunkHeader(msgspec.Struct, frozen=True, array_like=True):
     num_tokens: int
     layer_nbytes: list[int]
     layer_crc: list[int]
+    layout: str = ""
+    """`KVLayout.describe()` of the writer ("" in files of kvflow before it was kept)."""
 
     def payload_nbytes(self) -> int:
         return sum(self.layer_nbytes)

@@ -149,6 +149,7 @@ class FsTransport(Transport):
                     num_tokens=job.token_counts[c],
                     layer_nbytes=layer_nbytes[c],
                     layer_crc=crcs[c],
+                    layout=layout.describe(),
                 )
                 for c in range(n)
             ]
@@ -323,6 +324,9 @@ class FsTransport(Transport):
             return f"token count mismatch ({h.num_tokens} tokens stored, {count} expected)"
         if h.layer_nbytes != expect:
             return "layer sizes do not match this KV layout"
+        ours = ctx.layout.describe() if ctx.layout is not None else ""
+        if h.layout and h.layout != ours:  # the same sizes, another order of the bytes
+            return f"written with another KV layout ({h.layout}; this reader has {ours})"
         return ""
 
     def _read_layer(

@@ -54,7 +54,7 @@ import trio
 import zmq
 
 from kvflow.keys import ChunkKey
-from kvflow.layout import KVLayout, LayerGeometry, LayoutError
+from kvflow.layout import KVLayout, LayerGeometry, LayoutError, layout_mismatch
 from kvflow.peer import HeldOffers, select_blocks
 from kvflow.transport import (
     Capabilities,
@@ -191,10 +191,6 @@ def _partial_descs(
         [(base + off, n, dev) for b, count in chunks for off, n in g.ranges(b, count)]
         for (base, dev), g in zip(bases, geometries, strict=True)
     ]
-
-
-def _shapes(geometries: Sequence[LayerGeometry]) -> list[tuple[int, ...]]:
-    return [g.block_shape() for g in geometries]
 
 
 async def _backoff(delay: float) -> float:
@@ -533,12 +529,9 @@ class NixlTransport(Transport):
         layout = self.context.layout
         assert layout is not None
         regions = msg.regions
-        theirs, ours = _shapes(regions.geometries), _shapes(layout.geometries)
-        if len(regions.bases) != len(theirs) or theirs != ours:
-            raise ChunkCorrupt(
-                f"producer {address} has another KV layout than this consumer: "
-                f"{[g.describe() for g in regions.geometries]}"
-            )
+        why = layout_mismatch(regions.geometries, layout.geometries)
+        if why or len(regions.bases) != len(regions.geometries):
+            raise ChunkCorrupt(f"producer {address}: {why or 'bad regions'}")
         self._forget(agent, address)
         try:
             added = agent.add_remote_agent(msg.metadata)

@@ -16,7 +16,7 @@ import trio
 import zmq
 
 from kvflow.keys import ChunkKey
-from kvflow.layout import KVLayout, LayoutError
+from kvflow.layout import KVLayout, LayoutError, layout_mismatch
 from kvflow.peer import HeldOffers, select_blocks
 from kvflow.transport import (
     Capabilities,
@@ -117,6 +117,8 @@ class ZmqTransport(Transport):
                     self.held.release(msg.req, outcome, peer=ident)
                     continue
                 why = "wire version" if msg.version != wire.WIRE_VERSION else ""
+                if msg.geometries and not why:
+                    why = layout_mismatch(self._layout().geometries, msg.geometries)
                 offer = None if why else self.held.get(msg.req)
                 if offer is not None:
                     offer = select_blocks(offer, msg.block_ids)
@@ -213,7 +215,8 @@ class ZmqTransport(Transport):
         try:
             sock.sock.connect(address)
             pulled = trio.current_time()  # a lease can start no earlier than this
-            await sock.send_multipart([wire.encode(wire.Pull(src.req, list(src.block_ids)))])
+            pull = wire.Pull(src.req, list(src.block_ids), geometries=self._layout().geometries)
+            await sock.send_multipart([wire.encode(pull)])
             for layer in range(job.num_layers):
                 frames: list[Any] = await sock.recv_multipart(copy=False)
                 msg = wire.decode_to_consumer(frames[0].buffer)
@@ -273,9 +276,8 @@ class ZmqTransport(Transport):
                 f"CUDA IPC needs producer and consumer on one host: {address} is on "
                 f"{msg.host}, this consumer on {here}"
             )
-        shapes = [g.block_shape() for g in msg.geometries]
-        if shapes != [g.block_shape() for g in layout.geometries]:
-            raise ChunkCorrupt(f"producer {address} has another KV layout than this consumer")
+        if why := layout_mismatch(msg.geometries, layout.geometries):
+            raise ChunkCorrupt(f"producer {address}: {why}")
         if msg.block_ids != src.block_ids or len(job.block_ids) != len(src.block_ids):
             raise ChunkCorrupt(
                 f"producer {address} offers blocks {msg.block_ids}; the consumer asked for "

@@ -2,7 +2,7 @@
 
 A pull is one DEALER->ROUTER conversation:
 
-    consumer -> producer   Pull(req, block_ids)
+    consumer -> producer   Pull(req, block_ids, geometries)
     producer -> consumer   Layer(req, layer, sizes) + one raw frame per span, per layer
                            (host memory), or
                            Ipc(req, host, geometries, block_ids, handles) (CUDA memory:
@@ -20,7 +20,7 @@ from kvflow.zmqio import decode_frame
 
 from ._ipc import IpcHandle
 
-WIRE_VERSION = 2
+WIRE_VERSION = 3
 MAX_CONTROL_BYTES = 1 << 20
 
 
@@ -29,6 +29,8 @@ class Pull(msgspec.Struct, tag=True, frozen=True):
     block_ids: list[int] = []
     """The offered blocks this consumer wants (it may have a prefix already); [] all."""
     version: int = WIRE_VERSION
+    geometries: list[LayerGeometry] = []
+    """The consumer's layers: a producer refuses a pull into blocks of another layout."""
 
 
 class Layer(msgspec.Struct, tag=True, frozen=True):

@@ -1,0 +1,140 @@
+"""Peers and stores whose KV layouts match or differ, with real transports on host memory
+laid out as vLLM lays out its GPU caches (all six `KVCacheLayout`s, kernel blocks): equal
+layouts move every byte; different ones are refused naming both, nothing written."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+
+from kvflow.keys import chunk_keys
+from kvflow.layout import KVLayout
+from kvflow.testing.layouts import LAYOUTS, fill_blocks, make_layout
+from kvflow.transport import LoadJob, Offer, PeerSource, SaveJob, TransportContext, TransportError
+from kvflow_fs import FsOptions, FsTransport
+from kvflow_zmq import ZmqOptions, ZmqTransport
+
+pytest.importorskip("nixl_cu12", reason="NIXL is an optional extra: kvflow[nixl]")
+from kvflow_nixl import NixlOptions, NixlTransport
+
+BS = 8
+SRC, DST, COUNTS = [1, 4, 6], [7, 2, 5], [BS, BS, 5]
+PEERS = {"zmq": (ZmqTransport, ZmqOptions), "nixl": (NixlTransport, NixlOptions)}
+SAME = {name: {"layout": name} for name in LAYOUTS} | {
+    "LBHNC-kernel4": {"layout": "LBHNC", "kernel_block_size": 4},
+    "LBNHC-kernel4": {"layout": "LBNHC", "kernel_block_size": 4},
+}
+DIFFERENT = {  # producer, consumer
+    "HND-to-NHD": ({"layout": "LBHNC"}, {"layout": "LBNHC"}),
+    "NHD-to-HND": ({"layout": "BLNHC"}, {"layout": "LHBNC"}),
+    "block8-to-block32": ({}, {"block_size": 4 * BS}),
+    "kernel-blocks": ({"layout": "LBHNC", "kernel_block_size": 4}, {"layout": "LBHNC"}),
+}
+
+
+def layout(**kw: Any) -> KVLayout:
+    return make_layout(**({"num_layers": 3, "num_blocks": 9, "block_size": BS, "heads": 4} | kw))
+
+
+def ctx(kv: KVLayout) -> TransportContext:
+    return TransportContext("e", "worker", "ns", "tp0of1pp0", ["tp0of1pp0"], kv)
+
+
+def chunks(kv: KVLayout, blocks: list[int]) -> list[bytes]:
+    """Every layer's bytes of `blocks` holding COUNTS tokens."""
+    f = chunk_spans(kv, blocks)
+    return [b"".join(bytes(s) for c in f(i) for s in c) for i in range(kv.num_layers)]
+
+
+def chunk_spans(kv: KVLayout, blocks: list[int]) -> Callable[[int], list[list[memoryview]]]:
+    return lambda i: [kv.spans(i, b, n) for b, n in zip(blocks, COUNTS, strict=True)]
+
+
+def whole(kv: KVLayout) -> list[bytes]:
+    return [bytes(b) for b in kv.buffers]
+
+
+async def pull(kind: str, prod: KVLayout, cons: KVLayout) -> None:
+    """Offer SRC on `prod`'s producer; pull it into DST of `cons` (raises what load raises)."""
+    cls, options = PEERS[kind]
+    producer, consumer = cls(options(), ctx(prod)), cls(options(), ctx(cons))
+    for t, kv in ((producer, prod), (consumer, cons)):
+        await t.open()
+        await t.register(kv)
+    offer = Offer("p", SRC, COUNTS, prod.num_layers, chunk_spans(prod, SRC))
+    job = LoadJob(
+        "c", ["k"] * 3, COUNTS, cons.num_layers, chunk_spans(cons, DST), lambda _: None,
+        PeerSource("e", [producer.address], "p", SRC), DST,
+    )  # fmt: skip
+    failed: TransportError | None = None
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(producer.serve)
+            nursery.start_soon(producer.offer, offer)
+            await trio.testing.wait_all_tasks_blocked()
+            try:
+                await consumer.load(job)
+            except TransportError as exc:
+                failed = exc
+            nursery.cancel_scope.cancel()
+    await producer.aclose()
+    await consumer.aclose()
+    if failed is not None:
+        raise failed
+
+
+@pytest.mark.parametrize("kind", PEERS)
+@pytest.mark.parametrize("same", SAME)
+async def test_peers_of_one_layout_move_every_byte(kind: str, same: str) -> None:
+    prod, cons = layout(**SAME[same]), layout(**SAME[same])
+    fill_blocks(prod, SRC, seed=3)
+    await pull(kind, prod, cons)
+    assert chunks(cons, DST) == chunks(prod, SRC)
+
+
+@pytest.mark.parametrize("kind", PEERS)
+@pytest.mark.parametrize("pair", DIFFERENT)
+async def test_peers_of_other_layouts_are_refused_naming_both(kind: str, pair: str) -> None:
+    prod, cons = layout(**DIFFERENT[pair][0]), layout(**DIFFERENT[pair][1])
+    fill_blocks(prod, SRC, seed=3)
+    before = whole(cons)
+    with pytest.raises(TransportError) as info:
+        await pull(kind, prod, cons)
+    theirs, ours = prod.geometries[0].describe(), cons.geometries[0].describe()
+    assert f"producer {theirs}, consumer {ours}" in str(info.value)
+    assert whole(cons) == before, "nothing written into the consumer's blocks"
+
+
+@pytest.mark.parametrize("pair", DIFFERENT)
+async def test_a_store_read_with_another_layout_is_a_miss(tmp_path: Path, pair: str) -> None:
+    """Same namespace (as when only the attention backend differs), other bytes order:
+    the reader refuses the chunks and writes nothing."""
+    writer_kv, reader_kv = layout(**DIFFERENT[pair][0]), layout(**DIFFERENT[pair][1])
+    fill_blocks(writer_kv, SRC, seed=4)
+    keys = chunk_keys("ns", list(range(sum(COUNTS))), BS)
+    writer, reader = FsTransport(FsOptions(path=str(tmp_path)), ctx(writer_kv)), None
+    await writer.open()
+    await writer.register(writer_kv)
+
+    async def spans(i: int) -> list[list[memoryview]]:
+        return chunk_spans(writer_kv, SRC)(i)
+
+    await writer.save(SaveJob("s", keys, COUNTS, 3, spans))
+    reader = FsTransport(FsOptions(path=str(tmp_path)), ctx(reader_kv))
+    await reader.open()
+    await reader.register(reader_kv)
+    before = whole(reader_kv)
+    job = LoadJob(
+        "l", keys, COUNTS, 3,
+        chunk_spans(reader_kv, DST), lambda _: None,
+    )  # fmt: skip
+    with pytest.raises(TransportError, match=r"another KV layout|layer sizes do not match"):
+        await reader.load(job)
+    assert whole(reader_kv) == before
+    await writer.aclose()
+    await reader.aclose()
