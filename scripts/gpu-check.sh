@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# The GPU suite in one command, on a machine with an NVIDIA GPU and kvflow installed
+# (bash scripts/install.sh): every CUDA test (CUDA IPC, NIXL VRAM, host staging of a
+# device cache, real vLLM GPU engines with fs and zmq P/D on vLLM's default KV layout and
+# on HND) and the GPU benchmarks, then a summary. Logs and results: bench/results/.
+#
+#     bash scripts/gpu-check.sh            # tests + full benchmarks
+#     bash scripts/gpu-check.sh --quick    # tests + quick benchmarks
+#
+# Exit status 0 only if every step passed and no CUDA test was skipped.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+QUICK=()
+[[ "${1:-}" == "--quick" ]] && QUICK=(--quick)
+OUT=bench/results
+mkdir -p "$OUT"
+
+if ! "$PY" -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
+    echo "gpu-check: no CUDA device here (torch.cuda.is_available() is False)" >&2
+    exit 2
+fi
+"$PY" -c "import torch, vllm; print('gpu-check:', torch.cuda.get_device_name(), \
+'torch', torch.__version__, 'vllm', vllm.__version__)"
+
+names=() results=()
+step() {  # step NAME CMD...: run, log to $OUT/gpu-check-NAME.log, record the outcome
+    local name=$1 log="$OUT/gpu-check-$1.log"
+    shift
+    echo "== $name: $*"
+    "$@" 2>&1 | tee "$log"
+    local rc=${PIPESTATUS[0]} outcome=pass
+    if ((rc != 0)); then
+        outcome="FAIL (exit $rc)"
+    elif grep -qE "[0-9]+ skipped" "$log"; then
+        outcome="FAIL (CUDA tests skipped: $(grep -oE '[0-9]+ skipped' "$log" | tail -1))"
+    fi
+    names+=("$name") results+=("$outcome")
+}
+
+step tests "$PY" -m pytest -q -rs -m '' \
+    tests/test_zmq_cuda.py tests/test_nixl_cuda.py tests/test_staging_cuda.py \
+    tests/test_gpu_engine.py
+step bench_cuda_ipc "$PY" bench/bench_cuda_ipc.py "${QUICK[@]}"
+
+echo
+echo "gpu-check summary"
+failed=0
+for i in "${!names[@]}"; do
+    printf '  %-16s %s\n' "${names[$i]}" "${results[$i]}"
+    [[ "${results[$i]}" == pass ]] || failed=1
+done
+exit $failed
