@@ -164,9 +164,7 @@ def _runs(g: LayerGeometry, num_tokens: int) -> tuple[tuple[int, int], ...]:
     return tuple(merged)
 
 
-def layout_mismatch(
-    producer: Sequence[LayerGeometry], consumer: Sequence[LayerGeometry]
-) -> str:
+def layout_mismatch(producer: Sequence[LayerGeometry], consumer: Sequence[LayerGeometry]) -> str:
     """Why a consumer cannot copy a producer's blocks as they are, naming both layouts;
     "" when every layer's blocks match (`LayerGeometry.block_shape`)."""
     if len(producer) != len(consumer):
