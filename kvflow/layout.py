@@ -93,6 +93,12 @@ class LayerGeometry(msgspec.Struct, frozen=True, kw_only=True):
         kernel = f" in {self.kernel_blocks} kernel blocks" if self.kernel_blocks > 1 else ""
         return f"{kind} block={self.block_size}{kernel} heads={self.heads} cell={self.cell_bytes}B"
 
+    def describe_cells(self) -> str:
+        """`describe()` of the token-major image of a block (any order of the same cells)."""
+        if self.block_bytes:
+            return self.describe()
+        return f"token-major block={self.block_size} heads={self.heads} cell={self.cell_bytes}B"
+
     def runs(self, num_tokens: int) -> tuple[tuple[int, int], ...]:
         """(offset within a block, length) of the runs holding its first `num_tokens`
         tokens, in memory order, neighbours merged (a dense block is one run)."""
@@ -164,17 +170,26 @@ def _runs(g: LayerGeometry, num_tokens: int) -> tuple[tuple[int, int], ...]:
     return tuple(merged)
 
 
-def layout_mismatch(producer: Sequence[LayerGeometry], consumer: Sequence[LayerGeometry]) -> str:
-    """Why a consumer cannot copy a producer's blocks as they are, naming both layouts;
-    "" when every layer's blocks match (`LayerGeometry.block_shape`)."""
+def layout_mismatch(
+    producer: Sequence[LayerGeometry], consumer: Sequence[LayerGeometry], *, cells: bool = False
+) -> str:
+    """Why a consumer cannot copy a producer's blocks, naming both layouts; "" when it
+    can. By default every layer's blocks must match byte for byte
+    (`LayerGeometry.block_shape`); with `cells`, a copier that converts between orders
+    (`kvflow.staging.copy_tokens`) needs only the same cells in blocks of the same size."""
     if len(producer) != len(consumer):
         return f"the producer has {len(producer)} KV layers, the consumer {len(consumer)}"
     for i, (p, c) in enumerate(zip(producer, consumer, strict=True)):
-        if p.block_shape() != c.block_shape():
+        same = (
+            p.describe_cells() == c.describe_cells()
+            if cells
+            else p.block_shape() == c.block_shape()
+        )
+        if not same:
             return (
                 f"KV layouts differ (layer {i}): producer {p.describe()}, consumer "
-                f"{c.describe()}; kvflow moves blocks between equal layouts: give both "
-                "instances the same --block-size and VLLM_KV_CACHE_LAYOUT"
+                f"{c.describe()}; give both instances the same --block-size"
+                + ("" if cells else " and VLLM_KV_CACHE_LAYOUT")
             )
     return ""
 
@@ -272,8 +287,13 @@ class KVLayout:
         return len(self.names)
 
     def describe(self) -> str:
-        """Stable text for fingerprints: what makes bytes of two layouts incompatible."""
-        kinds = sorted({g.describe() for g in self.geometries})
+        """Stable text for chunk headers: what makes the bytes a store holds incompatible.
+        Host memory is stored as it lies; device memory is staged token-major
+        (`kvflow.staging`), so only its cells count, not the order vLLM keeps them in."""
+        if self.memory == "cpu":
+            kinds = sorted({g.describe() for g in self.geometries})
+        else:
+            kinds = sorted({g.describe_cells() for g in self.geometries})
         return f"{self.memory};layers={self.num_layers};" + "|".join(kinds)
 
     block_size: int = 0

@@ -36,9 +36,8 @@ class PdParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     block_ids: list[int]
     num_tokens: int
     block_size: int
-    """Tokens in one of the producer's blocks."""
-    layout: str
-    """The producer's KV cache layout (vLLM's `KVCacheLayout` name)."""
+    """Tokens in one of the producer's blocks (a consumer pulls only into blocks of as
+    many; their layouts are the workers' business)."""
 
 
 def consumer_params(p: PdParams) -> dict[str, Any]:

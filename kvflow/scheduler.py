@@ -89,7 +89,6 @@ class SchedulerEngine:
         can_offer: bool = False,
         engine_id: str = "",
         num_shards: int = 1,
-        kv_layout: str = "",
     ) -> None:
         self.config = config
         self.transport = transport
@@ -104,8 +103,6 @@ class SchedulerEngine:
         self.engine_id = engine_id
         self.num_shards = num_shards
         """This engine's worker shards (tensor x pipeline parallel ranks)."""
-        self.kv_layout = kv_layout
-        """vLLM's name of this engine's KV cache layout (a P/D consumer pulls only the same)."""
         self.peer_addresses: list[str] = []
         """This engine's worker endpoints by shard, learned from the workers' handshake."""
         self._offers: list[OfferSpec] = []
@@ -270,7 +267,6 @@ class SchedulerEngine:
                 block_ids=list(block_ids[: len(counts)]),
                 num_tokens=sum(counts),
                 block_size=self.block_size,
-                layout=self.kv_layout,
             )
             params = consumer_params(pd)
         lend = st is not None and (st.saves_issued or params is not None)
@@ -284,11 +280,10 @@ class SchedulerEngine:
         """Why this consumer cannot copy `pd`'s blocks as they are ("" if it can)."""
         if len(pd.addresses) != self.num_shards:
             return shard_mismatch(pd.engine_id, len(pd.addresses), self.num_shards)
-        if (pd.block_size, pd.layout) != (self.block_size, self.kv_layout):
+        if pd.block_size != self.block_size:
             return (
-                f"producer {pd.engine_id} has blocks of {pd.block_size} tokens in KV layout "
-                f"{pd.layout}, this consumer {self.block_size} in {self.kv_layout}; give both "
-                "instances the same --block-size and VLLM_KV_CACHE_LAYOUT"
+                f"producer {pd.engine_id} has blocks of {pd.block_size} tokens, this consumer "
+                f"{self.block_size}; give both instances the same --block-size"
             )
         return ""
 

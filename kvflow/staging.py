@@ -28,7 +28,16 @@ import trio
 from .layout import KVLayout, LayerGeometry
 from .runtime import poll_until
 
-__all__ = ["HostStage", "block_views", "event_done", "mark"]
+__all__ = [
+    "HostStage",
+    "block_views",
+    "cell_view",
+    "copy_tokens",
+    "event_done",
+    "from_token_major",
+    "mark",
+    "token_major",
+]
 
 
 def block_views(flat: Any, g: LayerGeometry) -> list[Any]:
@@ -41,19 +50,39 @@ def block_views(flat: Any, g: LayerGeometry) -> list[Any]:
     ]
 
 
-def image_ranges(g: LayerGeometry, num_tokens: int) -> list[tuple[int, int, int]]:
-    """(offset in the block, offset in the block's image, length) of each run holding
-    the first `num_tokens` tokens: the image of a block is its whole-block runs end to
-    end (`block_views` order)."""
-    starts, at = [], 0
-    for off, n in g.block_runs():
-        starts.append((off, at, n))
-        at += n
-    out = []
-    for off, n in g.runs(num_tokens):
-        run_off, img, _ = next(r for r in starts if r[0] <= off < r[0] + r[2])
-        out.append((off, img + off - run_off, n))
-    return out
+def cell_view(flat: Any, g: LayerGeometry) -> Any:
+    """A token-granular layer as `[blocks, kernel blocks, heads, kernel tokens, cell]`
+    (a strided view of the flat uint8 tensor, whatever vLLM's layout)."""
+    return flat.as_strided(
+        (g.num_blocks, g.kernel_blocks, g.heads, g.kernel_tokens, g.cell_bytes),
+        (g.block_stride, g.kernel_stride, g.head_stride, g.token_stride, 1),
+        flat.storage_offset(),
+    )
+
+
+def token_major(cells: Any, g: LayerGeometry) -> Any:
+    """`[k, kernel blocks, heads, kernel tokens, cell]` cells of k blocks as the canonical
+    image `[k, block_size, heads, cell]` (a view when the layout is NHD, else a copy)."""
+    return cells.permute(0, 1, 3, 2, 4).reshape(len(cells), g.block_size, g.heads, g.cell_bytes)
+
+
+def from_token_major(image: Any, g: LayerGeometry) -> Any:
+    """The canonical image `[k, block_size, heads, cell]` as `g`'s cells (a view)."""
+    k = len(image)
+    shape = (k, g.kernel_blocks, g.kernel_tokens, g.heads, g.cell_bytes)
+    return image.reshape(shape).permute(0, 1, 3, 2, 4)
+
+
+def copy_tokens(dst: Any, g_dst: LayerGeometry, src: Any, g_src: LayerGeometry, n: int) -> None:
+    """Copy the first `n` tokens of one block's cells (`cell_view(...)[b]`) into another's,
+    kernel blocks of either size, nothing past them written."""
+    t = 0
+    while t < n:
+        ks, ts = divmod(t, g_src.kernel_tokens)
+        kd, td = divmod(t, g_dst.kernel_tokens)
+        m = min(n - t, g_src.kernel_tokens - ts, g_dst.kernel_tokens - td)
+        dst[kd, :, td : td + m].copy_(src[ks, :, ts : ts + m], non_blocking=True)
+        t += m
 
 
 async def event_done(event: Any) -> None:
@@ -76,8 +105,9 @@ def mark(layout: KVLayout) -> Any:
 
 
 class HostStage:
-    """One job's blocks in a compact host image: chunk `c` of layer `l` is
-    `host[l][c]`, its block's whole-block runs end to end (`image_ranges`)."""
+    """One job's blocks in a compact host image: chunk `c` of layer `l` is `host[l][c]`,
+    token-major `[block_size, heads, cell]` whatever vLLM's layout (so a store's bytes
+    read back into any layout), or the opaque block of a block-granular layer."""
 
     def __init__(
         self, layout: KVLayout, block_ids: Sequence[int], token_counts: Sequence[int]
@@ -95,7 +125,7 @@ class HostStage:
         """Chunks that fill their block (in a block-granular layer every chunk does)."""
         self._host = [
             torch.empty(
-                (len(self.block_ids), sum(n for _, n in g.block_runs())),
+                (len(self.block_ids), g.chunk_nbytes(g.block_size)),
                 dtype=torch.uint8,
                 pin_memory=self._cuda,
             )
@@ -107,24 +137,22 @@ class HostStage:
 
     # -- what the transport sees ------------------------------------------------
     def spans(self, layer: int) -> list[list[memoryview]]:
-        """Each chunk's runs in the host image: the runs of its tokens."""
+        """Each chunk's bytes in the host image: one span (its tokens, token-major)."""
         g = self.layout.geometries[layer]
         host = self._host[layer].numpy()
-        return [
-            [host[c, img : img + n].data for _, img, n in image_ranges(g, count)]
-            for c, count in enumerate(self.token_counts)
-        ]
+        return [[host[c, : g.chunk_nbytes(n)].data] for c, n in enumerate(self.token_counts)]
 
     # -- device <-> host ---------------------------------------------------------
     async def gather(self, layer: int) -> None:
         """Copy the job's blocks of `layer` from the device into the host image."""
-        views = block_views(self.layout.tensors[layer], self.layout.geometries[layer])
-        host, at = self._host[layer], 0
+        g, flat, host = self.layout.geometries[layer], self.layout.tensors[layer], self._host[layer]
         with self._on_stream():
-            for view in views:
-                n = view.shape[1]
-                host[:, at : at + n].copy_(view.index_select(0, self._index), non_blocking=True)
-                at += n
+            if g.block_bytes:
+                (view,) = block_views(flat, g)
+                host.copy_(view.index_select(0, self._index), non_blocking=True)
+            else:
+                image = token_major(cell_view(flat, g).index_select(0, self._index), g)
+                host.copy_(image.reshape(len(host), -1), non_blocking=True)
         await self._done()
 
     def scatter(self, layer: int, after: Any = None) -> None:
@@ -142,20 +170,20 @@ class HostStage:
             if after is not None and self._stream is not None:
                 self._stream.wait_event(after)
             staged = self._host[layer].to(self.device, non_blocking=True)
+            chunks = torch.tensor(whole, dtype=torch.long, device=self.device)
+            if g.block_bytes:
+                (view,) = block_views(flat, g)
+                view.index_copy_(0, self._index[chunks], staged.index_select(0, chunks))
+                return self._synchronize()
+            image = staged.reshape(len(staged), g.block_size, g.heads, g.cell_bytes)
+            cells, theirs = cell_view(flat, g), from_token_major(image, g)
             if whole:
-                chunks = torch.tensor(whole, dtype=torch.long, device=self.device)
-                at = 0
-                for view in block_views(flat, g):
-                    n = view.shape[1]
-                    rows = staged[:, at : at + n].index_select(0, chunks)
-                    view.index_copy_(0, self._index[chunks], rows)
-                    at += n
+                cells.index_copy_(0, self._index[chunks], theirs.index_select(0, chunks))
             for c in partial:
-                base = self.block_ids[c] * g.block_stride
-                for off, img, n in image_ranges(g, self.token_counts[c]):
-                    flat[base + off : base + off + n].copy_(
-                        staged[c, img : img + n], non_blocking=True
-                    )
+                copy_tokens(cells[self.block_ids[c]], g, theirs[c], g, self.token_counts[c])
+        self._synchronize()
+
+    def _synchronize(self) -> None:
         if self._stream is not None:
             self._stream.synchronize()
 

@@ -780,7 +780,7 @@ def test_a_device_cache_is_refused_by_a_host_only_peer_transport(
         start_engine("a", device=True, worker_transport=HostOnlyPeer)
 
 
-def _pd_consumer(e: Engine, num_shards: int = 1, block_size: int = BS) -> SchedulerEngine:
+def _pd_consumer(e: Engine, num_shards: int = 1) -> SchedulerEngine:
     """A P/D consumer's scheduler side on `e`'s runtime and transport."""
     return SchedulerEngine(
         config=KVFlowConfig(),
@@ -788,16 +788,15 @@ def _pd_consumer(e: Engine, num_shards: int = 1, block_size: int = BS) -> Schedu
         runtime=e.sched.runtime,
         bus=e.sched.bus,
         namespace=e.namespace,
-        block_size=block_size,
+        block_size=BS,
         can_pull=True,
         num_shards=num_shards,
-        kv_layout="LBNHC",
     )
 
 
-def _pd(block_size: int = BS, layout: str = "LBNHC") -> PdParams:
+def _pd(block_size: int = BS) -> PdParams:
     blocks, n = [10, 11, 12], len(PROMPT)
-    return PdParams(PD_VERSION, "producer", ["tcp://p:1"], "p-req", blocks, n, block_size, layout)
+    return PdParams(PD_VERSION, "producer", ["tcp://p:1"], "p-req", blocks, n, block_size)
 
 
 def test_a_pd_consumer_with_a_cached_prefix_pulls_only_the_rest(
@@ -825,24 +824,15 @@ def test_a_pd_producer_with_another_parallel_shape_is_refused_naming_both(
     assert "runs 1 worker shard(s), this consumer 2" in caplog.text
 
 
-@pytest.mark.parametrize(
-    ("block_size", "layout"), [(BS * 4, "LBNHC"), (BS, "LBHNC")], ids=["block", "layout"]
-)
-def test_a_pd_producer_with_other_blocks_is_refused_naming_both(
-    start_engine: Callable[..., Engine],
-    caplog: pytest.LogCaptureFixture,
-    block_size: int,
-    layout: str,
+def test_a_pd_producer_with_other_block_sizes_is_refused_naming_both(
+    start_engine: Callable[..., Engine], caplog: pytest.LogCaptureFixture
 ) -> None:
-    """P with blocks of 16 tokens and D with 64, or P in HND and D in NHD: computed here,
-    never copied block for block into blocks that hold other tokens."""
+    """P with blocks of 16 tokens and D with 4: computed here, never copied block for
+    block into blocks that hold other tokens."""
     sched = _pd_consumer(start_engine("blocks"))
-    sched.add_request("r", PROMPT, pd=_pd(block_size, layout))
+    sched.add_request("r", PROMPT, pd=_pd(4 * BS))
     assert not sched.is_remote("r")
-    assert (
-        f"producer producer has blocks of {block_size} tokens in KV layout {layout}, this "
-        f"consumer {BS} in LBNHC" in caplog.text
-    )
+    assert f"producer producer has blocks of {4 * BS} tokens, this consumer {BS}" in caplog.text
 
 
 def test_a_worker_refuses_a_pull_from_another_number_of_shards() -> None:

@@ -1,6 +1,8 @@
 """Peers and stores whose KV layouts match or differ, with real transports on host memory
 laid out as vLLM lays out its GPU caches (all six `KVCacheLayout`s, kernel blocks): equal
-layouts move every byte; different ones are refused naming both, nothing written."""
+layouts move every byte; other layouts of the same cells are converted where the copy is
+kvflow's own (CUDA IPC, with the in-process stand-in for the GPU; host staging, in
+tests/test_staging.py), refused naming both elsewhere, nothing written."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import trio.testing
 
 from kvflow.keys import chunk_keys
 from kvflow.layout import KVLayout
-from kvflow.testing.layouts import LAYOUTS, fill_blocks, make_layout
+from kvflow.testing.layouts import LAYOUTS, fill_blocks, make_layout, token_bytes
 from kvflow.transport import LoadJob, Offer, PeerSource, SaveJob, TransportContext, TransportError
 from kvflow_fs import FsOptions, FsTransport
 from kvflow_zmq import ZmqOptions, ZmqTransport
@@ -22,9 +24,15 @@ from kvflow_zmq import ZmqOptions, ZmqTransport
 pytest.importorskip("nixl_cu12", reason="NIXL is an optional extra: kvflow[nixl]")
 from kvflow_nixl import NixlOptions, NixlTransport
 
+from .test_conformance_zmq import StandInIpcZmq, _as_device
+
 BS = 8
 SRC, DST, COUNTS = [1, 4, 6], [7, 2, 5], [BS, BS, 5]
-PEERS = {"zmq": (ZmqTransport, ZmqOptions), "nixl": (NixlTransport, NixlOptions)}
+PEERS = {
+    "zmq": (ZmqTransport, ZmqOptions),
+    "nixl": (NixlTransport, NixlOptions),
+    "zmq-ipc": (StandInIpcZmq, ZmqOptions),
+}
 SAME = {name: {"layout": name} for name in LAYOUTS} | {
     "LBHNC-kernel4": {"layout": "LBHNC", "kernel_block_size": 4},
     "LBNHC-kernel4": {"layout": "LBNHC", "kernel_block_size": 4},
@@ -35,6 +43,8 @@ DIFFERENT = {  # producer, consumer
     "block8-to-block32": ({}, {"block_size": 4 * BS}),
     "kernel-blocks": ({"layout": "LBHNC", "kernel_block_size": 4}, {"layout": "LBHNC"}),
 }
+CONVERTED = {"HND-to-NHD", "NHD-to-HND", "kernel-blocks"}
+"""Pairs of the same cells: CUDA IPC converts them."""
 
 
 def layout(**kw: Any) -> KVLayout:
@@ -62,6 +72,8 @@ def whole(kv: KVLayout) -> list[bytes]:
 async def pull(kind: str, prod: KVLayout, cons: KVLayout) -> None:
     """Offer SRC on `prod`'s producer; pull it into DST of `cons` (raises what load raises)."""
     cls, options = PEERS[kind]
+    if kind == "zmq-ipc":
+        prod, cons = _as_device(prod), _as_device(cons)
     producer, consumer = cls(options(), ctx(prod)), cls(options(), ctx(cons))
     for t, kv in ((producer, prod), (consumer, cons)):
         await t.open()
@@ -97,8 +109,33 @@ async def test_peers_of_one_layout_move_every_byte(kind: str, same: str) -> None
     assert chunks(cons, DST) == chunks(prod, SRC)
 
 
-@pytest.mark.parametrize("kind", PEERS)
-@pytest.mark.parametrize("pair", DIFFERENT)
+@pytest.mark.parametrize("pair", sorted(CONVERTED))
+async def test_cuda_ipc_converts_between_layouts_of_the_same_cells(pair: str) -> None:
+    prod, cons = layout(**DIFFERENT[pair][0]), layout(**DIFFERENT[pair][1])
+    fill_blocks(prod, SRC, seed=3)
+    before = whole(cons)
+    await pull("zmq-ipc", prod, cons)
+    for i in range(3):
+        for a, b, n in zip(SRC, DST, COUNTS, strict=True):
+            assert token_bytes(cons, i, b, n) == token_bytes(prod, i, a, n), (i, a, b)
+    written = [
+        {
+            o + j
+            for b, n in zip(DST, COUNTS, strict=True)
+            for o, m in g.ranges(b, n)
+            for j in range(m)
+        }
+        for g in cons.geometries
+    ]
+    for i, (old, new) in enumerate(zip(before, whole(cons), strict=True)):
+        changed = {j for j, (x, y) in enumerate(zip(old, new, strict=True)) if x != y}
+        assert changed <= written[i], "only the chunks' own tokens are written"
+
+
+@pytest.mark.parametrize(
+    ("kind", "pair"),
+    [(k, p) for k in PEERS for p in DIFFERENT if k != "zmq-ipc" or p not in CONVERTED],
+)
 async def test_peers_of_other_layouts_are_refused_naming_both(kind: str, pair: str) -> None:
     prod, cons = layout(**DIFFERENT[pair][0]), layout(**DIFFERENT[pair][1])
     fill_blocks(prod, SRC, seed=3)

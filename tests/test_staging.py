@@ -11,7 +11,7 @@ import trio
 
 from kvflow.layout import KVLayout, LayoutError
 from kvflow.staging import HostStage
-from kvflow.testing.layouts import LAYOUTS, fill_blocks, make_layout
+from kvflow.testing.layouts import LAYOUTS, fill_blocks, make_layout, token_bytes
 
 BS = 4
 KINDS = {name: {"layout": name} for name in LAYOUTS} | {
@@ -31,12 +31,8 @@ def device_layout(kind: str, num_blocks: int = 12) -> KVLayout:
     return layout
 
 
-def tokens(layout: KVLayout, layer: int, block: int, n: int) -> bytes:
-    return b"".join(bytes(s) for s in layout.spans(layer, block, n))
-
-
 @pytest.mark.parametrize("kind", KINDS)
-def test_gather_hands_the_transport_each_chunks_tokens(kind: str) -> None:
+def test_gather_hands_the_transport_each_chunks_token_bytes(kind: str) -> None:
     layout = device_layout(kind)
     fill_blocks(layout, [3, 5, 7], seed=1)
     stage = HostStage(layout, [3, 5, 7], COUNTS)
@@ -44,12 +40,18 @@ def test_gather_hands_the_transport_each_chunks_tokens(kind: str) -> None:
         trio.run(stage.gather, layer)
         for chunk, (block, n) in enumerate(zip([3, 5, 7], COUNTS, strict=True)):
             got = b"".join(bytes(s) for s in stage.spans(layer)[chunk])
-            assert got == tokens(layout, layer, block, n)
+            assert got == token_bytes(layout, layer, block, n)
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_scatter_writes_the_chunks_and_nothing_else(kind: str) -> None:
-    src, dst = device_layout(kind), device_layout(kind, num_blocks=20)
+@pytest.mark.parametrize(
+    ("kind", "into"),
+    [(k, k) for k in KINDS] + [("LBHNC", "LBNHC"), ("LBNHC-kernel2", "BHLNC")],
+    ids=lambda k: k,
+)
+def test_scatter_writes_the_chunks_and_nothing_else(kind: str, into: str) -> None:
+    """Into a cache of the same layout, or another (a store written by an instance whose
+    attention backend lays out its cache otherwise)."""
+    src, dst = device_layout(kind), device_layout(into, num_blocks=20)
     fill_blocks(src, [0, 1, 2], seed=2)
     out, into = HostStage(src, [0, 1, 2], COUNTS), HostStage(dst, [9, 4, 17], COUNTS)
     for layer in range(src.num_layers):
@@ -60,7 +62,7 @@ def test_scatter_writes_the_chunks_and_nothing_else(kind: str) -> None:
         before = np.frombuffer(dst.buffers[layer], np.uint8).copy()
         into.scatter(layer)
         for a, b, n in zip([0, 1, 2], [9, 4, 17], COUNTS, strict=True):
-            assert tokens(dst, layer, b, n) == tokens(src, layer, a, n)
+            assert token_bytes(dst, layer, b, n) == token_bytes(src, layer, a, n)
         changed = np.flatnonzero(np.frombuffer(dst.buffers[layer], np.uint8) != before)
         g = dst.geometries[layer]
         written = {

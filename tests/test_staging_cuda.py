@@ -34,16 +34,25 @@ LAYERS, BS = 4, 16
 COUNTS = [BS, BS, 5]
 
 
-def vllm_layout(device: str, blocks: int, seed: int) -> tuple[KVLayout, list[torch.Tensor]]:
-    return device_layout(device, num_layers=LAYERS, num_blocks=blocks, block_size=BS, seed=seed)
+def vllm_layout(
+    device: str, layout: str, blocks: int, seed: int
+) -> tuple[KVLayout, list[torch.Tensor]]:
+    return device_layout(
+        device, layout=layout, num_layers=LAYERS, num_blocks=blocks, block_size=BS, seed=seed
+    )
 
 
+@pytest.mark.parametrize(
+    ("writer", "reader"), [("LBNHC", "LBNHC"), ("LBHNC", "LBNHC"), ("BLNHC", "LHBNC")]
+)
 @pytest.mark.parametrize("device", DEVICES)
 async def test_fs_saves_and_loads_a_device_cache_through_host_staging(
-    tmp_path: Path, device: str
+    tmp_path: Path, device: str, writer: str, reader: str
 ) -> None:
-    src, src_caches = vllm_layout(device, 64, seed=1)
-    dst, dst_caches = vllm_layout(device, 100, seed=2)
+    """The store holds chunks token-major: an instance whose attention backend lays out
+    its cache otherwise (HND, layers inside blocks) reads what another wrote."""
+    src, src_caches = vllm_layout(device, writer, 64, seed=1)
+    dst, dst_caches = vllm_layout(device, reader, 100, seed=2)
     before = [c.clone() for c in dst_caches]
     ctx = lambda layout: TransportContext(  # noqa: E731
         "e", "worker", "ns", "tp0of1pp0", ["tp0of1pp0"], layout

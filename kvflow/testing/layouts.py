@@ -7,7 +7,7 @@ import torch
 
 from ..layout import KVLayout, block_geometry, view_geometry
 
-__all__ = ["LAYOUTS", "device_layout", "fill_blocks", "make_layout"]
+__all__ = ["LAYOUTS", "device_layout", "fill_blocks", "make_layout", "token_bytes"]
 
 LAYOUTS = {
     "LBHNC": (0, 1, 2, 3, 4),
@@ -113,6 +113,23 @@ def device_layout(
         flat.append(raw[2 * i * strides[0] : 2 * i * strides[0] + extent])
     names = [f"model.layers.{i}.self_attn.attn" for i in range(num_layers)]
     return KVLayout(names, geos, [], "cuda", block_size, flat), views
+
+
+def token_bytes(layout: KVLayout, layer: int, block: int, num_tokens: int) -> bytes:
+    """The first `num_tokens` tokens of a block in any layout, token by token and head by
+    head (read by address arithmetic on the geometry, not through kvflow's own copies); a
+    block-granular block whole. Equal for the same KV in any two layouts."""
+    g, buf = layout.geometries[layer], layout.buffers[layer]
+    if g.block_bytes:
+        return bytes(buf[block * g.block_stride :][: g.block_bytes])
+    out = bytearray()
+    for t in range(num_tokens):
+        k, i = divmod(t, g.kernel_tokens)
+        for h in range(g.heads):
+            at = block * g.block_stride + k * g.kernel_stride + h * g.head_stride
+            at += i * g.token_stride
+            out += buf[at : at + g.cell_bytes]
+    return bytes(out)
 
 
 def fill_blocks(layout: KVLayout, block_ids: list[int], seed: int = 0) -> None:

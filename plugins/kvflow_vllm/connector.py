@@ -112,7 +112,7 @@ def fingerprint(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Fing
         dtype=f"{mc.dtype}/{vllm_config.cache_config.cache_dtype}/{mc.quantization or ''}",
         block_size=spec.block_size,
         num_layers=len(group.layer_names),
-        layout=str(kv_cache_config.kv_cache_layout or "default"),
+        layout=_stored_layout(kv_cache_config),
         bytes_per_token=spec.page_size_bytes // spec.block_size,
         tp_size=vllm_config.parallel_config.tensor_parallel_size,
         extra=f"{type(spec).__name__};load_format={load_format}"
@@ -147,6 +147,17 @@ def check_spec(name: str, spec: Any) -> None:
             f"kvflow: layer {name}'s {kind} stores a state per {spec.tokens_per_state} "
             "tokens; kvflow moves caches of one state per token"
         )
+
+
+def _stored_layout(kv_cache_config: KVCacheConfig) -> str:
+    """The layout of the bytes a store holds: vLLM's CPU cache as it lies (blocks packed per
+    instruction set); a device cache token-major, whatever vLLM's layout (staged: any
+    layout reads what any other wrote)."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        return str(kv_cache_config.kv_cache_layout or "default")
+    return "token-major"
 
 
 def _shard(tp_rank: int, tp_size: int, pp_rank: int) -> str:
@@ -292,7 +303,6 @@ class KVFlowConnector(KVConnectorBase_V1):
                 can_offer=produces and caps.peer,
                 engine_id=self.engine_id,
                 num_shards=len(ctx.shards),
-                kv_layout=str(kv_cache_config.kv_cache_layout or ""),
             )
         else:
             self._worker = WorkerEngine(

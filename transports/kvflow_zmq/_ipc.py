@@ -30,7 +30,14 @@ import torch
 import trio
 
 from kvflow.layout import LayerGeometry
-from kvflow.staging import block_views, event_done
+from kvflow.staging import (
+    block_views,
+    cell_view,
+    copy_tokens,
+    event_done,
+    from_token_major,
+    token_major,
+)
 
 __all__ = [
     "CudaDevice",
@@ -160,12 +167,25 @@ def copy_chunks(
     token_counts: Sequence[int],
 ) -> None:
     """Queue the copy of chunk i from `src_blocks[i]` to `dst_blocks[i]` (one layer; the
-    geometries differ at most in their number of blocks; `index` from `index_tensors`).
+    geometries hold the same cells, `layout_mismatch(..., cells=True)`; `index` from
+    `index_tensors`).
 
-    Full chunks go in one gather/scatter per run of a whole block; a partial chunk
-    of a token-granular layer moves only its tokens, so nothing past them is written.
+    Full chunks go in one gather/scatter per run of a whole block, or, between two
+    layouts, one gather into the token-major order and one scatter out of it; a partial
+    chunk of a token-granular layer moves only its tokens, so nothing past them is
+    written.
     """
     si, di, full, partial = index
+    if g_src.block_shape() != g_dst.block_shape():  # the same cells in another order
+        src_cells, dst_cells = cell_view(src, g_src), cell_view(dst, g_dst)
+        if full:
+            image = token_major(src_cells.index_select(0, si), g_src)
+            dst_cells.index_copy_(0, di, from_token_major(image.to(dst.device), g_dst))
+        for i in partial:
+            copy_tokens(
+                dst_cells[dst_blocks[i]], g_dst, src_cells[src_blocks[i]], g_src, token_counts[i]
+            )
+        return
     views = list(zip(block_views(src, g_src), block_views(dst, g_dst), strict=True))
     if full:
         for s, d in views:

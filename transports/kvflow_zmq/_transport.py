@@ -117,8 +117,9 @@ class ZmqTransport(Transport):
                     self.held.release(msg.req, outcome, peer=ident)
                     continue
                 why = "wire version" if msg.version != wire.WIRE_VERSION else ""
-                if msg.geometries and not why:
-                    why = layout_mismatch(self._layout().geometries, msg.geometries)
+                if msg.geometries and not why:  # over CUDA IPC, layouts are converted
+                    ours = self._layout().geometries
+                    why = layout_mismatch(ours, msg.geometries, cells=bool(self._handles))
                 offer = None if why else self.held.get(msg.req)
                 if offer is not None:
                     offer = select_blocks(offer, msg.block_ids)
@@ -276,7 +277,7 @@ class ZmqTransport(Transport):
                 f"CUDA IPC needs producer and consumer on one host: {address} is on "
                 f"{msg.host}, this consumer on {here}"
             )
-        if why := layout_mismatch(msg.geometries, layout.geometries):
+        if why := layout_mismatch(msg.geometries, layout.geometries, cells=True):
             raise ChunkCorrupt(f"producer {address}: {why}")
         if msg.block_ids != src.block_ids or len(job.block_ids) != len(src.block_ids):
             raise ChunkCorrupt(
