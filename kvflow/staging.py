@@ -7,11 +7,13 @@ through a compact host image of its blocks: a save gathers a layer's blocks
 hands the transport the image's spans and scatters each layer into the
 device blocks as soon as the transport filled it, before the layer's gate
 opens (synchronously: the scatter of one layer of one request, a few hundred
-microseconds at PCIe speed, holds the worker's loop). Per layer and run of a
-whole block (`LayerGeometry.block_runs`), one gather (or scatter) on the device
-plus one copy between the device and pinned host memory, on a side stream; a
-gather's completion is polled from trio. A partial block moves whole to the
-host (a read), but only its tokens are written back into the device.
+microseconds at PCIe speed, holds the worker's loop). Per layer, one strided
+gather (or scatter) on the device plus one copy between the device and pinned
+host memory, on a side stream; a gather's completion is polled from trio. The
+image is token-major (`[tokens, heads, cell]` per chunk) whatever vLLM's layout,
+so bytes a store holds read back into a cache of any layout. A partial block
+moves whole to the host (a read), but only its tokens are written back into the
+device.
 
 The copies are plain torch indexing, so they run on any device; the CPU test
 suite runs them on CPU tensors standing in for a CUDA cache.

@@ -27,7 +27,7 @@ import msgspec
 from kvflow.layout import LayerGeometry
 from kvflow.zmqio import decode_frame
 
-WIRE_VERSION = 3
+WIRE_VERSION = 4
 MAX_TO_PRODUCER_BYTES = 64 << 10
 """Pull / Failed / notifications: small, fixed-shape frames."""
 MAX_TO_CONSUMER_BYTES = 64 << 20
