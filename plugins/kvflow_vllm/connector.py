@@ -13,6 +13,7 @@ import os
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
+import vllm
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorHandshakeMetadata,
@@ -42,6 +43,7 @@ from kvflow.transport import (
 )
 from kvflow.worker import WorkerEngine
 
+from .compat import untested_version
 from .stats import KVFlowPromMetrics, KVFlowStats
 
 if TYPE_CHECKING:
@@ -231,6 +233,8 @@ class KVFlowConnector(KVConnectorBase_V1):
         role: KVConnectorRole,
         kv_cache_config: KVCacheConfig,
     ) -> None:
+        if warning := untested_version(vllm.__version__):
+            log.warning(warning)
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         ktc = self._kv_transfer_config
         try:
@@ -335,6 +339,12 @@ class KVFlowConnector(KVConnectorBase_V1):
         per_engine_labelvalues: dict[int, list[object]],
     ) -> KVConnectorPromMetrics:
         return KVFlowPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any = None) -> bool:
+        """No (vLLM 0.33+ asks): registered memory and CUDA IPC handles would point at
+        memory that sleep released and wake remapped. vLLM refuses the combination."""
+        return False
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
@@ -495,6 +505,7 @@ class KVFlowConnector(KVConnectorBase_V1):
         self.worker.end_step()
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        self.worker.settle_loads()  # Model Runner V2 may ask before wait_for_save
         r = self.worker.take_results()
         return KVConnectorTransferResults(
             finished_sending=r.finished_sending,
@@ -507,6 +518,7 @@ class KVFlowConnector(KVConnectorBase_V1):
         return r.finished_sending or None, r.finished_recving or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        self.worker.settle_loads()  # errors of this step's forward, whatever the order
         return self.worker.take_error_blocks()
 
     def shutdown(self) -> None:
