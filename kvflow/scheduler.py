@@ -207,6 +207,19 @@ class SchedulerEngine:
         """Build this step's WorkerPlan (resets the per-step lists)."""
         self._step += 1
         saves: list[SaveSpec] = []
+        # Preemptions first: vLLM may preempt and resume a request in one step
+        # (reset_prefix_cache with running requests); its scheduled entry then carries
+        # the whole new block table.
+        for req in preempted:
+            st = self._reqs.get(req)
+            if st is not None:
+                # vLLM freed its blocks and the workers stop its saves: a resumed request
+                # is looked up, loaded and saved afresh, and lends nothing for old saves
+                st.saved_upto = st.stored_upto
+                st.load_planned = False
+                st.saves_issued = False
+                st.block_ids = []
+                self._preempted.append(req)
         for s in scheduled:
             st = self._reqs.get(s.req)
             if st is None and s.token_ids is not None:
@@ -222,14 +235,6 @@ class SchedulerEngine:
                 spec = self._plan_save(s.req, st, s.num_computed + s.num_scheduled)
                 if spec is not None:
                     saves.append(spec)
-        for req in preempted:
-            st = self._reqs.get(req)
-            if st is not None:
-                # vLLM freed its blocks: a resumed request is looked up and loaded afresh
-                st.saved_upto = st.stored_upto
-                st.load_planned = False
-                st.block_ids = []
-                self._preempted.append(req)
         plan = WorkerPlan(
             step=self._step,
             loads=self._pending_loads,

@@ -174,33 +174,25 @@ def test_preempted_request_resumes_with_matching_block_tables(
     assert not h.kvflow_requests
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason=(
-        "kvflow bug: SchedulerEngine.plan() applies scheduler_output.preempted_req_ids "
-        "after the scheduled requests, so a request preempted by "
-        "reset_prefix_cache(reset_running_requests=True) and resumed in the same "
-        "schedule() has the block table it was just given reset to []; kvflow then "
-        "plans over the decode blocks appended later and saves the prompt's chunks "
-        "from the wrong blocks (prompt keys over decode KV: a poisoned store)"
-    ),
-)
 def test_reset_prefix_cache_preempt_and_resume_keeps_block_tables(
     harness: MakeHarness, tmp_path: Path
 ) -> None:
+    """Preempted and resumed in one `schedule()` (a pause with clear_cache does this): the
+    resumed request's new block table holds, and its prompt is saved from its own blocks
+    (kvflow applied the preemption after the resume and saved decode blocks' KV under the
+    prompt's keys)."""
     h = harness(fs_config(tmp_path), 16)
     prompts = {"r": prompt_of(1, 40)}
     h.add(make_request("r", prompts["r"], max_tokens=50))
     h.step()
     h.step()
     if not h.scheduler.reset_prefix_cache(reset_running_requests=True):
-        pytest.fail("reset_prefix_cache failed")  # not an AssertionError: not the xfail
+        pytest.fail("reset_prefix_cache failed")
     resumed = h.step()
     if resumed.plan.preempted != ["r"] or "r" not in resumed.block_ids:
         pytest.fail("r was not preempted and resumed in the same step")
     run_to_completion(h)
-    check_saves(h, prompts)  # fails: a save of the prompt names decode blocks
+    check_saves(h, prompts)
     check_tables(h)
 
 
@@ -345,19 +337,10 @@ def test_abort_during_async_load(harness: MakeHarness, tmp_path: Path) -> None:
     assert not h.scheduler.requests and not h.kvflow_requests
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason=(
-        "kvflow bug: a request that saved, was preempted (its saves cancelled) and "
-        "resumed with an async load keeps saves_issued, so when it is aborted during "
-        "that load SchedulerEngine.finished() lends its blocks although vLLM already "
-        "holds them for the load; the worker then reports it in both finished_recving "
-        "and finished_sending and vLLM's scheduler frees it twice "
-        "(AssertionError in Scheduler._update_from_kv_xfer_finished)"
-    ),
-)
 def test_abort_during_async_load_after_preemption(harness: MakeHarness, tmp_path: Path) -> None:
+    """Saved, preempted (its saves stopped), resumed with an async load, aborted during
+    it: nothing is lent for the stopped saves (kvflow lent the blocks vLLM held for the
+    load, and vLLM freed them twice)."""
     prompt = prompt_of(1, 64)
     store_prefix(harness, tmp_path, prompt[:32])
     # no local prefix cache, so the resumed request looks its prompt up in the store again
@@ -372,7 +355,7 @@ def test_abort_during_async_load_after_preemption(harness: MakeHarness, tmp_path
         if r.num_preemptions and r.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
             break
     else:
-        pytest.fail("r was never preempted and reloaded")  # not the xfail's AssertionError
+        pytest.fail("r was never preempted and reloaded")
     if not any(s.req == "r" for st in h.steps for s in st.plan.saves) or loads != {"r"}:
         pytest.fail("r did not save before its preemption, or does not reload on resume")
 
