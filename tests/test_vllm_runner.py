@@ -56,8 +56,10 @@ MRV2_DEFERS = "defer_finalize" in inspect.signature(ActiveKVConnector.post_forwa
 class Worker:
     """vLLM's worker-side connector as its runner sees it, plus the test's cache."""
 
-    def __init__(self, conn: KVFlowConnector, caches: dict[str, torch.Tensor]) -> None:
-        self.conn, self.caches = conn, caches
+    def __init__(
+        self, conn: KVFlowConnector, caches: dict[str, torch.Tensor], mrv2: ActiveKVConnector
+    ) -> None:
+        self.conn, self.caches, self.mrv2 = conn, caches, mrv2
         self.saved = threading.Event()
         conn.bus.subscribe(
             lambda e: isinstance(e, TransferDone) and e.direction == "save" and self.saved.set()
@@ -74,9 +76,7 @@ class Worker:
         so.has_sync_kv_loads = any(not s.asynchronous for s in plan_kw.get("loads", ()))
         with set_forward_context(None, self.conn._vllm_config):
             if runner == "mrv2":
-                wrapper = ActiveKVConnector.__new__(ActiveKVConnector)  # caches registered once
-                wrapper.vllm_config, wrapper.kv_connector = self.conn._vllm_config, self.conn
-                wrapper._pending_load_kwargs, wrapper._disabled = None, False
+                wrapper = self.mrv2
                 wrapper.pre_forward(so)
                 self.forward()
                 kw = {"defer_finalize": True} if defer else {}
@@ -122,8 +122,8 @@ def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worker]:
         caches = {
             name: torch.randn(NUM_BLOCKS, 1, BLOCK_SIZE, 16, generator=gen) for name in LAYERS
         }
-        conn.register_kv_caches(caches)
-        w = Worker(conn, caches)
+        mrv2 = ActiveKVConnector(cfg, caches)  # registers the caches, as Model Runner V2 does
+        w = Worker(conn, caches, mrv2)
         w.output({"saves": [SaveSpec("w", w.keys, SAVED, COUNTS)]}, "v1", defer=False)
         assert w.saved.wait(30), "the save did not finish"
         try:
