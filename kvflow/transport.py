@@ -34,6 +34,7 @@ __all__ = [
     "Offer",
     "PeerSource",
     "SaveJob",
+    "TransferStuck",
     "Transport",
     "TransportContext",
     "TransportError",
@@ -61,6 +62,12 @@ class ChunkMissing(TransportError):
 
 class ChunkCorrupt(TransportError):
     """A chunk's bytes failed validation: wrong key, layout, size or checksum."""
+
+
+class TransferStuck(TransportError):
+    """A transfer could not be stopped and may still write into its blocks (a READ still
+    in flight after its cancellation). The worker stops the engine rather than hand the
+    blocks back to vLLM: a late write into a block vLLM reuses is wrong KV."""
 
 
 class TransportNotFound(LookupError):

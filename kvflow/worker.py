@@ -10,6 +10,12 @@ blocks are reused), each bounded by a timeout.
 Flows report through a lock-protected `TransferResults`; a failed load's
 block ids are recorded before (or with) its completion, so vLLM always learns
 which blocks to recompute no later than it learns the load ended.
+
+No load's blocks go back to vLLM while something may still write into them. A
+load that cannot be stopped (a read stuck in the kernel on a hung network
+filesystem, a READ still in flight after its cancellation: `TransferStuck`)
+ends the engine with `KVFlowFatal` instead, raised in vLLM's thread at its next
+call: a late write into a block vLLM recomputes or reuses would be wrong KV.
 """
 
 from __future__ import annotations
@@ -40,11 +46,20 @@ from .layout import KVLayout, LayoutError
 from .metadata import LoadSpec, OfferSpec, SaveSpec, WorkerPlan
 from .runtime import Runtime, poll_until
 from .staging import HostStage, event_done, mark
-from .transport import LoadJob, Offer, SaveJob, Transport, TransportError
+from .transport import LoadJob, Offer, SaveJob, TransferStuck, Transport, TransportError
 
-__all__ = ["TransferResults", "WorkerEngine"]
+__all__ = ["KVFlowFatal", "TransferResults", "WorkerEngine"]
 
 log = logging.getLogger("kvflow.worker")
+
+STOP_GRACE_S = 5.0
+"""How long past `load_timeout_s` vLLM's thread waits for a load to stop before it
+gives up on it (and, if the loop still runs, on the engine)."""
+
+
+class KVFlowFatal(RuntimeError):
+    """kvflow cannot go on without risking wrong KV: the engine must stop."""
+
 
 LayerReady = Callable[[], bool]
 """Polled until True before a computed layer is read (e.g. a CUDA event's query)."""
@@ -130,6 +145,10 @@ class WorkerEngine:
         self._step_load_blocks: set[int] = set()
         self._lock = threading.Lock()
         self._results = TransferResults()
+        self._fatal = ""
+        """Why the engine must stop (set once, by a load that could not be stopped)."""
+        self._async_deadlines: dict[str, float] = {}
+        """Asynchronous loads running: request -> when vLLM's thread gives up on them."""
         # loop-thread state
         self._steps: dict[int, _Step] = {}
         self._pending_saves: dict[str, int] = {}
@@ -171,6 +190,7 @@ class WorkerEngine:
 
     def bind(self, plan: WorkerPlan) -> None:
         """Start this step's transfers. Returns at once."""
+        self._check_fatal()
         layout = self._require_layout() if (plan.loads or plan.saves) else self.layout
         sync_loads = sum(not spec.asynchronous for spec in plan.loads)
         after = mark(layout) if self.staged and layout and plan.loads else None
@@ -186,10 +206,11 @@ class WorkerEngine:
     def wait_layer(self, layer: int) -> None:
         """Block until this step's synchronous loads of `layer` have landed (or failed)."""
         gate = self._gate
-        if layer < len(gate.events) and not gate.wait(layer, self.config.load_timeout_s + 5.0):
-            # The loop did not answer at all: fail the loads rather than hang vLLM.
-            log.error("kvflow: layer %d load did not finish; reporting a load error", layer)
-            self._fail_unfinished_step_loads()
+        if layer < len(gate.events) and not gate.wait(
+            layer, self.config.load_timeout_s + STOP_GRACE_S
+        ):
+            self._give_up_on_step_loads(f"layer {layer}'s load")
+        self._check_fatal()
 
     def layer_computed(self, layer: int, ready: LayerReady | None = None) -> None:
         """vLLM finished writing `layer` for this step; saves of it may start."""
@@ -210,12 +231,18 @@ class WorkerEngine:
         errors are in the results (not just every layer's gate). vLLM reads them after
         `end_step` (V1 runner) or, when Model Runner V2 defers `end_step` past the
         speculator, before it: the adapter calls this before handing out results."""
-        if not self._gate.settled.wait(self.config.load_timeout_s + 5.0):
-            log.error("kvflow: this step's loads did not finish; reporting load errors")
-            self._fail_unfinished_step_loads()
+        if not self._gate.settled.wait(self.config.load_timeout_s + STOP_GRACE_S):
+            self._give_up_on_step_loads("this step's loads")
+        self._check_fatal()
 
     def take_results(self) -> TransferResults:
         """Completions since the last call (each reported exactly once)."""
+        self._check_fatal()
+        now = time.monotonic()
+        with self._lock:
+            stuck = [req for req, t in self._async_deadlines.items() if t < now]
+        if stuck and self.runtime.running:
+            self._stop(f"the asynchronous load of {stuck[0]} did not stop")
         with self._lock:
             snap = self._results
             self._results = TransferResults(error_block_ids=snap.error_block_ids)
@@ -224,6 +251,7 @@ class WorkerEngine:
 
     def take_error_blocks(self) -> set[int]:
         """Block ids whose load failed since the last call (vLLM recomputes them)."""
+        self._check_fatal()
         with self._lock:
             blocks, self._results.error_block_ids = self._results.error_block_ids, set()
         return blocks
@@ -318,10 +346,33 @@ class WorkerEngine:
                 self._results.finished_sending.add(req)
             self.bus.emit(BlocksReleased(req=req))
 
-    def _fail_unfinished_step_loads(self) -> None:
-        """vLLM's thread gives up on this step's loads: report them all, wait no more."""
+    def _give_up_on_step_loads(self, what: str) -> None:
+        """vLLM's thread waited `load_timeout_s` + `STOP_GRACE_S` for this step's loads. If
+        the loop is gone, nothing can write any more: report them failed, wait no more.
+        If it runs, a load ignored its deadline and may still write: stop the engine."""
+        if self.runtime.running:
+            self._stop(f"{what} did not stop")
+        log.error("kvflow: %s did not finish and the loop is gone; reporting load errors", what)
         with self._lock:
             self._results.error_block_ids.update(self._step_load_blocks)
+        self._open_gate()
+
+    def _stop(self, what: str) -> None:
+        """Record why the engine must stop and raise it in vLLM's thread."""
+        with self._lock:
+            self._fatal = self._fatal or (
+                f"kvflow: {what} within load_timeout_s={self.config.load_timeout_s} + "
+                f"{STOP_GRACE_S}s (a read stuck in the kernel, e.g. on a hung network "
+                "filesystem?). Stopping the engine rather than hand blocks back to vLLM "
+                "while a late write could still land in them."
+            )
+        self._check_fatal()
+
+    def _check_fatal(self) -> None:
+        if self._fatal:
+            raise KVFlowFatal(self._fatal)
+
+    def _open_gate(self) -> None:
         gate = self._gate
         for ev in gate.events:
             ev.set()
@@ -376,7 +427,12 @@ class WorkerEngine:
             layerwise=not spec.asynchronous,
         )
         t0 = time.perf_counter()
-        error, intact, timed_out = "", 0, False
+        error, intact, timed_out, stuck = "", 0, False, ""
+        if spec.asynchronous:  # vLLM's thread stops the engine if it outlives this
+            with self._lock:
+                self._async_deadlines[spec.req] = (
+                    time.monotonic() + self.config.load_timeout_s + STOP_GRACE_S
+                )
         try:
             with trio.move_on_after(self.config.load_timeout_s) as deadline:
                 async with self._limiter("load"):  # which also bounds pinned staging memory
@@ -391,6 +447,8 @@ class WorkerEngine:
                 )
             elif not all(signalled):
                 error = "transport returned before loading every layer"
+        except TransferStuck as exc:
+            stuck = str(exc)
         except TransportError as exc:
             error, intact = f"{type(exc).__name__}: {exc}", max(0, exc.chunk)
         except Exception as exc:
@@ -400,7 +458,20 @@ class WorkerEngine:
             error = "cancelled (kvflow shutting down)"
             raise
         finally:
-            self._finish_load(spec, error, intact, timed_out, time.perf_counter() - t0, nbytes)
+            with self._lock:
+                self._async_deadlines.pop(spec.req, None)
+            if stuck:  # its blocks never go back to vLLM: the engine stops
+                log.error("kvflow load of %s into blocks %s: %s", spec.req, spec.block_ids, stuck)
+                with self._lock:
+                    self._fatal = self._fatal or (
+                        f"kvflow: the load of {spec.req} into blocks {spec.block_ids} could "
+                        f"not be stopped ({stuck}). Stopping the engine rather than hand the "
+                        "blocks back to vLLM while a late write could still land in them."
+                    )
+                reason = f"could not be stopped: {stuck}"
+                self.bus.emit(TransferFailed(req=spec.req, direction="load", reason=reason))
+            else:
+                self._finish_load(spec, error, intact, timed_out, time.perf_counter() - t0, nbytes)
             for layer in range(num_layers):
                 layer_loaded(layer)
             if sync_gate is not None:

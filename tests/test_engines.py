@@ -46,11 +46,12 @@ from kvflow.transport import (
     LoadJob,
     PeerSource,
     SaveJob,
+    TransferStuck,
     Transport,
     TransportContext,
     TransportError,
 )
-from kvflow.worker import WorkerEngine
+from kvflow.worker import KVFlowFatal, WorkerEngine
 from kvflow_fs import FsOptions, FsTransport
 
 WAIT = 10.0
@@ -146,6 +147,28 @@ class HangingTransport(Transport):
 
     async def load(self, job: LoadJob) -> None:
         await self._forever()
+
+
+class StuckReadFs(FsTransport):
+    """`fs` whose reads hang in the kernel (a hung network filesystem) until the test lets
+    them go on: trio cannot cancel the thread, so the read lands whenever it returns."""
+
+    def __init__(self, options: FsOptions, context: TransportContext) -> None:
+        super().__init__(options, context)
+        self.reading = threading.Event()
+        self.unstick = threading.Event()
+
+    def _read_layer(self, *args: Any) -> Any:
+        self.reading.set()
+        self.unstick.wait(60.0)
+        return super()._read_layer(*args)
+
+
+class StuckPeer(HangingTransport):
+    """A load whose transfer could not be stopped (a NIXL READ still in flight)."""
+
+    async def load(self, job: LoadJob) -> None:
+        raise TransferStuck("a READ was still in flight after its end")
 
 
 class CallSpyRuntime(Runtime):
@@ -617,6 +640,51 @@ def test_hung_load_times_out_reports_blocks_and_opens_gates(
         assert results.finished_recving == {"h"} and results.failed_recving == {"h"}
     else:
         assert not (results.finished_recving or results.failed_recving)
+
+
+def test_a_read_stuck_in_the_kernel_stops_the_engine_instead_of_a_late_write(
+    start_engine: Callable[..., Engine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The load's deadline passes while its read hangs in a thread: handing the blocks
+    back (as failed, to recompute) would let the read land in them later. vLLM's thread
+    gets `KVFlowFatal` instead, and no block is ever reported back."""
+    monkeypatch.setattr("kvflow.worker.STOP_GRACE_S", 0.5)
+    a = start_engine("a")
+    save_prompt(a, "src", PROMPT, [1, 2, 3])
+    b = start_engine("b", config=KVFlowConfig(load_timeout_s=0.5), worker_transport=StuckReadFs)
+    stuck = b.worker_transport
+    assert isinstance(stuck, StuckReadFs)
+    dst = [5, 6, 7]
+    plan = WorkerPlan(step=1, loads=[LoadSpec("r", b.keys(PROMPT), dst, COUNTS)])
+    try:
+        with pytest.raises(KVFlowFatal, match=r"layer 0's load did not stop within load_time"):
+            run_step(b, plan)
+        assert stuck.reading.is_set()
+        with pytest.raises(KVFlowFatal):  # and at every later call: vLLM gets nothing back
+            b.worker.take_error_blocks()
+        with pytest.raises(KVFlowFatal):
+            b.worker.take_results()
+        assert not b.worker_events.of(TransferFailed, "r")
+    finally:
+        stuck.unstick.set()  # the read returns and lands: in blocks vLLM never got back
+    assert b.worker_events.wait_for(TransferFailed, "r").timed_out
+    assert block_bytes(b.layout, 0, 5) == block_bytes(a.layout, 0, 1), "the late write"
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["layer", "async"])
+def test_a_transfer_that_cannot_be_stopped_stops_the_engine(
+    start_engine: Callable[..., Engine], asynchronous: bool
+) -> None:
+    e = start_engine("stuck-read", worker_transport=StuckPeer)
+    plan = WorkerPlan(
+        step=1, loads=[LoadSpec("r", e.keys(PROMPT), [5, 6, 7], COUNTS, asynchronous)]
+    )
+    with pytest.raises(KVFlowFatal, match=r"the load of r into blocks \[5, 6, 7\] could not be st"):
+        run_step(e, plan)
+        failed = e.worker_events.wait_for(TransferFailed, "r")  # an asynchronous load's
+        e.worker.take_results()  # end is learnt of here
+    failed = e.worker_events.wait_for(TransferFailed, "r")
+    assert failed.block_ids == [] and "could not be stopped" in failed.reason, "none handed back"
 
 
 # -- preemption and shutdown -----------------------------------------------

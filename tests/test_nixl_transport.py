@@ -21,6 +21,7 @@ from kvflow.transport import (
     LoadJob,
     Offer,
     PeerSource,
+    TransferStuck,
     TransportContext,
     TransportError,
 )
@@ -285,6 +286,52 @@ async def test_a_cancelled_consumer_drains_its_reads_before_blocks_go_back() -> 
     assert order[1].startswith("offer returned: ")
     assert sorted(map(id, cspy.released)) == sorted(map(id, cspy.posted)), "every handle released"
     assert "PROC" in cspy.states
+
+
+async def test_a_read_that_stays_in_flight_is_never_released_and_stops_the_load(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The producer makes no progress at all: past the drain wait the consumer releases
+    nothing (a released RMA READ can still land) and raises `TransferStuck`, on which the
+    worker stops the engine instead of giving the blocks back."""
+    import kvflow_nixl._transport as impl
+
+    monkeypatch.setattr(impl, "DRAIN_TIMEOUT_S", 0.2)
+    prod = make_layout(num_layers=3, num_blocks=4, block_size=BS, heads=64, head_dim=2048)
+    cons = make_layout(num_layers=3, num_blocks=10, block_size=BS, heads=64, head_dim=2048)
+    producer, consumer = await _open(prod), await _open(cons)
+    producer._agent = pspy = _Spy(producer._agent)
+    consumer._agent = cspy = _Spy(consumer._agent)
+    cspy.first_posts = min(impl.READ_AHEAD, cons.num_layers)
+    pspy.stalled = True  # and it never recovers
+    raised: list[BaseException] = []
+
+    async def load(scope: trio.CancelScope) -> None:
+        with scope:
+            try:
+                await consumer.load(_job(cons, producer.address))
+            except TransferStuck as exc:
+                raised.append(exc)
+
+    try:
+        with trio.fail_after(20):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(producer.serve)
+                nursery.start_soon(producer.offer, _offer(prod))
+                await trio.testing.wait_all_tasks_blocked()
+                scope = trio.CancelScope()
+                nursery.start_soon(load, scope)
+                await cspy.all_posted.wait()
+                scope.cancel()  # the load timeout fires mid-transfer
+                await trio.testing.wait_all_tasks_blocked()
+                nursery.cancel_scope.cancel()
+    finally:
+        pspy.stalled = False
+        await consumer.aclose()
+        await producer.aclose()
+    assert [type(e) for e in raised] == [TransferStuck]
+    assert "still in flight 0.2s after its load ended" in str(raised[0])
+    assert cspy.released == [], "no READ handle released while in flight"
 
 
 async def test_without_nixl_open_fails_with_the_install_hint(

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
+import torch
 import trio
 import trio.testing
 
@@ -24,7 +25,7 @@ from kvflow_zmq import ZmqOptions, ZmqTransport
 pytest.importorskip("nixl_cu12", reason="NIXL is an optional extra: kvflow[nixl]")
 from kvflow_nixl import NixlOptions, NixlTransport
 
-from .test_conformance_zmq import StandInIpcZmq, _as_device
+from .test_conformance_zmq import InProcessDevice, StandInIpcZmq, _as_device
 
 BS = 8
 SRC, DST, COUNTS = [1, 4, 6], [7, 2, 5], [BS, BS, 5]
@@ -175,3 +176,60 @@ async def test_a_store_read_with_another_layout_is_a_miss(tmp_path: Path, pair: 
     assert whole(reader_kv) == before
     await writer.aclose()
     await reader.aclose()
+
+
+class NeverDone(InProcessDevice):
+    """Copies queued on a stream that never reports them landed (a stalled GPU)."""
+
+    entered: trio.Event
+    idle: ClassVar[list[str]] = []
+
+    async def done(self, device: torch.device) -> None:
+        NeverDone.entered.set()
+        await trio.sleep_forever()
+
+    def wait_idle(self, device: torch.device) -> None:
+        NeverDone.idle.append(str(device))
+
+
+class NeverDoneIpcZmq(ZmqTransport):
+    device_type = NeverDone
+
+
+async def test_a_cancelled_cuda_ipc_copy_waits_for_its_queued_copies() -> None:
+    """The load's deadline fires while the first layer's copies are queued: the load
+    waits for the stream before it returns (and the blocks go back to vLLM)."""
+    prod, cons = _as_device(layout()), _as_device(layout())
+    producer, consumer = (
+        NeverDoneIpcZmq(ZmqOptions(), ctx(prod)),
+        NeverDoneIpcZmq(ZmqOptions(), ctx(cons)),
+    )
+    for t, kv in ((producer, prod), (consumer, cons)):
+        await t.open()
+        await t.register(kv)
+    NeverDone.entered, NeverDone.idle = trio.Event(), []
+    order: list[str] = []
+    job = LoadJob(
+        "c", ["k"] * 3, COUNTS, cons.num_layers, chunk_spans(cons, DST), lambda _: None,
+        PeerSource("e", [producer.address], "p", SRC), DST,
+    )  # fmt: skip
+
+    async def load(scope: trio.CancelScope) -> None:
+        with scope:
+            await consumer.load(job)
+        order.append(f"load returned after {len(NeverDone.idle)} stream wait(s)")
+
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(producer.serve)
+            nursery.start_soon(producer.offer, Offer("p", SRC, COUNTS, 3, chunk_spans(prod, SRC)))
+            await trio.testing.wait_all_tasks_blocked()
+            scope = trio.CancelScope()
+            nursery.start_soon(load, scope)
+            await NeverDone.entered.wait()
+            scope.cancel()  # load_timeout_s
+            await trio.testing.wait_all_tasks_blocked()
+            nursery.cancel_scope.cancel()
+    await producer.aclose()
+    await consumer.aclose()
+    assert order == ["load returned after 1 stream wait(s)"]

@@ -14,8 +14,8 @@ until one of
 
 1. the NIXL notification `Read` arrived (the consumer sends it once each of its
    READs is DONE) -> "done";
-2. the consumer's `Failed` arrived over the side channel (it sends it only once
-   each of its READs is DONE/ERR, or released after a drain wait) -> its reason;
+2. the consumer's `Failed` arrived over the side channel (it sends it once each
+   of its READs is DONE/ERR, or stuck past a drain wait) -> its reason;
 3. the read lease expired: the consumer's own deadline (it sends how long it may
    still read) plus `DRAIN_TIMEOUT_S` plus a margin, capped at `MAX_LEASE_S`.
    Past that a consumer has either ended its READs or is gone.
@@ -28,7 +28,9 @@ NIXL 1.5.1 facts this relies on: completion is poll-only (`check_xfer_state`);
 `release_xfer_handle` on a handle still in PROC "cancels" with
 `ucp_request_cancel` + `ucp_request_free`, which for RMA does not stop the
 operation, so the consumer never releases a PROC handle before waiting for it
-to leave PROC (bounded by `DRAIN_TIMEOUT_S`). The agent's progress thread polls
+to leave PROC; one still in PROC after `DRAIN_TIMEOUT_S` is never released and
+the load raises `TransferStuck` (the worker stops the engine rather than give
+vLLM back blocks a READ may still write). The agent's progress thread polls
 without sleeping (a whole core per agent), so it is off: the consumer's polls
 and the producer's notification polls (running while a pull is open) drive UCX
 progress. READs carry no notification of their own: on one host UCX moves a
@@ -63,6 +65,7 @@ from kvflow.transport import (
     LoadJob,
     Offer,
     SaveJob,
+    TransferStuck,
     Transport,
     TransportContext,
     TransportError,
@@ -501,8 +504,12 @@ class NixlTransport(Transport):
         except BadFrame as exc:
             raise ChunkCorrupt(f"producer {address}: {exc}") from None
         finally:
+            stuck: TransferStuck | None = None
             with trio.CancelScope(shield=True):
-                drained = await self._drain(agent, xfers, dlists)
+                try:
+                    drained = await self._drain(agent, xfers, dlists)
+                except TransferStuck as exc:
+                    drained, stuck = False, exc
             if peer is not None:
                 peer.users -= 1
                 if self._stale.get(peer.name) is peer and not peer.users:
@@ -523,6 +530,8 @@ class NixlTransport(Transport):
                 sock.close(linger_ms=1000 if answer is not None else 0)  # let it arrive
             except zmq.ZMQError:
                 sock.close()
+            if stuck is not None:
+                raise stuck
 
     def _add_remote(self, agent: Any, address: str, msg: wire.Blocks) -> _Remote:
         """The producer behind `address`: its agent added and its KV memory prepared
@@ -705,8 +714,9 @@ class NixlTransport(Transport):
             await trio.lowlevel.checkpoint()
 
     async def _drain(self, agent: Any, xfers: list[Any], dlists: list[Any]) -> bool:
-        """Release every handle, but only once its READ left PROC (or DRAIN_TIMEOUT_S
-        passed). Returns False if a READ failed or had to be abandoned."""
+        """Release every handle once its READ left PROC. Returns False if a READ failed;
+        raises `TransferStuck` (releasing nothing) if one is still in flight after
+        DRAIN_TIMEOUT_S: it may yet write into the consumer's blocks."""
         clean = True
         with trio.move_on_after(DRAIN_TIMEOUT_S) as waited:
             for h in xfers:
@@ -721,8 +731,9 @@ class NixlTransport(Transport):
                     delay = await _backoff(delay)
                 clean = clean and state == "DONE"
         if waited.cancelled_caught:
-            log.warning("kvflow nixl: a READ outlived %.1fs after cancellation", DRAIN_TIMEOUT_S)
-            clean = False
+            raise TransferStuck(
+                f"a NIXL READ was still in flight {DRAIN_TIMEOUT_S}s after its load ended"
+            )
         for h in [*xfers, *dlists]:
             clean = _release(h) and clean
         xfers.clear()

@@ -89,6 +89,10 @@ class Device:
         """Wait until the copies queued under `stream(device)` have landed."""
         await trio.lowlevel.checkpoint()
 
+    def wait_idle(self, device: torch.device) -> None:
+        """Block until every copy queued under `stream(device)` has landed (a cancelled
+        `done` must not leave copies queued into blocks vLLM gets back)."""
+
 
 class CudaDevice(Device):
     def __init__(self) -> None:
@@ -137,6 +141,10 @@ class CudaDevice(Device):
         event = torch.cuda.Event()
         event.record(self._streams[device])
         await event_done(event)
+
+    def wait_idle(self, device: torch.device) -> None:
+        if device in self._streams:
+            self._streams[device].synchronize()
 
 
 def index_tensors(

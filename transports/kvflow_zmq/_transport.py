@@ -316,7 +316,11 @@ class ZmqTransport(Transport):
                     job.block_ids,
                     job.token_counts,
                 )
-            await self._device.done(ours.device)
+            try:
+                await self._device.done(ours.device)
+            except BaseException:  # cancelled: what is queued lands before the blocks go back
+                self._device.wait_idle(ours.device)
+                raise
             if trio.current_time() - leased > msg.lease_s:
                 raise TransportError(
                     f"copying from {address} outlived the producer's lease of {msg.lease_s}s "
