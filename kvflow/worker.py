@@ -149,6 +149,8 @@ class WorkerEngine:
         """Why the engine must stop (set once, by a load that could not be stopped)."""
         self._async_deadlines: dict[str, float] = {}
         """Asynchronous loads running: request -> when vLLM's thread gives up on them."""
+        self._now = time.monotonic
+        """vLLM's thread's clock for those deadlines (tests move it)."""
         # loop-thread state
         self._steps: dict[int, _Step] = {}
         self._pending_saves: dict[str, int] = {}
@@ -238,7 +240,7 @@ class WorkerEngine:
     def take_results(self) -> TransferResults:
         """Completions since the last call (each reported exactly once)."""
         self._check_fatal()
-        now = time.monotonic()
+        now = self._now()
         with self._lock:
             stuck = [req for req, t in self._async_deadlines.items() if t < now]
         if stuck and self.runtime.running:
@@ -431,7 +433,7 @@ class WorkerEngine:
         if spec.asynchronous:  # vLLM's thread stops the engine if it outlives this
             with self._lock:
                 self._async_deadlines[spec.req] = (
-                    time.monotonic() + self.config.load_timeout_s + STOP_GRACE_S
+                    self._now() + self.config.load_timeout_s + STOP_GRACE_S
                 )
         try:
             with trio.move_on_after(self.config.load_timeout_s) as deadline:

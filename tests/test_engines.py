@@ -671,6 +671,28 @@ def test_a_read_stuck_in_the_kernel_stops_the_engine_instead_of_a_late_write(
     assert block_bytes(b.layout, 0, 5) == block_bytes(a.layout, 0, 1), "the late write"
 
 
+def test_an_asynchronous_load_that_outlives_its_deadline_stops_the_engine(
+    start_engine: Callable[..., Engine],
+) -> None:
+    """Nothing in vLLM waits on an asynchronous load: its request would wait forever. Past
+    load_timeout_s + grace, the next `take_results` (every step) stops the engine."""
+    a = start_engine("a")
+    save_prompt(a, "src", PROMPT, [1, 2, 3])
+    b = start_engine("b", config=KVFlowConfig(load_timeout_s=0.5), worker_transport=StuckReadFs)
+    stuck = b.worker_transport
+    assert isinstance(stuck, StuckReadFs)
+    plan = WorkerPlan(step=1, loads=[LoadSpec("r", b.keys(PROMPT), [5, 6, 7], COUNTS, True)])
+    try:
+        run_step(b, plan)
+        assert stuck.reading.wait(WAIT)
+        assert not b.worker.take_results().finished_recving  # within its deadline: waits
+        b.worker._now = lambda: time.monotonic() + 3600.0  # an hour later
+        with pytest.raises(KVFlowFatal, match="the asynchronous load of r did not stop within"):
+            b.worker.take_results()
+    finally:
+        stuck.unstick.set()
+
+
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["layer", "async"])
 def test_a_transfer_that_cannot_be_stopped_stops_the_engine(
     start_engine: Callable[..., Engine], asynchronous: bool
