@@ -151,6 +151,10 @@ class WorkerEngine:
         """Asynchronous loads running: request -> when vLLM's thread gives up on them."""
         self._now = time.monotonic
         """vLLM's thread's clock for those deadlines (tests move it)."""
+        # vLLM-thread state: what vLLM still waits for, should the loop die
+        self._open_lent: set[str] = set()
+        self._open_async: dict[str, list[int]] = {}
+        self._gone = False
         # loop-thread state
         self._steps: dict[int, _Step] = {}
         self._pending_saves: dict[str, int] = {}
@@ -202,7 +206,11 @@ class WorkerEngine:
         self._step_load_blocks = {
             b for spec in plan.loads if not spec.asynchronous for b in spec.block_ids
         }
-        if not plan.is_empty():
+        self._open_lent.update(plan.lent)
+        self._open_async.update((s.req, list(s.block_ids)) for s in plan.loads if s.asynchronous)
+        if not self.runtime.running:  # the loop died: nothing will run this plan
+            self._loop_gone()
+        elif not plan.is_empty():
             self.runtime.submit(self._on_bind, plan, self._gate)
 
     def wait_layer(self, layer: int) -> None:
@@ -245,15 +253,22 @@ class WorkerEngine:
             stuck = [req for req, t in self._async_deadlines.items() if t < now]
         if stuck and self.runtime.running:
             self._stop(f"the asynchronous load of {stuck[0]} did not stop")
+        if not self.runtime.running:
+            self._loop_gone()
         with self._lock:
             snap = self._results
             self._results = TransferResults(error_block_ids=snap.error_block_ids)
         snap.error_block_ids = set()  # those are taken by take_error_blocks
+        self._open_lent -= snap.finished_sending
+        for req in snap.finished_recving:
+            self._open_async.pop(req, None)
         return snap
 
     def take_error_blocks(self) -> set[int]:
         """Block ids whose load failed since the last call (vLLM recomputes them)."""
         self._check_fatal()
+        if not self.runtime.running:
+            self._loop_gone()
         with self._lock:
             blocks, self._results.error_block_ids = self._results.error_block_ids, set()
         return blocks
@@ -350,13 +365,31 @@ class WorkerEngine:
 
     def _give_up_on_step_loads(self, what: str) -> None:
         """vLLM's thread waited `load_timeout_s` + `STOP_GRACE_S` for this step's loads. If
-        the loop is gone, nothing can write any more: report them failed, wait no more.
-        If it runs, a load ignored its deadline and may still write: stop the engine."""
+        the loop runs, a load ignored its deadline and may still write: stop the engine.
+        If it is gone, nothing can write any more: report them failed, wait no more."""
         if self.runtime.running:
             self._stop(f"{what} did not stop")
-        log.error("kvflow: %s did not finish and the loop is gone; reporting load errors", what)
+        self._loop_gone()
+
+    def _loop_gone(self) -> None:
+        """The loop died (or was shut down): no transfer runs and none will start (trio
+        ended every task, each waited for its threads). Hand every lent block back and
+        fail every load vLLM still waits for: the requests recompute or fail, none hangs."""
+        if not self._gone:
+            self._gone = True
+            log.error(
+                "kvflow: the worker's loop is gone; its transfers are off: lent blocks go "
+                "back to vLLM, pending loads fail (recomputed, or request errors)"
+            )
         with self._lock:
-            self._results.error_block_ids.update(self._step_load_blocks)
+            r = self._results
+            r.finished_sending |= self._open_lent
+            r.error_block_ids |= self._step_load_blocks
+            for req, blocks in self._open_async.items():
+                if req not in r.finished_recving:
+                    r.finished_recving.add(req)
+                    r.failed_recving.add(req)
+                    r.error_block_ids.update(blocks)
         self._open_gate()
 
     def _stop(self, what: str) -> None:

@@ -709,6 +709,48 @@ def test_a_transfer_that_cannot_be_stopped_stops_the_engine(
     assert failed.block_ids == [] and "could not be stopped" in failed.reason, "none handed back"
 
 
+def test_a_dead_loop_hands_every_lent_block_back_and_fails_its_loads(
+    start_engine: Callable[..., Engine],
+) -> None:
+    """kvflow's loop dies (a BaseException escapes it) with a lent request's save in flight:
+    vLLM gets the lent blocks back, loads bound afterwards fail at once (sync: this step's
+    error blocks; async: failed_recving), and nothing waits for the dead loop."""
+    e = start_engine("dead", worker_transport=GatedFs)
+    gated, rt = e.worker_transport, e.worker.runtime
+    assert isinstance(gated, GatedFs)
+    run_step(e, prefill_cold(e, "d", PROMPT, [1, 2, 3]))
+    assert gated.entered.wait(WAIT)  # its save is in flight
+    assert e.sched.finished("d", [1, 2, 3]) == (True, None)  # vLLM lends the blocks
+    run_step(e, e.sched.plan([]))
+    assert not e.worker.take_results().finished_sending, "held while its save runs"
+
+    def die() -> None:
+        raise KeyboardInterrupt  # escapes the loop, as no task error does
+
+    loop = rt._loop
+    assert loop is not None and loop.thread is not None
+    rt.submit(die)
+    gated.release.set()  # trio ends the save task (it waits for its thread) and stops
+    loop.thread.join(WAIT)
+    assert not rt.running
+
+    keys = e.keys(PROMPT)
+    after = WorkerPlan(
+        step=9,
+        loads=[
+            LoadSpec("s", keys, [5, 6, 7], COUNTS),
+            LoadSpec("a", keys, [8, 9, 10], COUNTS, True),
+        ],
+    )
+    e.worker.bind(after)
+    assert e.worker._gate.settled.is_set(), "the forward does not wait for a dead loop"
+    run_step(e, after)
+    results = e.worker.take_results()
+    assert results.finished_sending == {"d"}
+    assert results.finished_recving == results.failed_recving == {"a"}
+    assert e.worker.take_error_blocks() == {5, 6, 7, 8, 9, 10}
+
+
 # -- preemption and shutdown -----------------------------------------------
 
 
