@@ -33,6 +33,9 @@ class KVFlowConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     `async`: load between steps; the request waits until its KV has arrived."""
     load_timeout_s: float = 30.0
     save_timeout_s: float = 120.0
+    preempt_timeout_s: float = 2.0
+    """How long vLLM's preemption waits for the preempted requests' saves to stop (a
+    cancelled save never stores its chunks, so later it only wastes a read)."""
     lookup_timeout_s: float = 5.0
     hold_timeout_s: float = 120.0
     """P/D producer: how long a finished request's blocks wait for a consumer's pull."""
@@ -52,6 +55,7 @@ class KVFlowConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         for key in (
             "load_timeout_s",
             "save_timeout_s",
+            "preempt_timeout_s",
             "lookup_timeout_s",
             "hold_timeout_s",
             "shutdown_drain_s",

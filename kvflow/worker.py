@@ -274,12 +274,18 @@ class WorkerEngine:
         return blocks
 
     def preempt(self, reqs: list[str]) -> None:
-        """Stop every save reading blocks of `reqs` before vLLM reuses them."""
+        """Cancel every save of `reqs` and wait, at most `preempt_timeout_s`, until they no
+        longer read the blocks vLLM is about to reuse; one still running stores nothing."""
         if reqs and self.runtime.running:
             try:
-                self.runtime.call(self._cancel_saves, reqs, timeout=self.config.save_timeout_s)
-            except TimeoutError:
-                log.error("kvflow: saves of preempted %s did not stop in time", reqs)
+                self.runtime.call(self._cancel_saves, reqs, timeout=self.config.preempt_timeout_s)
+            except TimeoutError:  # cancelled saves never store: a late read is only waste
+                log.warning(
+                    "kvflow: saves of preempted %s still ran after preempt_timeout_s=%s; they "
+                    "are cancelled and store nothing",
+                    reqs,
+                    self.config.preempt_timeout_s,
+                )
 
     def close(self, drain_s: float) -> None:
         """Let in-flight saves finish (at most `drain_s`), then stop the runtime."""

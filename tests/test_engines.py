@@ -808,7 +808,7 @@ def test_close_drains_in_flight_saves(start_engine: Callable[..., Engine]) -> No
 def test_close_after_a_timed_out_preempt_still_drains(start_engine: Callable[..., Engine]) -> None:
     e = start_engine(
         "stuck-io",
-        config=KVFlowConfig(save_timeout_s=0.3),
+        config=KVFlowConfig(preempt_timeout_s=0.3),
         worker_transport=GatedFs,
         worker_runtime_cls=CallSpyRuntime,
     )
@@ -826,7 +826,7 @@ def test_close_after_a_timed_out_preempt_still_drains(start_engine: Callable[...
     try:
         run_step(e, prefill_cold(e, "d", PROMPT, [1, 2, 3]))
         assert gated.entered.wait(WAIT)  # the save is blocked in a thread: not cancellable
-        e.worker.preempt(["d"])  # gives up after save_timeout_s, as designed
+        e.worker.preempt(["d"])  # gives up after preempt_timeout_s, as designed
         rt.called.clear()
         closer.start()
         assert rt.called.wait(WAIT)
@@ -837,6 +837,7 @@ def test_close_after_a_timed_out_preempt_still_drains(start_engine: Callable[...
     assert not closer.is_alive()
     assert errors == []
     assert not rt.running
+    assert not any(gated.path(k).exists() for k in e.keys(PROMPT)), "the cancelled save stored"
 
 
 def test_close_gives_up_on_a_stuck_save_after_drain_s(
