@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import stat
+import threading
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -23,6 +24,7 @@ from kvflow.transport import (
 )
 from kvflow_fs import FsOptions, FsTransport
 from kvflow_fs._format import HEADER_SIZE, encode_header, read_header
+from kvflow_fs._transport import THREADS
 
 PATH_OPTION = "kv_connector_extra_config['options']['path']"
 
@@ -63,7 +65,8 @@ async def saved(kv: Harness, worker: FsTransport, n: int, partial: int = 0) -> C
 
 
 def files(store: Path) -> list[Path]:
-    return sorted(p for p in store.rglob("*") if p.is_file())
+    """Chunk and temp files (not the store's own bookkeeping: `.usage`, its locks)."""
+    return sorted(p for p in store.rglob("*") if p.is_file() and not p.name.startswith("."))
 
 
 def layer_offset(kv: Harness, chunk: Chunks, c: int, layer: int) -> int:
@@ -303,6 +306,7 @@ async def test_size_cap_evicts_least_recently_used(kv: Harness, factory: Factory
         os.utime(worker.path(chunk.keys[0]), (now - age, now - age))
     await kv.round_trip(worker, worker, a)  # a is the oldest save, but now the latest load
     e = await saved(kv, worker, 1)  # over the cap: evict down to 90% of it, oldest first
+    await worker.chores_done()  # after the save returned: its blocks were not held for it
     present = {
         name: await sched.lookup(chunk.keys)
         for name, chunk in zip("abcde", [a, b, c, d, e], strict=True)
@@ -320,10 +324,79 @@ async def test_size_cap_counts_files_already_in_the_store(kv: Harness, factory: 
     for age, chunk in enumerate(old):
         os.utime(first.path(chunk.keys[0]), (now - 100 + age, now - 100 + age))
     factory.options["max_gb"] = 4.2 * file_bytes / (1 << 30)
-    restarted = await fs_worker(kv)  # scans the store at open
+    restarted = await fs_worker(kv)  # the store's usage is shared, not counted anew
     new = await saved(kv, restarted, 1)
+    await restarted.chores_done()
     sched = await kv.scheduler()
     assert [await sched.lookup(ch.keys) for ch in [*old, new]] == [0, 0, 1, 1, 1]
+
+
+async def test_processes_sharing_a_store_share_one_usage_count(
+    kv: Harness, factory: Factory
+) -> None:
+    """Two workers (two engines, or TP ranks) each write under the cap, together over it:
+    the one count in the store's `.usage` sees both, and the store is evicted."""
+    file_bytes = HEADER_SIZE + kv.layout.nbytes([kv.layout.block_size])
+    factory.options["max_gb"] = 4.2 * file_bytes / (1 << 30)  # room for 4 files, not 6
+    one, two = await fs_worker(kv), await fs_worker(kv)
+    await one.chores_done()
+    await two.chores_done()
+    for _ in range(3):
+        await saved(kv, one, 1)
+        await saved(kv, two, 1)
+    await one.chores_done()
+    await two.chores_done()
+    assert one.evictions + two.evictions >= 1
+    assert sum(p.stat().st_size for p in files(factory.store)) <= 4.2 * file_bytes
+    assert int((factory.store / ".usage").read_text()) == sum(
+        p.stat().st_size for p in files(factory.store)
+    )
+
+
+async def test_opening_a_store_does_not_walk_it_first(
+    kv: Harness, factory: Factory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A big store takes long to walk: open (inside vLLM's start-up call) returns at once
+    and the walk runs after it."""
+    walking, done_walking = threading.Event(), threading.Event()
+    scan = FsTransport._scan_usage
+
+    def slow_scan(self: FsTransport) -> None:
+        walking.set()
+        done_walking.wait(30)
+        scan(self)
+
+    monkeypatch.setattr(FsTransport, "_scan_usage", slow_scan)
+    worker = await fs_worker(kv)  # returns while the walk has not finished
+    await kv.round_trip(worker, worker, kv.chunks(2))  # and the store serves meanwhile
+    assert walking.is_set() and not done_walking.is_set()
+    done_walking.set()
+    await worker.chores_done()
+
+
+async def test_loads_never_queue_behind_saves(kv: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every save thread the store allows is stuck writing (a slow disk): a load, which a
+    forward may be waiting for, still runs on threads of its own."""
+    worker = await fs_worker(kv)
+    stored = await saved(kv, worker, 1)
+    writing, may_write = threading.Semaphore(0), threading.Event()
+    write = FsTransport._write_layer
+
+    def slow_write(self: FsTransport, *args: Any) -> list[int]:
+        writing.release()
+        may_write.wait(30)
+        return write(self, *args)
+
+    monkeypatch.setattr(FsTransport, "_write_layer", slow_write)
+    async with trio.open_nursery() as nursery:
+        for _ in range(THREADS + 1):  # every save thread taken, one more save queued
+            nursery.start_soon(kv.save, worker, kv.chunks(1))
+        for _ in range(THREADS):
+            await trio.to_thread.run_sync(writing.acquire)
+        job, landed = kv.load_job(stored)
+        await worker.load(job)  # not queued behind the saves
+        assert landed == list(range(kv.layout.num_layers))
+        may_write.set()
 
 
 # -- bad paths --------------------------------------------------------------------------------
@@ -389,5 +462,6 @@ async def test_open_sweeps_temp_files_a_crashed_writer_left(tmp_path: Path) -> N
         FsOptions(path=str(tmp_path)), TransportContext("e", "worker", "ns", "s", ["s"], layout)
     )
     await again.open()
+    await again.chores_done()  # the sweep runs after open returned, off the start-up path
     assert not old.exists(), "a temp file older than STALE_TMP_S is swept at open"
     assert fresh.exists(), "a live writer's temp file is left alone"

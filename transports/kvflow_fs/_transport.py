@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,6 +60,11 @@ class FsOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """fsync each file before it becomes visible (survives power loss; slower)."""
 
 
+THREADS = 32
+"""Threads of each kind (loads, saves) one fs transport runs at once."""
+USAGE_FILE = ".usage"
+"""The store's byte count, under the store's root, shared by every process using it."""
+
 STALE_TMP_S = 3600.0
 """A temp file untouched this long belongs to a writer that died; swept at open."""
 
@@ -86,8 +92,16 @@ class FsTransport(Transport):
         self.root = base
         self.dir = base / context.namespace
         self.max_bytes = int(options.max_gb * (1 << 30))
-        self._usage = 0
         self._evicting = False
+        self._chores = 0
+        self._idle = trio.Event()
+        self._idle.set()
+        self.evictions = 0
+        """Evictions this transport ran (the background task counts them)."""
+        # Loads and saves have threads of their own: a layer the forward waits for never
+        # queues behind saves (trio's default limiter would serve both, 40 threads).
+        self._load_threads = trio.CapacityLimiter(THREADS)
+        self._save_threads = trio.CapacityLimiter(THREADS)
 
     # -- lifecycle ---------------------------------------------------------
     async def open(self) -> None:
@@ -101,8 +115,8 @@ class FsTransport(Transport):
             raise TransportError(
                 f"{where}: {str(self.root)!r} is not a writable directory ({exc.strerror or exc})"
             ) from None
-        if self.context.role == "worker":
-            self._usage = await trio.to_thread.run_sync(self._scan_usage)
+        if self.context.role == "worker":  # off the start-up path: a big store takes a while
+            self._spawn(self._scan_usage)
 
     # -- paths -------------------------------------------------------------
     def path(self, key: ChunkKey, shard: str | None = None) -> Path:
@@ -132,13 +146,17 @@ class FsTransport(Transport):
         crcs: list[list[int]] = [[] for _ in range(n)]
         committed = False
         try:
-            await trio.to_thread.run_sync(self._create, finals, tmps, fds)
+            await trio.to_thread.run_sync(
+                self._create, finals, tmps, fds, limiter=self._save_threads
+            )
             if not any(fd is not None for fd in fds):
                 return
             for layer in range(job.num_layers):
                 spans = await job.layer(layer)
                 offsets = [HEADER_SIZE + sum(layer_nbytes[c][:layer]) for c in range(n)]
-                layer_crcs = await trio.to_thread.run_sync(self._write_layer, fds, spans, offsets)
+                layer_crcs = await trio.to_thread.run_sync(
+                    self._write_layer, fds, spans, offsets, limiter=self._save_threads
+                )
                 for c in range(n):
                     crcs[c].append(layer_crcs[c])
             headers = [
@@ -153,23 +171,22 @@ class FsTransport(Transport):
                 )
                 for c in range(n)
             ]
-            written = await trio.to_thread.run_sync(self._commit, fds, headers, tmps, finals)
+            written = await trio.to_thread.run_sync(
+                self._commit, fds, headers, tmps, finals, limiter=self._save_threads
+            )
             committed = True
         except OSError as exc:
             raise TransportError(f"fs save under {self.dir}: {exc}") from exc
         finally:
             if not committed:
                 with trio.CancelScope(shield=True):
-                    await trio.to_thread.run_sync(self._discard, fds, tmps)
-        self._usage += written
-        if self.max_bytes and self._usage > self.max_bytes and not self._evicting:
-            self._evicting = True
-            try:
-                self._usage = await trio.to_thread.run_sync(self._evict)
-            except OSError as exc:  # the chunks are stored; a failed eviction is not the save's
-                log.warning("kvflow fs: eviction under %s failed: %s", self.root, exc)
-            finally:
-                self._evicting = False
+                    await trio.to_thread.run_sync(
+                        self._discard, fds, tmps, limiter=self._save_threads
+                    )
+        usage = await trio.to_thread.run_sync(self._add_usage, written, limiter=self._save_threads)
+        if self.max_bytes and usage > self.max_bytes and not self._evicting:
+            self._evicting = True  # one eviction at a time, after the save returned
+            self._spawn(self._evict)
 
     def _create(self, finals: list[Path], tmps: list[Path], fds: list[int | None]) -> None:
         """Open a temp file for each chunk not stored yet, into `fds` (so that a failure
@@ -236,7 +253,11 @@ class FsTransport(Transport):
         headers: list[ChunkHeader] = []
         found: list[_Failure | None] = []
         try:
-            found.append(await trio.to_thread.run_sync(self._open_chunks, job, paths, fds, headers))
+            found.append(
+                await trio.to_thread.run_sync(
+                    self._open_chunks, job, paths, fds, headers, limiter=self._load_threads
+                )
+            )
             async with trio.open_nursery() as checks:
                 signalled = trio.Event()
                 signalled.set()
@@ -247,14 +268,18 @@ class FsTransport(Transport):
                     if intact:
                         spans = job.spans(layer)[:intact]
                         args = (fds[:intact], headers[:intact], paths, spans, layer)
-                        found.append(await trio.to_thread.run_sync(self._read_layer, *args))
+                        found.append(
+                            await trio.to_thread.run_sync(
+                                self._read_layer, *args, limiter=self._load_threads
+                            )
+                        )
                     after, signalled = signalled, trio.Event()
                     checks.start_soon(
                         self._check_then_signal, job, layer, args, found, after, signalled
                     )
         finally:
             with trio.CancelScope(shield=True):
-                await trio.to_thread.run_sync(self._close, fds)
+                await trio.to_thread.run_sync(self._close, fds, limiter=self._load_threads)
         failure = _first(found)
         if failure is not None:
             key = job.keys[failure.chunk]
@@ -273,7 +298,9 @@ class FsTransport(Transport):
     ) -> None:
         """Verify `layer` (if read), then signal it once every earlier layer was signalled."""
         if args is not None and self.options.verify:
-            found.append(await trio.to_thread.run_sync(self._verify_layer, *args))
+            found.append(
+                await trio.to_thread.run_sync(self._verify_layer, *args, limiter=self._load_threads)
+            )
         await after.wait()
         job.layer_loaded(layer)
         signalled.set()
@@ -403,8 +430,62 @@ class FsTransport(Transport):
     def _files(self) -> list[os.DirEntry[str]]:
         return [e for e in self._walk() if e.name.endswith(".kv")]
 
-    def _scan_usage(self) -> int:
-        """Bytes of chunk files in the store; sweeps temp files a crashed writer left."""
+    def _spawn(self, work: Callable[[], None]) -> None:
+        """Start a store-wide chore (scan, eviction) apart from every transfer."""
+        if not self._chores:
+            self._idle = trio.Event()
+        self._chores += 1
+        trio.lowlevel.spawn_system_task(self._background, work, name=f"fs{work.__name__}")
+
+    async def _background(self, work: Callable[[], None]) -> None:
+        try:
+            await trio.to_thread.run_sync(work)
+        except Exception as exc:  # the chunks are stored; a failed chore is not a transfer's
+            log.warning("kvflow fs: %s under %s failed: %s", work.__name__, self.root, exc)
+        finally:
+            if work == self._evict:
+                self._evicting = False
+            self._chores -= 1
+            if not self._chores:
+                self._idle.set()
+
+    async def chores_done(self) -> None:
+        """Wait until the store-wide chores started so far (scan, eviction) ended."""
+        await self._idle.wait()
+
+    @contextlib.contextmanager
+    def _locked(self, name: str, blocking: bool = True) -> Iterator[bool]:
+        """An exclusive lock on `root/name`, shared by every process using the store;
+        yields False if `blocking` is off and another holds it."""
+        fd = os.open(self.root / name, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+            except BlockingIOError:
+                yield False
+                return
+            yield True
+        finally:
+            os.close(fd)  # releases the lock
+
+    def _add_usage(self, delta: int, *, total: int | None = None) -> int:
+        """Add `delta` bytes to the store's usage, or set it to `total`: one count in
+        `root/.usage` for every process that uses the store. Returns the new count."""
+        path = self.root / USAGE_FILE
+        with self._locked(USAGE_FILE + ".lock"):
+            try:
+                usage = int(path.read_text() or 0)
+            except (FileNotFoundError, ValueError):
+                usage = 0
+            usage = max(0, usage + delta) if total is None else total
+            tmp = path.with_name(f"{USAGE_FILE}.{os.getpid()}.{secrets.token_hex(4)}")
+            tmp.write_text(str(usage))
+            os.replace(tmp, path)
+        return usage
+
+    def _scan_usage(self) -> None:
+        """Count the chunk files in the store into the shared usage; sweep temp files a
+        crashed writer left."""
         usage, cutoff = 0, time.time() - STALE_TMP_S
         for e in self._walk():
             with contextlib.suppress(FileNotFoundError):
@@ -412,10 +493,16 @@ class FsTransport(Transport):
                     usage += e.stat().st_size
                 elif ".kv.tmp." in e.name and e.stat().st_mtime < cutoff:
                     os.unlink(e.path)
-        return usage
+        self._add_usage(0, total=usage)
 
-    def _evict(self) -> int:
-        """Delete least-recently-used chunk files until usage is 90% of the cap."""
+    def _evict(self) -> None:
+        """Delete least-recently-used chunk files until usage is 90% of the cap (one
+        process at a time: another one evicting already is enough)."""
+        with self._locked(".evict.lock", blocking=False) as mine:
+            if mine:
+                self._evict_locked()
+
+    def _evict_locked(self) -> None:
         entries = []
         for e in self._files():
             with contextlib.suppress(FileNotFoundError):
@@ -432,5 +519,6 @@ class FsTransport(Transport):
                 os.unlink(path)
                 usage -= size
                 removed += 1
+        self._add_usage(0, total=usage)
+        self.evictions += 1
         log.info("kvflow fs: evicted %d chunk files; %d bytes remain", removed, usage)
-        return usage
