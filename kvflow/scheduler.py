@@ -162,6 +162,10 @@ class SchedulerEngine:
         if st is None or not self.can_load or st.prompt_len < 2 or not st.keys:
             return 0
         if st.hit_chunks is None:
+            if not self.runtime.running:  # the loop died: no answer will ever come
+                log.error("kvflow: the scheduler's loop is gone; %s is a miss", req)
+                st.hit_chunks = 0
+                return 0
             self._start_lookup(req, st)
             return None
         # vLLM must compute at least one token itself to produce logits.

@@ -751,6 +751,24 @@ def test_a_dead_loop_hands_every_lent_block_back_and_fails_its_loads(
     assert e.worker.take_error_blocks() == {5, 6, 7, 8, 9, 10}
 
 
+def test_a_dead_scheduler_loop_makes_lookups_misses_not_a_wait(
+    start_engine: Callable[..., Engine],
+) -> None:
+    """vLLM asks again while a lookup is pending: were the loop gone, forever."""
+    e = start_engine("dead-sched")
+    rt = e.sched.runtime
+    loop = rt._loop
+    assert loop is not None and loop.thread is not None
+
+    def die() -> None:
+        raise KeyboardInterrupt
+
+    rt.submit(die)
+    loop.thread.join(WAIT)
+    e.sched.add_request("r", PROMPT)  # its lookup is dropped: no loop runs it
+    assert e.sched.lookup("r", 0) == 0
+
+
 # -- preemption and shutdown -----------------------------------------------
 
 
