@@ -6,6 +6,12 @@ Each test builds vLLM's v1 `Scheduler` with `KVFlowConnector` as its KV connecto
 the `KVConnectorOutput` a worker would send. Checked against vLLM's own state: block
 tables (`kv_cache_manager.get_block_ids`), the block pool's free count, request
 lifetimes.
+
+Every scenario runs in both of the engine core's loops (the `loop` fixture): `sync`
+(vLLM's `Scheduler`, each step's output processed before the next step is scheduled)
+and `async` (`--async-scheduling`: `AsyncScheduler`, step N+1 scheduled before step N's
+output is processed). The harness checks at every step that kvflow's saves, loads and
+offers name the request's blocks in vLLM, and never a block vLLM has taken back.
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ import pytest
 pytest.importorskip("vllm.v1.core.sched.scheduler", reason="needs vLLM installed")
 
 from vllm.config import VllmConfig
+from vllm.v1.core.sched.interface import PauseState
+from vllm.v1.engine import FinishReason
 from vllm.v1.request import RequestStatus
 
 from kvflow.keys import chunk_keys
@@ -28,8 +36,10 @@ from kvflow_vllm.connector import KVFlowHandshake
 
 from .vllm_harness import (
     BLOCK_SIZE,
+    LOOPS,
     SHARD,
     Harness,
+    Loop,
     fs_config,
     make_harness,
     make_request,
@@ -41,14 +51,21 @@ from .vllm_harness import (
 MakeHarness = Callable[..., Harness]
 
 
+@pytest.fixture(params=LOOPS)
+def loop(request: pytest.FixtureRequest) -> Loop:
+    """The engine core loop the test's harnesses run (see `tests/vllm_harness.py`)."""
+    value: Loop = request.param
+    return value
+
+
 @pytest.fixture
-def harness() -> Iterator[MakeHarness]:
-    """`harness(vllm_config, num_blocks)`: a scheduler shut down (kvflow's runtime with
-    it) at teardown."""
+def harness(loop: Loop) -> Iterator[MakeHarness]:
+    """`harness(vllm_config, num_blocks)`: a scheduler driven in the test's `loop`, shut
+    down (kvflow's runtime with it) at teardown."""
     made: list[Harness] = []
 
     def make(vllm_config: VllmConfig, num_blocks: int) -> Harness:
-        h = make_harness(vllm_config, num_blocks)
+        h = make_harness(vllm_config, num_blocks, loop)
         made.append(h)
         return h
 
@@ -97,9 +114,12 @@ def check_tables(h: Harness) -> None:
 
 
 def run_to_completion(h: Harness, *, max_steps: int = 200, send_lent: bool = True) -> None:
-    """Step until vLLM holds no request; the worker releases lent requests at once."""
+    """Step until the engine core would go idle (vLLM holds no request, no step is in
+    flight); the worker releases lent requests at once."""
     for _ in range(max_steps):
-        if not h.scheduler.requests:
+        if not h.scheduler.has_requests():
+            h.drain(send_lent=send_lent)
+            assert h.idle and not h.scheduler.requests
             return
         h.step(send_lent=send_lent)
     raise AssertionError(f"requests still held after {max_steps} steps: {h.scheduler.requests}")
@@ -145,6 +165,44 @@ def test_requests_run_to_completion_saving_their_own_blocks(
     assert not h.kvflow_requests, "kvflow dropped every finished request's state"
 
 
+def test_request_stops_while_its_next_step_is_scheduled(
+    harness: MakeHarness, tmp_path: Path, loop: Loop
+) -> None:
+    """The model samples a stop token. Async, the engine core has scheduled the
+    request's next decode step before that token reaches vLLM, so the request finishes
+    with a step of it in flight: its blocks are lent for its saves all the same, kept
+    until the worker reports them done, and the in-flight step's token is dropped."""
+    h = harness(fs_config(tmp_path), 16)
+    start = h.free_blocks
+    prompt = prompt_of(1, 40)
+    h.add(make_request("r", prompt, max_tokens=20, stop_token_ids=[7]))
+    h.tokens["r"] = [8, 8, 7]  # prefill, first decode, second decode: stop
+    stop = None
+    for _ in range(6):
+        h.step()
+        stop = next((s for s in h.steps if s.finished), None)
+        if stop is not None:
+            break
+    assert stop is not None, "r never stopped"
+    assert [(o.request_id, o.finish_reason) for o in stop.finished] == [("r", FinishReason.STOP)]
+    later = [s.index for s in h.steps[stop.index + 1 :] if "r" in s.output.num_scheduled_tokens]
+    assert later == ([stop.index + 1] if loop == "async" else []), later
+    assert h.free_blocks == start - 3, "lent: r saved its prompt"
+    lent = h.step()
+    assert lent.plan.lent == ["r"] and not lent.output.num_scheduled_tokens
+    h.step()
+    assert h.free_blocks == start - 3, "held until finished_sending"
+    h.step(finished_sending={"r"})
+    assert h.free_blocks == start
+    run_to_completion(h)
+    tokens = [t for s in h.steps for o in s.outputs if o.request_id == "r" for t in o.new_token_ids]
+    assert tokens == [8, 8, 7], "nothing after the stop token"
+    assert h.num_sampled["r"] == (4 if loop == "async" else 3), "the runner sampled once more"
+    assert check_saves(h, {"r": prompt}) == {"r": {0, 1, 2}}
+    check_tables(h)
+    assert not h.kvflow_requests
+
+
 # ---------------------------------------------------------------------- 2. preemption
 
 
@@ -186,8 +244,14 @@ def test_reset_prefix_cache_preempt_and_resume_keeps_block_tables(
     h.add(make_request("r", prompts["r"], max_tokens=50))
     h.step()
     h.step()
+    # as the engine core's pause_generation(mode="keep", clear_cache=True): the caches are
+    # cleared once no step is in flight (async, vLLM defers freeing r's blocks until the
+    # step in flight is processed, and a reset before that raises RuntimeError)
+    h.scheduler.set_pause_state(PauseState.PAUSED_ALL)
+    h.drain()
     if not h.scheduler.reset_prefix_cache(reset_running_requests=True):
         pytest.fail("reset_prefix_cache failed")
+    h.scheduler.set_pause_state(PauseState.UNPAUSED)
     resumed = h.step()
     if resumed.plan.preempted != ["r"] or "r" not in resumed.block_ids:
         pytest.fail("r was not preempted and resumed in the same step")
@@ -235,13 +299,51 @@ def test_abort_while_its_step_executes(harness: MakeHarness, tmp_path: Path) -> 
         before_update=lambda: h.scheduler.finish_requests("r", RequestStatus.FINISHED_ABORTED)
     )
     assert [s.block_ids for s in step.plan.saves] == [step.block_ids["r"]]
-    assert step.finished == [], "vLLM ignores the output of a request aborted meanwhile"
     assert h.free_blocks == start - 3
     assert h.step().plan.lent == ["r"]
+    assert step.processed and step.finished == [], "vLLM ignores the output of r now"
     assert h.free_blocks == start - 3
     h.step(finished_sending={"r"})
     assert h.free_blocks == start
     assert not h.scheduler.requests and not h.kvflow_requests
+    run_to_completion(h)
+
+
+def test_abort_while_its_next_step_is_scheduled(
+    harness: MakeHarness, tmp_path: Path, loop: Loop
+) -> None:
+    """Aborted after its second prefill step was scheduled, before that step's output:
+    async, the engine core aborts (`_process_aborts_queue`) with both steps unprocessed,
+    each saving two of r's chunks; sync, the first step's output is in. The blocks of
+    both steps' saves stay lent until the worker reports them done."""
+    h = harness(fs_config(tmp_path, max_num_batched_tokens=32), 16)
+    start = h.free_blocks
+    prompt = prompt_of(1, 100)
+    h.add(make_request("r", prompt, max_tokens=4))
+    unprocessed: list[int] = []
+
+    def abort() -> None:
+        unprocessed.extend(s.index for s in h.steps if not s.processed)
+        h.scheduler.finish_requests("r", RequestStatus.FINISHED_ABORTED)
+
+    first = h.step()
+    second = h.step(before_update=abort)
+    assert unprocessed == ([0, 1] if loop == "async" else [1])
+    assert first.output.num_scheduled_tokens == second.output.num_scheduled_tokens == {"r": 32}
+    table = second.block_ids["r"]
+    assert [(s.req, s.block_ids) for s in first.plan.saves] == [("r", table[:2])]
+    assert [(s.req, s.block_ids) for s in second.plan.saves] == [("r", table[2:4])]
+    assert h.free_blocks == start - 4, "lent while both steps' saves run"
+    lent = h.step()
+    assert lent.plan.lent == ["r"] and not lent.output.num_scheduled_tokens
+    assert first.processed and second.processed
+    h.step()  # the saves are still running: the worker reports nothing
+    assert h.free_blocks == start - 4
+    h.step(finished_sending={"r"})
+    assert h.free_blocks == start
+    assert not h.scheduler.requests and not h.kvflow_requests
+    run_to_completion(h)
+    assert check_saves(h, {"r": prompt}) == {"r": {0, 1, 2, 3}}
 
 
 # ---------------------------------------------------------------------- 4. async load
@@ -252,8 +354,9 @@ def store_prefix(harness: MakeHarness, store: Path, prompt: list[int]) -> list[s
     saves, kvflow's `WorkerEngine` runs them through the fs transport. Returns the keys."""
     a = harness(fs_config(store), 16)
     a.add(make_request("seed", prompt, max_tokens=1))
-    a.step()
-    a.step()  # the plan that lends "seed"
+    while not any("seed" in plan.lent for plan in a.plans()):  # the plan that lends it
+        assert len(a.steps) < 4, "seed was never lent"
+        a.step()
     results = run_real_worker(a, a.plans())
     assert results.finished_sending == {"seed"}, "the worker released the lent request"
     keys = [k for plan in a.plans() for s in plan.saves for k in s.keys]
@@ -380,7 +483,7 @@ def test_pd_producer_offers_blocks_and_consumer_pulls_them(harness: MakeHarness)
         make_request("pd", prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True}),
         make_request("plain", prompt_of(4, 20), max_tokens=1),
     )
-    prefill = producer.step()
+    prefill = producer.collect(producer.step())
     outputs = {o.request_id: o for o in prefill.finished}
     assert set(outputs) == {"pd", "plain"}
     assert outputs["plain"].kv_transfer_params is None
