@@ -391,6 +391,7 @@ class WorkerEngine:
             r = self._results
             r.finished_sending |= self._open_lent
             r.error_block_ids |= self._step_load_blocks
+            self._step_load_blocks = set()  # reported once: later steps may reuse them
             for req, blocks in self._open_async.items():
                 if req not in r.finished_recving:
                     r.finished_recving.add(req)

@@ -749,6 +749,9 @@ def test_a_dead_loop_hands_every_lent_block_back_and_fails_its_loads(
     assert results.finished_sending == {"d"}
     assert results.finished_recving == results.failed_recving == {"a"}
     assert e.worker.take_error_blocks() == {5, 6, 7, 8, 9, 10}
+    later = e.worker.take_results()  # each reported once
+    assert not (later.finished_sending or later.finished_recving or later.failed_recving)
+    assert e.worker.take_error_blocks() == set()
 
 
 def test_a_dead_scheduler_loop_makes_lookups_misses_not_a_wait(
