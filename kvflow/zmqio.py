@@ -16,25 +16,16 @@ from typing import Any, TypeVar
 import msgspec
 import trio
 import zmq
-import zmq.utils.monitor
 
-__all__ = ["BadFrame", "PeerUnreachable", "TrioSocket", "bind_loopback", "connect", "decode_frame"]
+__all__ = ["BadFrame", "TrioSocket", "bind_loopback", "decode_frame"]
 
 T = TypeVar("T")
 BUSY_PEER_MIN_S = 1e-4
 BUSY_PEER_MAX_S = 5e-3
 
 
-CONNECT_RETRIES = 3
-"""Refused connection attempts (zmq retries every 100 ms) that make a peer unreachable."""
-
-
 class BadFrame(ValueError):
     """A control frame from a peer that is too large or does not decode."""
-
-
-class PeerUnreachable(ConnectionError):
-    """Nobody accepts connections at a peer's address (it is gone, or not started)."""
 
 
 def decode_frame(decoder: msgspec.msgpack.Decoder[T], data: bytes | memoryview, limit: int) -> T:
@@ -84,31 +75,6 @@ class TrioSocket:
 
     def close(self, linger_ms: int = 0) -> None:
         self.sock.close(linger=linger_ms)
-
-
-async def connect(sock: TrioSocket, address: str, timeout_s: float) -> None:
-    """Connect `sock` to `address` and return once the connection is up. Raises
-    `PeerUnreachable` when the peer refuses it `CONNECT_RETRIES` times (a dead producer
-    is known in a few hundred milliseconds) or nothing answers within `timeout_s`; zmq
-    alone would retry silently until the transfer's own deadline."""
-    events = zmq.EVENT_CONNECTED | zmq.EVENT_CONNECT_RETRIED
-    monitor = TrioSocket(sock.sock.get_monitor_socket(events))
-    try:
-        sock.sock.connect(address)
-        refused = 0
-        with trio.move_on_after(timeout_s):
-            while True:
-                frames = await monitor.recv_multipart()
-                event = zmq.utils.monitor.parse_monitor_message(frames)["event"]
-                if event == zmq.EVENT_CONNECTED:
-                    return
-                refused += 1
-                if refused >= CONNECT_RETRIES:
-                    raise PeerUnreachable(f"{address} refused the connection {refused} times")
-        raise PeerUnreachable(f"{address} accepted no connection within {timeout_s}s")
-    finally:
-        sock.sock.disable_monitor()
-        monitor.close()
 
 
 def bind_loopback(sock: zmq.Socket[Any], host: str = "127.0.0.1", port: int = 0) -> str:

@@ -70,7 +70,7 @@ from kvflow.transport import (
     TransportContext,
     TransportError,
 )
-from kvflow.zmqio import BadFrame, PeerUnreachable, TrioSocket, bind_loopback, connect
+from kvflow.zmqio import BadFrame, TrioSocket, bind_loopback
 
 from . import _wire as wire
 
@@ -105,9 +105,6 @@ class NixlOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Side-channel port; 0: a free port, chosen at start and advertised."""
     backend: Backend = "UCX"
     """NIXL backend plugin that moves the bytes (UCX: tested with CPU memory here)."""
-    connect_timeout_s: float = 5.0
-    """A consumer gives up on a producer that accepts no connection this long (one that
-    refuses it, being gone, is given up on at once)."""
 
 
 def import_nixl() -> Any:
@@ -485,11 +482,7 @@ class NixlTransport(Transport):
         ok = refused = False
         peer: _Remote | None = None
         try:
-            try:
-                await connect(sock, address, self.options.connect_timeout_s)
-            except PeerUnreachable as exc:
-                refused = True  # nothing is held for us: nothing to answer
-                raise ChunkMissing(f"producer unreachable: {exc}") from None
+            sock.sock.connect(address)
             deadline = trio.current_effective_deadline()
             left = deadline - trio.current_time()
             lease_ms = 0 if math.isinf(left) else max(1, int((left + DRAIN_TIMEOUT_S) * 1000))

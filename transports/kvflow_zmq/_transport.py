@@ -30,7 +30,7 @@ from kvflow.transport import (
     TransportContext,
     TransportError,
 )
-from kvflow.zmqio import BadFrame, PeerUnreachable, TrioSocket, bind_loopback, connect
+from kvflow.zmqio import BadFrame, TrioSocket, bind_loopback
 
 from . import _ipc as ipc
 from . import _wire as wire
@@ -45,9 +45,6 @@ class ZmqOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Address the producer binds and advertises; loopback unless told otherwise."""
     port: int = 0
     """0: a free port, chosen at start and advertised; a taken fixed port is an error."""
-    connect_timeout_s: float = 5.0
-    """A consumer gives up on a producer that accepts no connection this long (one that
-    refuses it, being gone, is given up on at once)."""
     ipc_lease_s: float = 30.0
     """CUDA IPC: how long a consumer may copy a request's blocks out of the producer's
     memory before the producer may hand them back to vLLM regardless."""
@@ -217,11 +214,7 @@ class ZmqTransport(Transport):
         sock = TrioSocket(self._zmq.socket(zmq.DEALER))
         ok = refused = False
         try:
-            try:
-                await connect(sock, address, self.options.connect_timeout_s)
-            except PeerUnreachable as exc:
-                refused = True  # nothing is held for us: nothing to answer
-                raise ChunkMissing(f"producer unreachable: {exc}") from None
+            sock.sock.connect(address)
             pulled = trio.current_time()  # a lease can start no earlier than this
             pull = wire.Pull(src.req, list(src.block_ids), geometries=self._layout().geometries)
             await sock.send_multipart([wire.encode(pull)])
