@@ -37,6 +37,7 @@ __all__ = [
     "LayoutError",
     "block_geometry",
     "layout_mismatch",
+    "view_extent",
     "view_geometry",
 ]
 
@@ -201,6 +202,12 @@ def _check_disjoint(dims: Sequence[tuple[int, int]], cell: int, what: str) -> No
         if stride < extent:
             raise LayoutError(f"{what}: dimensions overlap (stride {stride} < {extent} bytes)")
         extent = stride * (n - 1) + extent
+
+
+def view_extent(shape: Sequence[int], strides: Sequence[int], itemsize: int) -> int:
+    """Bytes from a strided view's first element to the end of its last (the layer's own
+    bytes: layers may share one storage, interleaved)."""
+    return (1 + sum((n - 1) * s for n, s in zip(shape, strides, strict=True))) * itemsize
 
 
 def view_geometry(

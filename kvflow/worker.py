@@ -401,14 +401,19 @@ class WorkerEngine:
 
     def _stop(self, what: str) -> None:
         """Record why the engine must stop and raise it in vLLM's thread."""
+        self._set_fatal(
+            f"{what} within load_timeout_s={self.config.load_timeout_s} + {STOP_GRACE_S}s "
+            "(a read stuck in the kernel, e.g. on a hung network filesystem?)"
+        )
+        self._check_fatal()
+
+    def _set_fatal(self, why: str) -> None:
+        """The engine must stop (the first reason holds); vLLM's thread raises it next."""
         with self._lock:
             self._fatal = self._fatal or (
-                f"kvflow: {what} within load_timeout_s={self.config.load_timeout_s} + "
-                f"{STOP_GRACE_S}s (a read stuck in the kernel, e.g. on a hung network "
-                "filesystem?). Stopping the engine rather than hand blocks back to vLLM "
+                f"kvflow: {why}. Stopping the engine rather than hand blocks back to vLLM "
                 "while a late write could still land in them."
             )
-        self._check_fatal()
 
     def _check_fatal(self) -> None:
         if self._fatal:
@@ -504,12 +509,10 @@ class WorkerEngine:
                 self._async_deadlines.pop(spec.req, None)
             if stuck:  # its blocks never go back to vLLM: the engine stops
                 log.error("kvflow load of %s into blocks %s: %s", spec.req, spec.block_ids, stuck)
-                with self._lock:
-                    self._fatal = self._fatal or (
-                        f"kvflow: the load of {spec.req} into blocks {spec.block_ids} could "
-                        f"not be stopped ({stuck}). Stopping the engine rather than hand the "
-                        "blocks back to vLLM while a late write could still land in them."
-                    )
+                self._set_fatal(
+                    f"the load of {spec.req} into blocks {spec.block_ids} could not be "
+                    f"stopped ({stuck})"
+                )
                 reason = f"could not be stopped: {stuck}"
                 self.bus.emit(TransferFailed(req=spec.req, direction="load", reason=reason))
             else:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..layout import KVLayout, block_geometry, view_geometry
+from ..layout import KVLayout, block_geometry, view_extent, view_geometry
 
 __all__ = ["LAYOUTS", "device_layout", "fill_blocks", "make_layout", "token_bytes"]
 
@@ -70,7 +70,7 @@ def make_layout(
     backing = np.zeros(size, dtype=dtype)
     raw = backing.view(np.uint8)
     itemsize = backing.itemsize
-    extent = (1 + sum((n - 1) * s for n, s in zip(shape[1:], strides[1:], strict=True))) * itemsize
+    extent = view_extent(shape[1:], strides[1:], itemsize)
     geometry = block_geometry if block_granular else view_geometry
     names, geos, bufs = [], [], []
     for i in range(num_layers):
@@ -105,7 +105,7 @@ def device_layout(
     gen = torch.Generator(device=device).manual_seed(seed)
     backing = torch.randn(size, generator=gen, device=device).half()
     raw = backing.view(torch.uint8)
-    extent = 2 * (1 + sum((n - 1) * s for n, s in zip(shape[1:], strides[1:], strict=True)))
+    extent = view_extent(shape[1:], strides[1:], 2)
     views, geos, flat = [], [], []
     for i in range(num_layers):
         views.append(backing.as_strided(shape[1:], strides[1:], i * strides[0]))

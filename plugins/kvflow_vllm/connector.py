@@ -26,7 +26,7 @@ from kvflow.config import ConfigError, KVFlowConfig, parse_config, parse_options
 from kvflow.eventlog import JsonlEventLog
 from kvflow.events import EventBus, Origin
 from kvflow.keys import Fingerprint
-from kvflow.layout import KVLayout, LayoutError, block_geometry, view_geometry
+from kvflow.layout import KVLayout, LayoutError, block_geometry, view_extent, view_geometry
 from kvflow.metadata import WorkerPlan, decode_plan, encode_plan
 from kvflow.neighbours import pinned_neighbours
 from kvflow.pd import PdParamsError, parse_pd_params
@@ -195,9 +195,7 @@ def layout_from_tensors(
         memory = t.device.type
         whole = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
         start = t.storage_offset() * t.element_size()
-        extent = (1 + sum((n - 1) * st for n, st in zip(shape, strides, strict=True))) * (
-            t.element_size()
-        )  # the layer's own bytes: layers may share one storage
+        extent = view_extent(shape, strides, t.element_size())
         opaque = memory == "cpu" if opaque_blocks is None else opaque_blocks
         try:
             if opaque:
