@@ -38,7 +38,11 @@ class KVFlowConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     cancelled save never stores its chunks, so later it only wastes a read)."""
     lookup_timeout_s: float = 5.0
     hold_timeout_s: float = 120.0
-    """P/D producer: how long a finished request's blocks wait for a consumer's pull."""
+    """P/D producer: how long a finished request's blocks wait for a consumer to claim
+    them (the consumer claims a request as it arrives, before it is scheduled)."""
+    lease_s: float = 30.0
+    """P/D consumer: a claim holds the producer's blocks this long past its latest
+    renewal; the consumer renews every `lease_s / 3` while the request waits."""
     shutdown_drain_s: float = 10.0
     """At shutdown, how long in-flight saves may finish before they are cancelled."""
     max_concurrent_transfers: int = 16
@@ -58,6 +62,7 @@ class KVFlowConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             "preempt_timeout_s",
             "lookup_timeout_s",
             "hold_timeout_s",
+            "lease_s",
             "shutdown_drain_s",
         ):
             if not getattr(self, key) > 0:  # NaN too

@@ -25,6 +25,10 @@ class LoadSpec(msgspec.Struct, frozen=True, array_like=True):
     asynchronous: bool = False
     source: PeerSource | None = None
     """Set for prefill/decode loads: the producer to pull from."""
+    error: str = ""
+    """Set when the scheduler knows the load cannot succeed (its producer refused the
+    claim or is gone): the worker fails it at once, and vLLM recomputes or fails the
+    request as its `kv_load_failure_policy` says."""
 
 
 class OfferSpec(msgspec.Struct, frozen=True, array_like=True):

@@ -1,25 +1,70 @@
 """Producer-side block lifetime for peer transports (prefill/decode disaggregation).
 
-A producer holds a finished request's blocks until one of three things happens:
-the consumer confirms its pull, the consumer reports failure, or the hold
-deadline passes (the worker cancels `Transport.offer`). In every case the
-blocks go back to vLLM only once no read of them is in flight. `HeldOffers`
-is that bookkeeping, shared by every peer transport so each one gets it right
-the same way: `offer()` implements `Transport.offer`, the transport's serving
-task looks offers up, wraps each read in `reading()` and calls `release()`.
+A producer holds a finished request's blocks until one of these happens: the
+consumer confirms its pull, the consumer reports failure, or the hold deadline
+passes (the worker cancels `Transport.offer`). The deadline is `hold_timeout_s`
+until a consumer claims the request; from then on it is a lease the consumer
+renews (`Renew`, every `lease_s / 3` while the request waits in its queue), so a
+loaded decode instance keeps the KV however long it queues, and a consumer that
+dies frees it within `lease_s`. In every case the blocks go back to vLLM only
+once no read of them is in flight. `HeldOffers` is that bookkeeping, shared by
+every peer transport so each one gets it right the same way: `offer()`
+implements `Transport.offer`, the transport's serving task looks offers up,
+answers `Renew` with `renew()`, wraps each read in `reading()` and calls
+`release()`; `renew_at` is the consumer's side of a renewal.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
+import msgspec
 import trio
+import zmq
 
-from .transport import Offer
+from .transport import Offer, TransportError
+from .zmqio import BadFrame, TrioSocket, decode_frame
 
-__all__ = ["HeldOffers", "NotHeld", "select_blocks"]
+__all__ = [
+    "MAX_READ_LEASE_S",
+    "HeldOffers",
+    "NotHeld",
+    "Renew",
+    "Renewed",
+    "read_lease",
+    "read_lease_ms",
+    "renew_at",
+    "select_blocks",
+]
+
+MAX_READ_LEASE_S = 600.0
+"""The longest a producer keeps blocks for a pull whose consumer never reports back."""
+
+MAX_RENEW_BYTES = 4 << 20
+"""A renewal names request ids only; this bounds what a bad peer makes us decode."""
+
+
+class Renew(msgspec.Struct, tag=True, frozen=True):
+    """Consumer -> producer: keep holding these requests' blocks `lease_ms` longer; the
+    consumer still means to pull them. Part of every peer transport's producer wire."""
+
+    reqs: list[str]
+    lease_ms: int
+
+
+class Renewed(msgspec.Struct, tag=True, frozen=True):
+    """Producer -> consumer: the answer to a `Renew`."""
+
+    refused: dict[str, str]
+    """Why, for each request the producer no longer holds (unknown, expired, pulled)."""
+
+
+_encoder = msgspec.msgpack.Encoder()
+_renewed = msgspec.msgpack.Decoder(Renewed)
 
 
 def select_blocks(offer: Offer, block_ids: Sequence[int]) -> Offer | None:
@@ -39,6 +84,20 @@ def select_blocks(offer: Offer, block_ids: Sequence[int]) -> Offer | None:
 
     counts = [offer.token_counts[i] for i in idx]
     return Offer(offer.req, list(block_ids), counts, offer.num_layers, spans)
+
+
+def read_lease_ms(margin_s: float = 0.0) -> int:
+    """Consumer: how long it may still read, in ms, for its pull request: the deadline
+    of the caller's cancel scope (the worker's load deadline) plus `margin_s`; 0 when
+    unbounded. Past it the consumer has stopped reading and disconnected."""
+    left = trio.current_effective_deadline() - trio.current_time()
+    return 0 if math.isinf(left) else max(1, int((left + margin_s) * 1000))
+
+
+def read_lease(lease_ms: int) -> float:
+    """Producer: how long to keep a pull's blocks for a consumer that sent `lease_ms`
+    (0: unknown), capped at `MAX_READ_LEASE_S`."""
+    return min(lease_ms / 1000 if lease_ms > 0 else MAX_READ_LEASE_S, MAX_READ_LEASE_S)
 
 
 class NotHeld(KeyError):
@@ -80,6 +139,18 @@ class HeldOffers:
     def get(self, req: str) -> Offer | None:
         held = self._open(req)
         return None if held is None else held.offer
+
+    def renew(self, reqs: Sequence[str], lease_s: float) -> Renewed:
+        """Answer a consumer's `Renew`: each held request's hold deadline becomes
+        `lease_s` from now (`Offer.renew`); the others are refused with the reason."""
+        refused = {}
+        for req in reqs:
+            held = self._open(req)
+            if held is None:
+                refused[req] = "unknown or expired request"
+            else:
+                held.offer.renew(lease_s)
+        return Renewed(refused)
 
     def claim(self, req: str, peer: object) -> str:
         """Reserve `req` for the consumer `peer`: "" if it may pull, else why not. One
@@ -158,3 +229,28 @@ class HeldOffers:
             held.readers -= 1
             if held.readers == 0:
                 held.idle.set()
+
+
+async def renew_at(
+    zctx: zmq.Context[Any], address: str, reqs: Sequence[str], lease_s: float
+) -> dict[str, str]:
+    """The consumer's side of a renewal: ask the producer worker at `address` (its peer
+    transport's endpoint, which must answer `Renew` with `Renewed`) to hold `reqs`
+    `lease_s` longer. Returns the refused requests with the reasons; raises
+    `TransportError` on an answer that does not decode. Waits for the answer until
+    cancelled (a producer that is gone never answers: the caller bounds the wait)."""
+    sock = TrioSocket(zctx.socket(zmq.DEALER))
+    try:
+        sock.sock.connect(address)
+        await sock.send_multipart([_encoder.encode(Renew(list(reqs), int(lease_s * 1000)))])
+        (data,) = await sock.recv_multipart()
+        try:
+            return decode_frame(_renewed, data, MAX_RENEW_BYTES).refused
+        except BadFrame as exc:
+            raise TransportError(f"producer {address} answered a renewal with {exc}") from None
+    finally:
+        sock.close()
+
+
+def encode_renewed(answer: Renewed) -> bytes:
+    return _encoder.encode(answer)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import trio
 
+from .claims import Claim, Claims
 from .config import KVFlowConfig
 from .events import (
     BlocksAllocated,
@@ -66,6 +67,8 @@ class _Request:
     saves_issued: bool = False
     pd: PdParams | None = None
     """Set when a producer prefilled this request: pull its prompt KV from there."""
+    claim: Claim | None = None
+    """The claim on the producer's blocks (with `pd`)."""
 
     def hit_tokens(self) -> int:
         return sum(self.counts[: self.hit_chunks or 0])
@@ -111,6 +114,13 @@ class SchedulerEngine:
         self._lent: list[str] = []
         self._preempted: list[str] = []
         self._step = 0
+        self._claims = (  # for peer transports that hold on a lease
+            Claims(
+                transport, runtime, bus, lease_s=config.lease_s, timeout_s=config.lookup_timeout_s
+            )
+            if type(transport).renew is not Transport.renew
+            else None
+        )
 
     # -- vLLM thread -------------------------------------------------------
     def add_request(
@@ -125,12 +135,14 @@ class SchedulerEngine:
         if pd is not None and self.can_pull:
             n = min(pd.num_tokens, len(token_ids))
             counts = chunk_token_counts(n, self.block_size)[: len(pd.block_ids)]
+            claims = self._claims
             self._reqs[req] = _Request(
                 keys=[""] * len(counts),
                 counts=counts,
                 prompt_len=len(token_ids),
                 hit_chunks=len(counts),
                 pd=pd,
+                claim=claims.add(req, pd.req, sum(counts), pd.addresses) if claims else None,
             )
             return
         keys = chunk_keys(
@@ -157,8 +169,13 @@ class SchedulerEngine:
     def lookup(self, req: str, num_computed: int) -> int | None:
         """Tokens beyond `num_computed` the store can supply; None while the answer is pending."""
         st = self._reqs.get(req)
-        if st is not None and st.pd is not None:  # loaded asynchronously; vLLM recomputes
-            return max(0, st.hit_tokens() - num_computed)  # the last token itself
+        if st is not None and st.pd is not None:  # loaded asynchronously; vLLM
+            claim = st.claim  # recomputes the last token itself
+            if claim is not None and not claim.answered:
+                if self.runtime.running:
+                    return None  # the producer has not answered the claim yet
+                claim.error = "the scheduler's loop is gone"
+            return max(0, st.hit_tokens() - num_computed)
         if st is None or not self.can_load or st.prompt_len < 2 or not st.keys:
             return 0
         if st.hit_chunks is None:
@@ -196,6 +213,7 @@ class SchedulerEngine:
             token_counts=st.counts[first:last],
             asynchronous=self.config.load_mode == "async" or source is not None,
             source=source,
+            error=st.claim.error if st.claim is not None else "",
         )
         self._pending_loads.append(spec)
         self.runtime.submit(
@@ -264,6 +282,8 @@ class SchedulerEngine:
         consumer, and the returned params tell the proxy where to pull them from.
         """
         st = self._reqs.pop(req, None)
+        if st is not None and st.claim is not None and self._claims:
+            self._claims.drop(req)
         params = None
         if remote_decode and self.can_offer and st is not None and block_ids:
             counts = chunk_token_counts(st.prompt_len, self.block_size)[: len(block_ids)]
@@ -303,6 +323,8 @@ class SchedulerEngine:
             if st is not None:
                 st.hit_chunks = 0
                 st.stored_upto = 0
+                if st.claim is not None and self._claims:
+                    self._claims.drop(req)
 
     # -- internals ---------------------------------------------------------
     def _plan_save(self, req: str, st: _Request, computed_after: int) -> SaveSpec | None:

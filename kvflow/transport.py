@@ -179,6 +179,9 @@ class Offer:
     token_counts: list[int]
     num_layers: int
     spans: Callable[[int], list[list[memoryview]]]
+    renew: Callable[[float], None] = lambda lease_s: None
+    """A consumer claimed the request and means to pull it: hold the blocks `lease_s`
+    from now (instead of until the hold timeout). Set by the worker."""
 
 
 class Transport(ABC):
@@ -223,6 +226,14 @@ class Transport(ABC):
         blocks ("done" or the consumer's failure reason). When cancelled (the hold
         deadline), return only after no pull of the blocks is in flight."""
         raise NotImplementedError(f"transport {self.name!r} is not a peer transport")
+
+    async def renew(self, address: str, reqs: Sequence[str], lease_s: float) -> dict[str, str]:
+        """Peer transports, on a consumer's scheduler: ask the producer worker at
+        `address` to hold `reqs` (its request ids) `lease_s` longer (see `kvflow.peer`).
+        Returns why, for each request it no longer holds. The caller bounds the wait: a
+        producer that is gone never answers. The default claims nothing: the producer
+        then holds a request until its hold timeout."""
+        return {}
 
     @abstractmethod
     async def lookup(self, keys: Sequence[ChunkKey]) -> int: ...

@@ -46,7 +46,15 @@ from .layout import KVLayout, LayoutError
 from .metadata import LoadSpec, OfferSpec, SaveSpec, WorkerPlan
 from .runtime import Runtime, poll_until
 from .staging import HostStage, event_done, mark
-from .transport import LoadJob, Offer, SaveJob, TransferStuck, Transport, TransportError
+from .transport import (
+    ChunkMissing,
+    LoadJob,
+    Offer,
+    SaveJob,
+    TransferStuck,
+    Transport,
+    TransportError,
+)
 
 __all__ = ["KVFlowFatal", "TransferResults", "WorkerEngine"]
 
@@ -481,6 +489,8 @@ class WorkerEngine:
                     self._now() + self.config.load_timeout_s + STOP_GRACE_S
                 )
         try:
+            if spec.error:  # known in the scheduler already (a producer that is gone)
+                raise ChunkMissing(spec.error)
             with trio.move_on_after(self.config.load_timeout_s) as deadline:
                 async with self._limiter("load"):  # which also bounds pinned staging memory
                     if self.staged:
@@ -637,11 +647,18 @@ class WorkerEngine:
         def spans(layer: int) -> list[list[memoryview]]:
             return layout.chunk_spans(layer, spec.block_ids, spec.token_counts)
 
-        offer = Offer(spec.req, spec.block_ids, spec.token_counts, layout.num_layers, spans)
+        hold = trio.CancelScope(deadline=trio.current_time() + self.config.hold_timeout_s)
+        leased: list[float] = []
+
+        def renew(lease_s: float) -> None:  # a consumer claimed it: its lease, not the hold
+            hold.deadline = trio.current_time() + lease_s
+            leased[:] = [lease_s]
+
+        offer = Offer(spec.req, spec.block_ids, spec.token_counts, layout.num_layers, spans, renew)
         t0 = time.perf_counter()
         outcome = ""
         try:
-            with trio.move_on_after(self.config.hold_timeout_s):
+            with hold:
                 outcome = await self.transport.offer(offer)
         except Exception as exc:
             outcome = f"{type(exc).__name__}: {exc}"
@@ -658,7 +675,11 @@ class WorkerEngine:
                     )
                 )
             else:
-                why = outcome or f"no consumer within hold_timeout_s={self.config.hold_timeout_s}"
+                why = outcome or (
+                    f"the consumer's claim lapsed (lease of {leased[0]}s not renewed)"
+                    if leased
+                    else f"no consumer within hold_timeout_s={self.config.hold_timeout_s}"
+                )
                 self.bus.emit(
                     TransferFailed(
                         req=spec.req, direction="send", reason=why, timed_out=not outcome

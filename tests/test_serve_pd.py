@@ -11,14 +11,15 @@ that fails is a request error here, never a silent recompute.
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
 
-from kvflow_vllm.apiserver import ApiServer
-from kvflow_vllm.proxy import PdProxy
+from kvflow_vllm.apiserver import ApiServer, post
+from kvflow_vllm.proxy import PREFILL_PARAMS, PdProxy
 
 pytestmark = pytest.mark.engine
 
@@ -29,12 +30,17 @@ def _prompt(n: int) -> list[int]:
     return [_rng.randrange(3, 1000) for _ in range(n)]
 
 
+HOLD_S = 6.0
+"""The prefill server's hold_timeout_s: how long a prefill waits for a decode server's
+claim (sent as the request reaches the decode server's queue)."""
+
+
 def _config(transport: str, role: str) -> dict[str, Any]:
     return {
         "kv_connector": "KVFlowConnector",
         "kv_role": role,
         "kv_load_failure_policy": "fail",
-        "kv_connector_extra_config": {"transport": transport},
+        "kv_connector_extra_config": {"transport": transport, "hold_timeout_s": HOLD_S},
     }
 
 
@@ -61,7 +67,9 @@ def pd(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory)
         pytest.importorskip("nixl_cu12", reason="NIXL is an optional extra: kvflow[nixl]")
     tmp = tmp_path_factory.mktemp(f"serve-pd-{transport}")
     prefill = ApiServer(tmp, "prefill", _config(transport, p_role), cores="0")
-    decode = ApiServer(tmp, "decode", _config(transport, d_role), cores="1")
+    # dev mode: vLLM's /pause and /resume, to hold a request in the decode server's queue
+    dev = {"VLLM_SERVER_DEV_MODE": "1"}
+    decode = ApiServer(tmp, "decode", _config(transport, d_role), cores="1", env=dev)
     proxy = None
     try:
         prefill.wait_ready()
@@ -134,6 +142,28 @@ def test_sixteen_concurrent_requests(pd: PD) -> None:
         got = list(ex.map(pd.ask, prompts))
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
         assert_same(g, w, f"concurrent request {i}")
+
+
+def test_a_request_queued_past_the_prefill_servers_hold_timeout_is_still_pulled(pd: PD) -> None:
+    """A loaded decode server may start a request long after its prefill: here vLLM's
+    /pause?mode=keep (as for a weight update) holds it in the queue for twice the
+    prefill server's hold_timeout_s. The decode server claimed the blocks as the request
+    arrived and renews the claim (every lease_s / 3), so they are still there."""
+    prompt = _prompt(100)
+    want = pd.reference(prompt)
+    prefill = pd.prefill.completion(prompt, 1, dict(PREFILL_PARAMS))  # the proxy's first leg
+    params = prefill["kv_transfer_params"]
+    post(pd.decode.url + "/pause?mode=keep", {})
+    try:
+        with ThreadPoolExecutor(1) as ex:
+            queued = ex.submit(pd.decode.completion, prompt, 8, params)
+            time.sleep(2 * HOLD_S)  # the scenario itself: the request waits in the queue
+            assert not queued.done(), "the decode server ran it while paused"
+            post(pd.decode.url + "/resume", {})
+            got = queued.result()
+    finally:
+        post(pd.decode.url + "/resume", {})
+    assert_same(got, want, "a request that queued past the hold timeout")  # policy fail
 
 
 def test_no_pull_failed_or_timed_out(pd: PD) -> None:

@@ -31,7 +31,7 @@ from vllm.v1.request import RequestStatus
 from kvflow.keys import chunk_keys
 from kvflow.metadata import OfferSpec
 from kvflow.pd import parse_pd_params
-from kvflow.transport import PeerSource
+from kvflow.transport import Offer, PeerSource
 from kvflow_vllm.connector import KVFlowHandshake
 
 from .vllm_harness import (
@@ -41,6 +41,7 @@ from .vllm_harness import (
     Harness,
     Loop,
     fs_config,
+    held_offer,
     make_harness,
     make_request,
     make_vllm_config,
@@ -508,7 +509,10 @@ def test_pd_producer_offers_blocks_and_consumer_pulls_them(harness: MakeHarness)
 
     consumer = harness(make_vllm_config(transport="zmq", kv_role="kv_consumer"), 16)
     c_start = consumer.free_blocks
-    consumer.add(make_request("d", prompt, max_tokens=3, kv_transfer_params=params))
+    with held_offer(Offer("pd", table, [16, 16, 8], 0, lambda _layer: [])) as live:
+        address = live  # a producer that answers the consumer's claim
+        params["kvflow"]["addresses"] = [address]
+        consumer.add(make_request("d", prompt, max_tokens=3, kv_transfer_params=params))
     pull = consumer.step()
     assert not pull.output.num_scheduled_tokens
     (load,) = pull.plan.loads

@@ -249,3 +249,59 @@ async def test_a_consumer_that_stops_reading_holds_up_only_its_own_pull(
         zctx.destroy(linger=0)
         await producer.aclose()
         await consumer.aclose()
+
+
+async def test_a_stalled_consumer_holds_the_blocks_no_longer_than_its_own_lease(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A consumer that stops reading and keeps its connection open: its pull said how
+    long it may still read (`lease_ms`, its own deadline plus a margin). Past that the
+    producer hands the blocks back although ZMQ still holds frames of them: a kvflow
+    consumer has given up by then and never uses what else arrives."""
+    trackers: list[zmq.MessageTracker] = []
+
+    class TrackedFrame(zmq.Frame):
+        def __init__(self, *args: Any, **kw: Any) -> None:
+            super().__init__(*args, **kw)
+            if kw.get("track"):
+                trackers.append(self.tracker)
+
+    monkeypatch.setattr(zmq, "Frame", TrackedFrame)
+    blocks = list(range(48))
+    kw: dict[str, Any] = dict(num_layers=8, num_blocks=50, block_size=16, heads=8, head_dim=128)
+    prod = make_layout(block_granular=True, **kw)  # 48 MiB to stall on
+    full = [prod.block_size] * len(blocks)
+    offer = Offer("big", blocks, full, prod.num_layers, _spans(prod, blocks, full))
+    producer = ZmqTransport(ZmqOptions(), _ctx(prod))
+    await producer.open()
+    await producer.register(prod)
+    zctx = zmq.Context()
+    stalled = TrioSocket(zctx.socket(zmq.DEALER))
+    stalled.sock.setsockopt(zmq.RCVHWM, 1)
+    stalled.sock.setsockopt(zmq.RCVBUF, 1 << 16)
+    hold, returned = trio.CancelScope(), trio.Event()
+    try:
+        with trio.fail_after(30):  # a hang guard, not a timing check
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(producer.serve)
+
+                async def hold_big() -> None:
+                    with hold:
+                        await producer.offer(offer)
+                    returned.set()  # offer() returns once no read of the blocks is open
+
+                nursery.start_soon(hold_big)
+                await trio.testing.wait_all_tasks_blocked()
+                stalled.sock.connect(producer.address)
+                await stalled.send_multipart([wire.encode(wire.Pull("big", lease_ms=200))])
+                frames = await stalled.recv_multipart()  # layer 0, then it reads no more
+                assert len(frames) == 1 + len(blocks)
+                hold.cancel()  # the hold deadline passes while zmq still holds frames
+                await returned.wait()  # the read ended at the consumer's lease
+                assert trackers and not all(t.done for t in trackers), "not stalled"
+                nursery.cancel_scope.cancel()
+    finally:
+        stalled.close(linger_ms=0)
+        zctx.destroy(linger=0)
+        await producer.aclose()
+    assert "handing the blocks back" in caplog.text

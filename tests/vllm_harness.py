@@ -30,7 +30,8 @@ from __future__ import annotations
 
 import threading
 from collections import Counter, deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -61,7 +62,7 @@ from kvflow.config import parse_options
 from kvflow.events import Event, EventBus, LookupAnswered, Origin
 from kvflow.metadata import WorkerPlan
 from kvflow.runtime import Runtime
-from kvflow.transport import TransportContext, load_transport
+from kvflow.transport import Offer, TransportContext, load_transport
 from kvflow.worker import TransferResults, WorkerEngine
 from kvflow_vllm.connector import KVFlowConnector, KVFlowMetadata, layout_from_tensors
 from kvflow_vllm.engine import model_dir
@@ -304,12 +305,16 @@ class Harness:
         for req in reqs:
             self.scheduler.add_request(req)
         sched = self.connector.sched
+        claims = sched._claims is not None  # a P/D request's claim is its lookup
         waits = [
             r.request_id
             for r in reqs
-            if sched.can_load
-            and len(r.prompt_token_ids or ()) >= 2
-            and not sched.is_remote(r.request_id)
+            if (claims and sched.is_remote(r.request_id))
+            or (
+                sched.can_load
+                and len(r.prompt_token_ids or ()) >= 2
+                and not sched.is_remote(r.request_id)
+            )
         ]
         self.lookups.wait(waits)
 
@@ -564,3 +569,23 @@ def run_real_worker(harness: Harness, plans: Sequence[WorkerPlan]) -> TransferRe
     finally:
         worker.close(drain_s=30.0)  # returns once every save has ended
     return worker.take_results()
+
+
+@contextmanager
+def held_offer(offer: Offer) -> Iterator[str]:
+    """A producer worker's real `zmq` transport serving `offer` (held until the context
+    ends): yields its address, for a consumer to claim."""
+    cls = load_transport("zmq")
+    ctx = TransportContext(
+        engine_id="producer", role="worker", namespace="", shard=SHARD, shards=[SHARD]
+    )
+    runtime = Runtime("test-producer")
+    peer = cls(cls.Options(), ctx)
+    try:
+        runtime.call(peer.open, timeout=30.0)
+        runtime.add_closer(peer.aclose)
+        runtime.spawn(peer.serve)
+        runtime.spawn(peer.offer, offer)
+        yield peer.address
+    finally:
+        runtime.shutdown(timeout=30.0)

@@ -27,6 +27,7 @@ import functools
 from collections.abc import Sequence
 from typing import ClassVar
 
+import pytest
 import trio
 import trio.testing
 
@@ -66,6 +67,11 @@ class PeerPromise:
     REFUSED = (
         "a pull of a request the producer does not hold (never offered, or expired) raises "
         "ChunkMissing promptly"
+    )
+    RENEW = (
+        "renew(address, reqs, lease_s) reaches the producer worker at `address`: each held "
+        "request's Offer.renew(lease_s) is called, and the others come back refused with a "
+        "reason"
     )
     ONE_CONSUMER = (
         "a request is pulled by one consumer: a second is refused (ChunkMissing) and nothing "
@@ -277,6 +283,24 @@ class PeerConformance(ConformanceSuite):
             deadline.cancel()  # the hold deadline passed before any consumer came
             await producer.offer(self.offer_of(kv, "late", src))
         await self.refused(kv, consumer, self.source([producer], "late", src))
+
+    async def test_a_claim_renews_held_offers_and_names_the_others(self, kv: Harness) -> None:
+        producer, consumer = await kv.worker(), await kv.scheduler()
+        if type(consumer).renew is Transport.renew:
+            pytest.skip(f"{type(consumer).__name__} holds offers for the hold timeout only")
+        leases: list[float] = []
+        offer = dataclasses.replace(self.offer_of(kv, "held", kv.chunks(2)), renew=leases.append)
+        refused: dict[str, str] | None = None
+        async with open_nursery() as nursery:
+            nursery.start_soon(producer.offer, offer)
+            await trio.testing.wait_all_tasks_blocked()
+            with trio.move_on_after(kv.progress_timeout_s):
+                refused = await consumer.renew(producer.address, ["held", "never"], 12.5)
+            nursery.cancel_scope.cancel()  # the hold deadline
+        if refused is None:
+            violated(PeerPromise.RENEW, f"no answer within {kv.progress_timeout_s} s")
+        elif leases != [12.5] or list(refused) != ["never"] or not refused["never"]:
+            violated(PeerPromise.RENEW, f"renewed {leases}, refused {refused}")
 
     async def test_blocks_stay_held_while_a_pull_reads_them(self, kv: Harness) -> None:
         """The hold deadline passes mid-pull: once offer() returns, vLLM reuses the blocks

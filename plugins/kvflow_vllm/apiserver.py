@@ -75,6 +75,7 @@ class ApiServer:
         *extra: str,
         model: str | None = None,
         cores: str | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
         from .engine import tiny_model_dir
 
@@ -86,6 +87,7 @@ class ApiServer:
         environ = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", PYTHONUNBUFFERED="1")
         if cores is not None:
             environ["VLLM_CPU_OMP_THREADS_BIND"] = cores
+        environ.update(env or {})
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(
                 server_command(self.model, self.port, kv_transfer_config, *extra),

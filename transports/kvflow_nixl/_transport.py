@@ -17,7 +17,8 @@ until one of
 2. the consumer's `Failed` arrived over the side channel (it sends it once each
    of its READs is DONE/ERR, or stuck past a drain wait) -> its reason;
 3. the read lease expired: the consumer's own deadline (it sends how long it may
-   still read) plus `DRAIN_TIMEOUT_S` plus a margin, capped at `MAX_LEASE_S`.
+   still read) plus `DRAIN_TIMEOUT_S` plus a margin, capped at
+   `kvflow.peer.MAX_READ_LEASE_S`.
    Past that a consumer has either ended its READs or is gone.
 
 So the worker's hold timeout, which cancels `offer()`, never hands back blocks a
@@ -43,7 +44,6 @@ from __future__ import annotations
 import ctypes
 import importlib
 import logging
-import math
 import os
 import secrets
 from collections.abc import Sequence
@@ -57,7 +57,15 @@ import zmq
 
 from kvflow.keys import ChunkKey
 from kvflow.layout import KVLayout, LayerGeometry, LayoutError, layout_mismatch
-from kvflow.peer import HeldOffers, select_blocks
+from kvflow.peer import (
+    HeldOffers,
+    Renew,
+    encode_renewed,
+    read_lease,
+    read_lease_ms,
+    renew_at,
+    select_blocks,
+)
 from kvflow.transport import (
     Capabilities,
     ChunkCorrupt,
@@ -79,8 +87,6 @@ log = logging.getLogger("kvflow.nixl")
 INSTALL_HINT = "pip install 'kvflow[nixl]' (or: pip install nixl-cu12==1.5.1)"
 DRAIN_TIMEOUT_S = 5.0
 """How long a cancelled consumer waits for a READ in flight to end before releasing it."""
-MAX_LEASE_S = 600.0
-"""The longest a producer holds blocks for a consumer that never reports back."""
 LEASE_MARGIN_S = 1.0
 MAX_DESCRIPTORS = 1 << 27
 """Bounds a prepared whole-memory list (80 layers x 2 runs x 800k blocks), so that no
@@ -359,6 +365,13 @@ class NixlTransport(Transport):
                 except BadFrame as exc:
                     log.warning("kvflow nixl: dropped a bad frame from a peer: %s", exc)
                     continue
+                if isinstance(msg, Renew):
+                    renewed = self.held.renew(msg.reqs, msg.lease_ms / 1000)
+                    try:
+                        await router.send_multipart([ident, encode_renewed(renewed)])
+                    except zmq.ZMQError as exc:
+                        log.info("kvflow nixl: a renewing consumer is unreachable: %s", exc)
+                    continue
                 if not isinstance(msg, wire.Pull):  # only the consumer that pulls may end it
                     pull = self._pulls.get(msg.req)
                     if pull is not None and pull.ident == ident:
@@ -390,8 +403,7 @@ class NixlTransport(Transport):
         if offer is None:
             task_status.started(None)
             return
-        lease = min(msg.lease_ms / 1000 if msg.lease_ms > 0 else MAX_LEASE_S, MAX_LEASE_S)
-        pull = _Pull(msg.req, msg.agent, ident, lease + LEASE_MARGIN_S)
+        pull = _Pull(msg.req, msg.agent, ident, read_lease(msg.lease_ms) + LEASE_MARGIN_S)
         self._pulls[msg.req] = pull
         try:
             with self.held.reading(msg.req):
@@ -470,6 +482,9 @@ class NixlTransport(Transport):
             pull.end("done")
 
     # -- consumer ----------------------------------------------------------
+    async def renew(self, address: str, reqs: Sequence[str], lease_s: float) -> dict[str, str]:
+        return await renew_at(self._zmq, address, reqs, lease_s)
+
     async def load(self, job: LoadJob) -> None:
         src = job.source
         if src is None:
@@ -483,9 +498,7 @@ class NixlTransport(Transport):
         peer: _Remote | None = None
         try:
             sock.sock.connect(address)
-            deadline = trio.current_effective_deadline()
-            left = deadline - trio.current_time()
-            lease_ms = 0 if math.isinf(left) else max(1, int((left + DRAIN_TIMEOUT_S) * 1000))
+            lease_ms = read_lease_ms(DRAIN_TIMEOUT_S)
             known = self._remote[address].name if address in self._remote else ""
             pull = wire.Pull(src.req, agent.name, known, lease_ms, list(src.block_ids))
             await sock.send_multipart([wire.encode(pull)])

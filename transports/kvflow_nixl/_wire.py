@@ -14,6 +14,11 @@ notification for the data path:
                            notification until the consumer's agent next progresses)
     consumer -> producer   Failed(req, reason), only if it gave up (no READ in flight)
 
+and, from the consumer's scheduler while the request waits (`kvflow.peer`):
+
+    consumer -> producer   Renew(reqs, lease_ms)
+    producer -> consumer   Renewed(refused)
+
 `metadata` (the producer agent's NIXL metadata) and `regions` (where its KV memory
 starts and how it is paged) come only on a consumer's first pull from that agent:
 the consumer prepares one descriptor list over the producer's whole KV memory from
@@ -25,9 +30,10 @@ from __future__ import annotations
 import msgspec
 
 from kvflow.layout import LayerGeometry
+from kvflow.peer import Renew
 from kvflow.zmqio import decode_frame
 
-WIRE_VERSION = 4
+WIRE_VERSION = 5
 MAX_TO_PRODUCER_BYTES = 64 << 10
 """Pull / Failed / notifications: small, fixed-shape frames."""
 MAX_TO_CONSUMER_BYTES = 64 << 20
@@ -88,7 +94,7 @@ class Read(msgspec.Struct, tag=True, frozen=True):
     req: str
 
 
-ToProducer = Pull | Failed | Read
+ToProducer = Pull | Failed | Read | Renew
 ToConsumer = Blocks | Refused
 
 _encoder = msgspec.msgpack.Encoder()

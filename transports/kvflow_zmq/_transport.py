@@ -17,7 +17,16 @@ import zmq
 
 from kvflow.keys import ChunkKey
 from kvflow.layout import KVLayout, LayoutError, layout_mismatch
-from kvflow.peer import HeldOffers, select_blocks
+from kvflow.peer import (
+    HeldOffers,
+    Renew,
+    encode_renewed,
+    read_lease,
+    read_lease_ms,
+    renew_at,
+    select_blocks,
+)
+from kvflow.runtime import poll_until
 from kvflow.transport import (
     Capabilities,
     ChunkCorrupt,
@@ -36,6 +45,10 @@ from . import _ipc as ipc
 from . import _wire as wire
 
 log = logging.getLogger("kvflow.zmq")
+
+READ_MARGIN_S = 5.0
+"""Added to a consumer's deadline in the lease it sends with a pull (its socket closes
+at the deadline; ZMQ then frees what it still held of the producer's frames)."""
 
 
 class ZmqOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -112,6 +125,10 @@ class ZmqTransport(Transport):
                 except BadFrame as exc:
                     log.warning("kvflow zmq: dropped a bad frame from a peer: %s", exc)
                     continue
+                if isinstance(msg, Renew):
+                    renewed = self.held.renew(msg.reqs, msg.lease_ms / 1000)
+                    await self._send(router, ident, encode_renewed(renewed), "renewal")
+                    continue
                 if not isinstance(msg, wire.Pull):  # only the consumer that pulled counts
                     outcome = "done" if isinstance(msg, wire.Done) else msg.reason
                     self.held.release(msg.req, outcome, peer=ident)
@@ -132,16 +149,21 @@ class ZmqTransport(Transport):
                     reply = self._ipc_reply(offer) if lent else wire.Refused(msg.req, "expired")
                     if not await self._reply(router, ident, reply):
                         self.held.release(msg.req, "the consumer went away", peer=ident)
-                elif not await leases.start(self._send_held, router, ident, offer):
+                elif not await leases.start(
+                    self._send_held, router, ident, offer, read_lease(msg.lease_ms)
+                ):
                     await self._reply(router, ident, wire.Refused(msg.req, "expired"))
 
     async def _reply(self, router: TrioSocket, ident: bytes, msg: wire.ToConsumer) -> bool:
         """Send a control frame to a consumer; False if it is gone (ROUTER_MANDATORY)."""
+        return await self._send(router, ident, wire.encode(msg), msg.req)
+
+    async def _send(self, router: TrioSocket, ident: bytes, frame: bytes, what: str) -> bool:
         try:
-            await router.send_multipart([ident, wire.encode(msg)])
+            await router.send_multipart([ident, frame])
             return True
         except zmq.ZMQError as exc:
-            log.info("kvflow zmq: consumer of %s unreachable: %s", msg.req, exc)
+            log.info("kvflow zmq: consumer of %s unreachable: %s", what, exc)
             return False
 
     def _ipc_reply(self, offer: Offer) -> wire.Ipc:
@@ -160,14 +182,17 @@ class ZmqTransport(Transport):
         router: TrioSocket,
         ident: bytes,
         o: Offer,
+        lease_s: float,
         *,
         task_status: trio.TaskStatus[bool] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         """Answer one host-memory pull, started with `nursery.start`: queue `o`'s layers
         for `ident` while serve() waits (the socket keeps one user at a time), start with
-        True, then keep the blocks held until ZMQ let go of every frame. serve() goes on
-        meanwhile, so a consumer that stops reading holds up only its own blocks. Starts
-        with False, sending nothing, if `o` is no longer held."""
+        True, then keep the blocks held until ZMQ let go of every frame, or `lease_s`
+        (the consumer's own deadline plus a margin) passed: by then a kvflow consumer has
+        given up and closed its socket, and never uses what else arrives. serve() goes
+        on meanwhile, so a consumer that stops reading holds up only its own blocks.
+        Starts with False, sending nothing, if `o` is no longer held."""
         if o.req not in self.held:  # expired or closing while serve() waited to start us
             task_status.started(False)
             return
@@ -178,10 +203,15 @@ class ZmqTransport(Transport):
                 task_status.started(True)
             finally:
                 with trio.CancelScope(shield=True):  # zmq reads the blocks until then
-                    delay = 1e-4
-                    while not all(t.done for t in trackers):
-                        await trio.sleep(delay)
-                        delay = min(delay * 2, 5e-3)
+                    with trio.move_on_after(lease_s):
+                        await poll_until(lambda: all(t.done for t in trackers))
+                if not all(t.done for t in trackers):
+                    log.warning(
+                        "kvflow zmq: %s: ZMQ still holds frames of it past the consumer's "
+                        "lease (%.1fs); handing the blocks back",
+                        o.req,
+                        lease_s,
+                    )
 
     async def _send_layers(
         self, router: TrioSocket, ident: bytes, o: Offer, trackers: list[zmq.MessageTracker]
@@ -206,6 +236,9 @@ class ZmqTransport(Transport):
             log.warning("kvflow zmq: sending %s failed: %s", o.req, exc)
 
     # -- consumer ----------------------------------------------------------
+    async def renew(self, address: str, reqs: Sequence[str], lease_s: float) -> dict[str, str]:
+        return await renew_at(self._zmq, address, reqs, lease_s)
+
     async def load(self, job: LoadJob) -> None:
         src = job.source
         if src is None:
@@ -216,7 +249,12 @@ class ZmqTransport(Transport):
         try:
             sock.sock.connect(address)
             pulled = trio.current_time()  # a lease can start no earlier than this
-            pull = wire.Pull(src.req, list(src.block_ids), geometries=self._layout().geometries)
+            pull = wire.Pull(
+                src.req,
+                list(src.block_ids),
+                geometries=self._layout().geometries,
+                lease_ms=read_lease_ms(READ_MARGIN_S),
+            )
             await sock.send_multipart([wire.encode(pull)])
             for layer in range(job.num_layers):
                 frames: list[Any] = await sock.recv_multipart(copy=False)

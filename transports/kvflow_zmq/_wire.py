@@ -9,6 +9,11 @@ A pull is one DEALER->ROUTER conversation:
                            the consumer copies device to device), or
                            Refused(req, reason)
     consumer -> producer   Done(req) | Failed(req, reason)
+
+and, from the consumer's scheduler while the request waits (`kvflow.peer`):
+
+    consumer -> producer   Renew(reqs, lease_ms)
+    producer -> consumer   Renewed(refused)
 """
 
 from __future__ import annotations
@@ -16,11 +21,12 @@ from __future__ import annotations
 import msgspec
 
 from kvflow.layout import LayerGeometry
+from kvflow.peer import Renew
 from kvflow.zmqio import decode_frame
 
 from ._ipc import IpcHandle
 
-WIRE_VERSION = 3
+WIRE_VERSION = 4
 MAX_CONTROL_BYTES = 1 << 20
 
 
@@ -31,6 +37,9 @@ class Pull(msgspec.Struct, tag=True, frozen=True):
     version: int = WIRE_VERSION
     geometries: list[LayerGeometry] = []
     """The consumer's layers: a producer refuses a pull into blocks of another layout."""
+    lease_ms: int = 0
+    """The consumer stops reading within this many ms (0: unknown; the producer caps it):
+    past it the producer hands the blocks back even if ZMQ still holds frames of them."""
 
 
 class Layer(msgspec.Struct, tag=True, frozen=True):
@@ -67,7 +76,7 @@ class Failed(msgspec.Struct, tag=True, frozen=True):
     reason: str
 
 
-ToProducer = Pull | Done | Failed
+ToProducer = Pull | Done | Failed | Renew
 ToConsumer = Layer | Ipc | Refused
 
 _encoder = msgspec.msgpack.Encoder()

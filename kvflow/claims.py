@@ -1,0 +1,147 @@
+"""P/D consumer: claim a request's prompt KV on its producer as soon as the request
+arrives, and keep the claim alive while the request waits to be pulled.
+
+A decode instance may queue a request long after the prefill instance finished
+it. The scheduler adds a claim when a request with P/D params arrives and drops
+it when the request ends. One task renews every claim in rounds (at once for a
+new claim, then every `lease_s / 3`), one `Transport.renew` per producer worker
+carrying all of its requests. The producer holds each claimed request `lease_s`
+from its latest renewal, past its own hold timeout; a consumer that dies lets
+the claim lapse.
+
+The first answer decides the request: held, and it is pulled; refused,
+unreachable, or no answer within `timeout_s`, and its load fails at once with
+that reason (vLLM recomputes or fails the request, as its load-failure policy
+says) instead of waiting `load_timeout_s` on a producer that is gone. The first
+answer is the P/D request's `LookupAnswered` event. A refusal
+ends a claim (after its pull the producer has let go: nothing is left to hold);
+a renewal that goes unanswered later only logs, and the next round tries again.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import trio
+
+from .events import EventBus, LookupAnswered
+from .runtime import Runtime
+from .transport import Transport
+
+__all__ = ["Claim", "Claims"]
+
+log = logging.getLogger("kvflow.claims")
+
+
+@dataclass
+class Claim:
+    """One request's claim; written by the loop, read by vLLM's thread."""
+
+    req: str
+    """The request id on the producer."""
+    tokens: int
+    """Prompt tokens the producer holds."""
+    addresses: list[str]
+    """The producer's worker endpoints (one per shard): each holds its shard's blocks."""
+    unanswered: set[str] = field(default_factory=set)
+    answered: bool = False
+    """Every shard answered the first renewal, or one refused it or did not answer."""
+    error: str = ""
+    """Why the request cannot be pulled ("" while it can)."""
+    since: float = field(default_factory=time.perf_counter)
+
+    def __post_init__(self) -> None:
+        self.unanswered = set(self.addresses)
+
+    def settle(self, address: str, why: str) -> bool:
+        """One shard's answer; True if it is the answer that decides the request."""
+        self.unanswered.discard(address)
+        if why and not self.error:
+            self.error = why
+        decided = not self.answered and (not self.unanswered or bool(self.error))
+        self.answered = self.answered or decided
+        return decided
+
+
+class Claims:
+    """The consumer scheduler's claims on producers' blocks, by consumer request id."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        runtime: Runtime,
+        bus: EventBus,
+        *,
+        lease_s: float,
+        timeout_s: float,
+    ) -> None:
+        self.transport = transport
+        self.runtime = runtime
+        self.bus = bus
+        self.lease_s = lease_s
+        self.timeout_s = timeout_s
+        self._claims: dict[str, Claim] = {}  # the loop thread's only
+        self._due = trio.Event()
+        self._started = False
+
+    # -- vLLM thread -------------------------------------------------------
+    def add(self, req: str, producer_req: str, tokens: int, addresses: Sequence[str]) -> Claim:
+        """Claim `producer_req` for the consumer request `req`; renewed until `drop`."""
+        claim = Claim(producer_req, tokens, list(addresses))
+        if not self._started:
+            self._started = True
+            self.runtime.spawn(self._renewals, name="pd-claims")
+        self.runtime.submit(self._add, req, claim)
+        return claim
+
+    def drop(self, req: str) -> None:
+        """`req` ended or no longer needs its producer's blocks."""
+        self.runtime.submit(self._claims.pop, req, None)
+
+    # -- loop --------------------------------------------------------------
+    def _add(self, req: str, claim: Claim) -> None:
+        self._claims[req] = claim
+        self._due.set()
+
+    async def _renewals(self) -> None:
+        while True:
+            with trio.move_on_after(self.lease_s / 3):
+                await self._due.wait()
+            self._due = trio.Event()
+            by_address: dict[str, list[tuple[str, Claim]]] = {}
+            for req, claim in self._claims.items():
+                for address in claim.addresses:
+                    by_address.setdefault(address, []).append((req, claim))
+            async with trio.open_nursery() as nursery:
+                for address, claims in by_address.items():
+                    nursery.start_soon(self._renew_at, address, claims)
+
+    async def _renew_at(self, address: str, claims: list[tuple[str, Claim]]) -> None:
+        why, refused = "", {}
+        with trio.move_on_after(self.timeout_s) as deadline:
+            try:
+                refused = await self.transport.renew(
+                    address, [c.req for _, c in claims], self.lease_s
+                )
+            except Exception as exc:
+                why = f"producer {address} unreachable: {type(exc).__name__}: {exc}"
+        if deadline.cancelled_caught:
+            why = f"producer {address} did not answer its claim within {self.timeout_s}s"
+        for req, claim in claims:
+            reason = refused.get(claim.req, "")
+            if reason:
+                reason = f"producer {address} refused {claim.req}: {reason}"
+            elif why and claim.answered:  # held before: perhaps busy; try again next round
+                log.warning("kvflow: renewing the claim of %s: %s", req, why)
+                continue
+            if claim.settle(address, reason or why):
+                hit = 0 if claim.error else claim.tokens
+                elapsed = time.perf_counter() - claim.since
+                self.bus.emit(
+                    LookupAnswered(req=req, hit_tokens=hit, elapsed_s=elapsed, error=claim.error)
+                )
+            if claim.error:  # nothing more to hold: never renewed again
+                self._claims.pop(req, None)
