@@ -1,0 +1,192 @@
+"""Soak kvflow in one real vLLM engine: many requests with shared prefixes, a small
+KV cache (preemptions), client aborts, and faults injected into the `fs` store while
+it runs (chunk files truncated, corrupted, deleted; the whole store deleted).
+
+    python scripts/soak.py --requests 1000
+
+Prints requests, faults, wrong tokens, request errors, leaked blocks and hangs, and
+exits non-zero if any request got wrong tokens, hung, or a block was leaked. Under
+policy `recompute` (the default) no request may fail; under `--policy fail` a load
+that fails is a request error, counted apart. References are each prompt's tokens
+from an engine without a connector, in a process of its own. The engine runs in this
+process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) so the script can read vLLM's block pool.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+if __name__ == "__main__":  # vLLM's workers start with spawn: run nothing on import
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins"))
+
+MAX_TOKENS = 8
+HANG_S = 120.0
+"""A request unanswered this long is a hang (and is aborted)."""
+FAULTS = ("truncate", "corrupt", "delete-chunk", "delete-store")
+
+
+def prompts(rng: random.Random, unique: int) -> list[list[int]]:
+    """`unique` prompts over a few shared prefixes (a system prompt, a document)."""
+    prefixes = [[rng.randrange(3, 1000) for _ in range(rng.randrange(40, 300))] for _ in range(6)]
+    return [
+        rng.choice(prefixes) + [rng.randrange(3, 1000) for _ in range(rng.randrange(1, 200))]
+        for _ in range(unique)
+    ]
+
+
+def references(work: Path, ps: list[list[int]]) -> list[list[int]]:
+    from kvflow_vllm.engine import Scenario, spawn_engine
+
+    result = spawn_engine(work, "reference", Scenario(batches=[ps], connector=False))
+    return [r.tokens for r in result.batches[0]]
+
+
+def inject(rng: random.Random, store: Path) -> str:
+    """One fault in the store; returns what it was ("" if there was nothing to hit)."""
+    files = sorted(store.rglob("*.kv")) if store.exists() else []
+    kind = rng.choice(FAULTS)
+    if kind == "delete-store":
+        shutil.rmtree(store, ignore_errors=True)
+        return kind
+    if not files:
+        return ""
+    victim = rng.choice(files)
+    try:
+        if kind == "truncate":
+            with open(victim, "r+b") as f:
+                f.truncate(rng.randrange(victim.stat().st_size))
+        elif kind == "corrupt":
+            data = bytearray(victim.read_bytes())
+            data[rng.randrange(len(data))] ^= 0xFF
+            victim.write_bytes(bytes(data))
+        else:
+            victim.unlink()
+    except FileNotFoundError:  # evicted or replaced meanwhile
+        return ""
+    return kind
+
+
+class Soak:
+    def __init__(self, args: argparse.Namespace, store: Path) -> None:
+        from kvflow_vllm.engine import make_llm
+
+        self.args = args
+        self.rng = random.Random(args.seed)
+        self.store = store
+        self.llm = make_llm(
+            extra_config={"transport": "fs", "options": {"path": str(store)}},
+            failure_policy=args.policy,
+            prefix_caching=True,
+            num_gpu_blocks_override=args.blocks,
+            max_num_seqs=16,
+        )
+        self.engine = self.llm.llm_engine
+        self.count: Counter[str] = Counter()
+        self.in_flight: dict[str, tuple[int, float]] = {}
+
+    def scheduler(self) -> Any:
+        return self.engine.engine_core.engine_core.scheduler
+
+    def run(self, ps: list[list[int]], want: list[list[int]]) -> None:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+        sent = 0
+        while sent < self.args.requests or self.in_flight:
+            while sent < self.args.requests and len(self.in_flight) < 16:
+                i = self.rng.randrange(len(ps))
+                rid = f"soak-{sent}"
+                self.engine.add_request(rid, TokensPrompt(prompt_token_ids=ps[i]), params)
+                self.in_flight[rid] = (i, time.monotonic())
+                sent += 1
+            if self.in_flight and self.rng.random() < self.args.abort_rate:
+                rid = self.rng.choice(sorted(self.in_flight))
+                self.engine.abort_request([rid])
+                del self.in_flight[rid]
+                self.count["aborted"] += 1
+            if self.rng.random() < self.args.fault_rate and (kind := inject(self.rng, self.store)):
+                self.count[f"fault:{kind}"] += 1
+            for out in self.engine.step():
+                if out.finished and out.request_id in self.in_flight:
+                    self.finish(out, want)
+            for rid, (_, since) in list(self.in_flight.items()):
+                if time.monotonic() - since > HANG_S:
+                    self.engine.abort_request([rid])
+                    del self.in_flight[rid]
+                    self.count["hangs"] += 1
+
+    def finish(self, out: Any, want: list[list[int]]) -> None:
+        i, _ = self.in_flight.pop(out.request_id)
+        c = out.outputs[0]
+        if c.finish_reason not in ("length", "stop"):
+            self.count["request errors"] += 1
+        elif list(c.token_ids) != want[i]:
+            self.count["wrong tokens"] += 1
+        else:
+            self.count["right"] += 1
+
+    def leaked_blocks(self) -> int:
+        """Blocks not free once every request ended and kvflow released what it held."""
+        core = self.engine.engine_core.engine_core
+        deadline = time.monotonic() + 60
+        while core.scheduler.has_requests() and time.monotonic() < deadline:
+            core.step()  # vLLM steps while finished requests wait for kvflow's saves
+        pool = core.scheduler.kv_cache_manager.block_pool
+        return int(pool.num_gpu_blocks - 1 - pool.get_num_free_blocks())  # 1: the null block
+
+    def preemptions(self) -> int:
+        m = {x.name: x for x in self.llm.get_metrics()}
+        total = m.get("vllm:num_preemptions")
+        return int(getattr(total, "value", 0)) if total is not None else -1
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--requests", type=int, default=1000)
+    ap.add_argument("--unique", type=int, default=60, help="distinct prompts")
+    ap.add_argument("--policy", choices=["recompute", "fail"], default="recompute")
+    ap.add_argument("--blocks", type=int, default=64, help="vLLM's KV cache, in blocks of 32")
+    ap.add_argument("--abort-rate", type=float, default=0.02, help="per engine step")
+    ap.add_argument("--fault-rate", type=float, default=0.03, help="per engine step")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--store", type=Path, default=None, help="default: a temporary directory")
+    args = ap.parse_args()
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    work = Path(tempfile.mkdtemp(prefix="kvflow-soak-"))
+    store = args.store or work / "kv"
+    ps = prompts(random.Random(args.seed), args.unique)
+    want = references(work, ps)
+    t0 = time.monotonic()
+    soak = Soak(args, store)
+    soak.run(ps, want)
+    leaked = soak.leaked_blocks()
+    c = soak.count
+    faults = sum(n for k, n in c.items() if k.startswith("fault:"))
+    kinds = ", ".join(f"{k[6:]} {n}" for k, n in sorted(c.items()) if k.startswith("fault:"))
+    print(f"requests        {args.requests} ({c['right']} right, {c['aborted']} aborted)")
+    print(f"faults          {faults} ({kinds or 'none'})")
+    print(f"preemptions     {soak.preemptions()}")
+    print(f"wrong tokens    {c['wrong tokens']}")
+    print(f"request errors  {c['request errors']} (policy {args.policy})")
+    print(f"leaked blocks   {leaked}")
+    print(f"hangs           {c['hangs']}")
+    print(f"wall            {time.monotonic() - t0:.0f} s")
+    bad = c["wrong tokens"] or c["hangs"] or leaked
+    bad = bad or (args.policy == "recompute" and c["request errors"])
+    soak.engine.engine_core.shutdown()
+    shutil.rmtree(work, ignore_errors=True)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
