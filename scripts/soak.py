@@ -55,7 +55,9 @@ def inject(rng: random.Random, store: Path) -> str:
     files = sorted(store.rglob("*.kv")) if store.exists() else []
     kind = rng.choice(FAULTS)
     if kind == "delete-store":
-        shutil.rmtree(store, ignore_errors=True)
+        if store.exists():  # the path goes at once; saves racing us land in the old tree
+            gone = store.rename(store.with_name(f"{store.name}.deleted.{rng.random()}"))
+            shutil.rmtree(gone, ignore_errors=True)
         return kind
     if not files:
         return ""
@@ -87,6 +89,7 @@ class Soak:
             failure_policy=args.policy,
             prefix_caching=True,
             num_gpu_blocks_override=args.blocks,
+            max_model_len=512,  # prompts are shorter; a small cache still holds one
             max_num_seqs=16,
         )
         self.engine = self.llm.llm_engine

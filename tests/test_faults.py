@@ -65,8 +65,10 @@ class Servers:
         self.small = tmp / "small"  # a tmpfs when we may mount one
         self.mounted = _mount_tmpfs(self.small)
         self.dir = tmp / "dir"
-        self.recompute = ApiServer(tmp, "recompute", _config(self.small, "recompute"), *ARGS)
-        self.strict = ApiServer(tmp, "strict", _config(self.dir, "fail"), *ARGS)
+        self.recompute = ApiServer(
+            tmp, "recompute", _config(self.small, "recompute"), *ARGS, cores="0"
+        )
+        self.strict = ApiServer(tmp, "strict", _config(self.dir, "fail"), *ARGS, cores="1")
         self.want: list[dict[str, Any]] = []
 
     def close(self) -> None:
@@ -145,32 +147,40 @@ def test_a_read_only_store_still_serves_its_chunks(servers: Servers) -> None:
     assert "Read-only file system" in server.log_text()
 
 
-def _corrupt(store: Path) -> tuple[Path, Path]:
-    """Truncate the first chunk file and flip a byte in the middle of the second."""
-    first, second = chunks(store)[:2]
-    with open(first, "r+b") as f:
-        f.truncate(first.stat().st_size // 2)
-    data = bytearray(second.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    second.write_bytes(bytes(data))
-    return first, second
+def _break(store: Path, how: str) -> Path:
+    """Truncate one chunk file, or flip a byte in the middle of it."""
+    victim = chunks(store)[0]
+    if how == "truncate":
+        with open(victim, "r+b") as f:
+            f.truncate(victim.stat().st_size // 2)
+    else:
+        data = bytearray(victim.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        victim.write_bytes(bytes(data))
+    return victim
 
 
-def test_truncated_and_corrupt_chunks_are_recomputed(servers: Servers) -> None:
+@pytest.mark.parametrize(("how", "why"), [("truncate", "truncated"), ("flip", "checksum")])
+def test_a_truncated_or_corrupt_chunk_is_a_request_error_once(
+    servers: Servers, how: str, why: str
+) -> None:
     server, store = servers.strict, servers.dir
     prompt, want = PROMPTS[2], servers.want[2]
+    for p in chunks(store):  # so that only this prompt's chunks are there to break
+        p.unlink()
     assert_same(server.completion(prompt, 8), want, "saved")
     _idle(server)
-    _corrupt(store)
+    victim = _break(store, how)
     failed = server.completion(prompt, 8)  # policy fail: a clear request error
     assert _failed(failed), failed
     _idle(server)
-    log = server.log_text()
-    assert "ChunkCorrupt" in log, log[-3000:]
-    # the bad files were deleted: the next request computes the prompt, and saves it
-    assert_same(server.completion(prompt, 8), want, "after the corrupt chunks")
+    assert "ChunkCorrupt: chunk" in server.log_text() and why in server.log_text()
+    assert not victim.exists(), "the bad file was deleted"
+    # the next request loads what is intact, computes the rest and saves it again
+    assert_same(server.completion(prompt, 8), want, "after the bad chunk")
     _idle(server)
-    assert_same(server.completion(prompt, 8), want, "from the chunks saved afresh")
+    assert victim.exists()
+    assert_same(server.completion(prompt, 8), want, "from the chunk saved afresh")
     _idle(server)
 
 
@@ -180,7 +190,7 @@ def test_under_policy_recompute_a_corrupt_chunk_is_only_a_recompute(servers: Ser
         p.unlink()
     assert_same(server.completion(PROMPTS[3], 8), servers.want[3], "saved")
     _idle(server)
-    _corrupt(store)
+    _break(store, "flip")
     assert_same(server.completion(PROMPTS[3], 8), servers.want[3], "recomputed")
     _idle(server)
 
@@ -189,7 +199,8 @@ def test_a_store_deleted_mid_run_is_a_miss_and_is_made_again(servers: Servers) -
     server, store = servers.strict, servers.dir
     with ThreadPoolExecutor(6) as ex:
         running = [ex.submit(server.completion, p, 8) for p in PROMPTS[4:10]]
-        shutil.rmtree(store)  # while those requests save and load
+        gone = store.rename(store.with_name("deleted"))  # while they save and load
+        shutil.rmtree(gone, ignore_errors=True)  # (saves still land in the moved tree)
         got = [r.result() for r in running]
     for i, g in enumerate(got, start=4):
         assert_same(g, servers.want[i], f"prompt {i}, store deleted")  # policy fail: no error
