@@ -46,6 +46,10 @@ class SaveSpec(msgspec.Struct, frozen=True, array_like=True):
     keys: list[ChunkKey]
     block_ids: list[int]
     token_counts: list[int]
+    computed_over: list[int] = []
+    """Blocks a load of the same step fills that these chunks were computed over (the
+    request's own loaded prefix, or one it shares with the request loading it): if
+    that load fails, the forward attended to bad KV and this save stores nothing."""
 
 
 class WorkerPlan(msgspec.Struct, frozen=True):

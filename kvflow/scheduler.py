@@ -242,6 +242,7 @@ class SchedulerEngine:
                 st.saves_issued = False
                 st.block_ids = []
                 self._preempted.append(req)
+        loading = {b for ld in self._pending_loads if not ld.asynchronous for b in ld.block_ids}
         for s in scheduled:
             st = self._reqs.get(s.req)
             if st is None and s.token_ids is not None:
@@ -254,7 +255,7 @@ class SchedulerEngine:
             else:
                 st.block_ids.extend(s.new_block_ids)
             if self.can_save:
-                spec = self._plan_save(s.req, st, s.num_computed + s.num_scheduled)
+                spec = self._plan_save(s.req, st, s.num_computed + s.num_scheduled, loading)
                 if spec is not None:
                     saves.append(spec)
         plan = WorkerPlan(
@@ -326,8 +327,21 @@ class SchedulerEngine:
                 if st.claim is not None and self._claims:
                     self._claims.drop(req)
 
+    def blocks_invalid(self, block_ids: Iterable[int]) -> None:
+        """Loads into `block_ids` failed: vLLM recomputes every request's tokens from its
+        first such block, and those chunks are saved again (the saves of the failed step
+        stored nothing: the workers dropped them)."""
+        bad = set(block_ids)
+        for st in self._reqs.values():
+            first = next((i for i, b in enumerate(st.block_ids) if b in bad), None)
+            if first is not None:
+                st.saved_upto = min(st.saved_upto, first)
+                st.stored_upto = min(st.stored_upto, first)
+
     # -- internals ---------------------------------------------------------
-    def _plan_save(self, req: str, st: _Request, computed_after: int) -> SaveSpec | None:
+    def _plan_save(
+        self, req: str, st: _Request, computed_after: int, loading: set[int]
+    ) -> SaveSpec | None:
         done = min(computed_after, st.prompt_len)
         ready = done // self.block_size
         if done == st.prompt_len and len(st.keys) > ready:
@@ -342,6 +356,7 @@ class SchedulerEngine:
             keys=st.keys[start:ready],
             block_ids=st.block_ids[start:ready],
             token_counts=st.counts[start:ready],
+            computed_over=[b for b in st.block_ids[:start] if b in loading],
         )
 
     async def _lookup_task(self, req: str, st: _Request) -> None:

@@ -167,6 +167,8 @@ class WorkerEngine:
         self._steps: dict[int, _Step] = {}
         self._pending_saves: dict[str, int] = {}
         self._save_scopes: dict[str, set[trio.CancelScope]] = {}
+        self._save_drops: dict[trio.CancelScope, str] = {}
+        """Why a save was cancelled, when not for a preemption."""
         self._lent: set[str] = set()
         self._saves_changed: trio.Event | None = None
         self._limiters: dict[str, trio.CapacityLimiter] = {}
@@ -333,8 +335,15 @@ class WorkerEngine:
 
     def _on_bind(self, plan: WorkerPlan, gate: _LayerGate) -> None:
         self.bus.emit(StepBound(step=plan.step, loads=len(plan.loads), saves=len(plan.saves)))
+        over: dict[int, list[trio.CancelScope]] = {}  # a loaded block -> saves computed over it
+        settled: dict[int, trio.Event] = {}  # a block loaded within the step -> its load ended
         for spec in plan.loads:
-            self.runtime.start_soon(self._load_flow, spec, gate, name=f"load:{spec.req}")
+            done = trio.Event()
+            if not spec.asynchronous:
+                settled.update(dict.fromkeys(spec.block_ids, done))
+            self.runtime.start_soon(
+                self._load_flow, spec, gate, over, done, name=f"load:{spec.req}"
+            )
         if plan.saves:
             step = self._steps[plan.step] = _Step(
                 self._require_layout().num_layers, len(plan.saves)
@@ -344,8 +353,13 @@ class WorkerEngine:
                 # registered now, not when the task first runs: a preempt may come first
                 scope = trio.CancelScope()
                 self._save_scopes.setdefault(save.req, set()).add(scope)
+                loads: list[trio.Event] = []
+                for b in save.computed_over:
+                    over.setdefault(b, []).append(scope)
+                    if (load := settled.get(b)) is not None and load not in loads:
+                        loads.append(load)
                 self.runtime.start_soon(
-                    self._save_flow, save, plan.step, step, scope, name=f"save:{save.req}"
+                    self._save_flow, save, plan.step, step, scope, loads, name=f"save:{save.req}"
                 )
         for o in plan.offers:  # held like a save: released when the offer ends
             self._pending_saves[o.req] = self._pending_saves.get(o.req, 0) + 1
@@ -433,7 +447,15 @@ class WorkerEngine:
             ev.set()
         gate.settled.set()
 
-    async def _load_flow(self, spec: LoadSpec, gate: _LayerGate) -> None:
+    async def _load_flow(
+        self,
+        spec: LoadSpec,
+        gate: _LayerGate,
+        over: dict[int, list[trio.CancelScope]],
+        done: trio.Event,
+    ) -> None:
+        """One load; if it fails, the saves of this step computed over its failed blocks
+        (`over`) are dropped, before `done` lets them commit."""
         layout = self._require_layout()
         num_layers = layout.num_layers
         signalled = [False] * num_layers
@@ -527,10 +549,21 @@ class WorkerEngine:
                 self.bus.emit(TransferFailed(req=spec.req, direction="load", reason=reason))
             else:
                 self._finish_load(spec, error, intact, timed_out, time.perf_counter() - t0, nbytes)
+            if error or stuck:  # such a save waits for `done` before its last layer
+                self._drop_saves_over(spec.block_ids[intact:], over, spec.req)
+            done.set()
             for layer in range(num_layers):
                 layer_loaded(layer)
             if sync_gate is not None:
                 sync_gate.load_settled()
+
+    def _drop_saves_over(
+        self, failed: list[int], over: dict[int, list[trio.CancelScope]], req: str
+    ) -> None:
+        for b in failed:
+            for scope in over.get(b, ()):
+                self._save_drops[scope] = f"computed over blocks whose load failed ({req})"
+                scope.cancel()
 
     def _finish_load(
         self, spec: LoadSpec, error: str, intact: int, timed_out: bool, elapsed: float, nbytes: int
@@ -566,14 +599,25 @@ class WorkerEngine:
                     self._results.failed_recving.add(spec.req)
 
     async def _save_flow(
-        self, spec: SaveSpec, step_no: int, step: _Step, scope: trio.CancelScope
+        self,
+        spec: SaveSpec,
+        step_no: int,
+        step: _Step,
+        scope: trio.CancelScope,
+        loads: list[trio.Event],
     ) -> None:
+        """One save. Its chunks were computed over blocks the step's `loads` fill: their
+        last layer waits until those loads ended, so a failed one drops the save first
+        (a transport commits only once it has every layer)."""
         layout = self._require_layout()
 
         stage: HostStage | None = None  # made inside the deadline: it may fail
 
         async def layer_spans(layer: int) -> list[list[memoryview]]:
             await step.wait_computed(layer)
+            if layer == layout.num_layers - 1:
+                for done in loads:
+                    await done.wait()
             if stage is not None:  # the host image is a snapshot by itself
                 await stage.gather(layer)
                 return stage.spans(layer)
@@ -611,7 +655,7 @@ class WorkerEngine:
                     True,
                 )
             elif scope.cancelled_caught:
-                error = "cancelled: request preempted"
+                error = f"cancelled: {self._save_drops.pop(scope, 'request preempted')}"
         except Exception as exc:
             error = f"{type(exc).__name__}: {exc}"
             log.warning("kvflow save of %s failed: %s", spec.req, error)

@@ -85,9 +85,14 @@ class Soak:
         self.rng = random.Random(args.seed)
         self.store = store
         self.llm = make_llm(
-            extra_config={"transport": "fs", "options": {"path": str(store)}},
+            extra_config={
+                "transport": "fs",
+                "options": {"path": str(store)},
+                "event_log": args.event_log,
+                "load_mode": args.load_mode,
+            },
             failure_policy=args.policy,
-            prefix_caching=True,
+            prefix_caching=not args.no_prefix_caching,
             num_gpu_blocks_override=args.blocks,
             max_model_len=512,  # prompts are shorter; a small cache still holds one
             max_num_seqs=16,
@@ -135,6 +140,7 @@ class Soak:
             self.count["request errors"] += 1
         elif list(c.token_ids) != want[i]:
             self.count["wrong tokens"] += 1
+            print(f"wrong tokens: {out.request_id} (prompt {i}): {list(c.token_ids)} != {want[i]}")
         else:
             self.count["right"] += 1
 
@@ -162,7 +168,10 @@ def main() -> int:
     ap.add_argument("--abort-rate", type=float, default=0.02, help="per engine step")
     ap.add_argument("--fault-rate", type=float, default=0.03, help="per engine step")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--load-mode", choices=["layer", "async"], default="layer")
+    ap.add_argument("--no-prefix-caching", action="store_true", help="vLLM's own prefix cache off")
     ap.add_argument("--store", type=Path, default=None, help="default: a temporary directory")
+    ap.add_argument("--event-log", default="", help="kvflow's event log (JSON lines)")
     args = ap.parse_args()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     work = Path(tempfile.mkdtemp(prefix="kvflow-soak-"))

@@ -574,6 +574,40 @@ def _warm_engine_missing_chunk(
     return a, b, plan
 
 
+def test_a_save_computed_over_a_failed_load_stores_nothing(
+    start_engine: Callable[..., Engine], store: Path
+) -> None:
+    """r2 loads PROMPT's chunks and computes a longer prompt's next chunk over them in
+    the same step; the load fails at chunk 1, so that chunk was computed over bad KV: its
+    save is dropped before the forward goes on, and the scheduler saves it again once
+    vLLM has recomputed it."""
+    a = start_engine("a")
+    save_prompt(a, "r1", PROMPT[:8], [1, 2])  # two whole chunks
+    b = start_engine("b")
+    longer = PROMPT[:8] + [7, 7, 7, 7]
+    keys = b.keys(longer)
+    assert lookup(b, "r2", longer) == 8
+    fs = b.worker_transport
+    assert isinstance(fs, FsTransport)
+    os.unlink(fs.path(keys[1]))  # gone between the lookup and the load
+    b.sched.allocated("r2", [5, 6, 7], 8)
+    plan = b.sched.plan([ScheduledRequest("r2", 8, 4, [5, 6, 7], True, longer)])
+    assert plan.loads == [LoadSpec("r2", keys[:2], [5, 6], [4, 4])]
+    (save,) = plan.saves
+    assert save.keys == keys[2:] and save.computed_over == [5, 6]
+    run_step(b, plan)
+    failed = b.worker_events.wait_for(TransferFailed, "r2", count=2)
+    reasons = {e.direction: e.reason for e in b.worker_events.of(TransferFailed, "r2")}
+    assert "missing" in reasons["load"], failed
+    assert reasons["save"] == "cancelled: computed over blocks whose load failed (r2)"
+    assert not fs.path(keys[2]).exists(), "nothing computed over the bad blocks is stored"
+    assert b.worker.take_error_blocks() == {6}
+    # vLLM recomputes from block 6 (chunk 1): kvflow saves chunks 1 and 2 again
+    b.sched.blocks_invalid({6})
+    again = b.sched.plan([ScheduledRequest("r2", 4, 8, [], token_ids=longer)])
+    assert [s.keys for s in again.saves] == [keys[1:]]
+
+
 def test_missing_chunk_reports_its_blocks_and_never_hangs(
     start_engine: Callable[..., Engine],
 ) -> None:

@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from kvflow.keys import chunk_keys
 from kvflow_vllm.apiserver import ApiServer
 from kvflow_vllm.engine import EngineFailed, Scenario, spawn_engine
 
@@ -32,6 +33,9 @@ pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 _rng = random.Random(41)
 PROMPTS = [[_rng.randrange(3, 1000) for _ in range(60 + 17 * i)] for i in range(12)]
+BASE = [_rng.randrange(3, 1000) for _ in range(160)]  # five chunks of 32
+SHARED = BASE[:128] + [_rng.randrange(3, 1000) for _ in range(64)]  # its first four, two new
+PROMPTS += [BASE, SHARED]
 ARGS = ("--no-enable-prefix-caching", "--max-num-seqs", "8")
 TMPFS_BYTES = 3 << 19
 """1.5 MiB: a few of PROMPTS' chunks (4 KiB per token on the tiny model) fill it."""
@@ -149,7 +153,10 @@ def test_a_read_only_store_still_serves_its_chunks(servers: Servers) -> None:
 
 def _break(store: Path, how: str) -> Path:
     """Truncate one chunk file, or flip a byte in the middle of it."""
-    victim = chunks(store)[0]
+    return _break_file(chunks(store)[0], how)
+
+
+def _break_file(victim: Path, how: str) -> Path:
     if how == "truncate":
         with open(victim, "r+b") as f:
             f.truncate(victim.stat().st_size // 2)
@@ -224,3 +231,27 @@ def test_a_taken_side_channel_port_fails_at_start_naming_it(tmp_path: Path) -> N
             spawn_engine(tmp_path, "taken", sc)
     assert f"cannot bind tcp://127.0.0.1:{port}" in failed.value.log
     assert "kv_connector_extra_config['options']" in failed.value.log
+
+
+def _chunk_file(store: Path, prompt: list[int], index: int) -> Path:
+    (namespace,) = [d for d in store.iterdir() if d.is_dir()]
+    key = chunk_keys(namespace.name, prompt, 32)[index]
+    (path,) = namespace.glob(f"{key[:2]}/{key}.*.kv")
+    return path
+
+
+def test_nothing_computed_over_a_failed_load_is_stored(servers: Servers) -> None:
+    """SHARED's first four chunks are BASE's; BASE's chunk 1 is corrupt. SHARED's load
+    fails there, and the forward of that step computed SHARED's last two chunks over
+    the bad blocks: those must not be stored (vLLM recomputes them), or every later
+    request of SHARED would load them."""
+    server, store = servers.recompute, servers.small
+    base, shared, want = PROMPTS[-2], PROMPTS[-1], servers.want[-1]
+    for p in chunks(store):
+        p.unlink()
+    assert_same(server.completion(base, 8), servers.want[-2], "BASE saved")
+    _idle(server)
+    _break_file(_chunk_file(store, base, 1), "flip")
+    for attempt in range(3):  # the failed load; a recompute over a miss; all hits
+        assert_same(server.completion(shared, 8), want, f"SHARED, request {attempt}")
+        _idle(server)

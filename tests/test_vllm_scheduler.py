@@ -527,3 +527,61 @@ def test_pd_producer_offers_blocks_and_consumer_pulls_them(harness: MakeHarness)
     assert all(not s.plan.saves and not s.plan.lent for s in consumer.steps)
     assert consumer.free_blocks == c_start
     assert not consumer.kvflow_requests
+
+
+def test_policy_fail_with_prefix_caching_loads_between_steps(
+    harness: MakeHarness, tmp_path: Path
+) -> None:
+    """Under kv_load_failure_policy 'fail' with vLLM's prefix cache, kvflow loads between
+    steps (decision 33), so no request computes over blocks still being loaded."""
+    prompt = prompt_of(1, 40)
+    store_prefix(harness, tmp_path, prompt)
+    h = harness(fs_config(tmp_path, kv_load_failure_policy="fail"), 16)
+    assert h.connector.config.load_mode == "async"
+    h.add(make_request("r", prompt, max_tokens=2))
+    (load,) = h.step().plan.loads
+    assert load.asynchronous
+    h.step(failed_recving={"r"}, finished_recving={"r"})
+    assert "r" not in h.scheduler.requests, "the request ended with an error"
+    run_to_completion(h)
+    assert not h.kvflow_requests
+
+
+def test_vllm_keeps_blocks_computed_over_a_failed_load_in_the_same_step(
+    harness: MakeHarness, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Why decision 33 holds (vLLM 0.32-0.33, policy 'fail', loads within the step): "b"
+    shares the blocks "r" loads (vLLM caches them as they are allocated), computes its
+    own chunk over them, and "r"'s load fails. vLLM fails both, evicts "r"'s blocks from
+    its prefix cache, and keeps "b"'s chunk, computed over bad KV, cached: a later
+    request with "b"'s prompt reaches it as soon as the shared blocks are cached again.
+    kvflow stores none of it (the worker drops saves computed over a failed load). If
+    this test fails, vLLM evicts such blocks now and decision 33 can be revisited."""
+    from kvflow_vllm import connector as connector_module
+
+    monkeypatch.setattr(connector_module, "layer_loads_unsafe", lambda *_: "")
+    prompt = prompt_of(1, 40)
+    store_prefix(harness, tmp_path, prompt)
+    h = harness(fs_config(tmp_path, kv_load_failure_policy="fail"), 16)
+    if h.loop == "async":
+        pytest.skip("one step at a time shows it plainly")
+    assert h.connector.config.load_mode == "layer"
+    other = prompt[:32] + prompt_of(9, 20)  # shares "r"'s first two chunks
+    h.add(make_request("r", prompt, max_tokens=2), make_request("b", other, max_tokens=2))
+    tables: dict[str, list[int]] = {}
+
+    def fail_rs_second_block() -> None:
+        tables.update(r=h.block_table("r"), b=h.block_table("b"))
+        h.report.invalid_block_ids.add(tables["r"][1])
+
+    step = h.step(before_update=fail_rs_second_block)
+    (load,) = step.plan.loads
+    assert load.req == "r" and not load.asynchronous
+    assert tables["b"][:2] == tables["r"][:2], "b shares the blocks r loads"
+    (save,) = [s for s in step.plan.saves if s.req == "b"]
+    assert save.computed_over == tables["r"][:2], "kvflow knows b's chunk needs them"
+    assert "r" not in h.scheduler.requests, "policy fail: r ended"
+    assert h.scheduler.requests["b"].status == RequestStatus.FINISHED_ERROR  # lent to a save
+    pool = h.scheduler.kv_cache_manager.block_pool
+    assert pool.blocks[tables["r"][1]].block_hash is None, "r's bad block evicted"
+    assert pool.blocks[tables["b"][2]].block_hash is not None, "b's chunk still cached"

@@ -12,6 +12,7 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any, Literal
 
+import msgspec
 import torch
 import vllm
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -222,6 +223,25 @@ def layout_from_tensors(
     )
 
 
+def layer_loads_unsafe(vllm_config: VllmConfig, config: KVFlowConfig) -> str:
+    """Why loads within the step (`load_mode: layer`) would risk wrong tokens here ("" if
+    they do not). Under `kv_load_failure_policy: fail` vLLM 0.32-0.33 keeps, in its
+    prefix cache, the blocks that a second request computed in the step over blocks a
+    failed load left bad (it shared them while they loaded: vLLM caches blocks being
+    loaded within the step at once); later requests with that prompt reuse them
+    (decision 33). Loads between steps are cached only once they have arrived."""
+    ktc = vllm_config.kv_transfer_config
+    policy = getattr(ktc, "kv_load_failure_policy", "recompute")
+    if config.load_mode != "layer" or policy != "fail":
+        return ""
+    if not vllm_config.cache_config.enable_prefix_caching:
+        return ""
+    return (
+        "with kv_load_failure_policy 'fail' and prefix caching, vLLM would keep blocks "
+        "computed over a failed load in its prefix cache"
+    )
+
+
 class KVFlowConnector(KVConnectorBase_V1):
     """kvflow as a vLLM KV connector (both roles)."""
 
@@ -245,6 +265,9 @@ class KVFlowConnector(KVConnectorBase_V1):
             )
         except (ConfigError, TransportNotFound) as exc:
             raise ConfigError(f"KVFlowConnector: {exc}") from None
+        if why := layer_loads_unsafe(vllm_config, self.config):
+            log.warning("kvflow: load_mode 'layer' -> 'async': %s", why)
+            self.config = msgspec.structs.replace(self.config, load_mode="async")
         kv_role = ktc.kv_role or "kv_both"
         self.engine_id = str(ktc.engine_id)
         self.block_size = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
@@ -434,6 +457,8 @@ class KVFlowConnector(KVConnectorBase_V1):
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         if connector_output.failed_recving:
             self.sched.loads_failed(connector_output.failed_recving)
+        if connector_output.invalid_block_ids:
+            self.sched.blocks_invalid(connector_output.invalid_block_ids)
 
     # --------------------------------------------------------------- worker
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
