@@ -584,7 +584,7 @@ def test_a_save_computed_over_a_failed_load_stores_nothing(
     a = start_engine("a")
     save_prompt(a, "r1", PROMPT[:8], [1, 2])  # two whole chunks
     b = start_engine("b")
-    longer = PROMPT[:8] + [7, 7, 7, 7]
+    longer = [*PROMPT[:8], 7, 7, 7, 7]
     keys = b.keys(longer)
     assert lookup(b, "r2", longer) == 8
     fs = b.worker_transport

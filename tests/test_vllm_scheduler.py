@@ -529,13 +529,15 @@ def test_pd_producer_offers_blocks_and_consumer_pulls_them(harness: MakeHarness)
     assert not consumer.kvflow_requests
 
 
-def test_policy_fail_with_prefix_caching_loads_between_steps(
+def test_with_vllms_prefix_cache_loads_are_between_steps(
     harness: MakeHarness, tmp_path: Path
 ) -> None:
-    """Under kv_load_failure_policy 'fail' with vLLM's prefix cache, kvflow loads between
-    steps (decision 33), so no request computes over blocks still being loaded."""
+    """With vLLM's prefix cache on, kvflow loads between steps (decision 33), so no
+    request computes over blocks still being loaded; without it, within the step."""
     prompt = prompt_of(1, 40)
     store_prefix(harness, tmp_path, prompt)
+    plain = harness(fs_config(tmp_path, enable_prefix_caching=False), 16)
+    assert plain.connector.config.load_mode == "layer"
     h = harness(fs_config(tmp_path, kv_load_failure_policy="fail"), 16)
     assert h.connector.config.load_mode == "async"
     h.add(make_request("r", prompt, max_tokens=2))

@@ -225,20 +225,18 @@ def layout_from_tensors(
 
 def layer_loads_unsafe(vllm_config: VllmConfig, config: KVFlowConfig) -> str:
     """Why loads within the step (`load_mode: layer`) would risk wrong tokens here ("" if
-    they do not). Under `kv_load_failure_policy: fail` vLLM 0.32-0.33 keeps, in its
-    prefix cache, the blocks that a second request computed in the step over blocks a
-    failed load left bad (it shared them while they loaded: vLLM caches blocks being
-    loaded within the step at once); later requests with that prompt reuse them
-    (decision 33). Loads between steps are cached only once they have arrived."""
-    ktc = vllm_config.kv_transfer_config
-    policy = getattr(ktc, "kv_load_failure_policy", "recompute")
-    if config.load_mode != "layer" or policy != "fail":
-        return ""
-    if not vllm_config.cache_config.enable_prefix_caching:
+    they do not). vLLM (0.32, 0.33) puts blocks loaded within the step in its prefix
+    cache as they are allocated, before they arrive: a second request shares them and
+    computes its own blocks over them. When the load fails, vLLM's recovery assumes the
+    first request recomputes the shared blocks before anyone uses them again, which a
+    preemption, an abort or policy `fail` breaks, and blocks computed over bad KV stay
+    in its prefix cache (decision 33; the soak finds them). Loads between steps are
+    cached only once they arrived."""
+    if config.load_mode != "layer" or not vllm_config.cache_config.enable_prefix_caching:
         return ""
     return (
-        "with kv_load_failure_policy 'fail' and prefix caching, vLLM would keep blocks "
-        "computed over a failed load in its prefix cache"
+        "with vLLM's prefix caching on, blocks loaded within the step are shared before "
+        "they arrive, and a failed load would leave blocks computed over bad KV in it"
     )
 
 
