@@ -661,6 +661,7 @@ class WorkerEngine:
             log.warning("kvflow save of %s failed: %s", spec.req, error)
         finally:
             self._save_scopes[spec.req].discard(scope)
+            self._save_drops.pop(scope, None)
             if not self._save_scopes[spec.req]:
                 del self._save_scopes[spec.req]
             step.saves_left -= 1
