@@ -209,6 +209,21 @@ async def test_not_a_chunk_file_is_rejected(kv: Harness) -> None:
     await repaired(kv, worker, src, 0)
 
 
+async def test_a_format_1_file_is_refused_by_name_and_rewritten(kv: Harness) -> None:
+    """kvflow's chunk format 1 (CRC32) is not misread as format 2 (XXH3): a load of it
+    fails naming the format, the file is deleted, and the next save writes format 2."""
+    worker = await fs_worker(kv)
+    src = await saved(kv, worker, 2)
+    path = worker.path(src.keys[1])
+    with path.open("r+b") as f:
+        f.write(b"KVFLOWC1")
+    exc = await load_fails(kv, worker, src, 1, ChunkCorrupt)
+    assert "kvflow's chunk format 1 (CRC32); this kvflow reads format 2" in str(exc)
+    assert not path.exists()
+    await repaired(kv, worker, src, 1)
+    assert path.read_bytes()[:8] == b"KVFLOWC2"
+
+
 async def test_missing_file_is_chunk_missing(kv: Harness) -> None:
     worker = await fs_worker(kv)
     src = await saved(kv, worker, 4, partial=1)

@@ -1,15 +1,21 @@
-"""On-disk format of one chunk file: fixed 4 KiB header, then layer-major payload."""
+"""On-disk format of one chunk file: fixed 4 KiB header, then layer-major payload.
+
+Format 2 (magic `KVFLOWC2`) checks each layer's payload with XXH3-64, which runs at
+memory speed (~4x zlib's CRC32 here); format 1 (`KVFLOWC1`, CRC32) files are refused
+with a message saying so: the chunk is computed again and rewritten in format 2.
+"""
 
 from __future__ import annotations
 
 import os
 import struct
-import zlib
 from collections.abc import Sequence
 
 import msgspec
+import xxhash
 
-MAGIC = b"KVFLOWC1"
+MAGIC = b"KVFLOWC2"
+OLD_MAGICS = {b"KVFLOWC1": "format 1 (CRC32)"}
 HEADER_SIZE = 4096
 _PREFIX = struct.Struct("<8sI")  # magic, header length
 
@@ -20,7 +26,8 @@ class ChunkHeader(msgspec.Struct, frozen=True, array_like=True):
     shard: str
     num_tokens: int
     layer_nbytes: list[int]
-    layer_crc: list[int]
+    layer_hash: list[int]
+    """XXH3-64 of each layer's payload."""
     layout: str = ""
     """`KVLayout.describe()` of the writer ("" in files of kvflow before it was kept)."""
 
@@ -52,6 +59,11 @@ def read_header(fd: int) -> ChunkHeader:
     if len(raw) < _PREFIX.size:
         raise BadHeader("file shorter than its header")
     magic, n = _PREFIX.unpack_from(raw)
+    if magic in OLD_MAGICS:
+        raise BadHeader(
+            f"written in kvflow's chunk {OLD_MAGICS[magic]}; this kvflow reads format 2 "
+            "(XXH3): computed again and rewritten"
+        )
     if magic != MAGIC:
         raise BadHeader("not a kvflow chunk file (bad magic)")
     if _PREFIX.size + n > len(raw):
@@ -62,7 +74,9 @@ def read_header(fd: int) -> ChunkHeader:
         raise BadHeader(f"undecodable header: {exc}") from None
 
 
-def crc_of(spans: Sequence[memoryview], crc: int = 0) -> int:
+def hash_of(spans: Sequence[memoryview]) -> int:
+    """XXH3-64 of the spans' bytes, in order."""
+    h = xxhash.xxh3_64()
     for s in spans:
-        crc = zlib.crc32(s, crc)
-    return crc
+        h.update(s)
+    return h.intdigest()

@@ -28,7 +28,7 @@ from kvflow.transport import (
     TransportError,
 )
 
-from ._format import HEADER_SIZE, BadHeader, ChunkHeader, crc_of, encode_header, read_header
+from ._format import HEADER_SIZE, BadHeader, ChunkHeader, encode_header, hash_of, read_header
 
 log = logging.getLogger("kvflow.fs")
 
@@ -143,7 +143,7 @@ class FsTransport(Transport):
         layer_nbytes = [
             [layout.chunk_nbytes(i, c) for i in range(job.num_layers)] for c in job.token_counts
         ]
-        crcs: list[list[int]] = [[] for _ in range(n)]
+        hashes: list[list[int]] = [[] for _ in range(n)]
         committed = False
         try:
             await trio.to_thread.run_sync(
@@ -154,11 +154,11 @@ class FsTransport(Transport):
             for layer in range(job.num_layers):
                 spans = await job.layer(layer)
                 offsets = [HEADER_SIZE + sum(layer_nbytes[c][:layer]) for c in range(n)]
-                layer_crcs = await trio.to_thread.run_sync(
+                layer_hashes = await trio.to_thread.run_sync(
                     self._write_layer, fds, spans, offsets, limiter=self._save_threads
                 )
                 for c in range(n):
-                    crcs[c].append(layer_crcs[c])
+                    hashes[c].append(layer_hashes[c])
             headers = [
                 ChunkHeader(
                     key=job.keys[c],
@@ -166,7 +166,7 @@ class FsTransport(Transport):
                     shard=self.context.shard,
                     num_tokens=job.token_counts[c],
                     layer_nbytes=layer_nbytes[c],
-                    layer_crc=crcs[c],
+                    layer_hash=hashes[c],
                     layout=layout.describe(),
                 )
                 for c in range(n)
@@ -200,14 +200,14 @@ class FsTransport(Transport):
     def _write_layer(
         self, fds: list[int | None], spans: list[list[memoryview]], offsets: list[int]
     ) -> list[int]:
-        crcs = []
+        hashes = []
         for fd, chunk_spans, off in zip(fds, spans, offsets, strict=True):
             if fd is None:
-                crcs.append(0)
+                hashes.append(0)
                 continue
-            crcs.append(crc_of(chunk_spans))
+            hashes.append(hash_of(chunk_spans))
             _write_all(fd, chunk_spans, off)
-        return crcs
+        return hashes
 
     def _commit(
         self,
@@ -387,7 +387,7 @@ class FsTransport(Transport):
         layer: int,
     ) -> _Failure | None:
         for c, (fd, h, chunk_spans) in enumerate(zip(fds, headers, spans, strict=True)):
-            if crc_of(chunk_spans) != h.layer_crc[layer]:
+            if hash_of(chunk_spans) != h.layer_hash[layer]:
                 return self._corrupt(c, fd, paths[c], f"checksum mismatch in layer {layer}")
         return None
 
