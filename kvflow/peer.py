@@ -10,12 +10,13 @@ dies frees it within `lease_s`. In every case the blocks go back to vLLM only
 once no read of them is in flight. `HeldOffers` is that bookkeeping, shared by
 every peer transport so each one gets it right the same way: `offer()`
 implements `Transport.offer`, the transport's serving task looks offers up,
-answers `Renew` with `renew()`, wraps each read in `reading()` and calls
+answers `Renew` with `answer_renew()`, wraps each read in `reading()` and calls
 `release()`; `renew_at` is the consumer's side of a renewal.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -35,11 +36,14 @@ __all__ = [
     "NotHeld",
     "Renew",
     "Renewed",
+    "answer_renew",
     "read_lease",
     "read_lease_ms",
     "renew_at",
     "select_blocks",
 ]
+
+log = logging.getLogger("kvflow.peer")
 
 MAX_READ_LEASE_S = 600.0
 """The longest a producer keeps blocks for a pull whose consumer never reports back."""
@@ -252,5 +256,11 @@ async def renew_at(
         sock.close()
 
 
-def encode_renewed(answer: Renewed) -> bytes:
-    return _encoder.encode(answer)
+async def answer_renew(held: HeldOffers, router: TrioSocket, ident: bytes, msg: Renew) -> None:
+    """A producer's answer to the consumer `ident`'s `Renew` on its ROUTER side channel
+    (every peer transport's serving loop calls it); a consumer gone meanwhile is logged."""
+    answer = held.renew(msg.reqs, msg.lease_ms / 1000)
+    try:
+        await router.send_multipart([ident, _encoder.encode(answer)])
+    except zmq.ZMQError as exc:
+        log.info("kvflow: a consumer renewing %d request(s) is unreachable: %s", len(msg.reqs), exc)

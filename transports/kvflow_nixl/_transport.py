@@ -60,7 +60,7 @@ from kvflow.layout import KVLayout, LayerGeometry, LayoutError, layout_mismatch
 from kvflow.peer import (
     HeldOffers,
     Renew,
-    encode_renewed,
+    answer_renew,
     read_lease,
     read_lease_ms,
     renew_at,
@@ -366,11 +366,7 @@ class NixlTransport(Transport):
                     log.warning("kvflow nixl: dropped a bad frame from a peer: %s", exc)
                     continue
                 if isinstance(msg, Renew):
-                    renewed = self.held.renew(msg.reqs, msg.lease_ms / 1000)
-                    try:
-                        await router.send_multipart([ident, encode_renewed(renewed)])
-                    except zmq.ZMQError as exc:
-                        log.info("kvflow nixl: a renewing consumer is unreachable: %s", exc)
+                    await answer_renew(self.held, router, ident, msg)
                     continue
                 if not isinstance(msg, wire.Pull):  # only the consumer that pulls may end it
                     pull = self._pulls.get(msg.req)

@@ -20,7 +20,7 @@ from kvflow.layout import KVLayout, LayoutError, layout_mismatch
 from kvflow.peer import (
     HeldOffers,
     Renew,
-    encode_renewed,
+    answer_renew,
     read_lease,
     read_lease_ms,
     renew_at,
@@ -126,8 +126,7 @@ class ZmqTransport(Transport):
                     log.warning("kvflow zmq: dropped a bad frame from a peer: %s", exc)
                     continue
                 if isinstance(msg, Renew):
-                    renewed = self.held.renew(msg.reqs, msg.lease_ms / 1000)
-                    await self._send(router, ident, encode_renewed(renewed), "renewal")
+                    await answer_renew(self.held, router, ident, msg)
                     continue
                 if not isinstance(msg, wire.Pull):  # only the consumer that pulled counts
                     outcome = "done" if isinstance(msg, wire.Done) else msg.reason
@@ -156,14 +155,11 @@ class ZmqTransport(Transport):
 
     async def _reply(self, router: TrioSocket, ident: bytes, msg: wire.ToConsumer) -> bool:
         """Send a control frame to a consumer; False if it is gone (ROUTER_MANDATORY)."""
-        return await self._send(router, ident, wire.encode(msg), msg.req)
-
-    async def _send(self, router: TrioSocket, ident: bytes, frame: bytes, what: str) -> bool:
         try:
-            await router.send_multipart([ident, frame])
+            await router.send_multipart([ident, wire.encode(msg)])
             return True
         except zmq.ZMQError as exc:
-            log.info("kvflow zmq: consumer of %s unreachable: %s", what, exc)
+            log.info("kvflow zmq: consumer of %s unreachable: %s", msg.req, exc)
             return False
 
     def _ipc_reply(self, offer: Offer) -> wire.Ipc:
