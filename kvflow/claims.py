@@ -46,7 +46,8 @@ class Claim:
     """Prompt tokens the producer holds."""
     addresses: list[str]
     """The producer's worker endpoints (one per shard): each holds its shard's blocks."""
-    unanswered: set[str] = field(default_factory=set)
+    unanswered: set[str] = field(init=False)
+    """Shards whose first answer has not come yet."""
     answered: bool = False
     """Every shard answered the first renewal, or one refused it or did not answer."""
     error: str = ""

@@ -25,9 +25,6 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-if __name__ == "__main__":  # vLLM's workers start with spawn: run nothing on import
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins"))
-
 MAX_TOKENS = 8
 HANG_S = 120.0
 """A request unanswered this long is a hang (and is aborted)."""
@@ -100,9 +97,6 @@ class Soak:
         self.engine = self.llm.llm_engine
         self.count: Counter[str] = Counter()
         self.in_flight: dict[str, tuple[int, float]] = {}
-
-    def scheduler(self) -> Any:
-        return self.engine.engine_core.engine_core.scheduler
 
     def run(self, ps: list[list[int]], want: list[list[int]]) -> None:
         from vllm import SamplingParams

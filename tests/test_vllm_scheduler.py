@@ -566,7 +566,10 @@ def test_vllm_keeps_blocks_computed_over_a_failed_load_in_the_same_step(
     store_prefix(harness, tmp_path, prompt)
     h = harness(fs_config(tmp_path, kv_load_failure_policy="fail"), 16)
     if h.loop == "async":
-        pytest.skip("one step at a time shows it plainly")
+        pytest.skip(
+            "vLLM's prefix cache is the same in both loops; the async one would "
+            "report the failed load a step later, past this test's one step"
+        )
     assert h.connector.config.load_mode == "layer"
     other = prompt[:32] + prompt_of(9, 20)  # shares "r"'s first two chunks
     h.add(make_request("r", prompt, max_tokens=2), make_request("b", other, max_tokens=2))
