@@ -23,6 +23,7 @@ from kvflow.transport import (
     TransportError,
 )
 from kvflow_fs import FsOptions, FsTransport
+from kvflow_fs import _transport as fs_module
 from kvflow_fs._format import HEADER_SIZE, encode_header, read_header
 from kvflow_fs._transport import THREADS
 
@@ -115,6 +116,39 @@ async def test_flipped_payload_byte_is_checksum_error_and_file_is_deleted(kv: Ha
     assert "checksum mismatch in layer 1" in str(exc)
     assert "deleted" in str(exc)
     await repaired(kv, worker, src, 2)
+
+
+@pytest.mark.parametrize("layerwise", [True, False], ids=["layer-groups", "whole-files"])
+async def test_a_bad_chunk_in_a_later_batch_fails_there_and_every_chunk_before_it_lands(
+    kv: Harness, monkeypatch: pytest.MonkeyPatch, layerwise: bool
+) -> None:
+    """Loads move chunks in batches, two threads at once, by layer groups (0, 1, 2-3, ...)
+    or whole files: a bad last layer in chunk 4 (third batch) fails the load at chunk 4,
+    chunks 0-3 land, and every layer is signalled once, in order."""
+    monkeypatch.setattr(fs_module, "BATCH_BYTES", 1)  # one chunk per batch
+    worker = await fs_worker(kv)
+    src = await saved(kv, worker, 6)
+    last = kv.layout.num_layers - 1
+    with worker.path(src.keys[4]).open("r+b") as f:
+        f.seek(layer_offset(kv, src, 4, last))
+        f.write(b"\xff" * 8)
+    dst, source, before = kv.destination(src)
+    job, signalled = kv.load_job(dst)
+    job.layerwise = layerwise
+    with pytest.raises(ChunkCorrupt) as caught:
+        await worker.load(job)
+    assert caught.value.chunk == 4, repr(caught.value)
+    assert f"checksum mismatch in layer {last}" in str(caught.value)
+    assert signalled == list(range(kv.layout.num_layers))
+    good = list(range(4))
+    kv.expect_loaded(source, before, src.take(good), dst.take(good), unspecified=dst.blocks[4:])
+
+
+async def test_threads_below_one_fail_at_open_naming_the_key(tmp_path: Path) -> None:
+    ctx = TransportContext("e", "worker", "ns", "tp0of1pp0", ["tp0of1pp0"])
+    transport = FsTransport(FsOptions(path=str(tmp_path), threads=0), ctx)
+    with pytest.raises(TransportError, match=r"\['options'\]\['threads'\]: must be at least 1"):
+        await transport.open()
 
 
 async def test_verify_false_skips_the_checksum(kv: Harness, factory: Factory) -> None:
@@ -395,14 +429,14 @@ async def test_loads_never_queue_behind_saves(kv: Harness, monkeypatch: pytest.M
     worker = await fs_worker(kv)
     stored = await saved(kv, worker, 1)
     writing, may_write = threading.Semaphore(0), threading.Event()
-    write = FsTransport._write_layer
+    write = FsTransport._write_chunks
 
-    def slow_write(self: FsTransport, *args: Any) -> list[int]:
+    def slow_write(self: FsTransport, *args: Any) -> None:
         writing.release()
         may_write.wait(30)
         return write(self, *args)
 
-    monkeypatch.setattr(FsTransport, "_write_layer", slow_write)
+    monkeypatch.setattr(FsTransport, "_write_chunks", slow_write)
     async with trio.open_nursery() as nursery:
         for _ in range(THREADS + 1):  # every save thread taken, one more save queued
             nursery.start_soon(kv.save, worker, kv.chunks(1))

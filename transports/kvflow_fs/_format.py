@@ -76,6 +76,8 @@ def read_header(fd: int) -> ChunkHeader:
 
 def hash_of(spans: Sequence[memoryview]) -> int:
     """XXH3-64 of the spans' bytes, in order."""
+    if len(spans) == 1:  # the common case (a block-granular or dense chunk): one call
+        return xxhash.xxh3_64_intdigest(spans[0])
     h = xxhash.xxh3_64()
     for s in spans:
         h.update(s)
