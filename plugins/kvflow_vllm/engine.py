@@ -146,6 +146,8 @@ class GenResult(msgspec.Struct):
     ttft_s: float = 0.0
     """vLLM's own first-token latency for the request (arrival to first token)."""
     kv_transfer_params: dict[str, Any] | None = None
+    cached_tokens: int = 0
+    """Prompt tokens vLLM did not compute: its prefix cache's hits plus a connector's."""
 
 
 class Scenario(msgspec.Struct, forbid_unknown_fields=True):
@@ -243,7 +245,16 @@ def generate(
         err = "" if c.finish_reason in ("length", "stop") else str(c.finish_reason)
         ttft = float(getattr(o.metrics, "first_token_latency", 0.0) or 0.0)
         results.append(
-            GenResult(o.request_id, list(c.token_ids), lps, dt, err, ttft, o.kv_transfer_params)
+            GenResult(
+                o.request_id,
+                list(c.token_ids),
+                lps,
+                dt,
+                err,
+                ttft,
+                o.kv_transfer_params,
+                int(o.num_cached_tokens or 0),
+            )
         )
     return results
 

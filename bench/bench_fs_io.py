@@ -1,0 +1,256 @@
+"""Benchmark: `fs` save and load throughput against plain file writes and reads of the
+same bytes, in the same run, alternating.
+
+    python bench/bench_fs_io.py [--repeats 7] [--quick]
+
+No engine: the transport is driven directly, as kvflow's worker drives it, over KV
+memory laid out as vLLM's CPU build lays it out (block-granular caches). Two
+geometries:
+
+- `llama3-8b`: 32 layers, 8 KV heads x 128, fp16, block 16: 128 KiB per token; one
+  request of 8192 tokens = 512 chunk files, 1 GiB;
+- `bench-llama`: the engine benchmarks' model, 8 layers, 8 KV heads x 128, fp32,
+  block 128: 64 KiB per token; one request of 4096 tokens = 32 files, 256 MiB.
+
+Three sides, in alternating order each repeat, each with its own store:
+
+- `kvflow`: `FsTransport` as configured by default (`threads: 2`, `verify: true`):
+  save = temp files, each file's header and layers (each hashed with XXH3-64 just
+  before) in one `pwritev`, rename; layer load = layers in groups 0, 1, 2-3, 4-7, ...
+  (what a load the forward waits on does), each layer hashed and checked right after
+  it is read; file load = each file in one `preadv` (an asynchronous load, vLLM's
+  prefix cache on);
+- `kvflow 1 thread`: the same with `threads: 1`;
+- `plain`: one thread, no checksum, no header, no rename: per chunk `open(O_CREAT)`,
+  one `pwritev` of its layers, `close`; per file `open`, one `preadv` into the same
+  destination blocks, `close`.
+
+Saves go into an empty store (the files removed and the disk synced before, untimed);
+loads read what the side saved, from the page cache. Every load is checked byte for
+byte against the source blocks (untimed). Medians of `--repeats` after one warm-up
+round; ratios are of GB/s against plain. Writes bench/results/fs-io.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import trio
+
+from kvflow.keys import chunk_keys
+from kvflow.layout import KVLayout
+from kvflow.testing.layouts import make_layout
+from kvflow.transport import LoadJob, SaveJob, TransportContext
+from kvflow_fs import FsOptions, FsTransport
+
+
+@dataclass(frozen=True)
+class Geometry:
+    layers: int
+    heads: int
+    head_dim: int
+    dtype: str
+    block_size: int
+    tokens: int
+
+
+GEOMETRIES = {
+    "llama3-8b": Geometry(32, 8, 128, "float16", 16, 8192),
+    "bench-llama": Geometry(8, 8, 128, "float32", 128, 4096),
+}
+
+
+@dataclass
+class Case:
+    name: str
+    geo: Geometry
+    src: KVLayout
+    dst: KVLayout
+    keys: list[str]
+    src_ids: list[int]
+    dst_ids: list[int]
+
+    @property
+    def counts(self) -> list[int]:
+        return [self.geo.block_size] * len(self.keys)
+
+    @property
+    def nbytes(self) -> int:
+        return self.src.nbytes(self.counts)
+
+    def spans(self, layout: KVLayout, ids: list[int]) -> list[list[memoryview]]:
+        """Each chunk's spans over all layers, layer-major (the file's order)."""
+        per_layer = [layout.chunk_spans(i, ids, self.counts) for i in range(self.geo.layers)]
+        return [[s for layer in per_layer for s in layer[c]] for c in range(len(ids))]
+
+
+def make_case(name: str, geo: Geometry) -> Case:
+    n = geo.tokens // geo.block_size
+    kw = dict(
+        num_layers=geo.layers,
+        num_blocks=2 * n,
+        block_size=geo.block_size,
+        heads=geo.heads,
+        head_dim=geo.head_dim,
+        block_granular=True,
+        dtype=geo.dtype,
+    )
+    src, dst = make_layout(**kw), make_layout(**kw)  # type: ignore[arg-type]
+    rng = np.random.default_rng(0)
+    for buf in src.buffers:
+        np.frombuffer(buf, dtype=np.uint8)[:] = rng.integers(0, 256, len(buf), dtype=np.uint8)
+    tokens = rng.integers(3, 30000, geo.tokens).tolist()
+    ids = rng.permutation(2 * n).tolist()
+    return Case(name, geo, src, dst, chunk_keys("bench", tokens, geo.block_size), ids[:n], ids[n:])
+
+
+def _transport(root: Path, case: Case, threads: int = 1) -> FsTransport:
+    ctx = TransportContext("bench", "worker", "ns", "tp0of1pp0", ["tp0of1pp0"], case.src)
+    return FsTransport(FsOptions(path=str(root), max_gb=0, threads=threads), ctx)
+
+
+async def kvflow_save(t: FsTransport, case: Case) -> None:
+    async def layer(i: int) -> list[list[memoryview]]:
+        return case.src.chunk_spans(i, case.src_ids, case.counts)
+
+    await t.save(SaveJob("r", case.keys, case.counts, case.geo.layers, layer))
+
+
+async def kvflow_load(t: FsTransport, case: Case, layerwise: bool = True) -> None:
+    loaded: list[int] = []
+    job = LoadJob(
+        "r",
+        case.keys,
+        case.counts,
+        case.geo.layers,
+        spans=lambda i: case.dst.chunk_spans(i, case.dst_ids, case.counts),
+        layer_loaded=loaded.append,
+        layerwise=layerwise,
+    )
+    await t.load(job)
+    assert loaded == list(range(case.geo.layers)), loaded
+
+
+def plain_write(t: FsTransport, case: Case) -> None:
+    for key, spans in zip(case.keys, case.spans(case.src, case.src_ids), strict=True):
+        path = t.path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        os.pwritev(fd, spans, 4096)
+        os.close(fd)
+
+
+def plain_read(t: FsTransport, case: Case) -> None:
+    for key, spans in zip(case.keys, case.spans(case.dst, case.dst_ids), strict=True):
+        fd = os.open(t.path(key), os.O_RDONLY)
+        os.preadv(fd, spans, 4096)
+        os.close(fd)
+
+
+def check_loaded(case: Case) -> None:
+    for i in range(case.geo.layers):
+        a = case.src.chunk_spans(i, case.src_ids, case.counts)
+        b = case.dst.chunk_spans(i, case.dst_ids, case.counts)
+        if any(x[0] != y[0] for x, y in zip(a, b, strict=True)):
+            raise AssertionError(f"{case.name}: layer {i} differs after the load")
+
+
+def clear(case: Case) -> None:
+    for buf in case.dst.buffers:
+        np.frombuffer(buf, dtype=np.uint8)[:] = 0
+
+
+SIDES = ("kvflow", "kvflow 1 thread", "plain")
+OPS = (("save", "plain save"), ("layer load", "plain load"), ("file load", "plain load"))
+
+
+def bench_case(case: Case, repeats: int, tmp: Path) -> dict[str, float]:
+    """Medians of each side's save and loads, in GB/s."""
+    roots = {side: tmp / f"{case.name}-{i}" for i, side in enumerate(SIDES)}
+    times: dict[str, list[float]] = {}
+
+    async def run() -> None:
+        ts = {side: _transport(roots[side], case, 2 if side == "kvflow" else 1) for side in SIDES}
+        for t in ts.values():
+            await t.open()
+        for r in range(repeats + 1):  # round 0 warms up and is not counted
+            order = SIDES if r % 2 == 0 else SIDES[::-1]
+            for side in order:
+                shutil.rmtree(roots[side] / "ns")
+                (roots[side] / "ns").mkdir()
+                os.sync()  # every side starts with no deletes or writes pending on the disk
+                t0 = time.perf_counter()
+                if side == "plain":
+                    plain_write(ts[side], case)
+                else:
+                    await kvflow_save(ts[side], case)
+                if r:
+                    times.setdefault(f"{side} save", []).append(time.perf_counter() - t0)
+            for side in order:
+                for op in ("load",) if side == "plain" else ("layer load", "file load"):
+                    clear(case)
+                    t0 = time.perf_counter()
+                    if side == "plain":
+                        plain_read(ts[side], case)
+                    else:
+                        await kvflow_load(ts[side], case, layerwise=op == "layer load")
+                    if r:
+                        times.setdefault(f"{side} {op}", []).append(time.perf_counter() - t0)
+                    check_loaded(case)
+
+    trio.run(run)
+    return {k: case.nbytes / statistics.median(v) / 1e9 for k, v in times.items()}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--quick", action="store_true", help="3 repeats")
+    ap.add_argument("--dir", default="", help="where the stores go (default: the temp dir)")
+    args = ap.parse_args()
+    repeats = 3 if args.quick else args.repeats
+    tmp = Path(tempfile.mkdtemp(prefix="kvflow-fsio-", dir=args.dir or None))
+    cases: dict[str, object] = {}
+    try:
+        for name, geo in GEOMETRIES.items():
+            case = make_case(name, geo)
+            gbs = bench_case(case, repeats, tmp)
+            cases[name] = {"mib": case.nbytes / 2**20, "files": len(case.keys), "gbs": gbs}
+            print(f"{name}: {case.nbytes / 2**20:.0f} MiB in {len(case.keys)} files, GB/s:")
+            for op, base in OPS:
+                cells = [
+                    f"{side} {gbs[f'{side} {op}']:.2f} ({gbs[f'{side} {op}'] / gbs[base]:.2f}x)"
+                    for side in SIDES[:2]
+                ]
+                print(f"  {op:<11} {base} {gbs[base]:.2f}   " + "   ".join(cells), flush=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    out = Path(__file__).parent / "results" / "fs-io.json"
+    where = os.statvfs(args.dir or tempfile.gettempdir())
+    out.write_text(
+        json.dumps(
+            {
+                "repeats": repeats,
+                "dir": args.dir or tempfile.gettempdir(),
+                "free_gb": where.f_bavail * where.f_frsize / 1e9,
+                "cases": cases,
+            },
+            indent=2,
+        )
+    )
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,243 @@
+"""Run every benchmark, write bench/results/*.json, regenerate the tables in
+docs/benchmarks.md.
+
+    python bench/run.py            # everything: ~45 min on 2 cores
+    python bench/run.py --quick    # smaller workloads, fewer repeats: ~10 min
+    python bench/run.py --only fs-io,hooks --no-docs
+
+Each benchmark runs in its own process, one after another (never two at once: they
+would measure each other). Each prints ratios against a baseline measured in the same
+run, alternating, with medians; see each script's docstring for its method. The
+tables in docs/benchmarks.md between `<!-- bench:NAME -->` and `<!-- /bench:NAME -->`
+are rewritten from the JSON, each with the command, the date and the machine. A
+benchmark that needs what this machine lacks (a GPU for `cuda-ipc`) is skipped, saying
+so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).parent
+RESULTS = HERE / "results"
+DOCS = HERE.parent / "docs" / "benchmarks.md"
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except ImportError:
+        return False
+
+
+# name: (script and its arguments, whether --quick applies, what it needs)
+BENCHES: dict[str, tuple[list[str], bool, Callable[[], str]]] = {
+    "fs-io": (["bench_fs_io.py"], True, lambda: ""),
+    "hooks": (["bench_hooks.py"], False, lambda: ""),
+    "engines": (["bench_engines.py"], True, lambda: ""),
+    "zmq": (["bench_zmq.py"], True, lambda: ""),
+    "nixl": (["bench_nixl.py"], True, lambda: ""),
+    "nixl-layerwise": (
+        ["bench_nixl.py", "--layerwise", "--out", str(RESULTS / "nixl-layerwise.json")],
+        True,
+        lambda: "",
+    ),
+    "cuda-ipc": (
+        ["bench_cuda_ipc.py"],
+        True,
+        lambda: "" if _has_cuda() else "no CUDA device on this machine",
+    ),
+}
+
+
+def machine() -> str:
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    parts = [f"{model}, {os.cpu_count()} cores, {mem:.0f} GiB"]
+    for mod in ("vllm", "torch"):
+        with contextlib.suppress(ImportError):
+            parts.append(f"{mod} {__import__(mod).__version__}")
+    return ", ".join(parts)
+
+
+# -- tables --------------------------------------------------------------------------------
+
+
+def _table(head: list[str], rows: list[list[str]]) -> list[str]:
+    align = ["---"] + ["---:"] * (len(head) - 1)
+    out = ["| " + " | ".join(head) + " |", "| " + " | ".join(align) + " |"]
+    return out + ["| " + " | ".join(r) + " |" for r in rows]
+
+
+def fs_io_table(d: dict[str, Any]) -> list[str]:
+    ops = (("save", "plain save"), ("layer load", "plain load"), ("file load", "plain load"))
+    rows = []
+    for name, case in d["cases"].items():
+        g = case["gbs"]
+        for op, base in ops:
+            cells = [f"{name}, {case['mib']:.0f} MiB, {case['files']} files", op, f"{g[base]:.2f}"]
+            for side in ("kvflow", "kvflow 1 thread"):
+                v = g[f"{side} {op}"]
+                cells.append(f"{v:.2f} ({v / g[base]:.2f}x)")
+            rows.append(cells)
+    head = ["KV", "operation", "plain GB/s", "kvflow GB/s (x plain)", "kvflow 1 thread"]
+    return _table(head, rows)
+
+
+def hooks_table(d: dict[str, Any]) -> list[str]:
+    return _table(["hook", "us per call"], [[k, f"{v:.2f}"] for k, v in d["hot_path_us"].items()])
+
+
+def miss_table(d: dict[str, Any]) -> list[str]:
+    m = d["miss"]
+    base = m["no-op connector"]
+    rows = []
+    for e, v in m.items():
+        p, dec = v["prefill"], v["decode"]
+        rows.append([e, f"{p:.0f}", f"{p / base['prefill']:.3f}", f"{dec:.1f}"])
+        rows[-1].append(f"{dec / base['decode']:.3f}")
+    return _table(["engine", "prefill tok/s", "/ no-op", "decode tok/s", "/ no-op"], rows)
+
+
+def hit_table(d: dict[str, Any]) -> list[str]:
+    t, g = d["hit"]["ttft_ms"], d["hit"]["effective_gbs"]
+    order = ["no connector", "ExampleConnector", "kvflow", "kvflow layer"]
+    engines = [e for e in order if e in next(iter(t.values()))]
+    head = ["prompt"] + [f"{'recompute' if e == 'no connector' else e} TTFT ms" for e in engines]
+    head += ["kvflow GB/s", "ExampleConnector GB/s"]
+    rows = []
+    for label, by in t.items():
+        gbs = g.get(label, {})
+        cells = [label] + [f"{by[e]:.1f}" for e in engines]
+        cells += [f"{gbs[e]:.2f}" if e in gbs else "-" for e in ("kvflow", "ExampleConnector")]
+        rows.append(cells)
+    return _table(head, rows)
+
+
+def zmq_table(d: dict[str, Any]) -> list[str]:
+    head = ["config", "MiB", "kvflow GB/s", "plain pyzmq GB/s", "kvflow / plain"]
+    keys = ("kvflow_gbs", "plain_gbs", "ratio")
+    rows = [
+        [r["config"], f"{r['total_bytes'] / 2**20:.0f}", *(f"{r[k]:.2f}" for k in keys)]
+        for r in d["table"]
+    ]
+    return _table(head, rows)
+
+
+def nixl_table(d: dict[str, Any]) -> list[str]:
+    head = ["config", "MB", "raw NIXL GB/s", "kvflow nixl GB/s", "nixl / raw"]
+    head += ["kvflow zmq GB/s", "nixl / zmq"]
+    keys = ("raw_gbs", "nixl_gbs", "nixl_over_raw", "zmq_gbs", "nixl_over_zmq")
+    rows = [
+        [r["config"], f"{r['total_bytes'] / 1e6:.0f}", *(f"{r[k]:.2f}" for k in keys)]
+        for r in d["table"]
+    ]
+    return _table(head, rows)
+
+
+# table name in docs: (results file, renderer)
+TABLES: dict[str, tuple[str, Callable[[dict[str, Any]], list[str]]]] = {
+    "fs-io": ("fs-io", fs_io_table),
+    "hooks": ("hooks", hooks_table),
+    "engines-miss": ("engines", miss_table),
+    "engines-hit": ("engines", hit_table),
+    "zmq": ("zmq", zmq_table),
+    "nixl": ("nixl", nixl_table),
+    "nixl-layerwise": ("nixl-layerwise", nixl_table),
+}
+
+
+def _script(bench: str) -> str:
+    argv = BENCHES[bench][0]
+    return " ".join(a for i, a in enumerate(argv) if a != "--out" and argv[i - 1] != "--out")
+
+
+def regenerate_docs(ran: dict[str, dict[str, Any]], text: str) -> str:
+    """`text` with each table whose benchmark ran in `ran` rewritten between its markers."""
+    for name, (bench, render) in TABLES.items():
+        if bench not in ran:
+            continue
+        meta = ran[bench]
+        with open(RESULTS / f"{bench}.json") as f:
+            data = json.load(f)
+        body = [
+            f"_`{meta['command']}` ({BENCHES[bench][0][0]}), {meta['date']}, {meta['machine']}:_",
+            "",
+            *render(data),
+        ]
+        pattern = re.compile(
+            rf"(<!-- bench:{re.escape(name)} -->\n).*?(<!-- /bench:{re.escape(name)} -->)",
+            re.S,
+        )
+        if not pattern.search(text):
+            print(f"  docs: no markers for table {name!r}; not written")
+            continue
+        table = "\n".join(body) + "\n"
+        text = pattern.sub(lambda m, t=table: m.group(1) + t + m.group(2), text)
+    return text
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--only", default="", help=f"comma-separated, of: {', '.join(BENCHES)}")
+    ap.add_argument("--no-docs", action="store_true", help="do not rewrite docs/benchmarks.md")
+    args = ap.parse_args()
+    names = [n for n in args.only.split(",") if n] or list(BENCHES)
+    unknown = [n for n in names if n not in BENCHES]
+    if unknown:
+        ap.error(f"unknown benchmark {unknown}; choose from {list(BENCHES)}")
+    command = "python bench/run.py" + (" --quick" if args.quick else "")
+    date, where = datetime.date.today().isoformat(), machine()
+    print(f"{command}: {date}, {where}")
+    ran: dict[str, dict[str, Any]] = {}
+    failed = []
+    for name in names:
+        argv, quick, needs = BENCHES[name]
+        if missing := needs():
+            print(f"== {name}: skipped ({missing})")
+            continue
+        cmd = [sys.executable, str(HERE / argv[0]), *argv[1:]]
+        cmd += ["--quick"] if args.quick and quick else []
+        print(f"== {name}: {' '.join(cmd[1:])}", flush=True)
+        t0 = time.perf_counter()
+        rc = subprocess.run(cmd, cwd=HERE.parent).returncode
+        wall = time.perf_counter() - t0
+        print(f"== {name}: exit {rc} after {wall:.0f} s", flush=True)
+        if rc:
+            failed.append(name)
+            continue
+        ran[name] = {"command": command, "date": date, "machine": where, "wall_s": wall}
+    (RESULTS / "run.json").write_text(json.dumps(ran, indent=2))
+    if not args.no_docs and ran:
+        DOCS.write_text(regenerate_docs(ran, DOCS.read_text()))
+        print(f"rewrote the tables of {', '.join(ran)} in {DOCS}")
+    if failed:
+        print(f"FAILED: {', '.join(failed)}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
