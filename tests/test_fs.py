@@ -144,6 +144,61 @@ async def test_a_bad_chunk_in_a_later_batch_fails_there_and_every_chunk_before_i
     kv.expect_loaded(source, before, src.take(good), dst.take(good), unspecified=dst.blocks[4:])
 
 
+async def test_the_earliest_bad_chunk_fails_the_load_whichever_batch_ends_first(
+    kv: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Chunk 2 is bad in layer 0, chunk 4 in the last: batches run two at once, and the
+    load fails at chunk 2 with chunks 0-1 landed, never at chunk 4."""
+    monkeypatch.setattr(fs_module, "BATCH_BYTES", 1)
+    worker = await fs_worker(kv)
+    src = await saved(kv, worker, 6)
+    for c, layer in ((2, 0), (4, kv.layout.num_layers - 1)):
+        with worker.path(src.keys[c]).open("r+b") as f:
+            f.seek(layer_offset(kv, src, c, layer))
+            f.write(b"\xff" * 8)
+    exc = await load_fails(kv, worker, src, 2, ChunkCorrupt)
+    assert "checksum mismatch in layer 0" in str(exc)
+
+
+async def test_short_reads_and_writes_are_finished(
+    kv: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A system call that moves fewer bytes than asked (a signal, NFS, FUSE) and span
+    lists longer than IOV_MAX: every byte still lands, nothing is called corrupt."""
+    preadv, pwritev = os.preadv, os.pwritev
+
+    def short(call: Any) -> Any:
+        def at_most_1000(fd: int, spans: list[memoryview], offset: int) -> int:
+            budget, part = 1000, []
+            for s in spans:
+                part.append(s[:budget])
+                budget -= len(part[-1])
+                if not budget:
+                    break
+            return call(fd, part, offset)
+
+        return at_most_1000
+
+    monkeypatch.setattr(os, "preadv", short(preadv))
+    monkeypatch.setattr(os, "pwritev", short(pwritev))
+    monkeypatch.setattr(fs_module, "IOV_MAX", 2)
+    worker = await fs_worker(kv)
+    await kv.round_trip(worker, worker, kv.chunks(3, partial=2))
+
+
+@pytest.mark.parametrize(
+    ("layers", "groups"),
+    [
+        (0, []),
+        (1, [(0, 1)]),
+        (3, [(0, 1), (1, 2), (2, 3)]),
+        (32, [(0, 1), (1, 2), (2, 4), (4, 8), (8, 16), (16, 32)]),
+    ],
+)
+def test_layer_groups_double(layers: int, groups: list[tuple[int, int]]) -> None:
+    assert [(g.start, g.stop) for g in fs_module._layer_groups(layers)] == groups
+
+
 async def test_threads_below_one_fail_at_open_naming_the_key(tmp_path: Path) -> None:
     ctx = TransportContext("e", "worker", "ns", "tp0of1pp0", ["tp0of1pp0"])
     transport = FsTransport(FsOptions(path=str(tmp_path), threads=0), ctx)

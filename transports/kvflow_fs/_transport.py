@@ -97,7 +97,8 @@ async def _in_threads(
     work: Callable[[range], T], batches: list[range], limiter: trio.CapacityLimiter, width: int
 ) -> list[T]:
     """`work(batch)` for every batch, in threads, `width` at a time; the results in
-    order. The first `OSError` is raised once every started batch has ended."""
+    order. An exception is raised as it is (of the first batch that raised one), once
+    every started batch has ended."""
     results: list[Any] = [None] * len(batches)
     slots = trio.Semaphore(width)
 
@@ -105,14 +106,14 @@ async def _in_threads(
         async with slots:
             try:
                 results[i] = await trio.to_thread.run_sync(work, batches[i], limiter=limiter)
-            except OSError as exc:
+            except Exception as exc:  # kept, so a nursery does not wrap it in a group
                 results[i] = exc
 
     async with trio.open_nursery() as nursery:
         for i in range(len(batches)):
             nursery.start_soon(one, i)
     for r in results:
-        if isinstance(r, OSError):
+        if isinstance(r, Exception):
             raise r
     return results
 
@@ -137,17 +138,21 @@ def _write_all(fd: int, spans: Sequence[memoryview], offset: int = 0) -> None:
 
 
 def _read_all(fd: int, spans: Sequence[memoryview], offset: int) -> int:
-    """Read into `spans` back to back from `offset`; the bytes read (fewer at end of file)."""
-    if len(spans) <= IOV_MAX:
-        return os.preadv(fd, spans, offset)
-    got = 0
+    """Read into `spans` back to back from `offset`, whatever the system call reads at
+    once; the bytes read (fewer only at the end of the file)."""
+    start = offset
     for i in range(0, len(spans), IOV_MAX):
         group = spans[i : i + IOV_MAX]
-        n = os.preadv(fd, group, offset + got)
-        got += n
-        if n < sum(len(s) for s in group):
-            break
-    return got
+        n = os.preadv(fd, group, offset)
+        for s in group:  # skip what was read, finish what a short read left
+            done, n = min(n, len(s)), max(0, n - len(s))
+            while done < len(s):
+                got = os.preadv(fd, [s[done:]], offset + done)
+                if not got:  # end of file
+                    return offset + done - start
+                done += got
+            offset += len(s)
+    return offset - start
 
 
 class FsTransport(Transport):
@@ -249,7 +254,10 @@ class FsTransport(Transport):
                     await trio.to_thread.run_sync(
                         self._discard, fds, tmps, limiter=self._save_threads
                     )
-        usage = await trio.to_thread.run_sync(self._add_usage, written, limiter=self._save_threads)
+        with trio.CancelScope(shield=True):  # the files are visible: count them
+            usage = await trio.to_thread.run_sync(
+                self._add_usage, written, limiter=self._save_threads
+            )
         if self.max_bytes and usage > self.max_bytes and not self._evicting:
             self._evicting = True  # one eviction at a time, after the save returned
             self._spawn(self._evict)
@@ -295,7 +303,7 @@ class FsTransport(Transport):
                 layout=described,
             )
             _write_all(fd, [s for ls in spans for s in ls], HEADER_SIZE)
-            os.pwrite(fd, encode_header(h), 0)  # apart: on ext4, 3x faster than one pwritev
+            _write_all(fd, [memoryview(encode_header(h))], 0)  # apart: see decision 35
             headers[c] = h
 
     def _commit(
@@ -307,8 +315,9 @@ class FsTransport(Transport):
     ) -> int:
         written = 0
         for c, (fd, h, tmp, final) in enumerate(zip(fds, headers, tmps, finals, strict=True)):
-            if fd is None or h is None:
+            if fd is None:
                 continue
+            assert h is not None, "every open chunk file was written"
             if self.options.fsync:
                 os.fsync(fd)
             fds[c] = None  # closed: `_discard` must not close this number again
@@ -418,6 +427,8 @@ class FsTransport(Transport):
             return f"token count mismatch ({h.num_tokens} tokens stored, {count} expected)"
         if h.layer_nbytes != expect:
             return "layer sizes do not match this KV layout"
+        if len(h.layer_hash) != len(expect):
+            return f"{len(h.layer_hash)} layer hashes for {len(expect)} layers"
         ours = ctx.layout.describe() if ctx.layout is not None else ""
         if h.layout and h.layout != ours:  # the same sizes, another order of the bytes
             return f"written with another KV layout ({h.layout}; this reader has {ours})"
@@ -463,6 +474,7 @@ class FsTransport(Transport):
             if (st.st_dev, st.st_ino) == (now.st_dev, now.st_ino):
                 os.unlink(path)
                 deleted = True
+                self._add_usage(-st.st_size)
                 log.warning("kvflow fs: deleted bad chunk file %s (%s)", path, problem)
         return _Failure(
             chunk, ChunkCorrupt, f"{problem} in {path}{'; deleted it' if deleted else ''}"
@@ -573,14 +585,15 @@ class FsTransport(Transport):
         entries.sort()
         usage = sum(size for _, size, _ in entries)
         target = int(self.max_bytes * 0.9)
-        removed = 0
+        removed = freed = 0
         for _, size, path in entries:
-            if usage <= target:
+            if usage - freed <= target:
                 break
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
-                usage -= size
+                freed += size
                 removed += 1
-        self._add_usage(0, total=usage)
+        # what it deleted, not the walk's total: saves committed during the walk count
+        usage = self._add_usage(-freed)
         self.evictions += 1
         log.info("kvflow fs: evicted %d chunk files; %d bytes remain", removed, usage)
