@@ -269,8 +269,9 @@ async def test_file_from_another_shard_is_rejected(kv: Harness) -> None:
         ("num_tokens", 3, "token count mismatch (3 tokens stored, 4 expected)"),
         ("key", "0" * 32, "key mismatch"),
         ("layer_nbytes", [1, 2, 3], "layer sizes do not match"),
+        ("layer_hash", [0], "1 layer hashes for 3 layers"),
     ],
-    ids=["num_tokens", "key", "layer_nbytes"],
+    ids=["num_tokens", "key", "layer_nbytes", "layer_hash"],
 )
 async def test_foreign_header_is_rejected(
     kv: Harness, field: str, value: object, message: str
