@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import functools
 import itertools
@@ -125,34 +126,37 @@ def _layer_groups(num_layers: int) -> list[range]:
     return [range(a, b) for a, b in itertools.pairwise(edges)]
 
 
-def _write_all(fd: int, spans: Sequence[memoryview], offset: int = 0) -> None:
-    """Write `spans` back to back from `offset`, whatever the system call writes at once."""
-    for i in range(0, len(spans), IOV_MAX):
-        group = spans[i : i + IOV_MAX]
-        n = os.pwritev(fd, group, offset)
-        for s in group:  # skip what was written, finish what a short write left
-            done, n = min(n, len(s)), max(0, n - len(s))
-            while done < len(s):
-                done += os.pwrite(fd, s[done:], offset + done)
-            offset += len(s)
-
-
-def _read_all(fd: int, spans: Sequence[memoryview], offset: int) -> int:
-    """Read into `spans` back to back from `offset`, whatever the system call reads at
-    once; the bytes read (fewer only at the end of the file)."""
+def _move_all(
+    call: Callable[[int, Sequence[memoryview], int], int],
+    fd: int,
+    spans: Sequence[memoryview],
+    offset: int,
+) -> int:
+    """`call` (`os.preadv` or `os.pwritev`) over `spans` back to back from `offset`,
+    whatever one call moves; the bytes moved (fewer only at the end of a file read)."""
     start = offset
     for i in range(0, len(spans), IOV_MAX):
         group = spans[i : i + IOV_MAX]
-        n = os.preadv(fd, group, offset)
-        for s in group:  # skip what was read, finish what a short read left
+        n = call(fd, group, offset)
+        for s in group:  # skip what was moved, finish what a short call left
             done, n = min(n, len(s)), max(0, n - len(s))
             while done < len(s):
-                got = os.preadv(fd, [s[done:]], offset + done)
-                if not got:  # end of file
+                moved = call(fd, [s[done:]], offset + done)
+                if not moved:
                     return offset + done - start
-                done += got
+                done += moved
             offset += len(s)
     return offset - start
+
+
+def _write_all(fd: int, spans: Sequence[memoryview], offset: int = 0) -> None:
+    want = sum(len(s) for s in spans)
+    if (n := _move_all(os.pwritev, fd, spans, offset)) != want:
+        raise OSError(errno.EIO, f"wrote {n} of {want} bytes")
+
+
+def _read_all(fd: int, spans: Sequence[memoryview], offset: int) -> int:
+    return _move_all(os.preadv, fd, spans, offset)
 
 
 class FsTransport(Transport):
