@@ -229,7 +229,8 @@ def main() -> int:
             failed.append(name)
             continue
         ran[name] = {"command": command, "date": date, "machine": where, "wall_s": wall}
-    (RESULTS / "run.json").write_text(json.dumps(ran, indent=2))
+    log = RESULTS / "run.json"  # the last run of each benchmark
+    log.write_text(json.dumps(json.loads(log.read_text()) | ran if log.exists() else ran, indent=2))
     if not args.no_docs and ran:
         DOCS.write_text(regenerate_docs(ran, DOCS.read_text()))
         print(f"rewrote the tables of {', '.join(ran)} in {DOCS}")

@@ -63,8 +63,12 @@ class Runtime:
         *,
         close_timeout_s: float = 5.0,
         clock: trio.abc.Clock | None = None,
+        cpus: set[int] | None = None,
     ) -> None:
         self.name = name
+        self.cpus = cpus
+        """Cores the loop thread, and the threads it starts (transfers), run on; None:
+        those of the thread that starts it."""
         self.close_timeout_s = close_timeout_s
         self.task_errors = 0
         self._clock = clock
@@ -252,6 +256,8 @@ class Runtime:
 
     def _thread_main(self, loop: _Loop) -> None:
         try:
+            if self.cpus:
+                os.sched_setaffinity(0, self.cpus)  # this thread; its threads inherit it
             trio.run(self._main, loop, clock=self._clock)
         except BaseException:
             # Tasks and closers are gone: never start a loop on that state again.

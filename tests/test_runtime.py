@@ -345,3 +345,29 @@ def test_submits_run_in_order_once_each(make_runtime: MakeRuntime) -> None:
         rt.submit(seen.append, i)
     rt.call(answer, timeout=WAIT)  # FIFO: every submit has run before this answers
     assert seen == list(range(n))
+
+
+def test_the_loop_and_its_transfer_threads_run_on_the_cores_given() -> None:
+    """vLLM's CPU workers start kvflow pinned to their compute core; `cpus` moves the loop
+    and the threads transfers run in (`trio.to_thread`) to the spare ones. In a fresh
+    process, as a vLLM worker is: trio reuses idle threads process-wide, and threads
+    other trio loops started keep their own cores."""
+    import ast
+    import subprocess
+    import sys
+
+    last = max(os.sched_getaffinity(0))
+    code = f"""
+import os, trio
+from kvflow.runtime import Runtime
+rt = Runtime("pinned", cpus={{{last}}})
+async def where():
+    return os.sched_getaffinity(0), await trio.to_thread.run_sync(os.sched_getaffinity, 0)
+print([sorted(os.sched_getaffinity(0))] + [sorted(c) for c in rt.call(where, timeout=10)])
+rt.shutdown(5)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    caller, loop, worker = ast.literal_eval(out.stdout)
+    assert loop == worker == [last]
+    assert caller == sorted(os.sched_getaffinity(0))  # the thread that started it keeps its
