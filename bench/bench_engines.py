@@ -18,7 +18,10 @@ Engines (vLLM's defaults otherwise, prefix caching on):
 - `ExampleConnector`: vLLM's own, kv_both, safetensors files under a temp dir;
 - `kvflow`: `KVFlowConnector` with `fs` under a temp dir, kv_both (prefix caching on,
   so kvflow loads between steps: `load_mode` async);
-- `kvflow layer`: the same with vLLM's prefix caching off, so kvflow loads inside the
+- `kvflow worker_cpus=1`: `kvflow` with its worker threads on core 1 (`worker_cpus`),
+  off the compute core vLLM pins its worker, and kvflow's threads with it, to; miss
+  path only;
+- `kvflow layer`: `kvflow` with vLLM's prefix caching off, so kvflow loads inside the
   step, layer by layer (`load_mode` layer); hit path only.
 
 Every engine takes a whole prompt in one step (`max_num_batched_tokens` = the longest
@@ -28,7 +31,8 @@ tokens for 8064 slots, vLLM 0.32).
 
 Every engine computes on core 0 (`VLLM_CPU_OMP_THREADS_BIND=0`); vLLM's CPU build
 would otherwise compute on one core without a connector and on two with one (see
-docs/benchmarks.md). Core 1 is left to vLLM's own processes and kvflow's threads.
+docs/benchmarks.md). Core 1 is left to vLLM's own processes (and to kvflow's threads
+where `worker_cpus` puts them).
 (kvflow warns at start that the engines share core 0: meant for P/D pairs, which run
 at once; here one engine runs at a time, and each run is followed by `SETTLE_S`.)
 
@@ -100,6 +104,7 @@ def engine_configs(tmp: Path) -> dict[str, dict[str, Any]]:
 
     kvflow = {"options": {"path": str(tmp / "kvflow"), "max_gb": 0}}
     layer = {"options": {"path": str(tmp / "kvflow-layer"), "max_gb": 0}}
+    cpus = {"options": {"path": str(tmp / "kvflow-cpus"), "max_gb": 0}, "worker_cpus": "1"}
     return {
         "no connector": {"kv_transfer_config": None},
         "no-op connector": {
@@ -111,6 +116,7 @@ def engine_configs(tmp: Path) -> dict[str, dict[str, Any]]:
             )
         },
         "kvflow": {"kv_transfer_config": kv("KVFlowConnector", kvflow)},
+        "kvflow worker_cpus=1": {"kv_transfer_config": kv("KVFlowConnector", cpus)},
         "kvflow layer": {
             "kv_transfer_config": kv("KVFlowConnector", layer),
             "enable_prefix_caching": False,
@@ -118,7 +124,13 @@ def engine_configs(tmp: Path) -> dict[str, dict[str, Any]]:
     }
 
 
-MISS_ENGINES = ("no connector", "no-op connector", "ExampleConnector", "kvflow")
+MISS_ENGINES = (
+    "no connector",
+    "no-op connector",
+    "ExampleConnector",
+    "kvflow",
+    "kvflow worker_cpus=1",
+)
 HIT_ENGINES = ("no connector", "ExampleConnector", "kvflow", "kvflow layer")
 
 
@@ -150,7 +162,7 @@ def wait_saved(tmp: Path, engine: str, prompts: list[list[int]]) -> None:
 
     if not engine.startswith("kvflow"):
         return  # ExampleConnector saves inside the step; no connector saves nothing
-    store = tmp / ("kvflow" if engine == "kvflow" else "kvflow-layer")
+    store = tmp / {"kvflow": "kvflow", "kvflow layer": "kvflow-layer"}.get(engine, "kvflow-cpus")
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         namespaces = [d for d in store.iterdir() if d.is_dir()] if store.is_dir() else []
@@ -283,7 +295,7 @@ def main() -> int:
     repeats = 2 if args.quick else args.repeats
     sizes = SIZES["quick" if args.quick else "full"]
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0"
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB each: 16k tokens
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     from kvflow_vllm.engine import model_dir
 

@@ -8,6 +8,7 @@ user can act on.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal, TypeVar, get_args
 
@@ -52,8 +53,25 @@ class KVFlowConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Append every event as a JSON line to this file (all runtimes may share it)."""
     inspect: bool = True
     """Publish live events for `kvflow inspect` (a local ZMQ socket; never blocks)."""
+    worker_cpus: str = ""
+    """Cores for kvflow's worker threads, e.g. "1" or "2-3,6": for vLLM's CPU build,
+    which pins each worker, and every thread it starts, to its compute cores. "": where
+    vLLM put the worker."""
     options: dict[str, Any] = msgspec.field(default_factory=dict)
     """Options of the chosen transport, validated by the transport itself."""
+
+    def cpus(self) -> set[int]:
+        """`worker_cpus` as core ids (empty: unset)."""
+        out: set[int] = set()
+        for part in filter(None, self.worker_cpus.replace(" ", "").split(",")):
+            first, _, last = part.partition("-")
+            if not re.fullmatch(r"\d+(-\d+)?", part) or int(last or first) < int(first):
+                raise ConfigError(
+                    f"kv_connector_extra_config['worker_cpus']: {self.worker_cpus!r} is not a "
+                    "core list like '1' or '2-3,6'"
+                )
+            out.update(range(int(first), int(last or first) + 1))
+        return out
 
     def check(self) -> None:
         for key in (
@@ -69,6 +87,11 @@ class KVFlowConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 raise ConfigError(f"kv_connector_extra_config[{key!r}] must be > 0")
         if self.max_concurrent_transfers < 1:
             raise ConfigError("kv_connector_extra_config['max_concurrent_transfers'] must be >= 1")
+        if (cpus := self.cpus()) and not cpus <= set(range(os.cpu_count() or 1)):
+            raise ConfigError(
+                f"kv_connector_extra_config['worker_cpus']: {self.worker_cpus!r} names cores "
+                f"this host lacks (it has 0-{(os.cpu_count() or 1) - 1})"
+            )
 
 
 S = TypeVar("S", bound=msgspec.Struct)

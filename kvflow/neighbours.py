@@ -1,5 +1,4 @@
-"""CPU pinning on vLLM's CPU build: other kvflow workers on this host pinned to the same
-cores as this process, and the cores no rank computes on (for kvflow's own threads).
+"""Other kvflow workers on this host pinned to the same CPU cores as this process.
 
 Two engines whose workers are pinned to the same cores starve each other: vLLM's CPU
 workers busy-wait for their next step (and vLLM keeps stepping while a P/D transfer is
@@ -16,7 +15,7 @@ from pathlib import Path
 
 from .publish import Registration, discover
 
-__all__ = ["pinned_neighbours", "spare_cpus"]
+__all__ = ["pinned_neighbours"]
 
 
 def pinned_neighbours(
@@ -47,21 +46,3 @@ def _host_cpus() -> set[int]:
         return os.sched_getaffinity(1)
     except OSError:
         return set(range(os.cpu_count() or 1))
-
-
-def spare_cpus(bind: str, own: set[int] | None = None) -> set[int] | None:
-    """The host's cores that no rank computes on, given vLLM's CPU binding `bind`
-    (`VLLM_CPU_OMP_THREADS_BIND`, e.g. "0-3|4-7"): where kvflow's threads belong on
-    vLLM's CPU build, whose workers start them pinned to their compute cores. None when
-    this process is not pinned (`own`: its cores), the binding is vLLM's automatic one
-    (its reserved cores are not exposed) or no core is spare."""
-    own = os.sched_getaffinity(0) if own is None else own
-    everywhere = _host_cpus()
-    if own >= everywhere or bind in ("", "auto", "nobind"):
-        return None
-    compute: set[int] = set()
-    for part in bind.replace("|", ",").split(","):
-        first, _, last = part.strip().partition("-")
-        if first.isdigit() and (not last or last.isdigit()):
-            compute.update(range(int(first), int(last or first) + 1))
-    return (everywhere - compute) or None

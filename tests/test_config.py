@@ -105,6 +105,28 @@ def test_nan_timeout_is_rejected_by_name() -> None:
         parse_config({"save_timeout_s": math.nan}, transports=INSTALLED)
 
 
+@pytest.mark.parametrize(
+    ("text", "cores"), [("", set()), ("1", {1}), ("0-1", {0, 1}), ("0, 1", {0, 1})]
+)
+def test_worker_cpus_lists_cores(text: str, cores: set[int]) -> None:
+    assert parse_config({"worker_cpus": text}, transports=["fs"]).cpus() == cores
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("x", "is not a core list like '1' or '2-3,6'"),
+        ("3-1", "is not a core list"),
+        ("1-", "is not a core list"),
+        ("99999", "names cores this host lacks"),
+    ],
+)
+def test_bad_worker_cpus_name_the_key(text: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=r"\['worker_cpus'\]") as caught:
+        parse_config({"worker_cpus": text}, transports=["fs"])
+    assert message in str(caught.value)
+
+
 def test_max_concurrent_transfers_must_be_positive() -> None:
     with pytest.raises(ConfigError, match=r"\['max_concurrent_transfers'\]"):
         parse_config({"max_concurrent_transfers": 0}, transports=INSTALLED)

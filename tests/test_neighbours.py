@@ -12,7 +12,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from kvflow.neighbours import _host_cpus, pinned_neighbours, spare_cpus
+from kvflow.neighbours import pinned_neighbours
 from kvflow.publish import Registration, _proc_start
 
 pytestmark = pytest.mark.skipif(
@@ -76,26 +76,3 @@ def test_a_dead_workers_record_is_ignored(rdir: Path) -> None:
     proc.wait(30)
     _register(rdir, proc.pid, "gone")
     assert pinned_neighbours("mine", own={0}, directory=rdir) == []
-
-
-@pytest.mark.parametrize(
-    ("bind", "spare"),
-    [
-        ("0", {1, 2, 3}),
-        ("0|1", {2, 3}),
-        ("0-1|2", {3}),
-        ("1,3", {0, 2}),
-        ("0-3", None),
-        ("auto", None),
-        ("nobind", None),
-    ],
-)
-def test_spare_cpus_are_the_hosts_cores_no_rank_computes_on(
-    monkeypatch: pytest.MonkeyPatch, bind: str, spare: set[int] | None
-) -> None:
-    from kvflow import neighbours
-
-    monkeypatch.setattr(neighbours, "_host_cpus", lambda: {0, 1, 2, 3})
-    assert spare_cpus(bind, own={0}) == spare
-    assert spare_cpus(bind, own={0, 1, 2, 3}) is None  # not pinned: nothing to move
-    assert _host_cpus()  # the real one answers

@@ -29,7 +29,7 @@ from kvflow.events import EventBus, Origin
 from kvflow.keys import Fingerprint
 from kvflow.layout import KVLayout, LayoutError, block_geometry, view_extent, view_geometry
 from kvflow.metadata import WorkerPlan, decode_plan, encode_plan
-from kvflow.neighbours import pinned_neighbours, spare_cpus
+from kvflow.neighbours import pinned_neighbours
 from kvflow.pd import PdParamsError, parse_pd_params
 from kvflow.publish import start_publisher
 from kvflow.runtime import Runtime
@@ -280,11 +280,10 @@ class KVFlowConnector(KVConnectorBase_V1):
             tp_rank, pp_rank = get_tp_group().rank_in_group, get_pp_group().rank_in_group
         side: Literal["scheduler", "worker"] = "scheduler" if is_scheduler else "worker"
         # vLLM's CPU workers are pinned to their compute cores, and every thread they
-        # start with them: kvflow's go to the cores vLLM reserved instead (decision 36)
-        bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")
-        cpus = None if is_scheduler else spare_cpus(bind)
+        # start with them: `worker_cpus` moves kvflow's elsewhere (decision 36)
+        cpus = None if is_scheduler else self.config.cpus() or None
         if cpus:
-            log.info("kvflow: worker threads on cores %s, apart from vLLM's %r", sorted(cpus), bind)
+            log.info("kvflow: worker threads on cores %s", sorted(cpus))
         name = f"{self.engine_id[:8]}-{side}{'' if is_scheduler else tp_rank}"
         self.runtime = Runtime(name, cpus=cpus)
         self.bus = EventBus(Origin(self.engine_id, side, tp_rank))
