@@ -14,7 +14,14 @@ from typing import Any, Literal, TypeVar, get_args
 
 import msgspec
 
-__all__ = ["ConfigError", "KVFlowConfig", "default_cache_dir", "parse_config", "parse_options"]
+__all__ = [
+    "ConfigError",
+    "KVFlowConfig",
+    "default_cache_dir",
+    "host_cpus",
+    "parse_config",
+    "parse_options",
+]
 
 LoadMode = Literal["layer", "async"]
 Role = Literal["kv_both", "kv_producer", "kv_consumer"]
@@ -87,11 +94,19 @@ class KVFlowConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 raise ConfigError(f"kv_connector_extra_config[{key!r}] must be > 0")
         if self.max_concurrent_transfers < 1:
             raise ConfigError("kv_connector_extra_config['max_concurrent_transfers'] must be >= 1")
-        if (cpus := self.cpus()) and not cpus <= set(range(os.cpu_count() or 1)):
+        if (cpus := self.cpus()) and not cpus <= (host := host_cpus()):
             raise ConfigError(
                 f"kv_connector_extra_config['worker_cpus']: {self.worker_cpus!r} names cores "
-                f"this host lacks (it has 0-{(os.cpu_count() or 1) - 1})"
+                f"this host lacks (it has {','.join(map(str, sorted(host)))})"
             )
+
+
+def host_cpus() -> set[int]:
+    """The cores processes here may use: init's (a container's cpuset)."""
+    try:
+        return os.sched_getaffinity(1)
+    except OSError:
+        return set(range(os.cpu_count() or 1))
 
 
 S = TypeVar("S", bound=msgspec.Struct)

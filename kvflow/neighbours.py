@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from .config import host_cpus
 from .publish import Registration, discover
 
 __all__ = ["pinned_neighbours"]
@@ -24,7 +25,7 @@ def pinned_neighbours(
     """Workers of other engines pinned to some of this process's cores, with the shared
     cores. Empty when this process is not pinned (it may run on every core)."""
     cpus = os.sched_getaffinity(0) if own is None else own
-    everywhere = _host_cpus()
+    everywhere = host_cpus()
     if cpus >= everywhere:
         return []
     found = []
@@ -38,11 +39,3 @@ def pinned_neighbours(
         if theirs < everywhere and (shared := cpus & theirs):
             found.append((reg, shared))
     return found
-
-
-def _host_cpus() -> set[int]:
-    """The cores processes here may use unpinned: init's (a container's cpuset)."""
-    try:
-        return os.sched_getaffinity(1)
-    except OSError:
-        return set(range(os.cpu_count() or 1))

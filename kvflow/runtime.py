@@ -257,7 +257,10 @@ class Runtime:
     def _thread_main(self, loop: _Loop) -> None:
         try:
             if self.cpus:
-                os.sched_setaffinity(0, self.cpus)  # this thread; its threads inherit it
+                try:
+                    os.sched_setaffinity(0, self.cpus)  # this thread; its threads inherit it
+                except OSError as exc:
+                    log.warning("kvflow runtime %r stays on its cores: %s", self.name, exc)
             trio.run(self._main, loop, clock=self._clock)
         except BaseException:
             # Tasks and closers are gone: never start a loop on that state again.
