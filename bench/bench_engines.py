@@ -60,6 +60,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -176,6 +177,16 @@ def wait_saved(tmp: Path, engine: str, prompts: list[list[int]]) -> None:
     raise TimeoutError(f"{engine}: the cold run's saves did not land in 120 s")
 
 
+def clear_stores(tmp: Path) -> None:
+    """Untimed, between repeats: what the connectors stored (a full run stores tens of
+    GB otherwise). Each store's root stays; kvflow and ExampleConnector recreate the
+    rest."""
+    for store in tmp.iterdir():
+        for d in store.iterdir() if store.is_dir() else []:
+            if d.is_dir():
+                shutil.rmtree(d, ignore_errors=True)
+
+
 def median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
@@ -217,6 +228,7 @@ class Bench:
                 out = self.run(e, decode, dout)
                 rates[e].setdefault("decode", []).append(dn * dout / out[0].seconds)
                 wait_saved(self.tmp, e, [])
+            clear_stores(self.tmp)
             print(f"    miss repeat {r + 1}/{self.repeats} done", flush=True)
         return {e: {k: median(v) for k, v in d.items()} for e, d in rates.items()}
 
@@ -278,6 +290,7 @@ class Bench:
                 ttft.setdefault("hits batched with a miss", {}).setdefault(e, []).append(
                     median([o.ttft_s * 1e3 for o in out[:-1]])
                 )
+            clear_stores(self.tmp)
             print(f"    hit repeat {r + 1}/{self.repeats} done", flush=True)
         return {
             "ttft_ms": {k: {e: median(v) for e, v in d.items()} for k, d in ttft.items()},
@@ -300,24 +313,33 @@ def main() -> int:
     from kvflow_vllm.engine import model_dir
 
     tmp = Path(tempfile.mkdtemp(prefix="kvflow-bench-engines-"))
-    t0 = time.perf_counter()
-    llms = start_engines(tmp, model_dir("bench-llama"))
-    bench = Bench(llms, tmp, sizes, repeats)
-    results: dict[str, Any] = {"repeats": repeats, "sizes": sizes, "quick": args.quick}
-    steps: list[tuple[str, Callable[[], Any]]] = []
-    if not args.skip_miss:
-        steps.append(("miss", bench.miss))
-    if not args.skip_hits:
-        steps.append(("hit", bench.hits))
     out = Path(__file__).parent / "results" / "engines.json"
-    for name, fn in steps:
-        print(f"  {name} path ...", flush=True)
-        results[name] = fn()
-        results["token_mismatches"] = bench.mismatches
-        results["wall_s"] = time.perf_counter() - t0
-        out.write_text(json.dumps(results, indent=2))  # what is measured is kept
-    for llm in llms.values():
-        llm.llm_engine.engine_core.shutdown()
+    # sections not run this time keep their last results, each with how it was measured
+    results: dict[str, Any] = json.loads(out.read_text()) if out.exists() else {}
+    t0 = time.perf_counter()
+    try:
+        llms = start_engines(tmp, model_dir("bench-llama"))
+        bench = Bench(llms, tmp, sizes, repeats)
+        steps: list[tuple[str, Callable[[], Any]]] = []
+        if not args.skip_miss:
+            steps.append(("miss", bench.miss))
+        if not args.skip_hits:
+            steps.append(("hit", bench.hits))
+        for name, fn in steps:
+            print(f"  {name} path ...", flush=True)
+            results[name] = fn()
+            results[f"{name}_run"] = {
+                "command": " ".join(["python", "bench/bench_engines.py", *sys.argv[1:]]),
+                "repeats": repeats,
+                "sizes": sizes,
+                "token_mismatches": bench.mismatches,
+                "wall_s": time.perf_counter() - t0,
+            }
+            out.write_text(json.dumps(results, indent=2))  # what is measured is kept
+        for llm in llms.values():
+            llm.llm_engine.engine_core.shutdown()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     print(json.dumps({k: v for k, v in results.items() if k in ("miss", "hit")}, indent=1))
     print(f"wrote {out}")
     if bench.mismatches:

@@ -1,7 +1,7 @@
 """Run every benchmark, write bench/results/*.json, regenerate the tables in
 docs/benchmarks.md.
 
-    python bench/run.py            # everything: ~45 min on 2 cores
+    python bench/run.py            # everything: ~60 min on 2 cores
     python bench/run.py --quick    # smaller workloads, fewer repeats: ~10 min
     python bench/run.py --only fs-io,hooks --no-docs
 
@@ -156,15 +156,15 @@ def nixl_table(d: dict[str, Any]) -> list[str]:
     return _table(head, rows)
 
 
-# table name in docs: (results file, renderer)
-TABLES: dict[str, tuple[str, Callable[[dict[str, Any]], list[str]]]] = {
-    "fs-io": ("fs-io", fs_io_table),
-    "hooks": ("hooks", hooks_table),
-    "engines-miss": ("engines", miss_table),
-    "engines-hit": ("engines", hit_table),
-    "zmq": ("zmq", zmq_table),
-    "nixl": ("nixl", nixl_table),
-    "nixl-layerwise": ("nixl-layerwise", nixl_table),
+# table name in docs: (results file, renderer, section of the file it shows)
+TABLES: dict[str, tuple[str, Callable[[dict[str, Any]], list[str]], str]] = {
+    "fs-io": ("fs-io", fs_io_table, ""),
+    "hooks": ("hooks", hooks_table, ""),
+    "engines-miss": ("engines", miss_table, "miss"),
+    "engines-hit": ("engines", hit_table, "hit"),
+    "zmq": ("zmq", zmq_table, ""),
+    "nixl": ("nixl", nixl_table, ""),
+    "nixl-layerwise": ("nixl-layerwise", nixl_table, ""),
 }
 
 
@@ -175,17 +175,18 @@ def _script(bench: str) -> str:
 
 def regenerate_docs(ran: dict[str, dict[str, Any]], text: str) -> str:
     """`text` with each table whose benchmark ran in `ran` rewritten between its markers."""
-    for name, (bench, render) in TABLES.items():
+    for name, (bench, render, section) in TABLES.items():
         if bench not in ran:
             continue
         meta = ran[bench]
         with open(RESULTS / f"{bench}.json") as f:
             data = json.load(f)
-        body = [
-            f"_`{meta['command']}` ({BENCHES[bench][0][0]}), {meta['date']}, {meta['machine']}:_",
-            "",
-            *render(data),
-        ]
+        if section and section not in data:
+            continue  # this run did not measure it; the table keeps its last run
+        how = f"`{meta['command']}` ({_script(bench)})"
+        if section and (cmd := data.get(f"{section}_run", {}).get("command")):
+            how = f"`{cmd}`"  # measured by a run of its own
+        body = [f"_{how}, {meta['date']}, {meta['machine']}:_", "", *render(data)]
         pattern = re.compile(
             rf"(<!-- bench:{re.escape(name)} -->\n).*?(<!-- /bench:{re.escape(name)} -->)",
             re.S,

@@ -72,10 +72,10 @@ def test_bench_run_rewrites_every_benchmark_table_from_committed_results() -> No
     assert all((ROOT / "bench" / argv[0]).exists() for argv, _, _ in run.BENCHES.values())
     ran = {
         bench: {"command": "python bench/run.py", "date": "D", "machine": "M"}
-        for bench, _ in run.TABLES.values()
+        for bench, _, _ in run.TABLES.values()
         if (ROOT / "bench" / "results" / f"{bench}.json").exists()
     }
     new = run.regenerate_docs(ran, page)
     outside = re.compile(r"<!-- bench:([\w-]+) -->.*?<!-- /bench:\1 -->", re.S)
     assert outside.sub("", new) == outside.sub("", page)
-    assert new.count("(bench_engines.py), D, M:_") == 2
+    assert new.count(", D, M:_") == len(run.TABLES)
