@@ -63,9 +63,15 @@ class WorkerPlan(msgspec.Struct, frozen=True):
     preempted: list[str] = []
     """Requests whose blocks are about to be reused: stop reading them."""
     offers: list[OfferSpec] = []
+    reused: list[int] = []
+    """Blocks vLLM hands out anew this step that a save of an earlier step may still read
+    (a sliding window's blocks go back to vLLM while their request runs): such saves end
+    before this step's forward writes them."""
 
     def is_empty(self) -> bool:
-        return not (self.loads or self.saves or self.lent or self.preempted or self.offers)
+        return not (
+            self.loads or self.saves or self.lent or self.preempted or self.offers or self.reused
+        )
 
 
 _encoder = msgspec.msgpack.Encoder()

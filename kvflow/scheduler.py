@@ -92,6 +92,7 @@ class SchedulerEngine:
         can_offer: bool = False,
         engine_id: str = "",
         num_shards: int = 1,
+        null_block: int | None = None,
     ) -> None:
         self.config = config
         self.transport = transport
@@ -108,6 +109,9 @@ class SchedulerEngine:
         """This engine's worker shards (tensor x pipeline parallel ranks)."""
         self.peer_addresses: list[str] = []
         """This engine's worker endpoints by shard, learned from the workers' handshake."""
+        self.null_block = null_block
+        """The id vLLM puts where a group holds no block (a sliding window's blocks before
+        its window): never loaded into nor saved from."""
         self._offers: list[OfferSpec] = []
         self._reqs: dict[str, _Request] = {}
         self._pending_loads: list[LoadSpec] = []
@@ -189,6 +193,13 @@ class SchedulerEngine:
         usable = min(st.hit_tokens(), st.prompt_len - 1)
         return max(0, usable - num_computed)
 
+    def limit_hit(self, req: str, num_tokens: int) -> None:
+        """Load no more than the chunks covering the first `num_tokens` (the hit another
+        KV cache group of the same request can supply)."""
+        st = self._reqs.get(req)
+        if st is not None and st.hit_chunks is not None:
+            st.hit_chunks = min(st.hit_chunks, -(-num_tokens // self.block_size))
+
     def allocated(self, req: str, block_ids: Sequence[int], num_external: int) -> None:
         """vLLM allocated blocks; plan the load of `num_external` tokens into them."""
         st = self._reqs.get(req)
@@ -206,11 +217,12 @@ class SchedulerEngine:
         if st.pd is not None:
             pd = st.pd
             source = PeerSource(pd.engine_id, pd.addresses, pd.req, pd.block_ids[first:last])
+        chunks = self._real_blocks(st, first, last)
         spec = LoadSpec(
             req=req,
-            keys=st.keys[first:last],
-            block_ids=st.block_ids[first:last],
-            token_counts=st.counts[first:last],
+            keys=[st.keys[i] for i in chunks],
+            block_ids=[st.block_ids[i] for i in chunks],
+            token_counts=[st.counts[i] for i in chunks],
             asynchronous=self.config.load_mode == "async" or source is not None,
             source=source,
             error=st.claim.error if st.claim is not None else "",
@@ -350,14 +362,22 @@ class SchedulerEngine:
         if ready <= start or len(st.block_ids) < ready:
             return None
         st.saved_upto = ready
+        chunks = self._real_blocks(st, start, ready)
+        if not chunks:
+            return None
         st.saves_issued = True
         return SaveSpec(
             req=req,
-            keys=st.keys[start:ready],
-            block_ids=st.block_ids[start:ready],
-            token_counts=st.counts[start:ready],
+            keys=[st.keys[i] for i in chunks],
+            block_ids=[st.block_ids[i] for i in chunks],
+            token_counts=[st.counts[i] for i in chunks],
             computed_over=[b for b in st.block_ids[:start] if b in loading],
         )
+
+    def _real_blocks(self, st: _Request, start: int, end: int) -> list[int]:
+        """The chunks in [start, end) that have a block (not vLLM's null block)."""
+        end = min(end, len(st.block_ids))
+        return [i for i in range(start, end) if st.block_ids[i] != self.null_block]
 
     async def _lookup_task(self, req: str, st: _Request) -> None:
         self.bus.emit(LookupRequested(req=req, num_tokens=st.prompt_len, num_chunks=len(st.keys)))

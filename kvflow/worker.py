@@ -169,6 +169,9 @@ class WorkerEngine:
         self._save_scopes: dict[str, set[trio.CancelScope]] = {}
         self._save_drops: dict[trio.CancelScope, str] = {}
         """Why a save was cancelled, when not for a preemption."""
+        self._reading: dict[int, int] = {}
+        """Blocks that saves read -> how many (written in both threads, under the lock)."""
+        self._save_blocks: dict[trio.CancelScope, list[int]] = {}
         self._lent: set[str] = set()
         self._saves_changed: trio.Event | None = None
         self._limiters: dict[str, trio.CapacityLimiter] = {}
@@ -218,10 +221,34 @@ class WorkerEngine:
         }
         self._open_lent.update(plan.lent)
         self._open_async.update((s.req, list(s.block_ids)) for s in plan.loads if s.asynchronous)
+        if plan.reused:
+            self._fence(plan.reused)
+        with self._lock:
+            for save in plan.saves:
+                for b in save.block_ids:
+                    self._reading[b] = self._reading.get(b, 0) + 1
         if not self.runtime.running:  # the loop died: nothing will run this plan
             self._loop_gone()
         elif not plan.is_empty():
             self.runtime.submit(self._on_bind, plan, self._gate)
+
+    def _fence(self, reused: list[int]) -> None:
+        """Wait, at most `preempt_timeout_s`, until no save reads a block vLLM reuses
+        now; a save still reading one then is cancelled and stores nothing."""
+        with self._lock:
+            busy = {b for b in reused if b in self._reading}
+        if not busy or not self.runtime.running:
+            return
+        try:
+            self.runtime.call(self._await_blocks, busy, timeout=self.config.preempt_timeout_s)
+        except TimeoutError:
+            log.warning(
+                "kvflow: saves still read blocks %s that vLLM reuses, after "
+                "preempt_timeout_s=%s; they are cancelled and store nothing",
+                sorted(busy),
+                self.config.preempt_timeout_s,
+            )
+            self.runtime.submit(self._cancel_saves_over, busy)
 
     def wait_layer(self, layer: int) -> None:
         """Block until this step's synchronous loads of `layer` have landed (or failed)."""
@@ -299,12 +326,16 @@ class WorkerEngine:
 
     def close(self, drain_s: float) -> None:
         """Let in-flight saves finish (at most `drain_s`), then stop the runtime."""
+        self.drain(drain_s)
+        self.runtime.shutdown()
+
+    def drain(self, drain_s: float) -> None:
+        """Let in-flight saves finish, waiting at most `drain_s`."""
         if self.runtime.running:
             try:
                 self.runtime.call(self._drain, timeout=drain_s)
             except TimeoutError:
                 log.warning("kvflow: saves still running after %.1fs; cancelling them", drain_s)
-        self.runtime.shutdown()
 
     # -- loop thread -------------------------------------------------------
     async def _drain(self) -> None:
@@ -353,6 +384,7 @@ class WorkerEngine:
                 # registered now, not when the task first runs: a preempt may come first
                 scope = trio.CancelScope()
                 self._save_scopes.setdefault(save.req, set()).add(scope)
+                self._save_blocks[scope] = save.block_ids
                 loads: list[trio.Event] = []
                 for b in save.computed_over:
                     over.setdefault(b, []).append(scope)
@@ -661,6 +693,10 @@ class WorkerEngine:
             log.warning("kvflow save of %s failed: %s", spec.req, error)
         finally:
             self._save_scopes[spec.req].discard(scope)
+            with self._lock:
+                for b in self._save_blocks.pop(scope, ()):
+                    if (left := self._reading.pop(b) - 1) > 0:
+                        self._reading[b] = left
             self._save_drops.pop(scope, None)
             if not self._save_scopes[spec.req]:
                 del self._save_scopes[spec.req]
@@ -733,6 +769,19 @@ class WorkerEngine:
             self._pending_saves[spec.req] -= 1
             self._maybe_release(spec.req)
             self._notify_saves_changed()
+
+    async def _await_blocks(self, blocks: set[int]) -> None:
+        while True:
+            with self._lock:
+                if not any(b in self._reading for b in blocks):
+                    return
+            await self._saves_change()
+
+    def _cancel_saves_over(self, blocks: set[int]) -> None:
+        for scope, save_blocks in self._save_blocks.items():
+            if not blocks.isdisjoint(save_blocks):
+                self._save_drops[scope] = "vLLM reused its blocks"
+                scope.cancel()
 
     async def _cancel_saves(self, reqs: list[str]) -> None:
         for req in reqs:

@@ -21,9 +21,9 @@ def test_metadata_pickles_as_its_msgspec_bytes_only() -> None:
         lent=["r0"],
         preempted=["r9"],
     )
-    meta = connector.KVFlowMetadata(plan)
+    meta = connector.KVFlowMetadata([plan])
     fn, args = meta.__reduce__()
-    assert args == (encode_plan(plan),), "the only state pickle carries is msgspec bytes"
+    assert args == ([encode_plan(plan)],), "the only state pickle carries is msgspec bytes"
     assert fn is connector._metadata_from_bytes
     again = pickle.loads(pickle.dumps(meta))
     assert again.plan == plan

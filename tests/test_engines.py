@@ -901,6 +901,91 @@ def test_close_gives_up_on_a_stuck_save_after_drain_s(
     assert stored_files(store) == []
 
 
+# -- vLLM's hybrid KV cache groups (one engine per group) --------------------
+
+
+def test_a_group_never_loads_into_nor_saves_from_the_null_block(
+    start_engine: Callable[..., Engine],
+) -> None:
+    """A sliding window's block table holds vLLM's null block (id 0) before the window:
+    nothing is loaded into it, nothing saved from it."""
+    a, b = start_engine("swa-a"), start_engine("swa-b")
+    b.sched.null_block = 0
+    keys = a.keys(PROMPT)
+    save_prompt(a, "r1", PROMPT, [1, 2, 3])
+
+    assert lookup(b, "r2", PROMPT) == len(PROMPT) - 1
+    b.sched.allocated("r2", [0, 5, 6], len(PROMPT) - 1)
+    (load,) = b.sched.plan([]).loads
+    assert (load.keys, load.block_ids, load.token_counts) == (keys[1:], [5, 6], COUNTS[1:])
+
+    assert lookup(b, "r3", [7, *PROMPT[1:]]) == 0
+    b.sched.allocated("r3", [0, 8, 9], 0)
+    (save,) = b.sched.plan(
+        [ScheduledRequest("r3", 0, len(PROMPT), [0, 8, 9], replace_blocks=True)]
+    ).saves
+    assert save.block_ids == [8, 9] and save.token_counts == COUNTS[1:]
+
+
+def test_a_hit_limited_by_another_group_loads_only_that_far(
+    start_engine: Callable[..., Engine],
+) -> None:
+    a, b = start_engine("lim-a"), start_engine("lim-b")
+    save_prompt(a, "r1", PROMPT, [1, 2, 3])
+    assert lookup(b, "r2", PROMPT) == len(PROMPT) - 1
+    b.sched.limit_hit("r2", BS)  # another group of the request holds only the first chunk
+    assert b.sched.lookup("r2", 0) == BS
+    b.sched.allocated("r2", [5, 6, 7], BS)
+    (load,) = b.sched.plan([]).loads
+    assert load.block_ids == [5] and load.keys == a.keys(PROMPT)[:1]
+
+
+def test_a_reused_block_waits_for_the_save_still_reading_it(
+    start_engine: Callable[..., Engine],
+) -> None:
+    """vLLM hands a sliding window's blocks out again while their request runs: the next
+    step's forward must not write one that a save still reads."""
+    e = start_engine("fence", worker_transport=GatedFs, worker_runtime_cls=CallSpyRuntime)
+    gated, rt = e.worker_transport, e.worker.runtime
+    assert isinstance(gated, GatedFs) and isinstance(rt, CallSpyRuntime)
+    run_step(e, prefill_cold(e, "f", PROMPT, [1, 2, 3]))
+    assert gated.entered.wait(WAIT)  # the save is in flight
+    rt.called.clear()
+    e.worker.bind(WorkerPlan(step=90, reused=[7, 8]))  # blocks no save reads: no wait
+    assert not rt.called.is_set()
+    binder = threading.Thread(target=e.worker.bind, args=(WorkerPlan(step=91, reused=[2]),))
+    try:
+        binder.start()
+        assert rt.called.wait(WAIT)  # bind waits for the save ...
+        rt.call(trio.testing.wait_all_tasks_blocked, timeout=WAIT)
+        assert binder.is_alive()
+    finally:
+        gated.release.set()  # ... which may now go on
+    binder.join(WAIT)
+    assert not binder.is_alive()
+    assert e.worker_events.wait_for(TransferDone, "f").direction == "save"
+    assert all(gated.path(k).exists() for k in e.keys(PROMPT))
+
+
+def test_a_save_still_reading_a_reused_block_after_preempt_timeout_stores_nothing(
+    start_engine: Callable[..., Engine],
+) -> None:
+    e = start_engine(
+        "fence-late", config=KVFlowConfig(preempt_timeout_s=0.3), worker_transport=GatedFs
+    )
+    gated = e.worker_transport
+    assert isinstance(gated, GatedFs)
+    run_step(e, prefill_cold(e, "f", PROMPT, [1, 2, 3]))
+    assert gated.entered.wait(WAIT)
+    try:
+        e.worker.bind(WorkerPlan(step=91, reused=[3]))  # gives up after preempt_timeout_s
+    finally:
+        gated.release.set()
+    failed = e.worker_events.wait_for(TransferFailed, "f")
+    assert failed.direction == "save" and "reused" in failed.reason
+    assert not any(gated.path(k).exists() for k in e.keys(PROMPT)), "the cancelled save stored"
+
+
 def test_a_preempted_request_is_loaded_afresh_when_it_resumes(
     start_engine: Callable[..., Engine],
 ) -> None:

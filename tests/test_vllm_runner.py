@@ -72,7 +72,7 @@ class Worker:
         vLLM's attention layers do; returns what the wrapper hands the scheduler."""
         self.step += 1
         so = SchedulerOutput.make_empty()
-        so.kv_connector_metadata = KVFlowMetadata(WorkerPlan(step=self.step, **plan_kw))
+        so.kv_connector_metadata = KVFlowMetadata([WorkerPlan(step=self.step, **plan_kw)])
         so.has_sync_kv_loads = any(not s.asynchronous for s in plan_kw.get("loads", ()))
         with set_forward_context(None, self.conn._vllm_config):
             if runner == "mrv2":

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
@@ -21,6 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    SupportsHMA,
 )
 
 from kvflow.config import ConfigError, KVFlowConfig, parse_config, parse_options
@@ -36,6 +38,7 @@ from kvflow.runtime import Runtime
 from kvflow.scheduler import ScheduledRequest, SchedulerEngine
 from kvflow.stats import StatsCollector
 from kvflow.transport import (
+    Transport,
     TransportContext,
     TransportError,
     TransportNotFound,
@@ -45,6 +48,7 @@ from kvflow.transport import (
 from kvflow.worker import WorkerEngine
 
 from .compat import untested_version
+from .groups import Pending, transfer_groups
 from .stats import KVFlowPromMetrics, KVFlowStats
 
 if TYPE_CHECKING:
@@ -67,17 +71,28 @@ log = logging.getLogger("kvflow.vllm")
 
 
 class KVFlowMetadata(KVConnectorMetadata):
-    """Carries a `WorkerPlan`; pickles as its msgspec bytes, nothing else."""
+    """Carries a `WorkerPlan` per KV cache group; pickles as their msgspec bytes, nothing
+    else."""
 
-    def __init__(self, plan: WorkerPlan) -> None:
-        self.plan = plan
+    def __init__(self, plans: list[WorkerPlan]) -> None:
+        self.plans = plans
 
-    def __reduce__(self) -> tuple[Any, tuple[bytes]]:
-        return (_metadata_from_bytes, (encode_plan(self.plan),))
+    @property
+    def plan(self) -> WorkerPlan:
+        """The first (for most models the only) group's plan."""
+        return self.plans[0]
+
+    def __reduce__(self) -> tuple[Any, tuple[list[bytes]]]:
+        return (_metadata_from_bytes, ([encode_plan(p) for p in self.plans],))
 
 
-def _metadata_from_bytes(data: bytes) -> KVFlowMetadata:
-    return KVFlowMetadata(decode_plan(data))
+def _metadata_from_bytes(data: list[bytes]) -> KVFlowMetadata:
+    return KVFlowMetadata([decode_plan(d) for d in data])
+
+
+_NULL_BLOCK = 0
+"""vLLM's null block (the first its pool hands out): what a sliding window's block table
+holds before the window."""
 
 
 class KVFlowHandshake(KVConnectorHandshakeMetadata):
@@ -104,23 +119,30 @@ def request_salt(request: Request) -> str:
     return ";".join(parts)
 
 
-def fingerprint(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Fingerprint:
-    """What makes this engine's KV bytes (in)compatible with another's."""
+def fingerprint(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, group: int = 0
+) -> Fingerprint:
+    """What makes the KV bytes of this engine's KV cache group `group` (in)compatible
+    with another's."""
     mc = vllm_config.model_config
-    group = kv_cache_config.kv_cache_groups[0]
-    spec = group.kv_cache_spec
+    groups = kv_cache_config.kv_cache_groups
+    spec = groups[group].kv_cache_spec
+    extra = type(spec).__name__
+    if len(groups) > 1:  # which layers, which window (one group: as before groups)
+        window = getattr(spec, "sliding_window", None)
+        extra += f";group={group}/{len(groups)};window={window}"
     load_format = str(getattr(vllm_config.load_config, "load_format", ""))
+    if load_format == "dummy":
+        extra += f";load_format={load_format}"
     return Fingerprint(
         model=f"{mc.model}@{mc.revision or ''}",
         dtype=f"{mc.dtype}/{vllm_config.cache_config.cache_dtype}/{mc.quantization or ''}",
         block_size=spec.block_size,
-        num_layers=len(group.layer_names),
+        num_layers=len(groups[group].layer_names),
         layout=_stored_layout(kv_cache_config),
         bytes_per_token=spec.page_size_bytes // spec.block_size,
         tp_size=vllm_config.parallel_config.tensor_parallel_size,
-        extra=f"{type(spec).__name__};load_format={load_format}"
-        if load_format == "dummy"
-        else type(spec).__name__,
+        extra=extra,
     )
 
 
@@ -240,7 +262,7 @@ def layer_loads_unsafe(vllm_config: VllmConfig, config: KVFlowConfig) -> str:
     )
 
 
-class KVFlowConnector(KVConnectorBase_V1):
+class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
     """kvflow as a vLLM KV connector (both roles)."""
 
     def __init__(
@@ -257,9 +279,10 @@ class KVFlowConnector(KVConnectorBase_V1):
             self.config: KVFlowConfig = parse_config(
                 ktc.kv_connector_extra_config, transports=list(available_transports())
             )
-            transport_cls = load_transport(self.config.transport)
             options = parse_options(
-                self.config.options, transport_cls.Options, self.config.transport
+                self.config.options,
+                load_transport(self.config.transport).Options,
+                self.config.transport,
             )
         except (ConfigError, TransportNotFound) as exc:
             raise ConfigError(f"KVFlowConnector: {exc}") from None
@@ -268,8 +291,17 @@ class KVFlowConnector(KVConnectorBase_V1):
             self.config = msgspec.structs.replace(self.config, load_mode="async")
         kv_role = ktc.kv_role or "kv_both"
         self.engine_id = str(ktc.engine_id)
-        self.block_size = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
-        fp = fingerprint(vllm_config, kv_cache_config)
+        transport_cls = load_transport(self.config.transport)
+        caps = transport_cls.capabilities
+        self.groups = transfer_groups(kv_cache_config)
+        """vLLM's KV cache groups kvflow moves, each with its own keys, transport and
+        engine (see kvflow_vllm.groups)."""
+        self._group_layers = [
+            set(kv_cache_config.kv_cache_groups[g].layer_names) for g in self.groups
+        ]
+        if len(self.groups) > 1:
+            self._check_groups(kv_cache_config, caps.peer)
+        self.block_size = kv_cache_config.kv_cache_groups[self.groups[0]].kv_cache_spec.block_size
         pc = vllm_config.parallel_config
         is_scheduler = role == KVConnectorRole.SCHEDULER
         if is_scheduler:
@@ -293,58 +325,106 @@ class KVFlowConnector(KVConnectorBase_V1):
             self.bus.subscribe(JsonlEventLog(self.config.event_log))
         if self.config.inspect:
             start_publisher(self.runtime, self.bus)
-        ctx = TransportContext(
-            engine_id=self.engine_id,
-            role=side,
-            namespace=fp.namespace(),
-            shard=_shard(tp_rank, pc.tensor_parallel_size, pp_rank),
-            shards=[
-                _shard(r, pc.tensor_parallel_size, p)
-                for p in range(pc.pipeline_parallel_size)
-                for r in range(pc.tensor_parallel_size)
-            ],
-        )
-        self.transport = transport_cls(options, ctx)
-        try:
-            self.runtime.call(self.transport.open, timeout=60.0)
-        except TransportError as exc:
-            self.runtime.shutdown()
-            raise ConfigError(
-                f"KVFlowConnector: transport {self.config.transport!r}: {exc}"
-            ) from None
-        self.runtime.add_closer(self.transport.aclose)
-        caps = transport_cls.capabilities
+        shards = [
+            _shard(r, pc.tensor_parallel_size, p)
+            for p in range(pc.pipeline_parallel_size)
+            for r in range(pc.tensor_parallel_size)
+        ]
+        self.transports: list[Transport] = []
+        namespaces = []
+        for g in self.groups:
+            ctx = TransportContext(
+                engine_id=self.engine_id,
+                role=side,
+                namespace=fingerprint(vllm_config, kv_cache_config, g).namespace(),
+                shard=_shard(tp_rank, pc.tensor_parallel_size, pp_rank),
+                shards=shards,
+            )
+            namespaces.append(ctx.namespace)
+            transport = transport_cls(options, ctx)
+            try:
+                self.runtime.call(transport.open, timeout=60.0)
+            except TransportError as exc:
+                self.runtime.shutdown()
+                raise ConfigError(
+                    f"KVFlowConnector: transport {self.config.transport!r}: {exc}"
+                ) from None
+            self.runtime.add_closer(transport.aclose)
+            self.transports.append(transport)
+        self.transport = self.transports[0]
         consumes = kv_role in ("kv_both", "kv_consumer")
         produces = kv_role in ("kv_both", "kv_producer")
-        self._scheduler: SchedulerEngine | None = None
-        self._worker: WorkerEngine | None = None
-        if is_scheduler:
-            self._scheduler = SchedulerEngine(
-                config=self.config,
-                transport=self.transport,
-                runtime=self.runtime,
-                bus=self.bus,
-                namespace=ctx.namespace,
-                block_size=self.block_size,
-                can_load=consumes and caps.store,
-                can_save=produces and caps.store,
-                can_pull=consumes and caps.peer,
-                can_offer=produces and caps.peer,
-                engine_id=self.engine_id,
-                num_shards=len(ctx.shards),
-            )
-        else:
-            self._worker = WorkerEngine(
-                config=self.config, transport=self.transport, runtime=self.runtime, bus=self.bus
-            )
+        self._schedulers: list[SchedulerEngine] = []
+        self._workers: list[WorkerEngine] = []
+        for transport, namespace in zip(self.transports, namespaces, strict=True):
+            if is_scheduler:
+                self._schedulers.append(
+                    SchedulerEngine(
+                        config=self.config,
+                        transport=transport,
+                        runtime=self.runtime,
+                        bus=self.bus,
+                        namespace=namespace,
+                        block_size=self.block_size,
+                        can_load=consumes and caps.store,
+                        can_save=produces and caps.store,
+                        can_pull=consumes and caps.peer,
+                        can_offer=produces and caps.peer,
+                        engine_id=self.engine_id,
+                        num_shards=len(shards),
+                        null_block=_NULL_BLOCK if len(self.groups) > 1 else None,
+                    )
+                )
+            else:
+                self._workers.append(
+                    WorkerEngine(
+                        config=self.config, transport=transport, runtime=self.runtime, bus=self.bus
+                    )
+                )
+        self._sliding = len(self.groups) > 1 and any(
+            getattr(kv_cache_config.kv_cache_groups[g].kv_cache_spec, "sliding_window", None)
+            for g in self.groups
+        )
+        self._layer_index: dict[str, tuple[WorkerEngine, int]] = {}
+        """A layer's engine and index in its group's layout (set at registration)."""
+        self._sending = Pending()
+        self._receiving = Pending()
         self._num_blocks = kv_cache_config.num_blocks
         log.info(
             "kvflow %s ready: transport=%s namespace=%s load_mode=%s",
             side,
             self.config.transport,
-            ctx.namespace,
+            ",".join(namespaces),
             self.config.load_mode,
         )
+
+    def _check_groups(self, kv_cache_config: KVCacheConfig, peer: bool) -> None:
+        """Several KV cache groups (vLLM's hybrid manager): refuse what kvflow cannot move
+        per group, and load between steps (vLLM recovers from a failed load of several
+        groups only when it is asynchronous)."""
+        groups = kv_cache_config.kv_cache_groups
+        specs = ", ".join(f"{type(groups[g].kv_cache_spec).__name__}" for g in self.groups)
+        if peer:
+            raise ConfigError(
+                f"KVFlowConnector: transport {self.config.transport!r} moves one KV cache "
+                f"group, and vLLM's hybrid KV cache manager gave this model "
+                f"{len(self.groups)} ({specs}). Start vLLM with "
+                "--disable-hybrid-kv-cache-manager for prefill/decode with this model, or "
+                "use a store transport (fs, redis)."
+            )
+        sizes = {groups[g].kv_cache_spec.block_size for g in self.groups}
+        if len(sizes) > 1:
+            raise ConfigError(
+                f"KVFlowConnector: this model's KV cache groups ({specs}) have blocks of "
+                f"{sorted(sizes)} tokens; kvflow moves groups of one block size. Start vLLM "
+                "with --disable-hybrid-kv-cache-manager."
+            )
+        if self.config.load_mode == "layer":
+            log.warning(
+                "kvflow: load_mode 'layer' -> 'async': vLLM recovers from a failed load of "
+                "several KV cache groups only between steps"
+            )
+            self.config = msgspec.structs.replace(self.config, load_mode="async")
 
     # ---------------------------------------------------------------- stats
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
@@ -380,14 +460,24 @@ class KVFlowConnector(KVConnectorBase_V1):
         return False  # a store is a cache: a dropped save is a later miss, never an error
 
     @property
+    def scheds(self) -> list[SchedulerEngine]:
+        """The scheduler engines, one per KV cache group kvflow moves."""
+        assert self._schedulers, "scheduler-side call on a worker connector"
+        return self._schedulers
+
+    @property
+    def workers(self) -> list[WorkerEngine]:
+        """The worker engines, one per KV cache group kvflow moves."""
+        assert self._workers, "worker-side call on a scheduler connector"
+        return self._workers
+
+    @property
     def sched(self) -> SchedulerEngine:
-        assert self._scheduler is not None, "scheduler-side call on a worker connector"
-        return self._scheduler
+        return self.scheds[0]
 
     @property
     def worker(self) -> WorkerEngine:
-        assert self._worker is not None, "worker-side call on a scheduler connector"
-        return self._worker
+        return self.workers[0]
 
     # ------------------------------------------------------------ scheduler
     def on_new_request(self, request: Request) -> None:
@@ -396,60 +486,86 @@ class KVFlowConnector(KVConnectorBase_V1):
             pd = parse_pd_params(request.kv_transfer_params)
         except PdParamsError as exc:  # computed locally instead: slower, never wrong
             log.error("kvflow: request %s: %s; computing its prompt here", request.request_id, exc)
-        self.sched.add_request(
-            request.request_id, request.prompt_token_ids or [], request_salt(request), pd
-        )
+        for sched in self.scheds:
+            sched.add_request(
+                request.request_id, request.prompt_token_ids or [], request_salt(request), pd
+            )
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         self.on_new_request(request)  # no-op when already known
-        n = self.sched.lookup(request.request_id, num_computed_tokens)
-        if n is None:
+        req = request.request_id
+        answers = [sched.lookup(req, num_computed_tokens) for sched in self.scheds]
+        if any(n is None for n in answers):
             return None, False
-        remote = self.sched.is_remote(request.request_id)
+        n = min(n for n in answers if n is not None)  # what every group can supply
+        if len(answers) > 1:
+            for sched in self.scheds:
+                sched.limit_hit(req, num_computed_tokens + n)
+        remote = self.sched.is_remote(req)
         return n, n > 0 and (remote or self.config.load_mode == "async")
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        self.sched.allocated(request.request_id, blocks.get_block_ids()[0], num_external_tokens)
+        block_ids = blocks.get_block_ids()
+        for g, sched in zip(self.groups, self.scheds, strict=True):
+            sched.allocated(request.request_id, block_ids[g], num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         so = scheduler_output
-        scheduled = [
-            ScheduledRequest(
-                req=r.req_id,
-                num_computed=r.num_computed_tokens,
-                num_scheduled=so.num_scheduled_tokens.get(r.req_id, 0),
-                new_block_ids=list(r.block_ids[0]),
-                replace_blocks=True,
-                token_ids=r.prompt_token_ids,
-            )
-            for r in so.scheduled_new_reqs
-        ]
         cached = so.scheduled_cached_reqs
-        for i, req in enumerate(cached.req_ids):
-            new_blocks = cached.new_block_ids[i]
-            scheduled.append(
+        reused: list[int] = []
+        if self._sliding:  # blocks a sliding window gave back may be handed out again now
+            reused = [b for r in so.scheduled_new_reqs for ids in r.block_ids for b in ids]
+            reused += [b for new in cached.new_block_ids if new for ids in new for b in ids]
+        plans = []
+        for g, sched in zip(self.groups, self.scheds, strict=True):
+            scheduled = [
                 ScheduledRequest(
-                    req=req,
-                    num_computed=cached.num_computed_tokens[i],
-                    num_scheduled=so.num_scheduled_tokens.get(req, 0),
-                    new_block_ids=list(new_blocks[0]) if new_blocks else [],
-                    replace_blocks=req in cached.resumed_req_ids,
+                    req=r.req_id,
+                    num_computed=r.num_computed_tokens,
+                    num_scheduled=so.num_scheduled_tokens.get(r.req_id, 0),
+                    new_block_ids=list(r.block_ids[g]),
+                    replace_blocks=True,
+                    token_ids=r.prompt_token_ids,
                 )
-            )
-        plan = self.sched.plan(scheduled, preempted=so.preempted_req_ids or ())
-        return KVFlowMetadata(plan)
+                for r in so.scheduled_new_reqs
+            ]
+            for i, req in enumerate(cached.req_ids):
+                new_blocks = cached.new_block_ids[i]
+                scheduled.append(
+                    ScheduledRequest(
+                        req=req,
+                        num_computed=cached.num_computed_tokens[i],
+                        num_scheduled=so.num_scheduled_tokens.get(req, 0),
+                        new_block_ids=list(new_blocks[g]) if new_blocks else [],
+                        replace_blocks=req in cached.resumed_req_ids,
+                    )
+                )
+            plan = sched.plan(scheduled, preempted=so.preempted_req_ids or ())
+            if reused:
+                plan = msgspec.structs.replace(plan, reused=reused)
+            plans.append(plan)
+        return KVFlowMetadata(plans)
 
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
         params = request.kv_transfer_params or {}
-        return self.sched.finished(
-            request.request_id, block_ids, remote_decode=bool(params.get("do_remote_decode"))
-        )
+        remote_decode = bool(params.get("do_remote_decode"))
+        lend, out = False, None
+        for i, sched in enumerate(self.scheds):
+            ids = block_ids[self.groups[i]] if len(block_ids) > 1 else block_ids[0]
+            lent, p = sched.finished(request.request_id, ids, remote_decode=remote_decode)
+            lend, out = lend or lent, out or p
+        return lend, out
 
     def set_xfer_handshake_metadata(
         self, metadata: dict[int, KVConnectorHandshakeMetadata]
@@ -459,10 +575,11 @@ class KVFlowConnector(KVConnectorBase_V1):
         ]
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        if connector_output.failed_recving:
-            self.sched.loads_failed(connector_output.failed_recving)
-        if connector_output.invalid_block_ids:
-            self.sched.blocks_invalid(connector_output.invalid_block_ids)
+        for sched in self.scheds:
+            if connector_output.failed_recving:
+                sched.loads_failed(connector_output.failed_recving)
+            if connector_output.invalid_block_ids:
+                sched.blocks_invalid(connector_output.invalid_block_ids)
 
     # --------------------------------------------------------------- worker
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
@@ -473,8 +590,11 @@ class KVFlowConnector(KVConnectorBase_V1):
         for name, spec in layer_specs(self._kv_cache_config).items():
             if name in kv_caches:
                 check_spec(name, spec)
-        layout = layout_from_tensors(kv_caches, self._num_blocks, self.block_size)
-        self.worker.register(layout)
+        for layers, worker in zip(self._group_layers, self.workers, strict=True):
+            caches = {n: t for n, t in kv_caches.items() if n in layers}
+            layout = layout_from_tensors(caches, self._num_blocks, self.block_size)
+            worker.register(layout)
+            self._layer_index.update((n, (worker, i)) for n, i in layout.index.items())
         for reg, shared in pinned_neighbours(self.engine_id):
             log.warning(
                 "kvflow: this worker (pid %d) and engine %s's worker (pid %d) on this host "
@@ -491,23 +611,29 @@ class KVFlowConnector(KVConnectorBase_V1):
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         assert isinstance(connector_metadata, KVFlowMetadata)
-        self.worker.bind(connector_metadata.plan)
+        for g, (worker, plan) in enumerate(
+            zip(self.workers, connector_metadata.plans, strict=True)
+        ):
+            self._sending.expect(plan.lent, g)
+            self._receiving.expect((s.req for s in plan.loads if s.asynchronous), g)
+            worker.bind(plan)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         assert isinstance(kv_connector_metadata, KVFlowMetadata)
-        self.worker.preempt(kv_connector_metadata.plan.preempted)
+        for worker, plan in zip(self.workers, kv_connector_metadata.plans, strict=True):
+            worker.preempt(plan.preempted)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         # Loads started in bind_connector_metadata. vLLM writes a layer's new KV
         # (unified_kv_cache_update) *before* it calls wait_for_layer_load for that layer,
         # so a layer must have landed before the forward reaches it: layer 0 now, layer
-        # i+1 at the end of layer i (save_kv_layer). See docs/decisions.md.
+        # i+1 at the end of layer i (save_kv_layer). See docs/decisions.md. (Several KV
+        # cache groups load between steps only: their gates are open.)
         self.worker.wait_layer(0)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        layout = self.worker.layout
-        if layout is not None and (i := layout.index.get(layer_name)) is not None:
-            self.worker.wait_layer(i)
+        if (at := self._layer_index.get(layer_name)) is not None:
+            at[0].wait_layer(at[1])
 
     def save_kv_layer(
         self,
@@ -516,28 +642,34 @@ class KVFlowConnector(KVConnectorBase_V1):
         attn_metadata: AttentionMetadata,
         **kwargs: Any,
     ) -> None:
-        layout = self.worker.layout
-        if layout is None or (i := layout.index.get(layer_name)) is None:
+        if (at := self._layer_index.get(layer_name)) is None:
             return
+        worker, i = at
         ready = None
         if kv_layer.is_cuda:
             event = torch.cuda.Event()
             event.record()
             ready = event.query
-        self.worker.layer_computed(i, ready)
-        if i + 1 < layout.num_layers:
-            self.worker.wait_layer(i + 1)  # before vLLM writes layer i+1's new tokens
+        worker.layer_computed(i, ready)
+        if worker.layout is not None and i + 1 < worker.layout.num_layers:
+            worker.wait_layer(i + 1)  # before vLLM writes layer i+1's new tokens
 
     def wait_for_save(self) -> None:
-        self.worker.end_step()
+        for worker in self.workers:
+            worker.end_step()
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        self.worker.settle_loads()  # Model Runner V2 may ask before wait_for_save
-        r = self.worker.take_results()
+        sending: set[str] = set()
+        recving: set[str] = set()
+        for g, worker in enumerate(self.workers):
+            worker.settle_loads()  # Model Runner V2 may ask before wait_for_save
+            r = worker.take_results()
+            sending |= self._sending.done(r.finished_sending, g)
+            recving |= self._receiving.done(r.finished_recving, g, r.failed_recving)
         return KVConnectorTransferResults(
-            finished_sending=r.finished_sending,
-            finished_recving=r.finished_recving,
-            failed_recving=r.failed_recving,
+            finished_sending=sending,
+            finished_recving=recving,
+            failed_recving=self._receiving.take_failed(recving),
         )
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
@@ -545,11 +677,14 @@ class KVFlowConnector(KVConnectorBase_V1):
         return r.finished_sending or None, r.finished_recving or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        self.worker.settle_loads()  # errors of this step's forward, whatever the order
-        return self.worker.take_error_blocks()
+        blocks: set[int] = set()
+        for worker in self.workers:
+            worker.settle_loads()  # errors of this step's forward, whatever the order
+            blocks |= worker.take_error_blocks()
+        return blocks
 
     def shutdown(self) -> None:
-        if self._worker is not None:
-            self._worker.close(self.config.shutdown_drain_s)
-        else:
-            self.runtime.shutdown()
+        end = time.monotonic() + self.config.shutdown_drain_s
+        for worker in self._workers:
+            worker.drain(max(0.0, end - time.monotonic()))
+        self.runtime.shutdown()

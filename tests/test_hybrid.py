@@ -1,0 +1,126 @@
+"""A model that mixes sliding-window and full attention, with vLLM's hybrid KV cache
+manager on (kvflow is `SupportsHMA`): every KV cache group has its own keys, a sliding
+window loads only the blocks inside it, and tokens match a run without kvflow.
+
+`tiny-swa` is `tiny-llama` with `layer_types` (three sliding-window layers of 64 tokens,
+one full): vLLM gives it four KV cache groups. Engines run once for the module: a
+baseline without a connector, a prefill instance (`kv_producer`) that saves to a fresh
+`fs` store and a decode instance (`kv_consumer`, a fresh process) that loads from it,
+with a KV cache small enough that vLLM hands the blocks a sliding window gave back to
+other requests while their saves may still read them.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from kvflow.eventlog import read_event_log
+from kvflow.events import CachesRegistered, LoadStarted, TransferFailed
+from kvflow_vllm.engine import EngineFailed, GenResult, ScenarioResult, model_dir
+
+from .e2e import assert_same_generation, events_for, run_engine
+
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
+
+BLOCK = 32
+WINDOW = 64
+_rng = random.Random(16)
+PROMPTS = [[_rng.randrange(3, 1000) for _ in range(n)] for n in (300, 260, 330, 200)]
+TURNED_OFF = "Turning off hybrid kv cache manager"
+# chunked prefill in small steps and few blocks: sliding-window blocks go back to vLLM
+# and out to other requests while the batch runs
+LLM_ARGS = {
+    "enable_chunked_prefill": True,
+    "max_num_batched_tokens": 128,
+    "num_gpu_blocks_override": 96,
+    "enable_prefix_caching": True,
+}
+
+
+class Run:
+    baseline: ScenarioResult
+    prefill: ScenarioResult
+    decode: ScenarioResult
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+
+    def extra(self, name: str) -> dict[str, object]:
+        return {
+            "options": {"path": str(self.tmp / "store")},
+            "event_log": str(self.tmp / f"{name}.events.jsonl"),
+        }
+
+    def log(self, name: str) -> str:
+        return (self.tmp / f"{name}.log").read_text()
+
+
+def _engine(run: Run, name: str, **kw: object) -> ScenarioResult:
+    return run_engine(
+        run.tmp,
+        name,
+        batches=[PROMPTS],
+        model=model_dir("tiny-swa"),
+        block_size=BLOCK,
+        llm_args=LLM_ARGS,
+        **kw,
+    )
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    r = Run(tmp_path_factory.mktemp("hybrid"))
+    r.baseline = _engine(r, "baseline", connector=False)
+    r.prefill = _engine(r, "prefill", kv_role="kv_producer", extra_config=r.extra("prefill"))
+    r.decode = _engine(r, "decode", kv_role="kv_consumer", extra_config=r.extra("decode"))
+    return r
+
+
+def _results(res: ScenarioResult) -> list[GenResult]:
+    return res.batches[0]
+
+
+def test_the_hybrid_manager_stays_on_with_a_group_per_engine(run: Run) -> None:
+    for name in ("prefill", "decode"):
+        assert TURNED_OFF not in run.log(name), f"{name}: vLLM turned its hybrid manager off"
+        events = read_event_log(str(run.tmp / f"{name}.events.jsonl"))
+        groups = [e for e in events if isinstance(e, CachesRegistered)]
+        assert len(groups) == 4, f"{name}: {len(groups)} KV cache groups registered, want 4"
+
+
+def test_prefill_instance_matches_the_baseline(run: Run) -> None:
+    for i, (got, want) in enumerate(
+        zip(_results(run.prefill), _results(run.baseline), strict=True)
+    ):
+        assert_same_generation(got, want, f"prefill, prompt {i}")
+
+
+def test_decode_instance_loads_each_prompt_and_matches_the_baseline(run: Run) -> None:
+    for i, (got, want) in enumerate(zip(_results(run.decode), _results(run.baseline), strict=True)):
+        assert_same_generation(got, want, f"decode, prompt {i}")
+        assert got.cached_tokens == len(PROMPTS[i]) - 1, f"prompt {i}: {got.cached_tokens}"
+
+
+def test_sliding_window_groups_load_only_the_blocks_inside_the_window(run: Run) -> None:
+    log = run.tmp / "decode.events.jsonl"
+    for i, res in enumerate(_results(run.decode)):
+        events = events_for(log, res)
+        assert not [e for e in events if isinstance(e, TransferFailed)]
+        *sliding, full = sorted(e.chunks for e in events if isinstance(e, LoadStarted))
+        # the full-attention group loads every chunk of the hit (all but the last token)
+        assert full == -(-(len(PROMPTS[i]) - 1) // BLOCK), f"prompt {i}: {full} chunks"
+        # each sliding-window group, the blocks holding its window's 63 tokens: 3 at most
+        window = -(-(WINDOW - 1) // BLOCK) + 1
+        assert len(sliding) == 3 and all(c <= window for c in sliding), (
+            f"prompt {i}: sliding-window groups loaded {sliding} chunks"
+        )
+
+
+def test_a_peer_transport_refuses_several_groups_naming_the_way_out(run: Run) -> None:
+    with pytest.raises(EngineFailed) as failed:
+        _engine(run, "zmq", extra_config={"transport": "zmq"})
+    assert "moves one KV cache group" in failed.value.log
+    assert "--disable-hybrid-kv-cache-manager" in failed.value.log
