@@ -160,6 +160,11 @@ class SchedulerEngine:
         st = self._reqs[req] = _Request(keys=keys, counts=counts, prompt_len=len(token_ids))
         self._start_lookup(req, st)  # overlap the lookup with the request's wait in the queue
 
+    def chunk_keys(self, req: str) -> list[ChunkKey]:
+        """The keys of a known request's prompt chunks ([] for one not known)."""
+        st = self._reqs.get(req)
+        return st.keys if st is not None else []
+
     def _start_lookup(self, req: str, st: _Request) -> None:
         if self.can_load and st.prompt_len >= 2 and not st.lookup_started:
             st.lookup_started = True

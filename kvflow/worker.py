@@ -42,6 +42,7 @@ from .events import (
     TransferDone,
     TransferFailed,
 )
+from .keys import ChunkKey
 from .layout import KVLayout, LayoutError
 from .metadata import LoadSpec, OfferSpec, SaveSpec, WorkerPlan
 from .runtime import Runtime, poll_until
@@ -81,6 +82,16 @@ class TransferResults:
     finished_recving: set[str] = field(default_factory=set)
     failed_recving: set[str] = field(default_factory=set)
     error_block_ids: set[int] = field(default_factory=set)
+
+
+@dataclass
+class ChunkOutcomes:
+    """What became of chunks since the last `take_chunk_outcomes`: stored by a save, not
+    stored (the save failed or was dropped), deleted by the store to make room."""
+
+    saved: list[ChunkKey] = field(default_factory=list)
+    unsaved: list[ChunkKey] = field(default_factory=list)
+    evicted: list[ChunkKey] = field(default_factory=list)
 
 
 def _snapshot(spans: list[memoryview]) -> list[memoryview]:
@@ -137,8 +148,16 @@ class WorkerEngine:
     """Runs a worker's transfers on its runtime."""
 
     def __init__(
-        self, *, config: KVFlowConfig, transport: Transport, runtime: Runtime, bus: EventBus
+        self,
+        *,
+        config: KVFlowConfig,
+        transport: Transport,
+        runtime: Runtime,
+        bus: EventBus,
+        report_chunks: bool = False,
     ) -> None:
+        """`report_chunks`: keep what became of each saved chunk for
+        `take_chunk_outcomes` (vLLM's KV events)."""
         self.config = config
         self.transport = transport
         self.runtime = runtime
@@ -175,6 +194,10 @@ class WorkerEngine:
         self._lent: set[str] = set()
         self._saves_changed: trio.Event | None = None
         self._limiters: dict[str, trio.CapacityLimiter] = {}
+        self._outcomes: ChunkOutcomes | None = None
+        if report_chunks:
+            self._outcomes = ChunkOutcomes()
+            transport.context.evicted = self._chunks_evicted
 
     # -- vLLM thread -------------------------------------------------------
     def register(self, layout: KVLayout) -> None:
@@ -300,6 +323,19 @@ class WorkerEngine:
         for req in snap.finished_recving:
             self._open_async.pop(req, None)
         return snap
+
+    def take_chunk_outcomes(self) -> ChunkOutcomes | None:
+        """Chunks saved, not saved and evicted since the last call (None: not reporting)."""
+        if self._outcomes is None:
+            return None
+        with self._lock:
+            out, self._outcomes = self._outcomes, ChunkOutcomes()
+        return out
+
+    def _chunks_evicted(self, keys: list[ChunkKey]) -> None:
+        with self._lock:
+            if self._outcomes is not None:
+                self._outcomes.evicted.extend(keys)
 
     def take_error_blocks(self) -> set[int]:
         """Block ids whose load failed since the last call (vLLM recomputes them)."""
@@ -706,6 +742,9 @@ class WorkerEngine:
             self._pending_saves[spec.req] -= 1
             self._maybe_release(spec.req)
             self._notify_saves_changed()
+        if self._outcomes is not None:
+            with self._lock:
+                (self._outcomes.unsaved if error else self._outcomes.saved).extend(spec.keys)
         if error:
             self.bus.emit(
                 TransferFailed(req=spec.req, direction="save", reason=error, timed_out=timed_out)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
@@ -22,6 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
     SupportsHMA,
 )
 
@@ -49,10 +51,12 @@ from kvflow.worker import WorkerEngine
 
 from .compat import untested_version
 from .groups import Pending, transfer_groups
+from .kv_events import ChunkReport, KVEventTracker, KVFlowWorkerMeta, events_enabled
 from .stats import KVFlowPromMetrics, KVFlowStats
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
         KVConnectorPromMetrics,
         KVConnectorStats,
@@ -378,7 +382,11 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
             else:
                 self._workers.append(
                     WorkerEngine(
-                        config=self.config, transport=transport, runtime=self.runtime, bus=self.bus
+                        config=self.config,
+                        transport=transport,
+                        runtime=self.runtime,
+                        bus=self.bus,
+                        report_chunks=events_enabled(vllm_config),
                     )
                 )
         self._sliding = len(self.groups) > 1 and any(
@@ -387,6 +395,22 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
         )
         self._layer_index: dict[str, tuple[WorkerEngine, int]] = {}
         """A layer's engine and index in its group's layout (set at registration)."""
+        self._trackers = (
+            [
+                KVEventTracker(
+                    medium=f"kvflow:{self.config.transport}",
+                    block_size=self.block_size,
+                    workers=len(shards),
+                    group=g,
+                )
+                for g in self.groups
+            ]
+            if is_scheduler and events_enabled(vllm_config)
+            else []
+        )
+        """vLLM's KV events for what kvflow stored and its store evicted (scheduler)."""
+        self._requests: dict[str, Request] = {}
+        """Running requests, while their saves are planned (with KV events only)."""
         self._sending = Pending()
         self._receiving = Pending()
         self._num_blocks = kv_cache_config.num_blocks
@@ -496,6 +520,8 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> tuple[int | None, bool]:
         self.on_new_request(request)  # no-op when already known
         req = request.request_id
+        if self._trackers:
+            self._requests[req] = request
         answers = [sched.lookup(req, num_computed_tokens) for sched in self.scheds]
         if any(n is None for n in answers):
             return None, False
@@ -520,7 +546,7 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
         if self._sliding:  # blocks a sliding window gave back may be handed out again now
             reused = [b for r in so.scheduled_new_reqs for ids in r.block_ids for b in ids]
             reused += [b for new in cached.new_block_ids if new for ids in new for b in ids]
-        plans = []
+        plans: list[WorkerPlan] = []
         for g, sched in zip(self.groups, self.scheds, strict=True):
             scheduled = [
                 ScheduledRequest(
@@ -545,10 +571,20 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
                     )
                 )
             plan = sched.plan(scheduled, preempted=so.preempted_req_ids or ())
+            if self._trackers:
+                self._saves_planned(self._trackers[len(plans)], sched, plan)
             if reused:
                 plan = msgspec.structs.replace(plan, reused=reused)
             plans.append(plan)
         return KVFlowMetadata(plans)
+
+    def _saves_planned(
+        self, tracker: KVEventTracker, sched: SchedulerEngine, plan: WorkerPlan
+    ) -> None:
+        hash_block = getattr(self._kv_cache_config, "hash_block_size", None) or self.block_size
+        for spec in plan.saves:
+            if (request := self._requests.get(spec.req)) is not None:
+                tracker.planned(request, spec.keys, sched.chunk_keys(spec.req), hash_block)
 
     def request_finished(
         self, request: Request, block_ids: list[int]
@@ -558,6 +594,7 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
+        self._requests.pop(request.request_id, None)
         params = request.kv_transfer_params or {}
         remote_decode = bool(params.get("do_remote_decode"))
         lend, out = False, None
@@ -575,13 +612,27 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
         ]
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        meta = connector_output.kv_connector_worker_meta
+        if isinstance(meta, KVFlowWorkerMeta):
+            for tracker, report in zip(self._trackers, meta.reports, strict=False):
+                tracker.report(report)
         for sched in self.scheds:
             if connector_output.failed_recving:
                 sched.loads_failed(connector_output.failed_recving)
             if connector_output.invalid_block_ids:
                 sched.blocks_invalid(connector_output.invalid_block_ids)
 
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        for tracker in self._trackers:
+            yield from tracker.take()
+
     # --------------------------------------------------------------- worker
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        reports = [ChunkReport.of(w.take_chunk_outcomes()) for w in self.workers]
+        if all(r.is_empty() for r in reports):
+            return None
+        return KVFlowWorkerMeta(reports)
+
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         address = self.transport.address
         return KVFlowHandshake(address) if address else None

@@ -216,6 +216,10 @@ def make_llm(
         disable_log_stats=False,  # per-request first-token latency
     )
     args.update(kwargs)
+    if isinstance(events := args.get("kv_events_config"), dict):  # LLM takes no dict for it
+        from vllm.config import KVEventsConfig
+
+        args["kv_events_config"] = KVEventsConfig(**events)
     return LLM(**args)
 
 

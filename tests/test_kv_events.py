@@ -1,0 +1,247 @@
+"""kvflow's saves and evictions on a real engine's KV event stream (`--kv-events-config`).
+
+One engine, vLLM's prefix cache on, `fs` with a 2 MiB cap (a 300-token prompt of
+`tiny-llama` is 10 chunks of 128 KiB): the test subscribes to the engine's own ZMQ
+publisher, as a router does, and checks kvflow's `BlockStored` / `BlockRemoved`
+against vLLM's own events for the same blocks and the chunk files in the store.
+"""
+
+from __future__ import annotations
+
+import pickle
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import zmq
+
+from kvflow.keys import chunk_keys
+from kvflow.worker import ChunkOutcomes
+from kvflow_vllm.apiserver import free_port
+from kvflow_vllm.kv_events import ChunkReport, KVEventTracker, KVFlowWorkerMeta
+
+from . import vllm_harness as vh
+from .e2e import ServingEngine
+
+BLOCK = 32
+MEDIUM = "kvflow:fs"
+_rng = random.Random(17)
+
+
+def _vllm_hashes(prompt: list[int]) -> list[int]:
+    """The engine's block hashes of `prompt` (vLLM's default sha256, as events carry them)."""
+    from vllm import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    init_none_hash(sha256)
+    request = Request(
+        request_id="h",
+        prompt_token_ids=prompt,
+        sampling_params=SamplingParams(max_tokens=1),
+        pooling_params=None,
+        block_hasher=get_request_block_hasher(BLOCK, sha256),
+    )
+    return [int.from_bytes(h, "big") & (2**64 - 1) for h in request.block_hashes]
+
+
+def _prompt(n: int) -> list[int]:
+    return [_rng.randrange(3, 1000) for _ in range(n)]
+
+
+def _tracker(workers: int = 2) -> tuple[KVEventTracker, Any, list[str]]:
+    """A tracker of a real vLLM request of 2.5 blocks and its chunk keys."""
+    bs = vh.BLOCK_SIZE
+    request = vh.make_request("r", vh.prompt_of(1, bs * 5 // 2))
+    keys = chunk_keys("ns", request.prompt_token_ids, bs)
+    tracker = KVEventTracker(medium=MEDIUM, block_size=bs, workers=workers, group=0)
+    tracker.planned(request, keys, keys, bs)
+    return tracker, request, keys
+
+
+def test_a_block_is_announced_once_every_worker_stored_it() -> None:
+    tracker, request, keys = _tracker()
+    tracker.report(ChunkReport.of(ChunkOutcomes(saved=keys)))
+    assert tracker.take() == []  # one of two workers
+    tracker.report(ChunkReport.of(ChunkOutcomes(saved=keys)))
+    events = tracker.take()
+    bs = vh.BLOCK_SIZE
+    hashes = [int.from_bytes(h, "big") & (2**64 - 1) for h in request.block_hashes]
+    assert [e.block_hashes for e in events] == [[hashes[0]], [hashes[1]]]  # not the partial
+    assert [e.parent_block_hash for e in events] == [None, hashes[0]]
+    assert [e.token_ids for e in events] == [
+        request.prompt_token_ids[:bs],
+        request.prompt_token_ids[bs : 2 * bs],
+    ]
+    assert {(e.medium, e.block_size, e.group_idx) for e in events} == {(MEDIUM, bs, 0)}
+
+
+def test_a_chunk_a_worker_failed_to_store_is_never_announced() -> None:
+    tracker, _, keys = _tracker()
+    tracker.report(ChunkReport.of(ChunkOutcomes(saved=keys[:1], unsaved=keys[1:])))
+    tracker.report(ChunkReport.of(ChunkOutcomes(saved=keys)))
+    assert [len(e.block_hashes) for e in tracker.take()] == [1]  # the first block only
+
+
+def test_evictions_remove_announced_blocks_only() -> None:
+    tracker, request, keys = _tracker(workers=1)
+    tracker.report(ChunkReport.of(ChunkOutcomes(saved=keys[:1])))
+    tracker.take()
+    tracker.report(ChunkReport.of(ChunkOutcomes(evicted=["other", keys[1], keys[0], keys[0]])))
+    (removed,) = tracker.take()
+    assert type(removed).__name__ == "BlockRemoved" and removed.medium == MEDIUM
+    assert removed.block_hashes == [int.from_bytes(request.block_hashes[0], "big") & (2**64 - 1)]
+
+
+def test_worker_reports_sum_over_workers_and_pickle_as_msgspec_bytes() -> None:
+    a = KVFlowWorkerMeta([ChunkReport({"k": 1}, ["u"], []), ChunkReport()])
+    b = KVFlowWorkerMeta([ChunkReport({"k": 1, "j": 1}, [], ["e"]), ChunkReport({"x": 1})])
+    both = pickle.loads(pickle.dumps(a.aggregate(b)))
+    assert isinstance(both, KVFlowWorkerMeta)
+    assert both.reports == [ChunkReport({"k": 2, "j": 1}, ["u"], ["e"]), ChunkReport({"x": 1})]
+    raw = pickle.dumps(a)  # a function and bytes: no kvflow class rides in pickle
+    assert b"KVFlowWorkerMeta" not in raw and b"ChunkReport" not in raw
+
+
+class Stream:
+    """The engine's KV event stream, as a router reads it (bound before the engine starts,
+    so that it misses nothing once vLLM's publisher connected)."""
+
+    def __init__(self, endpoint: str) -> None:
+        from vllm.distributed.kv_events import KVEventBatch
+
+        self._decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        self.sock = zmq.Context.instance().socket(zmq.SUB)
+        self.sock.setsockopt(zmq.SUBSCRIBE, b"kv")
+        self.sock.bind(endpoint)  # vLLM's publisher connects to a host:port endpoint
+        self.events: list[Any] = []
+
+    def read(self, timeout_s: float) -> bool:
+        """Take the batches that arrive within `timeout_s`; False if none did."""
+        got = False
+        while self.sock.poll(int(timeout_s * 1000)):
+            _topic, _seq, payload = self.sock.recv_multipart()
+            self.events.extend(self._decoder.decode(payload).events)
+            got, timeout_s = True, 0.5  # drain what is queued
+        return got
+
+    def stored(self, medium: str) -> list[Any]:
+        return [e for e in self.events if type(e).__name__ == "BlockStored" and e.medium == medium]
+
+    def removed(self, medium: str) -> set[Any]:
+        return {
+            h
+            for e in self.events
+            if type(e).__name__ == "BlockRemoved" and e.medium == medium
+            for h in e.block_hashes
+        }
+
+
+class Run:
+    engine: ServingEngine
+    stream: Stream
+    store: Path
+    prompts: list[list[int]]
+
+    def ask(self, prompt: list[int]) -> None:
+        self.prompts.append(prompt)
+        assert not self.engine.ask(prompt, 4).error
+
+    def chunk_file(self, prompt: list[int], i: int) -> Path:
+        (ns,) = [d for d in self.store.iterdir() if d.is_dir()]
+        key = chunk_keys(ns.name, prompt, BLOCK)[i]
+        return ns / key[:2] / f"{key}.tp0of1pp0.kv"
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
+    tmp = tmp_path_factory.mktemp("kv-events")
+    port = free_port()
+    r = Run()
+    r.store, r.prompts = tmp / "store", []
+    r.stream = Stream(f"tcp://127.0.0.1:{port}")
+    r.engine = ServingEngine(
+        tmp,
+        "events",
+        extra_config={"transport": "fs", "options": {"path": str(r.store), "max_gb": 2 / 1024}},
+        llm_args={
+            "enable_prefix_caching": True,
+            "kv_events_config": {
+                "enable_kv_cache_events": True,
+                "publisher": "zmq",
+                "endpoint": f"tcp://127.0.0.1:{port}",
+                "topic": "kv",
+            },
+        },
+    )
+    try:
+        r.engine.wait_ready()
+        # a subscriber misses what was published before it joined: ask until one arrives
+        for _ in range(10):
+            r.ask(_prompt(2 * BLOCK))
+            if r.stream.read(10):
+                break
+        else:
+            pytest.fail(f"no KV event within 10 requests; engine log: {r.engine.log}")
+        yield r
+    finally:
+        r.engine.close()
+
+
+def _wait(run: Run, done: Any, what: str) -> None:
+    """Read events (asking a one-block prompt to make the engine step) until `done()`."""
+    for _ in range(20):
+        if done():
+            return
+        if not run.stream.read(5):
+            run.ask(_prompt(BLOCK // 2))  # no full block: no BlockStored of its own
+    assert done(), f"{what}; events: {run.stream.events}"
+
+
+@pytest.mark.engine
+@pytest.mark.slow
+def test_saved_blocks_are_announced_with_vllms_own_hashes(run: Run) -> None:
+    prompt = _prompt(300)  # 9 full blocks and a partial one
+    run.ask(prompt)
+    blocks = [prompt[i : i + BLOCK] for i in range(0, 9 * BLOCK, BLOCK)]
+    mine = lambda: [e for e in run.stream.stored(MEDIUM) if e.token_ids in blocks]  # noqa: E731
+    _wait(run, lambda: len(mine()) >= 9, "kvflow announced fewer than the 9 full blocks")
+    events = sorted(mine(), key=lambda e: blocks.index(e.token_ids))
+    assert [e.token_ids for e in events] == blocks  # each once, the partial block never
+    assert all(e.block_size == BLOCK and e.lora_id is None for e in events)
+    # the engine's own hashes: those vLLM announced for the same blocks of its cache
+    vllm_hash = {  # vLLM announces runs of blocks: block_hashes[i] is tokens[i*B:(i+1)*B]
+        tuple(e.token_ids[i * BLOCK : (i + 1) * BLOCK]): h
+        for e in run.stream.events
+        if type(e).__name__ == "BlockStored" and e.medium != MEDIUM
+        for i, h in enumerate(e.block_hashes)
+    }
+    assert [e.block_hashes[0] for e in events] == [vllm_hash[tuple(b)] for b in blocks]
+    assert [e.block_hashes[0] for e in events] == _vllm_hashes(prompt)[:9]
+    assert [e.parent_block_hash for e in events] == [None] + [
+        e.block_hashes[0] for e in events[:-1]
+    ]
+    # announced once the chunk is in the store (the partial last chunk too, unannounced)
+    assert all(run.chunk_file(prompt, i).exists() for i in range(10))
+
+
+@pytest.mark.engine
+@pytest.mark.slow
+def test_evicted_chunks_are_announced_removed(run: Run) -> None:
+    run.ask(_prompt(300))  # over the 2 MiB cap: the oldest chunk files go
+
+    def gone() -> set[int]:
+        """The hashes of full blocks kvflow stored whose chunk file is gone."""
+        return {
+            h
+            for prompt in run.prompts
+            for i, h in enumerate(_vllm_hashes(prompt))
+            if not run.chunk_file(prompt, i).exists()
+        }
+
+    _wait(run, lambda: gone() and run.stream.removed(MEDIUM) >= gone(), "evictions not announced")
+    assert run.stream.removed(MEDIUM) == gone(), "a BlockRemoved for a chunk still stored"
