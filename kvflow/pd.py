@@ -5,7 +5,9 @@ routers work unchanged): the proxy sends the prefill request to the producer wit
 `kv_transfer_params={"do_remote_decode": true}`; the producer's output carries
 `{"do_remote_prefill": true, "do_remote_decode": false, "kvflow": {...}}`; the proxy
 passes those params as they came to the consumer. The `kvflow` entry is a versioned
-`PdParams`; anything malformed there is a `PdParamsError` naming the field.
+`PdParams`, or a list of them, one per KV cache group, for a model vLLM's hybrid KV
+cache manager gives several groups (each group has its own blocks and its own
+transport endpoints); anything malformed there is a `PdParamsError` naming the field.
 """
 
 from __future__ import annotations
@@ -14,7 +16,14 @@ from typing import Any
 
 import msgspec
 
-__all__ = ["PD_VERSION", "PdParams", "PdParamsError", "consumer_params", "parse_pd_params"]
+__all__ = [
+    "PD_VERSION",
+    "PdParams",
+    "PdParamsError",
+    "consumer_params",
+    "join_groups",
+    "parse_pd_params",
+]
 
 PD_VERSION = 2
 KEY = "kvflow"
@@ -45,8 +54,17 @@ def consumer_params(p: PdParams) -> dict[str, Any]:
     return {"do_remote_prefill": True, "do_remote_decode": False, KEY: msgspec.to_builtins(p)}
 
 
-def parse_pd_params(raw: Any) -> PdParams | None:
-    """kvflow's P/D params in a request's `kv_transfer_params`, or None if it has none."""
+def join_groups(params: list[dict[str, Any]]) -> dict[str, Any]:
+    """The `kv_transfer_params` of a request whose KV cache groups each returned
+    `consumer_params`: one group's as they are, several groups' entries as a list."""
+    if len(params) == 1:
+        return params[0]
+    return {**params[0], KEY: [p[KEY] for p in params]}
+
+
+def parse_pd_params(raw: Any) -> list[PdParams] | None:
+    """kvflow's P/D params in a request's `kv_transfer_params`, one per KV cache group,
+    or None if it has none."""
     if not isinstance(raw, dict) or not raw.get("do_remote_prefill"):
         return None
     if KEY not in raw:
@@ -54,8 +72,15 @@ def parse_pd_params(raw: Any) -> PdParams | None:
             "kv_transfer_params has do_remote_prefill but no 'kvflow' entry: "
             "they were not produced by a kvflow producer"
         )
+    entries = raw[KEY] if isinstance(raw[KEY], list) else [raw[KEY]]
+    if not entries:
+        raise PdParamsError("kv_transfer_params['kvflow'] is an empty list")
+    return [_parse_one(e) for e in entries]
+
+
+def _parse_one(entry: Any) -> PdParams:
     try:
-        p = msgspec.convert(raw[KEY], PdParams)
+        p = msgspec.convert(entry, PdParams)
     except msgspec.ValidationError as exc:
         raise PdParamsError(f"kv_transfer_params['kvflow']: {exc}") from None
     if p.version != PD_VERSION:

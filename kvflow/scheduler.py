@@ -218,11 +218,18 @@ class SchedulerEngine:
         end_tok = st.hit_tokens() if st.pd else min(st.hit_tokens(), st.prompt_len - 1)
         first = (end_tok - num_external) // self.block_size
         last = -(-end_tok // self.block_size)
-        source = None
+        chunks = self._real_blocks(st, first, last)
+        source, error = None, st.claim.error if st.claim is not None else ""
         if st.pd is not None:
             pd = st.pd
-            source = PeerSource(pd.engine_id, pd.addresses, pd.req, pd.block_ids[first:last])
-        chunks = self._real_blocks(st, first, last)
+            source = PeerSource(
+                pd.engine_id, pd.addresses, pd.req, [pd.block_ids[i] for i in chunks]
+            )
+            if any(pd.block_ids[i] == self.null_block for i in chunks):
+                error = error or (  # the same window on both sides: not expected
+                    f"producer {pd.engine_id} no longer holds blocks this consumer needs "
+                    "(its sliding window moved on)"
+                )
         spec = LoadSpec(
             req=req,
             keys=[st.keys[i] for i in chunks],
@@ -230,7 +237,7 @@ class SchedulerEngine:
             token_counts=[st.counts[i] for i in chunks],
             asynchronous=self.config.load_mode == "async" or source is not None,
             source=source,
-            error=st.claim.error if st.claim is not None else "",
+            error=error,
         )
         self._pending_loads.append(spec)
         self.runtime.submit(

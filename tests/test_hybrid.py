@@ -7,7 +7,8 @@ one full): vLLM gives it four KV cache groups. Engines run once for the module: 
 baseline without a connector, a prefill instance (`kv_producer`) that saves to a fresh
 `fs` store and a decode instance (`kv_consumer`, a fresh process) that loads from it,
 with a KV cache small enough that vLLM hands the blocks a sliding window gave back to
-other requests while their saves may still read them.
+other requests while their saves may still read them. Prefill/decode runs between two
+more live engines over `zmq` and `nixl`, one pull per group.
 """
 
 from __future__ import annotations
@@ -18,10 +19,10 @@ from pathlib import Path
 import pytest
 
 from kvflow.eventlog import read_event_log
-from kvflow.events import CachesRegistered, LoadStarted, TransferFailed
-from kvflow_vllm.engine import EngineFailed, GenResult, ScenarioResult, model_dir
+from kvflow.events import CachesRegistered, LoadStarted, TransferDone, TransferFailed
+from kvflow_vllm.engine import GenResult, ScenarioResult, model_dir
 
-from .e2e import assert_same_generation, events_for, run_engine
+from .e2e import ServingEngine, assert_same_generation, events_for, run_engine
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -119,8 +120,45 @@ def test_sliding_window_groups_load_only_the_blocks_inside_the_window(run: Run) 
         )
 
 
-def test_a_peer_transport_refuses_several_groups_naming_the_way_out(run: Run) -> None:
-    with pytest.raises(EngineFailed) as failed:
-        _engine(run, "zmq", extra_config={"transport": "zmq"})
-    assert "moves one KV cache group" in failed.value.log
-    assert "--disable-hybrid-kv-cache-manager" in failed.value.log
+@pytest.mark.parametrize("transport", ["zmq", "nixl"])
+def test_prefill_decode_pulls_every_group(run: Run, transport: str) -> None:
+    """vLLM's proxy convention between two live engines: each KV cache group's blocks
+    are pulled from the producer's own endpoint for that group; a consumer that must
+    not recompute (policy fail) decodes what the baseline does."""
+    if transport == "nixl":
+        pytest.importorskip("nixl_cu12", reason="NIXL is an optional extra: kvflow[nixl]")
+    kw: dict[str, object] = {"model": model_dir("tiny-swa"), "block_size": BLOCK}
+    log = run.tmp / f"{transport}.events.jsonl"
+    kw["llm_args"] = LLM_ARGS
+    producer = ServingEngine(
+        run.tmp,
+        f"{transport}-producer",
+        kv_role="kv_producer",
+        extra_config={"transport": transport},
+        **kw,
+    )
+    consumer = ServingEngine(
+        run.tmp,
+        f"{transport}-consumer",
+        kv_role="kv_consumer",
+        failure_policy="fail",
+        extra_config={"transport": transport, "event_log": str(log)},
+        **kw,
+    )
+    try:
+        producer.wait_ready()
+        consumer.wait_ready()
+        for i, (prompt, want) in enumerate(zip(PROMPTS, _results(run.baseline), strict=True)):
+            prefill = producer.ask(prompt, 1, {"do_remote_decode": True})
+            params = prefill.kv_transfer_params or {}
+            assert len(params.get("kvflow", [])) == 4, f"one entry per group: {params}"
+            got = consumer.ask(prompt, len(want.tokens), params)
+            assert_same_generation(got, want, f"P/D consumer, prompt {i}")
+            events = events_for(log, got)
+            done = [e for e in events if isinstance(e, TransferDone) and e.direction == "load"]
+            assert len(done) == 4, f"prompt {i}: {len(done)} of 4 groups pulled"
+        for name in (f"{transport}-producer", f"{transport}-consumer"):
+            assert TURNED_OFF not in run.log(name), f"{name}: hybrid manager turned off"
+    finally:
+        producer.close()
+        consumer.close()

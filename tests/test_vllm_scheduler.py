@@ -477,7 +477,7 @@ def test_abort_during_async_load_after_preemption(harness: MakeHarness, tmp_path
 def test_pd_producer_offers_blocks_and_consumer_pulls_them(harness: MakeHarness) -> None:
     producer = harness(make_vllm_config(transport="zmq", kv_role="kv_producer"), 16)
     address = "tcp://127.0.0.1:45555"  # never dialled: no worker runs
-    producer.connector.set_xfer_handshake_metadata({0: KVFlowHandshake(address)})
+    producer.connector.set_xfer_handshake_metadata({0: KVFlowHandshake([address])})
     start = producer.free_blocks
     prompt = prompt_of(3, 40)
     producer.add(
@@ -490,8 +490,7 @@ def test_pd_producer_offers_blocks_and_consumer_pulls_them(harness: MakeHarness)
     assert outputs["plain"].kv_transfer_params is None
     params = outputs["pd"].kv_transfer_params
     assert params is not None and params["do_remote_prefill"] is True
-    pd = parse_pd_params(params)
-    assert pd is not None
+    (pd,) = parse_pd_params(params) or []
     table = prefill.block_ids["pd"]
     assert pd.block_ids == table and pd.num_tokens == 40 and pd.block_size == BLOCK_SIZE
     assert pd.addresses == [address] and pd.engine_id == producer.connector.engine_id

@@ -34,7 +34,7 @@ from kvflow.keys import Fingerprint
 from kvflow.layout import KVLayout, LayoutError, block_geometry, view_extent, view_geometry
 from kvflow.metadata import WorkerPlan, decode_plan, encode_plan
 from kvflow.neighbours import pinned_neighbours
-from kvflow.pd import PdParamsError, parse_pd_params
+from kvflow.pd import PdParams, PdParamsError, join_groups, parse_pd_params
 from kvflow.publish import start_publisher
 from kvflow.runtime import Runtime
 from kvflow.scheduler import ScheduledRequest, SchedulerEngine
@@ -100,13 +100,14 @@ holds before the window."""
 
 
 class KVFlowHandshake(KVConnectorHandshakeMetadata):
-    """A worker's peer endpoint, sent to its scheduler once at start (as a plain string)."""
+    """A worker's peer endpoints, one per KV cache group, sent to its scheduler once at
+    start (as plain strings)."""
 
-    def __init__(self, address: str) -> None:
-        self.address = address
+    def __init__(self, addresses: list[str]) -> None:
+        self.addresses = addresses
 
-    def __reduce__(self) -> tuple[Any, tuple[str]]:
-        return (KVFlowHandshake, (self.address,))
+    def __reduce__(self) -> tuple[Any, tuple[list[str]]]:
+        return (KVFlowHandshake, (list(self.addresses),))
 
 
 def request_salt(request: Request) -> str:
@@ -304,7 +305,7 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
             set(kv_cache_config.kv_cache_groups[g].layer_names) for g in self.groups
         ]
         if len(self.groups) > 1:
-            self._check_groups(kv_cache_config, caps.peer)
+            self._check_groups(kv_cache_config)
         self.block_size = kv_cache_config.kv_cache_groups[self.groups[0]].kv_cache_spec.block_size
         pc = vllm_config.parallel_config
         is_scheduler = role == KVConnectorRole.SCHEDULER
@@ -422,20 +423,12 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
             self.config.load_mode,
         )
 
-    def _check_groups(self, kv_cache_config: KVCacheConfig, peer: bool) -> None:
+    def _check_groups(self, kv_cache_config: KVCacheConfig) -> None:
         """Several KV cache groups (vLLM's hybrid manager): refuse what kvflow cannot move
         per group, and load between steps (vLLM recovers from a failed load of several
         groups only when it is asynchronous)."""
         groups = kv_cache_config.kv_cache_groups
         specs = ", ".join(f"{type(groups[g].kv_cache_spec).__name__}" for g in self.groups)
-        if peer:
-            raise ConfigError(
-                f"KVFlowConnector: transport {self.config.transport!r} moves one KV cache "
-                f"group, and vLLM's hybrid KV cache manager gave this model "
-                f"{len(self.groups)} ({specs}). Start vLLM with "
-                "--disable-hybrid-kv-cache-manager for prefill/decode with this model, or "
-                "use a store transport (fs, redis)."
-            )
         sizes = {groups[g].kv_cache_spec.block_size for g in self.groups}
         if len(sizes) > 1:
             raise ConfigError(
@@ -505,12 +498,19 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ------------------------------------------------------------ scheduler
     def on_new_request(self, request: Request) -> None:
-        pd = None
+        pds: list[PdParams | None] = [None] * len(self.scheds)
         try:
-            pd = parse_pd_params(request.kv_transfer_params)
+            if (parsed := parse_pd_params(request.kv_transfer_params)) is not None:
+                if len(parsed) != len(self.scheds):
+                    raise PdParamsError(
+                        f"the producer sent {len(parsed)} KV cache group(s), this engine has "
+                        f"{len(self.scheds)}: start both with the same model and "
+                        "--disable-hybrid-kv-cache-manager setting"
+                    )
+                pds = list(parsed)
         except PdParamsError as exc:  # computed locally instead: slower, never wrong
             log.error("kvflow: request %s: %s; computing its prompt here", request.request_id, exc)
-        for sched in self.scheds:
+        for sched, pd in zip(self.scheds, pds, strict=True):
             sched.add_request(
                 request.request_id, request.prompt_token_ids or [], request_salt(request), pd
             )
@@ -595,21 +595,29 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         self._requests.pop(request.request_id, None)
-        params = request.kv_transfer_params or {}
-        remote_decode = bool(params.get("do_remote_decode"))
-        lend, out = False, None
+        remote_decode = bool((request.kv_transfer_params or {}).get("do_remote_decode"))
+        lend, params = False, []
         for i, sched in enumerate(self.scheds):
             ids = block_ids[self.groups[i]] if len(block_ids) > 1 else block_ids[0]
             lent, p = sched.finished(request.request_id, ids, remote_decode=remote_decode)
-            lend, out = lend or lent, out or p
-        return lend, out
+            lend = lend or lent
+            if p is not None:
+                params.append(p)
+        if params and len(params) != len(self.scheds):  # some group has nothing to offer
+            log.error(
+                "kvflow: request %s: not every KV cache group offered its blocks; "
+                "the consumer computes its prompt",
+                request.request_id,
+            )
+            params = []
+        return lend, join_groups(params) if params else None
 
     def set_xfer_handshake_metadata(
         self, metadata: dict[int, KVConnectorHandshakeMetadata]
     ) -> None:
-        self.sched.peer_addresses = [
-            m.address for _, m in sorted(metadata.items()) if isinstance(m, KVFlowHandshake)
-        ]
+        shards = [m for _, m in sorted(metadata.items()) if isinstance(m, KVFlowHandshake)]
+        for g, sched in enumerate(self.scheds):
+            sched.peer_addresses = [m.addresses[g] for m in shards]
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         meta = connector_output.kv_connector_worker_meta
@@ -634,8 +642,8 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
         return KVFlowWorkerMeta(reports)
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
-        address = self.transport.address
-        return KVFlowHandshake(address) if address else None
+        addresses = [t.address for t in self.transports]
+        return KVFlowHandshake(addresses) if any(addresses) else None
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         for name, spec in layer_specs(self._kv_cache_config).items():
