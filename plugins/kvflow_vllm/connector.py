@@ -132,6 +132,11 @@ def fingerprint(
     mc = vllm_config.model_config
     groups = kv_cache_config.kv_cache_groups
     spec = groups[group].kv_cache_spec
+    if per_layer := getattr(spec, "kv_cache_specs", None):
+        # a group of layers with different specs (extract_hidden_states' cache-only layer
+        # next to attention): workers see each layer's spec, the scheduler one merged
+        # spec; the first layer's is what both agree on (the layer count says the rest)
+        spec = per_layer[groups[group].layer_names[0]]
     extra = type(spec).__name__
     if len(groups) > 1:  # which layers, which window (one group: as before groups)
         window = getattr(spec, "sliding_window", None)
