@@ -157,17 +157,16 @@ class Run:
         return ns / key[:2] / f"{key}.tp0of1pp0.kv"
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
-    tmp = tmp_path_factory.mktemp("kv-events")
+def _start(tmp: Path, name: str, store: Path, max_gb: float) -> Run:
+    """A live engine with KV events on, and a subscriber that has seen its first event."""
     port = free_port()
     r = Run()
-    r.store, r.prompts = tmp / "store", []
+    r.store, r.prompts = store, []
     r.stream = Stream(f"tcp://127.0.0.1:{port}")
     r.engine = ServingEngine(
         tmp,
-        "events",
-        extra_config={"transport": "fs", "options": {"path": str(r.store), "max_gb": 2 / 1024}},
+        name,
+        extra_config={"transport": "fs", "options": {"path": str(store), "max_gb": max_gb}},
         llm_args={
             "enable_prefix_caching": True,
             "kv_events_config": {
@@ -184,9 +183,18 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
         for _ in range(10):
             r.ask(_prompt(2 * BLOCK))
             if r.stream.read(10):
-                break
-        else:
-            pytest.fail(f"no KV event within 10 requests; engine log: {r.engine.log}")
+                return r
+        pytest.fail(f"no KV event within 10 requests; engine log: {r.engine.log}")
+    except BaseException:
+        r.engine.close()
+        raise
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
+    tmp = tmp_path_factory.mktemp("kv-events")
+    r = _start(tmp, "events", tmp / "store", 2 / 1024)
+    try:
         yield r
     finally:
         r.engine.close()
@@ -245,3 +253,26 @@ def test_evicted_chunks_are_announced_removed(run: Run) -> None:
 
     _wait(run, lambda: gone() and run.stream.removed(MEDIUM) >= gone(), "evictions not announced")
     assert run.stream.removed(MEDIUM) == gone(), "a BlockRemoved for a chunk still stored"
+
+
+@pytest.mark.engine
+@pytest.mark.slow
+def test_engines_sharing_a_store_each_announce_what_they_wrote(run: Run) -> None:
+    """Engine A stores P; B, on the same store, loads P and stores Q: P is on A's stream
+    only, Q on B's only."""
+    p, q = _prompt(300), _prompt(300)
+    p_hashes, q_hashes = set(_vllm_hashes(p)), set(_vllm_hashes(q))
+    announced = lambda r: {e.block_hashes[0] for e in r.stream.stored(MEDIUM)}  # noqa: E731
+    run.ask(p)
+    _wait(run, lambda: announced(run) >= p_hashes, "A did not announce P")
+    run.engine.close()  # two engines on two cores would starve each other
+    b = _start(run.store.parent, "b", run.store, 1.0)
+    try:
+        got = b.engine.ask(p, 4)
+        assert got.cached_tokens == len(p) - 1, "B did not load A's chunks"
+        b.ask(q)
+        _wait(b, lambda: announced(b) >= q_hashes, "B did not announce Q")
+    finally:
+        b.engine.close()
+    assert not announced(b) & p_hashes, "B announced blocks A wrote"
+    assert not announced(run) & q_hashes, "A announced blocks B wrote"
