@@ -2,17 +2,28 @@
 
 The core (this package) imports no vLLM module: the vLLM adapter lives in
 `kvflow_vllm`, built-in transports in `kvflow_fs` and friends.
+
+What this module exports is the public API (pinned by `tests/test_public_api.py`):
+what a transport author implements and is handed (`Transport`, its jobs, context,
+layout and errors, the peer-transport helpers) and kvflow's configuration. The
+conformance suites are in `kvflow.testing` (extra `kvflow[testing]`). Everything
+else is kvflow's own and may change.
 """
 
 from .config import ConfigError, KVFlowConfig
-from .keys import ChunkKey, Fingerprint, chunk_keys
-from .runtime import Runtime, RuntimeClosed
+from .keys import ChunkKey
+from .layout import KVLayout, LayerGeometry, LayoutError
+from .peer import HeldOffers, NotHeld, Renew, answer_renew, renew_at, select_blocks
 from .transport import (
     Capabilities,
     ChunkCorrupt,
     ChunkMissing,
     LoadJob,
+    NoOptions,
+    Offer,
+    PeerSource,
     SaveJob,
+    TransferStuck,
     Transport,
     TransportContext,
     TransportError,
@@ -26,14 +37,23 @@ __all__ = [
     "ChunkKey",
     "ChunkMissing",
     "ConfigError",
-    "Fingerprint",
+    "HeldOffers",
     "KVFlowConfig",
+    "KVLayout",
+    "LayerGeometry",
+    "LayoutError",
     "LoadJob",
-    "Runtime",
-    "RuntimeClosed",
+    "NoOptions",
+    "NotHeld",
+    "Offer",
+    "PeerSource",
+    "Renew",
     "SaveJob",
+    "TransferStuck",
     "Transport",
     "TransportContext",
     "TransportError",
-    "chunk_keys",
+    "answer_renew",
+    "renew_at",
+    "select_blocks",
 ]

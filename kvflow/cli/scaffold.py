@@ -32,7 +32,7 @@ requires-python = ">=3.11"
 dependencies = ["kvflow"]
 
 [project.optional-dependencies]
-test = ["pytest>=8", "pytest-trio>=0.8"]
+test = ["kvflow[testing]"]  # kvflow.testing: the conformance suite
 
 [project.entry-points."kvflow.transports"]
 {name} = "{package}:{cls}"
@@ -61,10 +61,10 @@ from collections.abc import Sequence
 
 import msgspec
 
-from kvflow.keys import ChunkKey
-from kvflow.transport import (
+from kvflow import (
     Capabilities,
     ChunkCorrupt,
+    ChunkKey,
     ChunkMissing,
     LoadJob,
     SaveJob,
@@ -131,8 +131,8 @@ from pathlib import Path
 
 import pytest
 
-from kvflow.testing.conformance import TransportConformance
-from kvflow.transport import TransportContext
+from kvflow.testing import TransportConformance
+from kvflow import TransportContext
 from {package} import {cls}, {cls_options}
 
 

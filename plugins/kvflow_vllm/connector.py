@@ -71,6 +71,17 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
+__all__ = [
+    "KVFlowConnector",
+    "KVFlowHandshake",
+    "KVFlowMetadata",
+    "check_spec",
+    "fingerprint",
+    "layer_specs",
+    "layout_from_tensors",
+    "request_salt",
+]
+
 log = logging.getLogger("kvflow.vllm")
 
 
@@ -552,7 +563,7 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
             reused = [b for r in so.scheduled_new_reqs for ids in r.block_ids for b in ids]
             reused += [b for new in cached.new_block_ids if new for ids in new for b in ids]
         plans: list[WorkerPlan] = []
-        for g, sched in zip(self.groups, self.scheds, strict=True):
+        for n, (g, sched) in enumerate(zip(self.groups, self.scheds, strict=True)):
             scheduled = [
                 ScheduledRequest(
                     req=r.req_id,
@@ -577,7 +588,7 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
                 )
             plan = sched.plan(scheduled, preempted=so.preempted_req_ids or ())
             if self._trackers:
-                self._saves_planned(self._trackers[len(plans)], sched, plan)
+                self._saves_planned(self._trackers[n], sched, plan)
             if reused:
                 plan = msgspec.structs.replace(plan, reused=reused)
             plans.append(plan)
@@ -636,8 +647,7 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
                 sched.blocks_invalid(connector_output.invalid_block_ids)
 
     def take_events(self) -> Iterable[KVCacheEvent]:
-        for tracker in self._trackers:
-            yield from tracker.take()
+        return [event for tracker in self._trackers for event in tracker.take()]
 
     # --------------------------------------------------------------- worker
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:

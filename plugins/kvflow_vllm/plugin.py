@@ -7,6 +7,8 @@ name, so registration checks first and is safe to call any number of times.
 
 from __future__ import annotations
 
+__all__ = ["CONNECTOR_NAME", "register"]
+
 CONNECTOR_NAME = "KVFlowConnector"
 
 

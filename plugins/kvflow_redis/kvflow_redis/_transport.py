@@ -13,10 +13,10 @@ from typing import Any
 import msgspec
 import trio
 
-from kvflow.keys import ChunkKey
-from kvflow.transport import (
+from kvflow import (
     Capabilities,
     ChunkCorrupt,
+    ChunkKey,
     ChunkMissing,
     LoadJob,
     SaveJob,

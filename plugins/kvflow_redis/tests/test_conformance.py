@@ -10,15 +10,14 @@ from collections.abc import Callable
 import pytest
 import trio
 
-from kvflow.testing import make_layout
-from kvflow.testing.conformance import TransportConformance
-from kvflow.transport import (
+from kvflow import (
     ChunkCorrupt,
     LoadJob,
     SaveJob,
     TransportContext,
     TransportError,
 )
+from kvflow.testing import TransportConformance, make_layout
 from kvflow_redis import RedisOptions, RedisTransport
 from kvflow_redis._resp import Pool, parse_url
 

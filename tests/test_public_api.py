@@ -1,0 +1,90 @@
+"""kvflow's public API is pinned: what `kvflow` exports, that every module says what it
+exports, and that transport authors (the scaffold's code, the redis example) import
+public names only."""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+import re
+from pathlib import Path
+
+import pytest
+
+import kvflow
+from kvflow.cli import scaffold
+
+ROOT = Path(__file__).resolve().parent.parent
+
+PUBLIC = [  # a change here is a change of kvflow's API: say so in the changelog
+    "Capabilities",
+    "ChunkCorrupt",
+    "ChunkKey",
+    "ChunkMissing",
+    "ConfigError",
+    "HeldOffers",
+    "KVFlowConfig",
+    "KVLayout",
+    "LayerGeometry",
+    "LayoutError",
+    "LoadJob",
+    "NoOptions",
+    "NotHeld",
+    "Offer",
+    "PeerSource",
+    "Renew",
+    "SaveJob",
+    "TransferStuck",
+    "Transport",
+    "TransportContext",
+    "TransportError",
+    "answer_renew",
+    "renew_at",
+    "select_blocks",
+]
+
+
+def test_kvflow_exports_the_pinned_api() -> None:
+    assert sorted(kvflow.__all__) == PUBLIC
+    for name in PUBLIC:
+        assert getattr(kvflow, name) is not None, name
+
+
+def _modules() -> list[str]:
+    names = []
+    for package in ("kvflow", "kvflow_vllm", "kvflow_fs", "kvflow_zmq", "kvflow_nixl"):
+        mod = importlib.import_module(package)
+        names.append(package)
+        names += [m.name for m in pkgutil.walk_packages(mod.__path__, f"{package}.")]
+    return [n for n in names if not n.rsplit(".", 1)[-1].startswith("_") and ".cli" not in n]
+
+
+@pytest.mark.parametrize("name", _modules())
+def test_every_module_says_what_it_exports(name: str) -> None:
+    if name.startswith("kvflow_nixl"):
+        pytest.importorskip("nixl_cu12", reason="NIXL is an optional extra: kvflow[nixl]")
+    mod = importlib.import_module(name)
+    exported = getattr(mod, "__all__", None)
+    assert exported is not None, f"{name} has no __all__"
+    assert [n for n in exported if not hasattr(mod, n)] == [], f"{name}.__all__ names a ghost"
+
+
+_IMPORT = re.compile(r"^\s*from ([\w.]+) import", re.M)
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        *sorted((ROOT / "plugins" / "kvflow_redis" / "kvflow_redis").glob("*.py")),
+        *sorted((ROOT / "plugins" / "kvflow_redis" / "tests").glob("*.py")),
+        "scaffold",
+    ],
+    ids=str,
+)
+def test_transport_authors_import_public_names_only(source: Path | str) -> None:
+    text = scaffold.TRANSPORT + scaffold.TEST if source == "scaffold" else Path(source).read_text()
+    used = {m for m in _IMPORT.findall(text) if m.split(".")[0] == "kvflow"}
+    # the event log is user-facing too (`event_log`, `kvflow inspect`)
+    assert used <= {"kvflow", "kvflow.testing", "kvflow.events", "kvflow.eventlog"}, (
+        f"{source} imports {sorted(used)}"
+    )
