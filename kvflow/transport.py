@@ -102,9 +102,9 @@ class TransportContext:
     layout: KVLayout | None = None
     """The registered KV memory (workers only)."""
     extra: dict[str, Any] = field(default_factory=dict)
-    evicted: Callable[[list[ChunkKey]], None] | None = None
+    evicted: Callable[[str, list[ChunkKey]], None] | None = None
     """Set by kvflow's worker when vLLM publishes KV events: a store transport that deletes
-    chunks of its `namespace` to make room calls it with their keys (from any thread)."""
+    chunks to make room calls it with their namespace and keys (from any thread)."""
 
     def peer_address(self, src: PeerSource) -> str:
         """The producer endpoint serving this worker's shard; a `TransportError` if the

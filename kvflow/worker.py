@@ -194,10 +194,7 @@ class WorkerEngine:
         self._lent: set[str] = set()
         self._saves_changed: trio.Event | None = None
         self._limiters: dict[str, trio.CapacityLimiter] = {}
-        self._outcomes: ChunkOutcomes | None = None
-        if report_chunks:
-            self._outcomes = ChunkOutcomes()
-            transport.context.evicted = self._chunks_evicted
+        self._outcomes = ChunkOutcomes() if report_chunks else None
 
     # -- vLLM thread -------------------------------------------------------
     def register(self, layout: KVLayout) -> None:
@@ -332,7 +329,8 @@ class WorkerEngine:
             out, self._outcomes = self._outcomes, ChunkOutcomes()
         return out
 
-    def _chunks_evicted(self, keys: list[ChunkKey]) -> None:
+    def chunks_evicted(self, keys: list[ChunkKey]) -> None:
+        """The store deleted these chunks to make room (any thread)."""
         with self._lock:
             if self._outcomes is not None:
                 self._outcomes.evicted.extend(keys)
@@ -710,13 +708,14 @@ class WorkerEngine:
         )
         job = SaveJob(spec.req, spec.keys, spec.token_counts, layout.num_layers, layer_spans)
         t0 = time.perf_counter()
-        error, timed_out = "", False
+        error, timed_out = "interrupted", False  # until the save ends one way or another
         try:
             with scope, trio.move_on_after(self.config.save_timeout_s) as deadline:
                 async with self._limiter("save"):  # which also bounds pinned staging memory
                     if self.staged:
                         stage = HostStage(layout, spec.block_ids, spec.token_counts)
                     await self.transport.save(job)
+            error = ""
             if deadline.cancelled_caught:
                 error, timed_out = (
                     f"not saved within save_timeout_s={self.config.save_timeout_s}",
@@ -739,12 +738,12 @@ class WorkerEngine:
             step.saves_left -= 1
             if step.saves_left == 0:
                 self._steps.pop(step_no, None)
+            if self._outcomes is not None:  # before the release: vLLM may stop stepping then
+                with self._lock:
+                    (self._outcomes.unsaved if error else self._outcomes.saved).extend(spec.keys)
             self._pending_saves[spec.req] -= 1
             self._maybe_release(spec.req)
             self._notify_saves_changed()
-        if self._outcomes is not None:
-            with self._lock:
-                (self._outcomes.unsaved if error else self._outcomes.saved).extend(spec.keys)
         if error:
             self.bus.emit(
                 TransferFailed(req=spec.req, direction="save", reason=error, timed_out=timed_out)

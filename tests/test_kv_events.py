@@ -54,23 +54,33 @@ def _prompt(n: int) -> list[int]:
 
 
 def _tracker(workers: int = 2) -> tuple[KVEventTracker, Any, list[str]]:
-    """A tracker of a real vLLM request of 2.5 blocks and its chunk keys."""
+    """A tracker of a real vLLM request of 2.5 blocks whose save of every chunk (the
+    last one partial) is planned, and its chunk keys."""
     bs = vh.BLOCK_SIZE
     request = vh.make_request("r", vh.prompt_of(1, bs * 5 // 2))
     keys = chunk_keys("ns", request.prompt_token_ids, bs)
     tracker = KVEventTracker(medium=MEDIUM, block_size=bs, workers=workers, group=0)
-    tracker.planned(request, keys, keys, bs)
+    tracker.planned(request, keys, [bs, bs, bs // 2], keys, bs)
     return tracker, request, keys
+
+
+def _stored(keys: list[str], rank: int, **kw: list[str]) -> ChunkReport:
+    return ChunkReport.of(ChunkOutcomes(saved=keys, **kw), rank)
+
+
+def _hash(h: bytes) -> int:
+    return int.from_bytes(h, "big") & (2**64 - 1)
 
 
 def test_a_block_is_announced_once_every_worker_stored_it() -> None:
     tracker, request, keys = _tracker()
-    tracker.report(ChunkReport.of(ChunkOutcomes(saved=keys)))
+    tracker.report(_stored(keys, rank=0))
+    tracker.report(_stored(keys, rank=0))  # a second save on the same worker
     assert tracker.take() == []  # one of two workers
-    tracker.report(ChunkReport.of(ChunkOutcomes(saved=keys)))
+    tracker.report(_stored(keys, rank=1))
     events = tracker.take()
     bs = vh.BLOCK_SIZE
-    hashes = [int.from_bytes(h, "big") & (2**64 - 1) for h in request.block_hashes]
+    hashes = [_hash(h) for h in request.block_hashes]
     assert [e.block_hashes for e in events] == [[hashes[0]], [hashes[1]]]  # not the partial
     assert [e.parent_block_hash for e in events] == [None, hashes[0]]
     assert [e.token_ids for e in events] == [
@@ -80,29 +90,50 @@ def test_a_block_is_announced_once_every_worker_stored_it() -> None:
     assert {(e.medium, e.block_size, e.group_idx) for e in events} == {(MEDIUM, bs, 0)}
 
 
+def test_a_partial_block_is_never_announced_even_once_vllm_hashed_its_block() -> None:
+    bs = vh.BLOCK_SIZE
+    request = vh.make_request("r", vh.prompt_of(2, bs * 2))  # vLLM hashes both blocks
+    keys = chunk_keys("ns", request.prompt_token_ids, bs)
+    tracker = KVEventTracker(medium=MEDIUM, block_size=bs, workers=1, group=0)
+    tracker.planned(request, keys, [bs, bs - 1], keys, bs)  # kvflow stores 2k-1 tokens
+    tracker.report(_stored(keys, rank=0))
+    assert [e.block_hashes for e in tracker.take()] == [[_hash(request.block_hashes[0])]]
+
+
 def test_a_chunk_a_worker_failed_to_store_is_never_announced() -> None:
     tracker, _, keys = _tracker()
-    tracker.report(ChunkReport.of(ChunkOutcomes(saved=keys[:1], unsaved=keys[1:])))
-    tracker.report(ChunkReport.of(ChunkOutcomes(saved=keys)))
+    tracker.report(_stored(keys[:1], rank=0, unsaved=keys[1:]))
+    tracker.report(_stored(keys, rank=1))
     assert [len(e.block_hashes) for e in tracker.take()] == [1]  # the first block only
+
+
+def test_a_request_whose_saves_are_over_is_forgotten() -> None:
+    tracker, _, keys = _tracker()
+    tracker.report(_stored(keys, rank=0))
+    tracker.forget("r")  # its blocks went back to vLLM: rank 1's save never came
+    tracker.report(_stored(keys, rank=1))
+    assert tracker.take() == []
 
 
 def test_evictions_remove_announced_blocks_only() -> None:
     tracker, request, keys = _tracker(workers=1)
-    tracker.report(ChunkReport.of(ChunkOutcomes(saved=keys[:1])))
+    tracker.report(_stored(keys[:1], rank=0))
     tracker.take()
-    tracker.report(ChunkReport.of(ChunkOutcomes(evicted=["other", keys[1], keys[0], keys[0]])))
+    tracker.report(ChunkReport.of(ChunkOutcomes(evicted=["x", keys[1], keys[0], keys[0]]), 0))
     (removed,) = tracker.take()
     assert type(removed).__name__ == "BlockRemoved" and removed.medium == MEDIUM
-    assert removed.block_hashes == [int.from_bytes(request.block_hashes[0], "big") & (2**64 - 1)]
+    assert removed.block_hashes == [_hash(request.block_hashes[0])]
 
 
-def test_worker_reports_sum_over_workers_and_pickle_as_msgspec_bytes() -> None:
-    a = KVFlowWorkerMeta([ChunkReport({"k": 1}, ["u"], []), ChunkReport()])
-    b = KVFlowWorkerMeta([ChunkReport({"k": 1, "j": 1}, [], ["e"]), ChunkReport({"x": 1})])
+def test_worker_reports_merge_over_workers_and_pickle_as_msgspec_bytes() -> None:
+    a = KVFlowWorkerMeta([ChunkReport({"k": [0]}, ["u"], []), ChunkReport()])
+    b = KVFlowWorkerMeta([ChunkReport({"k": [1], "j": [1]}, [], ["e"]), ChunkReport({"x": [1]})])
     both = pickle.loads(pickle.dumps(a.aggregate(b)))
     assert isinstance(both, KVFlowWorkerMeta)
-    assert both.reports == [ChunkReport({"k": 2, "j": 1}, ["u"], ["e"]), ChunkReport({"x": 1})]
+    assert both.reports == [
+        ChunkReport({"k": [0, 1], "j": [1]}, ["u"], ["e"]),
+        ChunkReport({"x": [1]}),
+    ]
     raw = pickle.dumps(a)  # a function and bytes: no kvflow class rides in pickle
     assert b"KVFlowWorkerMeta" not in raw and b"ChunkReport" not in raw
 

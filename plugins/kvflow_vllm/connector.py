@@ -428,6 +428,16 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
         """vLLM's KV events for what kvflow stored and its store evicted (scheduler)."""
         self._requests: dict[str, Request] = {}
         """Running requests, while their saves are planned (with KV events only)."""
+        self._rank = shards.index(_shard(tp_rank, pc.tensor_parallel_size, pp_rank))
+        if self._workers and events_enabled(vllm_config):
+            by_namespace = dict(zip(namespaces, self._workers, strict=True))
+
+            def evicted(namespace: str, keys: list[str]) -> None:
+                if (worker := by_namespace.get(namespace)) is not None:
+                    worker.chunks_evicted(keys)
+
+            for transport in self.transports:
+                transport.context.evicted = evicted
         self._sending = Pending()
         self._receiving = Pending()
         self._num_blocks = kv_cache_config.num_blocks
@@ -598,9 +608,18 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
         self, tracker: KVEventTracker, sched: SchedulerEngine, plan: WorkerPlan
     ) -> None:
         hash_block = getattr(self._kv_cache_config, "hash_block_size", None) or self.block_size
+        if self.block_size % hash_block:  # vLLM hashes coarser blocks (context parallel)
+            log.warning(
+                "kvflow: no KV events: vLLM hashes blocks of %d tokens, kvflow stores blocks of %d",
+                hash_block,
+                self.block_size,
+            )
+            self._trackers = []
+            return
         for spec in plan.saves:
             if (request := self._requests.get(spec.req)) is not None:
-                tracker.planned(request, spec.keys, sched.chunk_keys(spec.req), hash_block)
+                chunks = sched.chunk_keys(spec.req)
+                tracker.planned(request, spec.keys, spec.token_counts, chunks, hash_block)
 
     def request_finished(
         self, request: Request, block_ids: list[int]
@@ -619,6 +638,9 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
             lend = lend or lent
             if p is not None:
                 params.append(p)
+        if not lend:  # no save of it is in flight
+            for tracker in self._trackers:
+                tracker.forget(request.request_id)
         if params and len(params) != len(self.scheds):  # some group has nothing to offer
             log.error(
                 "kvflow: request %s: not every KV cache group offered its blocks; "
@@ -640,6 +662,9 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
         if isinstance(meta, KVFlowWorkerMeta):
             for tracker, report in zip(self._trackers, meta.reports, strict=False):
                 tracker.report(report)
+        for tracker in self._trackers:  # every worker reported its saves before these
+            for req in connector_output.finished_sending or ():
+                tracker.forget(req)
         for sched in self.scheds:
             if connector_output.failed_recving:
                 sched.loads_failed(connector_output.failed_recving)
@@ -651,7 +676,7 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
 
     # --------------------------------------------------------------- worker
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        reports = [ChunkReport.of(w.take_chunk_outcomes()) for w in self.workers]
+        reports = [ChunkReport.of(w.take_chunk_outcomes(), self._rank) for w in self.workers]
         if all(r.is_empty() for r in reports):
             return None
         return KVFlowWorkerMeta(reports)

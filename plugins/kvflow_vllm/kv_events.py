@@ -36,8 +36,9 @@ if TYPE_CHECKING:
 
 __all__ = ["ChunkReport", "KVEventTracker", "KVFlowWorkerMeta", "events_enabled"]
 
-REMEMBERED = 1 << 20
-"""Stored blocks remembered for their `BlockRemoved` (the oldest are forgotten first)."""
+REMEMBERED = 1 << 18
+"""Stored blocks remembered for their `BlockRemoved` (the oldest are forgotten first:
+~50 MB; a block forgotten and later evicted gets no `BlockRemoved`)."""
 
 
 def events_enabled(vllm_config: Any) -> bool:
@@ -46,26 +47,23 @@ def events_enabled(vllm_config: Any) -> bool:
 
 
 class ChunkReport(msgspec.Struct, array_like=True):
-    """One KV cache group's chunk outcomes, summed over workers."""
+    """One KV cache group's chunk outcomes, merged over workers."""
 
-    saved: dict[str, int] = {}
-    """Key -> how many workers stored their shard of it."""
+    saved: dict[str, list[int]] = {}
+    """Key -> the workers (shard ranks) that stored their shard of it."""
     unsaved: list[str] = []
     evicted: list[str] = []
 
     @classmethod
-    def of(cls, outcomes: ChunkOutcomes | None) -> ChunkReport:
+    def of(cls, outcomes: ChunkOutcomes | None, rank: int) -> ChunkReport:
         if outcomes is None:
             return cls()
-        saved: dict[str, int] = {}
-        for key in outcomes.saved:
-            saved[key] = saved.get(key, 0) + 1
-        return cls(saved, outcomes.unsaved, outcomes.evicted)
+        return cls({k: [rank] for k in outcomes.saved}, outcomes.unsaved, outcomes.evicted)
 
     def merge(self, other: ChunkReport) -> ChunkReport:
         saved = dict(self.saved)
-        for key, n in other.saved.items():
-            saved[key] = saved.get(key, 0) + n
+        for key, ranks in other.saved.items():
+            saved[key] = saved.get(key, []) + ranks
         return ChunkReport(saved, self.unsaved + other.unsaved, self.evicted + other.evicted)
 
     def is_empty(self) -> bool:
@@ -105,25 +103,36 @@ class KVEventTracker:
         self.block_size = block_size
         self.workers = workers
         self.group = group
-        self._planned: dict[ChunkKey, tuple[BlockStored, int]] = {}
-        """A chunk a save will store -> its event and how many workers stored it so far."""
+        self._planned: dict[ChunkKey, tuple[BlockStored, set[int], set[str]]] = {}
+        """A chunk a save will store -> its event, the workers that stored it so far and
+        the requests whose saves store it."""
         self._stored: OrderedDict[ChunkKey, int | bytes] = OrderedDict()
         """Chunks announced as stored -> their block hash (for `BlockRemoved`)."""
         self._events: list[KVCacheEvent] = []
 
     def planned(
-        self, request: Request, keys: Iterable[ChunkKey], chunks: list[ChunkKey], hash_block: int
+        self,
+        request: Request,
+        keys: Iterable[ChunkKey],
+        counts: Iterable[int],
+        chunks: list[ChunkKey],
+        hash_block: int,
     ) -> None:
-        """A save of `request`'s chunks `keys` was planned (`chunks`: all its chunk keys,
-        in order; `hash_block`: the tokens of each of `request.block_hashes`)."""
+        """A save of `request`'s chunks `keys` (holding `counts` tokens) was planned
+        (`chunks`: all its chunk keys, in order; `hash_block`: the tokens of each of
+        `request.block_hashes`, a divisor of the block size)."""
         index = {k: i for i, k in enumerate(chunks)}
         scale = self.block_size // hash_block
         hashes = request.block_hashes
         lora = request.lora_request
-        for key in keys:
+        req = request.request_id
+        for key, count in zip(keys, counts, strict=True):
             i = index.get(key)
-            if i is None or (i + 1) * scale > len(hashes):
-                continue  # a partial last block: vLLM does not hash it
+            if i is None or count < self.block_size or (i + 1) * scale > len(hashes):
+                continue  # a partial block: vLLM does not hash it
+            if (entry := self._planned.get(key)) is not None:
+                entry[2].add(req)  # another request's save of the same chunk
+                continue
             parent = None if i == 0 else maybe_convert_block_hash(hashes[i * scale - 1])
             start = i * self.block_size
             event = BlockStored(
@@ -136,19 +145,19 @@ class KVEventTracker:
                 lora_name=lora.name if lora else None,
                 group_idx=self.group,
             )
-            self._planned[key] = (event, 0)
+            self._planned[key] = (event, set(), {req})
 
     def report(self, report: ChunkReport) -> None:
         """What the workers' saves and stores did (one step's sum)."""
         for key in report.unsaved:  # one shard missing: the chunk is not whole
             self._planned.pop(key, None)
-        for key, n in report.saved.items():
+        for key, ranks in report.saved.items():
             entry = self._planned.get(key)
             if entry is None:
                 continue
-            event, done = entry[0], entry[1] + n
-            if done < self.workers:
-                self._planned[key] = (event, done)
+            event, done, _ = entry
+            done.update(ranks)
+            if len(done) < self.workers:
                 continue
             del self._planned[key]
             self._events.append(event)
@@ -161,6 +170,15 @@ class KVEventTracker:
             self._events.append(
                 BlockRemoved(block_hashes=removed, medium=self.medium, group_idx=self.group)
             )
+
+    def forget(self, req: str) -> None:
+        """`req`'s saves are over (its blocks went back to vLLM): what they did not
+        store is not coming."""
+        for key in [k for k, (_, _, reqs) in self._planned.items() if req in reqs]:
+            reqs = self._planned[key][2]
+            reqs.discard(req)
+            if not reqs:
+                del self._planned[key]
 
     def take(self) -> list[KVCacheEvent]:
         events, self._events = self._events, []

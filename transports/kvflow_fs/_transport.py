@@ -590,8 +590,7 @@ class FsTransport(Transport):
         usage = sum(size for _, size, _ in entries)
         target = int(self.max_bytes * 0.9)
         removed = freed = 0
-        mine: list[ChunkKey] = []  # this namespace's chunks, for vLLM's KV events
-        ours = str(self.dir) + os.sep
+        gone: dict[str, list[ChunkKey]] = {}  # namespace -> chunks, for vLLM's KV events
         for _, size, path in entries:
             if usage - freed <= target:
                 break
@@ -599,11 +598,12 @@ class FsTransport(Transport):
                 os.unlink(path)
                 freed += size
                 removed += 1
-                if path.startswith(ours):
-                    mine.append(os.path.basename(path).split(".", 1)[0])
+                namespace = os.path.basename(os.path.dirname(os.path.dirname(path)))
+                gone.setdefault(namespace, []).append(os.path.basename(path).split(".", 1)[0])
         # what it deleted, not the walk's total: saves committed during the walk count
         usage = self._add_usage(-freed)
         self.evictions += 1
         log.info("kvflow fs: evicted %d chunk files; %d bytes remain", removed, usage)
-        if mine and self.context.evicted is not None:
-            self.context.evicted(mine)
+        if self.context.evicted is not None:
+            for namespace, keys in gone.items():
+                self.context.evicted(namespace, keys)
