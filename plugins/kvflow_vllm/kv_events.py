@@ -148,7 +148,7 @@ class KVEventTracker:
             self._planned[key] = (event, set(), {req})
 
     def report(self, report: ChunkReport) -> None:
-        """What the workers' saves and stores did (one step's sum)."""
+        """What the workers' saves and stores did (one step's reports, merged)."""
         for key in report.unsaved:  # one shard missing: the chunk is not whole
             self._planned.pop(key, None)
         for key, ranks in report.saved.items():
