@@ -103,8 +103,8 @@ class TransportContext:
     """The registered KV memory (workers only)."""
     extra: dict[str, Any] = field(default_factory=dict)
     evicted: Callable[[str, list[ChunkKey]], None] | None = None
-    """Set by kvflow's worker when vLLM publishes KV events: a store transport that deletes
-    chunks to make room calls it with their namespace and keys (from any thread)."""
+    """Set by kvflow's vLLM adapter when vLLM publishes KV events: a store transport that
+    deletes chunks to make room calls it with their namespace and keys (any thread)."""
 
     def peer_address(self, src: PeerSource) -> str:
         """The producer endpoint serving this worker's shard; a `TransportError` if the

@@ -131,8 +131,8 @@ from pathlib import Path
 
 import pytest
 
-from kvflow.testing import TransportConformance
 from kvflow import TransportContext
+from kvflow.testing import TransportConformance
 from {package} import {cls}, {cls_options}
 
 

@@ -323,6 +323,16 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
         if len(self.groups) > 1:
             self._check_groups(kv_cache_config)
         self.block_size = kv_cache_config.kv_cache_groups[self.groups[0]].kv_cache_spec.block_size
+        self._hash_block = getattr(kv_cache_config, "hash_block_size", None) or self.block_size
+        """Tokens of each of vLLM's `request.block_hashes` (a divisor of the block size)."""
+        events = events_enabled(vllm_config)
+        if events and self.block_size % self._hash_block:  # decode context parallelism
+            log.warning(
+                "kvflow: no KV events: vLLM hashes blocks of %d tokens, kvflow stores blocks of %d",
+                self._hash_block,
+                self.block_size,
+            )
+            events = False
         pc = vllm_config.parallel_config
         is_scheduler = role == KVConnectorRole.SCHEDULER
         if is_scheduler:
@@ -403,7 +413,7 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
                         transport=transport,
                         runtime=self.runtime,
                         bus=self.bus,
-                        report_chunks=events_enabled(vllm_config),
+                        report_chunks=events,
                     )
                 )
         self._sliding = len(self.groups) > 1 and any(
@@ -422,14 +432,14 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
                 )
                 for g in self.groups
             ]
-            if is_scheduler and events_enabled(vllm_config)
+            if is_scheduler and events
             else []
         )
         """vLLM's KV events for what kvflow stored and its store evicted (scheduler)."""
         self._requests: dict[str, Request] = {}
         """Running requests, while their saves are planned (with KV events only)."""
         self._rank = shards.index(_shard(tp_rank, pc.tensor_parallel_size, pp_rank))
-        if self._workers and events_enabled(vllm_config):
+        if self._workers and events:
             by_namespace = dict(zip(namespaces, self._workers, strict=True))
 
             def evicted(namespace: str, keys: list[str]) -> None:
@@ -607,19 +617,10 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
     def _saves_planned(
         self, tracker: KVEventTracker, sched: SchedulerEngine, plan: WorkerPlan
     ) -> None:
-        hash_block = getattr(self._kv_cache_config, "hash_block_size", None) or self.block_size
-        if self.block_size % hash_block:  # vLLM hashes coarser blocks (context parallel)
-            log.warning(
-                "kvflow: no KV events: vLLM hashes blocks of %d tokens, kvflow stores blocks of %d",
-                hash_block,
-                self.block_size,
-            )
-            self._trackers = []
-            return
         for spec in plan.saves:
             if (request := self._requests.get(spec.req)) is not None:
                 chunks = sched.chunk_keys(spec.req)
-                tracker.planned(request, spec.keys, spec.token_counts, chunks, hash_block)
+                tracker.planned(request, spec.keys, spec.token_counts, chunks, self._hash_block)
 
     def request_finished(
         self, request: Request, block_ids: list[int]

@@ -589,21 +589,21 @@ class FsTransport(Transport):
         entries.sort()
         usage = sum(size for _, size, _ in entries)
         target = int(self.max_bytes * 0.9)
-        removed = freed = 0
-        gone: dict[str, list[ChunkKey]] = {}  # namespace -> chunks, for vLLM's KV events
+        freed = 0
+        gone: dict[str, list[ChunkKey]] = {}  # namespace -> chunks deleted
         for _, size, path in entries:
             if usage - freed <= target:
                 break
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
                 freed += size
-                removed += 1
                 namespace = os.path.basename(os.path.dirname(os.path.dirname(path)))
                 gone.setdefault(namespace, []).append(os.path.basename(path).split(".", 1)[0])
         # what it deleted, not the walk's total: saves committed during the walk count
         usage = self._add_usage(-freed)
         self.evictions += 1
+        removed = sum(len(keys) for keys in gone.values())
         log.info("kvflow fs: evicted %d chunk files; %d bytes remain", removed, usage)
-        if self.context.evicted is not None:
+        if self.context.evicted is not None:  # for vLLM's KV events
             for namespace, keys in gone.items():
                 self.context.evicted(namespace, keys)
