@@ -41,6 +41,8 @@ __all__ = [
 log = logging.getLogger("kvflow.events")
 
 Direction = Literal["load", "save", "send"]
+What = Literal["kv", "hidden_states"]
+"""What a save moves: KV, or a request's hidden states (`kvflow.hidden_states`)."""
 
 
 class Origin(msgspec.Struct, frozen=True):
@@ -124,6 +126,7 @@ class SaveStarted(_Base):
     tokens: int
     nbytes: int
     transport: str
+    what: What = "kv"
 
 
 class TransferDone(_Base):
@@ -131,6 +134,7 @@ class TransferDone(_Base):
     chunks: int
     nbytes: int
     elapsed_s: float
+    what: What = "kv"
 
 
 class TransferFailed(_Base):
@@ -138,6 +142,7 @@ class TransferFailed(_Base):
     reason: str
     block_ids: list[int] = []
     timed_out: bool = False
+    what: What = "kv"
 
 
 class BlocksReleased(_Base):

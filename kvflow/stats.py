@@ -112,6 +112,8 @@ class StatsCollector:
     def __call__(self, event: Event) -> None:
         if type(event) not in _COUNTED:  # per-layer events: no lock, no work
             return
+        if getattr(event, "what", "kv") != "kv":  # hidden states are not KV traffic
+            return
         with self._lock:
             d = self._data
             if isinstance(event, LookupRequested):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pickle
 
+import msgspec
 import pytest
 import torch
 
@@ -21,12 +22,20 @@ def test_metadata_pickles_as_its_msgspec_bytes_only() -> None:
         lent=["r0"],
         preempted=["r9"],
     )
-    meta = connector.KVFlowMetadata([plan])
+    from kvflow.hidden_states import HiddenStatesRef
+    from kvflow_vllm.hidden_states import HiddenExport
+
+    ref = HiddenStatesRef("fs", "ns", ["d" * 32], 32, [5, 6], 2, 8, "float32")
+    exports = [HiddenExport("r3", [4], ref)]
+    meta = connector.KVFlowMetadata([plan], exports)
     fn, args = meta.__reduce__()
-    assert args == ([encode_plan(plan)],), "the only state pickle carries is msgspec bytes"
+    assert args == ([encode_plan(plan)], msgspec.msgpack.encode(exports)), (
+        "the only state pickle carries is msgspec bytes"
+    )
     assert fn is connector._metadata_from_bytes
     again = pickle.loads(pickle.dumps(meta))
     assert again.plan == plan
+    assert again.exports == exports
 
 
 def test_plugin_registration_is_idempotent() -> None:

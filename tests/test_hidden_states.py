@@ -1,9 +1,10 @@
-"""vLLM's `extract_hidden_states` method with kvflow: its cache-only layer shares the
-attention layers' KV cache group, so the group's layers have different specs. kvflow's
-scheduler and workers must still agree on the group's keys: a prompt saved by the
-first request is loaded by the second (before the fix, their namespaces differed and
-nothing ever hit). kvflow does not export the hidden states themselves yet
-(docs/models.md)."""
+"""vLLM's `extract_hidden_states` method with kvflow, on a real engine.
+
+Its cache-only layer shares the attention layers' KV cache group, so the group's
+layers have different specs; kvflow's scheduler and workers must still agree on the
+group's keys. kvflow stores each finished request's hidden states and returns where
+they are in `kv_transfer_params`; they must be the model's own: the same rows that
+Hugging Face transformers computes from the same weights."""
 
 from __future__ import annotations
 
@@ -11,6 +12,10 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
+
+from kvflow.hidden_states import PARAM, HiddenStatesReader
+from kvflow_vllm.engine import tiny_model_dir
 
 from .e2e import assert_same_generation, run_engine
 
@@ -40,3 +45,46 @@ def test_a_prompt_saved_under_extract_hidden_states_is_loaded_again(tmp_path: Pa
     assert_same_generation(second, first, "loaded under extract_hidden_states")
     # the scheduler's transport and the worker's use one namespace
     assert len([d for d in (tmp_path / "store").iterdir() if d.is_dir()]) == 1
+
+
+def reference_rows(tokens: list[int], layer_ids: list[int]) -> torch.Tensor:
+    """What vLLM's aux hidden state `i` is (the input of decoder layer i), from Hugging
+    Face transformers' forward of the same weights: `[tokens, layers, hidden]`."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir(), torch_dtype=torch.float32)
+    with torch.no_grad():
+        out = model(torch.tensor([tokens]), output_hidden_states=True)
+    return torch.stack([out.hidden_states[i][0] for i in layer_ids], dim=1)
+
+
+def test_hidden_states_are_stored_and_read_back_by_request(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    res = run_engine(
+        tmp_path,
+        "export",
+        batches=[[PROMPT], [PROMPT], [PROMPT[:77]]],
+        batch_params=[{}, {}, {"include_output_tokens": True}],
+        max_tokens=4,
+        extra_config={"options": {"path": str(store)}},
+        llm_args={"speculative_config": SPECULATIVE},
+    )
+    (cold,), (warm,), (outputs,) = res.batches
+    assert warm.cached_tokens == len(PROMPT) - 1, "the second request did not hit"
+    layer_ids = SPECULATIVE["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"]
+    want = reference_rows(PROMPT, layer_ids)
+    with HiddenStatesReader("fs", {"path": str(store)}, timeout_s=5.0) as reader:
+        for r in (cold, warm):  # computed, then loaded with the prompt's KV from the store
+            assert r.kv_transfer_params is not None and PARAM in r.kv_transfer_params
+            got = reader.load(r.kv_transfer_params)
+            assert got.token_ids.tolist() == PROMPT
+            torch.testing.assert_close(got.hidden_states, want, rtol=1e-3, atol=1e-3)
+        assert outputs.kv_transfer_params is not None
+        got = reader.load(outputs.kv_transfer_params)
+    tokens = PROMPT[:77] + outputs.tokens[:-1]  # the last token was never an input
+    assert got.token_ids.tolist() == tokens
+    torch.testing.assert_close(
+        got.hidden_states, reference_rows(tokens, layer_ids), rtol=1e-3, atol=1e-3
+    )
+    # the same prompt's chunks are stored once: KV and hidden states in their namespaces
+    assert len([d for d in store.iterdir() if d.is_dir()]) == 2

@@ -26,6 +26,11 @@ __all__ = ["EVENT_KINDS", "EngineTotals", "ErrorRow", "EventFilter", "InspectSta
 EVENT_KINDS: tuple[str, ...] = tuple(t.__name__ for t in typing.get_args(Event))
 
 
+def _save_kind(ev: SaveStarted) -> str:
+    """A KV save is a `save`; a request's hidden states going to the store an `export`."""
+    return "save" if ev.what == "kv" else "export"
+
+
 @dataclass
 class EventFilter:
     """`--engine` / `--req` (prefixes: ids are long) and `--kind` (exact class names)."""
@@ -98,6 +103,8 @@ class EngineTotals:
     bytes_saved: int = 0
     sends: int = 0
     bytes_sent: int = 0
+    exports: int = 0
+    """Hidden-state saves done (`kvflow.hidden_states`)."""
     failures: int = 0
     timeouts: int = 0
     lent: dict[str, int] = field(default_factory=dict)
@@ -176,7 +183,7 @@ class InspectState:
                 tot.timeouts += "timeout" in ev.error
                 self._errors.append(ErrorRow(now, o.engine, ev.req, "lookup", ev.error))
         elif isinstance(ev, (LoadStarted, SaveStarted)):
-            direction = "load" if isinstance(ev, LoadStarted) else "save"
+            direction = "load" if isinstance(ev, LoadStarted) else _save_kind(ev)
             t = Transfer(
                 o.engine, o.rank, ev.req, direction, ev.transport, ev.chunks, ev.tokens, ev.nbytes
             )
@@ -192,17 +199,20 @@ class InspectState:
 
     def _end(self, tot: EngineTotals, ev: TransferDone | TransferFailed, now: float) -> None:
         o = ev.origin
-        key = (o.engine, o.rank, ev.req, ev.direction)
+        direction = ev.direction if ev.what == "kv" else "export"
+        key = (o.engine, o.rank, ev.req, direction)
         queue = self._active.get(key)
         if queue:
             t = queue.popleft()  # same request, same direction: they end in start order
             if not queue:
                 del self._active[key]
         else:  # `send` has no start event; or we joined after it started
-            t = Transfer(o.engine, o.rank, ev.req, ev.direction, started=now)
+            t = Transfer(o.engine, o.rank, ev.req, direction, started=now)
         if isinstance(ev, TransferDone):
             t.state, t.elapsed_s, t.chunks, t.nbytes = "done", ev.elapsed_s, ev.chunks, ev.nbytes
-            if ev.direction == "load":
+            if direction == "export":
+                tot.exports += 1
+            elif ev.direction == "load":
                 tot.loads += 1
                 tot.tokens_loaded += t.tokens
                 tot.bytes_loaded += t.nbytes
@@ -218,7 +228,7 @@ class InspectState:
             t.elapsed_s, t.reason = max(0.0, now - t.started), ev.reason
             tot.failures += 1
             tot.timeouts += ev.timed_out
-            self._errors.append(ErrorRow(now, o.engine, ev.req, ev.direction, ev.reason))
+            self._errors.append(ErrorRow(now, o.engine, ev.req, direction, ev.reason))
         self._done.append(t)
 
     # -- output ------------------------------------------------------------

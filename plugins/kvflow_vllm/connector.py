@@ -30,6 +30,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvflow.config import ConfigError, KVFlowConfig, parse_config, parse_options
 from kvflow.eventlog import JsonlEventLog
 from kvflow.events import EventBus, Origin
+from kvflow.hidden_states import hidden_context, hidden_layout
 from kvflow.keys import Fingerprint
 from kvflow.layout import KVLayout, LayoutError, block_geometry, view_extent, view_geometry
 from kvflow.metadata import WorkerPlan, decode_plan, encode_plan
@@ -51,6 +52,13 @@ from kvflow.worker import WorkerEngine
 
 from .compat import untested_version
 from .groups import Pending, transfer_groups
+from .hidden_states import (
+    HiddenExport,
+    HiddenStatesExporter,
+    HiddenStatesPlanner,
+    extracts_hidden_states,
+    hidden_layer,
+)
 from .kv_events import ChunkReport, KVEventTracker, KVFlowWorkerMeta, events_enabled
 from .stats import KVFlowPromMetrics, KVFlowStats
 
@@ -86,24 +94,31 @@ log = logging.getLogger("kvflow.vllm")
 
 
 class KVFlowMetadata(KVConnectorMetadata):
-    """Carries a `WorkerPlan` per KV cache group; pickles as their msgspec bytes, nothing
-    else."""
+    """Carries a `WorkerPlan` per KV cache group, and the hidden-state exports; pickles as
+    their msgspec bytes, nothing else."""
 
-    def __init__(self, plans: list[WorkerPlan]) -> None:
+    def __init__(self, plans: list[WorkerPlan], exports: list[HiddenExport] | None = None) -> None:
         self.plans = plans
+        self.exports = exports or []
 
     @property
     def plan(self) -> WorkerPlan:
         """The first (for most models the only) group's plan."""
         return self.plans[0]
 
-    def __reduce__(self) -> tuple[Any, tuple[list[bytes]]]:
-        return (_metadata_from_bytes, ([encode_plan(p) for p in self.plans],))
+    def __reduce__(self) -> tuple[Any, tuple[list[bytes], bytes]]:
+        plans = [encode_plan(p) for p in self.plans]
+        return (_metadata_from_bytes, (plans, msgspec.msgpack.encode(self.exports)))
 
 
-def _metadata_from_bytes(data: list[bytes]) -> KVFlowMetadata:
-    return KVFlowMetadata([decode_plan(d) for d in data])
+def _metadata_from_bytes(data: list[bytes], exports: bytes = b"\x90") -> KVFlowMetadata:
+    return KVFlowMetadata(
+        [decode_plan(d) for d in data], msgspec.msgpack.decode(exports, type=list[HiddenExport])
+    )
 
+
+_HIDDEN = -1
+"""`Pending`'s group for a request's hidden-state export (next to its KV groups')."""
 
 _NULL_BLOCK = 0
 """vLLM's null block (the first its pool hands out): what a sliding window's block table
@@ -314,6 +329,12 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
         self.engine_id = str(ktc.engine_id)
         transport_cls = load_transport(self.config.transport)
         caps = transport_cls.capabilities
+        hidden = extracts_hidden_states(vllm_config)
+        if hidden and not caps.store:
+            raise ConfigError(
+                "KVFlowConnector: extract_hidden_states: kvflow stores hidden states through a "
+                f"store transport (fs, redis, ...); {self.config.transport!r} is not one"
+            )
         self.groups = transfer_groups(kv_cache_config)
         """vLLM's KV cache groups kvflow moves, each with its own keys, transport and
         engine (see kvflow_vllm.groups)."""
@@ -450,6 +471,22 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
                 transport.context.evicted = evicted
         self._sending = Pending()
         self._receiving = Pending()
+        self._planner: HiddenStatesPlanner | None = None
+        """Scheduler, under extract_hidden_states: the requests whose hidden states to store."""
+        self._exporter: HiddenStatesExporter | None = None
+        """Worker, under extract_hidden_states: copies them out and stores them."""
+        if hidden:
+            planner = HiddenStatesPlanner(vllm_config, kv_cache_config, self.config.transport)
+            if is_scheduler:
+                self._planner = planner
+            else:
+                self._exporter = HiddenStatesExporter(
+                    self.runtime, self.bus, self.config.save_timeout_s
+                )
+                self._hidden_writer = tp_rank == 0
+                self._hidden_transport = lambda: transport_cls(
+                    options, hidden_context(self.engine_id, "worker", planner.namespace)
+                )
         self._num_blocks = kv_cache_config.num_blocks
         log.info(
             "kvflow %s ready: transport=%s namespace=%s load_mode=%s",
@@ -612,7 +649,7 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
             if reused:
                 plan = msgspec.structs.replace(plan, reused=reused)
             plans.append(plan)
-        return KVFlowMetadata(plans)
+        return KVFlowMetadata(plans, self._planner.take() if self._planner else None)
 
     def _saves_planned(
         self, tracker: KVEventTracker, sched: SchedulerEngine, plan: WorkerPlan
@@ -649,7 +686,13 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
                 request.request_id,
             )
             params = []
-        return lend, join_groups(params) if params else None
+        out = join_groups(params) if params else {}
+        if self._planner is not None:  # its blocks stay lent until the rows are copied out
+            ids = block_ids[self._planner.group] if len(block_ids) > 1 else block_ids[0]
+            if ref := self._planner.finished(request, ids, request_salt(request)):
+                lend = True
+                out = {**out, **ref.to_params()}
+        return lend, out or None
 
     def set_xfer_handshake_metadata(
         self, metadata: dict[int, KVConnectorHandshakeMetadata]
@@ -695,6 +738,8 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
             layout = layout_from_tensors(caches, self._num_blocks, self.block_size)
             worker.register(layout)
             self._layer_index.update((n, (worker, i)) for n, i in layout.index.items())
+        if self._exporter is not None:
+            self._register_hidden(kv_caches)
         for reg, shared in pinned_neighbours(self.engine_id):
             log.warning(
                 "kvflow: this worker (pid %d) and engine %s's worker (pid %d) on this host "
@@ -708,6 +753,26 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
                 sorted(shared),
             )
 
+    def _register_hidden(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Under extract_hidden_states: the worker holding the cache-only layer on tensor
+        parallel rank 0 stores the hidden states, through a transport of their own."""
+        assert self._exporter is not None and self._planner is None
+        name = hidden_layer(self._kv_cache_config)
+        if name is None or name not in kv_caches or not self._hidden_writer:
+            return
+        view = kv_caches[name]
+        dtype = str(view.dtype).removeprefix("torch.")
+        transport = self._hidden_transport()
+        try:
+            self.runtime.call(transport.open, timeout=60.0)
+        except TransportError as exc:
+            raise ConfigError(f"KVFlowConnector: hidden states: {exc}") from None
+        self.runtime.add_closer(transport.aclose)
+        layout = hidden_layout(self.block_size, view.shape[1], view.shape[3], dtype)
+        self.runtime.call(transport.register, layout, timeout=60.0)
+        self._exporter.register(transport, view, self._num_blocks)
+        log.info("kvflow: storing hidden states of %s (%s)", name, layout.describe())
+
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         assert isinstance(connector_metadata, KVFlowMetadata)
@@ -717,6 +782,9 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
             self._sending.expect(plan.lent, g)
             self._receiving.expect((s.req for s in plan.loads if s.asynchronous), g)
             worker.bind(plan)
+        if self._exporter is not None and connector_metadata.exports:
+            self._sending.expect((e.req for e in connector_metadata.exports), _HIDDEN)
+            self._exporter.export(connector_metadata.exports)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         assert isinstance(kv_connector_metadata, KVFlowMetadata)
@@ -766,6 +834,8 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
             r = worker.take_results()
             sending |= self._sending.done(r.finished_sending, g)
             recving |= self._receiving.done(r.finished_recving, g, r.failed_recving)
+        if self._exporter is not None:
+            sending |= self._sending.done(self._exporter.take_done(), _HIDDEN)
         return KVConnectorTransferResults(
             finished_sending=sending,
             finished_recving=recving,
@@ -787,4 +857,6 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
         end = time.monotonic() + self.config.shutdown_drain_s
         for worker in self._workers:
             worker.drain(max(0.0, end - time.monotonic()))
+        if self._exporter is not None:
+            self._exporter.drain(max(0.0, end - time.monotonic()))
         self.runtime.shutdown()

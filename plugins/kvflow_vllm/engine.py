@@ -171,6 +171,8 @@ class Scenario(msgspec.Struct, forbid_unknown_fields=True):
     """More `LLM(...)` arguments (e.g. `gpu_memory_utilization` for two engines on a GPU)."""
     env: dict[str, str] = {}
     """Environment of the engine (e.g. `VLLM_KV_CACHE_LAYOUT`), set before it starts."""
+    batch_params: list[dict[str, Any]] = []
+    """`kv_transfer_params` of each batch's requests, in batch order (none past the list)."""
 
 
 class ScenarioResult(msgspec.Struct):
@@ -291,11 +293,12 @@ def run_scenario(sc: Scenario) -> ScenarioResult:
     llm = _start(sc)
     startup = time.perf_counter() - t0
     batches = []
-    for prompts in sc.batches:
+    for i, prompts in enumerate(sc.batches):
+        kv = sc.batch_params[i] if i < len(sc.batch_params) else None
         if sc.one_by_one:
-            batches.append([generate(llm, [p], sc.max_tokens)[0] for p in prompts])
+            batches.append([generate(llm, [p], sc.max_tokens, kv)[0] for p in prompts])
         else:
-            batches.append(generate(llm, prompts, sc.max_tokens))
+            batches.append(generate(llm, prompts, sc.max_tokens, kv))
     llm.llm_engine.engine_core.shutdown()  # connectors drain their saves here
     return ScenarioResult(startup_s=startup, batches=batches)
 

@@ -1,0 +1,135 @@
+"""Hidden states out of vLLM's cache-only layer, through a store, back by reference.
+
+The rows are written by vLLM's own `basic_cache` (what its `CacheOnlyAttentionImpl`
+runs) into views vLLM's `create_kv_cache_views` builds on host memory for every GPU
+`KVCacheLayout`; kvflow gathers them, stores them through the `fs` transport and
+`HiddenStatesReader` loads them by the reference the engine returns."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+import trio
+
+hs = pytest.importorskip("kvflow_vllm.hidden_states", reason="needs vLLM installed")
+
+from vllm.model_executor.models.extract_hidden_states import basic_cache  # noqa: E402
+from vllm.v1.kv_cache_interface import (  # noqa: E402
+    HiddenStateCacheSpec,
+    KVCacheTensor,
+    compute_layout_strides,
+    create_kv_cache_views,
+)
+from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
+
+from kvflow.events import EventBus, Origin, SaveStarted, TransferDone  # noqa: E402
+from kvflow.hidden_states import (  # noqa: E402
+    PARAM,
+    HiddenStatesError,
+    HiddenStatesReader,
+    HiddenStatesRef,
+    hidden_context,
+    hidden_layout,
+    host_buffer,
+    save_hidden_states,
+)
+from kvflow.keys import chunk_keys  # noqa: E402
+from kvflow.transport import load_transport  # noqa: E402
+
+NUM_BLOCKS, LAYERS, HIDDEN = 6, 3, 40
+
+
+def cache_view(layout: KVCacheLayout, block: int, kernel: int | None = None) -> torch.Tensor:
+    """The cache-only layer's view, as vLLM's GPU runner builds it (one layer)."""
+    spec = HiddenStateCacheSpec(
+        block_size=block, num_kv_heads=LAYERS, head_size=HIDDEN, dtype=torch.bfloat16
+    )
+    layer_stride, block_stride, *_ = compute_layout_strides(spec, NUM_BLOCKS, 1, layout, kernel)
+    size = NUM_BLOCKS * spec.page_size_bytes
+    tensor = KVCacheTensor(size, ["hs"], layer_stride, block_stride)
+    raw = torch.zeros(size, dtype=torch.int8)
+    (view,) = create_kv_cache_views(raw, spec, NUM_BLOCKS, layout, tensor, kernel_block_size=kernel)
+    return view
+
+
+def write_rows(view: torch.Tensor, block_ids: list[int], n: int, block: int) -> torch.Tensor:
+    """vLLM's own write of `n` tokens' rows into `block_ids` (its slot mapping)."""
+    rows = torch.randn(n, LAYERS, HIDDEN).to(view.dtype)
+    # a slot numbers a manager block's tokens as its kernel blocks' tokens too
+    slots = torch.tensor([block_ids[t // block] * block + t % block for t in range(n)])
+    basic_cache(rows, view, slots)
+    return rows
+
+
+def ref_for(tokens: list[int], block: int, namespace: str = "ns") -> HiddenStatesRef:
+    return HiddenStatesRef(
+        transport="fs",
+        namespace=namespace,
+        keys=chunk_keys(namespace, tokens, block),
+        block_size=block,
+        token_ids=tokens,
+        num_layers=LAYERS,
+        hidden_size=HIDDEN,
+        dtype="bfloat16",
+    )
+
+
+@pytest.mark.parametrize("layout", list(KVCacheLayout), ids=lambda m: m.name)
+@pytest.mark.parametrize(("block", "kernel"), [(16, None), (32, 16)])
+def test_rows_gathered_from_every_gpu_layout_are_the_rows_vllm_wrote(
+    layout: KVCacheLayout, block: int, kernel: int | None
+) -> None:
+    try:
+        view = cache_view(layout, block, kernel)
+    except ValueError as exc:  # vLLM splits blocks only where they are dense pages
+        assert kernel is not None and "kernel blocks" in str(exc)
+        return
+    blocks, n = [4, 1, 3], 2 * block + 5
+    rows = write_rows(view, blocks, n, block)
+    out = host_buffer(ref_for(list(range(n)), block))
+    hs.gather_rows(view, NUM_BLOCKS, blocks, n, out)
+    assert torch.equal(out.view(-1, LAYERS, HIDDEN)[:n], rows)
+
+
+async def test_stored_hidden_states_load_by_reference(tmp_path: Path) -> None:
+    block, n = 16, 37
+    view = cache_view(KVCacheLayout.LBNHC, block)
+    rows = write_rows(view, [2, 5, 0], n, block)
+    ref = ref_for(list(range(100, 100 + n)), block)
+    buf = host_buffer(ref)
+    hs.gather_rows(view, NUM_BLOCKS, [2, 5, 0], n, buf)
+    cls = load_transport("fs")
+    writer = cls(cls.Options(path=str(tmp_path)), hidden_context("e", "worker", ref.namespace))
+    await writer.open()
+    await writer.register(hidden_layout(block, LAYERS, HIDDEN, "bfloat16"))
+    seen: list[object] = []
+    bus = EventBus(Origin("e", "worker"))
+    bus.subscribe(seen.append)
+    assert await save_hidden_states(writer, bus, "r1", ref, buf, 10.0) == ""
+    await writer.aclose()
+    assert [type(e) for e in seen] == [SaveStarted, TransferDone]
+    assert all(e.what == "hidden_states" for e in seen)  # type: ignore[attr-defined]
+
+    params = msgspec.json.decode(msgspec.json.encode(ref.to_params()))  # as a client gets it
+    with HiddenStatesReader("fs", {"path": str(tmp_path)}) as reader:
+        got = await trio.to_thread.run_sync(reader.load, params)
+    assert torch.equal(got.hidden_states, rows)
+    assert got.token_ids.tolist() == ref.token_ids
+
+
+async def test_a_reader_says_what_it_cannot_read(tmp_path: Path) -> None:
+    ref = ref_for([random.randrange(1000) for _ in range(40)], 16)
+    with HiddenStatesReader("fs", {"path": str(tmp_path)}, timeout_s=0.2) as reader:
+        with pytest.raises(HiddenStatesError, match=r"0 of 3 chunks .* after 0.2s"):
+            await trio.to_thread.run_sync(reader.load, ref.to_params())
+        other = msgspec.structs.replace(ref, transport="redis")
+        with pytest.raises(HiddenStatesError, match="through transport 'redis'"):
+            reader.load({PARAM: msgspec.to_builtins(other)})
+        with pytest.raises(HiddenStatesError, match="not a kvflow hidden-states reference"):
+            reader.load({PARAM: {"keys": []}})
+    with pytest.raises(HiddenStatesError, match="pathh"):
+        HiddenStatesReader("fs", {"pathh": "/tmp"})
