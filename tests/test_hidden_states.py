@@ -88,3 +88,33 @@ def test_hidden_states_are_stored_and_read_back_by_request(tmp_path: Path) -> No
     )
     # the same prompt's chunks are stored once: KV and hidden states in their namespaces
     assert len([d for d in store.iterdir() if d.is_dir()]) == 2
+
+
+def test_through_vllms_openai_server_as_the_docs_say(tmp_path: Path) -> None:
+    """docs/models.md's server command: a completion's `kv_transfer_params` say where its
+    hidden states are; the reader loads them."""
+    import json
+
+    from kvflow_vllm.apiserver import ApiServer
+
+    store = tmp_path / "store"
+    kv = {
+        "kv_connector": "KVFlowConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"transport": "fs", "options": {"path": str(store)}},
+    }
+    doc = (Path(__file__).parent.parent / "docs" / "models.md").read_text()
+    assert f"--speculative-config '{json.dumps(SPECULATIVE, separators=(',', ':'))}'" in doc
+    server = ApiServer(tmp_path, "server", kv, "--speculative-config", json.dumps(SPECULATIVE))
+    try:
+        server.wait_ready()
+        out = server.completion(PROMPT[:50], 2)
+    finally:
+        server.close()
+    params = out["kv_transfer_params"]
+    with HiddenStatesReader("fs", {"path": str(store)}) as reader:
+        got = reader.load(params)
+    layer_ids = SPECULATIVE["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"]
+    torch.testing.assert_close(
+        got.hidden_states, reference_rows(PROMPT[:50], layer_ids), rtol=1e-3, atol=1e-3
+    )

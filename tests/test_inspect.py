@@ -124,6 +124,25 @@ def test_concurrent_saves_of_one_request_end_in_order_and_sends_have_no_start() 
     assert (tot.saves, tot.tokens_saved, tot.sends, tot.bytes_sent) == (1, 64, 1, 512)
 
 
+def test_a_hidden_state_export_is_an_export_next_to_the_kv_save_of_its_request() -> None:
+    st = InspectState()
+    kv = SaveStarted(req="r", chunks=2, tokens=64, nbytes=64, transport="fs")
+    hs = SaveStarted(req="r", chunks=2, tokens=63, nbytes=9, transport="fs", what="hidden_states")
+    st.feed(at(A, kv), 1.0)
+    st.feed(at(A, hs), 1.1)
+    done = TransferDone(req="r", direction="save", chunks=2, nbytes=9, elapsed_s=1)
+    st.feed(at(A, msgspec.structs.replace(done, what="hidden_states")), 2.0)
+    active, export = st.transfers(3.0)
+    assert (active.direction, active.state, export.direction, export.tokens) == (
+        "save",
+        "active",
+        "export",
+        63,
+    )
+    (tot,) = st.engines(3.0)
+    assert (tot.saves, tot.exports, tot.bytes_saved) == (0, 1, 0)
+
+
 def test_lent_blocks_until_released_and_dropped_events_per_publisher() -> None:
     st = InspectState()
     st.feed(at(S, RequestFinished(req="r1", lent=True, blocks=3)), 1)

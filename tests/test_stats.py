@@ -42,6 +42,12 @@ def test_collector_counts_lookups_tokens_failures_and_lent_requests() -> None:
         TransferFailed(req="c", direction="load", reason="slow", timed_out=True),
         RequestFinished(req="d", lent=True),
         RequestFinished(req="e", lent=False),
+        # hidden states (extract_hidden_states) are not KV traffic
+        SaveStarted(req="f", chunks=1, tokens=9, nbytes=9, transport="fs", what="hidden_states"),
+        TransferDone(
+            req="f", direction="save", chunks=1, nbytes=9, elapsed_s=1, what="hidden_states"
+        ),
+        TransferFailed(req="g", direction="save", reason="x", what="hidden_states"),
     ]
     for e in events:
         c(e)
