@@ -43,7 +43,9 @@ from kvflow.transport import load_transport  # noqa: E402
 NUM_BLOCKS, LAYERS, HIDDEN = 6, 3, 40
 
 
-def cache_view(layout: KVCacheLayout, block: int, kernel: int | None = None) -> torch.Tensor:
+def cache_view(
+    layout: KVCacheLayout, block: int, kernel: int | None = None, device: str = "cpu"
+) -> torch.Tensor:
     """The cache-only layer's view, as vLLM's GPU runner builds it (one layer)."""
     spec = HiddenStateCacheSpec(
         block_size=block, num_kv_heads=LAYERS, head_size=HIDDEN, dtype=torch.bfloat16
@@ -51,7 +53,7 @@ def cache_view(layout: KVCacheLayout, block: int, kernel: int | None = None) -> 
     layer_stride, block_stride, *_ = compute_layout_strides(spec, NUM_BLOCKS, 1, layout, kernel)
     size = NUM_BLOCKS * spec.page_size_bytes
     tensor = KVCacheTensor(size, ["hs"], layer_stride, block_stride)
-    raw = torch.zeros(size, dtype=torch.int8)
+    raw = torch.zeros(size, dtype=torch.int8, device=device)
     (view,) = create_kv_cache_views(raw, spec, NUM_BLOCKS, layout, tensor, kernel_block_size=kernel)
     return view
 
@@ -61,7 +63,7 @@ def write_rows(view: torch.Tensor, block_ids: list[int], n: int, block: int) -> 
     rows = torch.randn(n, LAYERS, HIDDEN).to(view.dtype)
     # a slot numbers a manager block's tokens as its kernel blocks' tokens too
     slots = torch.tensor([block_ids[t // block] * block + t % block for t in range(n)])
-    basic_cache(rows, view, slots)
+    basic_cache(rows.to(view.device), view, slots.to(view.device))
     return rows
 
 
@@ -133,3 +135,53 @@ async def test_a_reader_says_what_it_cannot_read(tmp_path: Path) -> None:
             reader.load({PARAM: {"keys": []}})
     with pytest.raises(HiddenStatesError, match="pathh"):
         HiddenStatesReader("fs", {"pathh": "/tmp"})
+
+
+def wait_done(exporter: hs.HiddenStatesExporter, reqs: set[str]) -> set[str]:
+    """`take_done` until `reqs` are done, as vLLM's thread calls it each step (a step's
+    worth of waiting between calls; at most 30 s)."""
+    import threading
+    import time
+
+    got: set[str] = set()
+    deadline = time.monotonic() + 30
+    while not reqs <= got and time.monotonic() < deadline:
+        got |= exporter.take_done()
+        threading.Event().wait(0.01)
+    return got
+
+
+def test_the_exporter_hands_blocks_back_whatever_becomes_of_the_copy(tmp_path: Path) -> None:
+    from kvflow.runtime import Runtime
+
+    block, n = 16, 20
+    view = cache_view(KVCacheLayout.LBNHC, block)
+    rows = write_rows(view, [3, 1], n, block)
+    good = ref_for(list(range(n)), block)
+    bad = msgspec.structs.replace(good, num_layers=LAYERS + 1)  # not what the layer holds
+    runtime = Runtime("exporter")
+    bus = EventBus(Origin("e", "worker"))
+    try:
+        idle = hs.HiddenStatesExporter(runtime, bus, 10.0)  # a rank that does not write
+        idle.export([hs.HiddenExport("a", [3, 1], good)])
+        assert idle.take_done() == {"a"}
+
+        cls = load_transport("fs")
+        transport = cls(cls.Options(path=str(tmp_path)), hidden_context("e", "worker", "ns"))
+        runtime.call(transport.open, timeout=10)
+        runtime.call(
+            transport.register, hidden_layout(block, LAYERS, HIDDEN, "bfloat16"), timeout=10
+        )
+        writer = hs.HiddenStatesExporter(runtime, bus, 10.0)
+        writer.register(transport, view, NUM_BLOCKS)
+        writer.export([hs.HiddenExport("b", [3, 1], good), hs.HiddenExport("c", [3, 1], bad)])
+        assert wait_done(writer, {"b", "c"}) == {"b", "c"}
+        writer.drain(10.0)
+        with HiddenStatesReader("fs", {"path": str(tmp_path)}, timeout_s=5) as reader:
+            assert torch.equal(reader.load(good.to_params()).hidden_states, rows)
+
+        runtime.shutdown()  # the loop is gone: the blocks go back all the same
+        writer.export([hs.HiddenExport("d", [3, 1], good)])
+        assert writer.take_done() == {"d"}
+    finally:
+        runtime.shutdown()

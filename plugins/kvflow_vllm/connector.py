@@ -111,7 +111,7 @@ class KVFlowMetadata(KVConnectorMetadata):
         return (_metadata_from_bytes, (plans, msgspec.msgpack.encode(self.exports)))
 
 
-def _metadata_from_bytes(data: list[bytes], exports: bytes = b"\x90") -> KVFlowMetadata:
+def _metadata_from_bytes(data: list[bytes], exports: bytes) -> KVFlowMetadata:
     return KVFlowMetadata(
         [decode_plan(d) for d in data], msgspec.msgpack.decode(exports, type=list[HiddenExport])
     )

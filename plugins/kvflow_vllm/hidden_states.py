@@ -181,6 +181,8 @@ class HiddenStatesExporter:
         self._stream: Any = None
         self._lock = threading.Lock()
         self._done: set[str] = set()
+        self._open: set[str] = set()
+        """Exports started and not reported done (vLLM's thread)."""
         self._running = 0
         self._idle: trio.Event | None = None
 
@@ -196,6 +198,7 @@ class HiddenStatesExporter:
             with self._lock:
                 self._done.update(e.req for e in exports)
             return
+        self._open.update(e.req for e in exports)
         ready = None
         if self._view.is_cuda:  # what vLLM's stream queued so far wrote the rows
             ready = torch.cuda.Event()
@@ -206,9 +209,13 @@ class HiddenStatesExporter:
             self.runtime.spawn(self._flow, e, ready, name=f"hidden:{e.req}")
 
     def take_done(self) -> set[str]:
-        """Requests whose blocks vLLM may have back since the last call."""
+        """Requests whose blocks vLLM may have back since the last call. Should kvflow's
+        loop be gone, every export still open: nothing copies out of the blocks any more."""
         with self._lock:
             out, self._done = self._done, set()
+        if self._open and not self.runtime.running:
+            out |= self._open
+        self._open -= out
         return out
 
     def drain(self, timeout_s: float) -> None:
