@@ -118,3 +118,30 @@ def test_through_vllms_openai_server_as_the_docs_say(tmp_path: Path) -> None:
     torch.testing.assert_close(
         got.hidden_states, reference_rows(PROMPT[:50], layer_ids), rtol=1e-3, atol=1e-3
     )
+
+
+def test_tensor_parallel_2_stores_one_copy_and_returns_every_block(tmp_path: Path) -> None:
+    """Every rank holds all hidden states; rank 0 writes them, rank 1 hands its blocks
+    back at once: the engine runs on (a block leaked by a rank would hang the batch)."""
+    store = tmp_path / "store"
+    res = run_engine(
+        tmp_path,
+        "tp2",
+        batches=[[PROMPT, PROMPT[:90]], [PROMPT[:60]]],
+        max_tokens=2,
+        tensor_parallel_size=2,
+        extra_config={"options": {"path": str(store)}},
+        llm_args={"speculative_config": SPECULATIVE},
+    )
+    layer_ids = SPECULATIVE["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"]
+    with HiddenStatesReader("fs", {"path": str(store)}, timeout_s=5.0) as reader:
+        for r, prompt in zip(
+            [*res.batches[0], *res.batches[1]], [PROMPT, PROMPT[:90], PROMPT[:60]], strict=True
+        ):
+            assert r.kv_transfer_params is not None
+            got = reader.load(r.kv_transfer_params)
+            torch.testing.assert_close(
+                got.hidden_states, reference_rows(prompt, layer_ids), rtol=1e-3, atol=1e-3
+            )
+    hidden = [d for d in store.iterdir() if d.is_dir() and any(d.glob("*/*.hidden.kv"))]
+    assert len(hidden) == 1 and not list(hidden[0].glob("*/*.tp*")), "one copy, rank 0's"
