@@ -5,7 +5,7 @@ The core (this package) imports no vLLM module: the vLLM adapter lives in
 
 What this module exports is the public API (pinned by `tests/test_public_api.py`):
 what a transport author implements and is handed (`Transport`, its jobs, context,
-layout and errors, the peer-transport helpers) and kvflow's configuration. The
+layout and errors, the `PeerTransport` base and its helpers) and kvflow's configuration. The
 conformance suites are in `kvflow.testing` (extra `kvflow[testing]`). Everything
 else is kvflow's own and may change.
 """
@@ -14,6 +14,7 @@ from .config import ConfigError, KVFlowConfig
 from .keys import ChunkKey
 from .layout import KVLayout, LayerGeometry, LayoutError
 from .peer import HeldOffers, NotHeld, Renew, answer_renew, renew_at, select_blocks
+from .peer_transport import PeerOptions, PeerTransport
 from .transport import (
     Capabilities,
     ChunkCorrupt,
@@ -28,10 +29,12 @@ from .transport import (
     TransportContext,
     TransportError,
 )
+from .zmqio import BadFrame
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "BadFrame",
     "Capabilities",
     "ChunkCorrupt",
     "ChunkKey",
@@ -46,7 +49,9 @@ __all__ = [
     "NoOptions",
     "NotHeld",
     "Offer",
+    "PeerOptions",
     "PeerSource",
+    "PeerTransport",
     "Renew",
     "SaveJob",
     "TransferStuck",

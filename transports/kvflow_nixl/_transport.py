@@ -55,30 +55,23 @@ import numpy as np
 import trio
 import zmq
 
-from kvflow.keys import ChunkKey
 from kvflow.layout import KVLayout, LayerGeometry, LayoutError, layout_mismatch
 from kvflow.peer import (
-    HeldOffers,
-    Renew,
-    answer_renew,
     read_lease,
     read_lease_ms,
-    renew_at,
-    select_blocks,
 )
+from kvflow.peer_transport import PeerOptions, PeerTransport
 from kvflow.transport import (
     Capabilities,
     ChunkCorrupt,
     ChunkMissing,
     LoadJob,
     Offer,
-    SaveJob,
     TransferStuck,
-    Transport,
     TransportContext,
     TransportError,
 )
-from kvflow.zmqio import BadFrame, TrioSocket, bind_loopback
+from kvflow.zmqio import BadFrame, TrioSocket
 
 from . import _wire as wire
 
@@ -102,13 +95,10 @@ POLL_MAX_S = 2e-3
 Backend = Literal["UCX"]
 
 
-class NixlOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """Options of the `nixl` transport (`kv_connector_extra_config["options"]`)."""
+class NixlOptions(PeerOptions, forbid_unknown_fields=True, kw_only=True):
+    """Options of the `nixl` transport (`kv_connector_extra_config["options"]`); `host`
+    and `port` are the producer's side channel."""
 
-    host: str = "127.0.0.1"
-    """Address the producer's side channel binds and advertises; loopback unless told."""
-    port: int = 0
-    """Side-channel port; 0: a free port, chosen at start and advertised."""
     backend: Backend = "UCX"
     """NIXL backend plugin that moves the bytes (UCX: tested with CPU memory here)."""
 
@@ -240,17 +230,16 @@ class _Pull:
             self.ended.set()
 
 
-class NixlTransport(Transport):
+class NixlTransport(PeerTransport):
     name = "nixl"
     Options = NixlOptions
     capabilities = Capabilities(store=False, peer=True, memory=frozenset({"cpu", "cuda"}))
+    Pull = wire.Pull
+    wire_version = wire.WIRE_VERSION
 
     def __init__(self, options: NixlOptions, context: TransportContext) -> None:
         super().__init__(options, context)
         self.options: NixlOptions = options
-        self._zmq = zmq.Context()
-        self._router: TrioSocket | None = None
-        self.held = HeldOffers()
         self._api: Any = None
         self._agent: Any = None
         self._reg: Any = None
@@ -266,17 +255,9 @@ class NixlTransport(Transport):
 
     # -- lifecycle -----------------------------------------------------------
     async def open(self) -> None:
-        if self.context.role != "worker":
-            return
-        self._api = import_nixl()
-        sock = self._zmq.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unroutable reply is an error, not a drop
-        try:
-            self.address = bind_loopback(sock, self.options.host, self.options.port)
-        except OSError as exc:
-            sock.close(0)
-            raise TransportError(f"kv_connector_extra_config['options']: {exc}") from None
-        self._router = TrioSocket(sock)
+        if self.context.role == "worker":
+            self._api = import_nixl()
+        await super().open()
 
     async def register(self, layout: KVLayout) -> None:
         """Create this worker's NIXL agent and register each layer as DRAM (CPU caches)
@@ -333,62 +314,36 @@ class NixlTransport(Transport):
                     log.warning("kvflow nixl: deregistering KV memory: %s", exc)
                 self._reg = None
             del agent
-        self._zmq.destroy(linger=0)
+        await super().aclose()
 
     def _require_agent(self) -> Any:
         if self._agent is None:
             raise TransportError("the nixl transport has no registered KV memory (or is closed)")
         return self._agent
 
-    # -- store methods: not a store ----------------------------------------
-    async def lookup(self, keys: Sequence[ChunkKey]) -> int:
-        return 0
-
-    async def save(self, job: SaveJob) -> None:
-        raise TransportError("the nixl transport is a peer transport; it stores nothing")
-
     # -- producer ----------------------------------------------------------
-    async def offer(self, offer: Offer) -> str:
-        return await self.held.offer(offer)
+    async def serving(self, nursery: trio.Nursery) -> None:
+        nursery.start_soon(self._poll_notifs, self._require_agent())
 
-    async def serve(self) -> None:
-        router = self._router
-        if router is None:
-            raise TransportError("nixl serve() needs a worker-side transport")
-        agent = self._require_agent()
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._poll_notifs, agent)
-            while True:
-                ident, data = await router.recv_multipart()
-                try:
-                    msg = wire.decode_to_producer(data)
-                except BadFrame as exc:
-                    log.warning("kvflow nixl: dropped a bad frame from a peer: %s", exc)
-                    continue
-                if isinstance(msg, Renew):
-                    await answer_renew(self.held, router, ident, msg)
-                    continue
-                if not isinstance(msg, wire.Pull):  # only the consumer that pulls may end it
-                    pull = self._pulls.get(msg.req)
-                    if pull is not None and pull.ident == ident:
-                        pull.end("done" if isinstance(msg, wire.Read) else msg.reason)
-                    continue
-                why = "wire version" if msg.version != wire.WIRE_VERSION else ""
-                offer = None if why else self.held.get(msg.req)
-                if offer is not None and select_blocks(offer, msg.block_ids) is None:
-                    why = f"blocks {msg.block_ids} are not all offered"
-                why = why or self.held.claim(msg.req, ident)
-                pull = None if why else await nursery.start(self._hold, msg, ident)
-                if pull is None:
-                    try:
-                        reason = why or "expired"
-                        await router.send_multipart(
-                            [ident, wire.encode(wire.Refused(msg.req, reason))]
-                        )
-                    except zmq.ZMQError as exc:
-                        log.info("kvflow nixl: consumer of %s unreachable: %s", msg.req, exc)
-                    continue
-                await self._reply(router, ident, agent, msg, pull)
+    def decode(self, data: bytes) -> wire.ToProducer:
+        return wire.decode_to_producer(data)
+
+    def refusal(self, req: str, why: str) -> bytes:
+        return wire.encode(wire.Refused(req, why))
+
+    def ended(self, msg: wire.Failed | wire.Read, ident: bytes) -> None:
+        pull = self._pulls.get(msg.req)
+        if pull is not None and pull.ident == ident:  # only the consumer that pulls may end it
+            pull.end("done" if isinstance(msg, wire.Read) else msg.reason)
+
+    async def answer(
+        self, nursery: trio.Nursery, ident: bytes, msg: wire.Pull, offer: Offer
+    ) -> None:
+        pull = await nursery.start(self._hold, msg, ident)
+        if pull is None:
+            await self.reply(ident, msg.req, self.refusal(msg.req, "expired"))
+        else:
+            await self._reply(ident, self._require_agent(), msg, offer, pull)
 
     async def _hold(
         self, msg: wire.Pull, ident: bytes, *, task_status: Any = trio.TASK_STATUS_IGNORED
@@ -422,13 +377,9 @@ class NixlTransport(Transport):
                 del self._pulls[msg.req]
 
     async def _reply(
-        self, router: TrioSocket, ident: bytes, agent: Any, msg: wire.Pull, pull: _Pull
+        self, ident: bytes, agent: Any, msg: wire.Pull, offer: Offer, pull: _Pull
     ) -> None:
-        held = self.held.get(msg.req)
-        offer = None if held is None else select_blocks(held, msg.block_ids)
         try:
-            if offer is None:
-                raise TransportError("offer vanished")
             layout = self.context.layout
             assert layout is not None
             reply = wire.Blocks(
@@ -443,7 +394,8 @@ class NixlTransport(Transport):
                 regions = wire.Regions(self._bases, list(layout.geometries))
                 metadata = agent.get_agent_metadata()
                 reply = msgspec.structs.replace(reply, metadata=metadata, regions=regions)
-            await router.send_multipart([ident, wire.encode(reply)])
+            assert self._router is not None
+            await self._router.send_multipart([ident, wire.encode(reply)])
         except (zmq.ZMQError, TransportError) as exc:
             log.warning("kvflow nixl: answering the pull of %s failed: %s", msg.req, exc)
             pull.end(f"answering the pull failed: {exc}")  # no descriptors left: no READ
@@ -478,9 +430,6 @@ class NixlTransport(Transport):
             pull.end("done")
 
     # -- consumer ----------------------------------------------------------
-    async def renew(self, address: str, reqs: Sequence[str], lease_s: float) -> dict[str, str]:
-        return await renew_at(self._zmq, address, reqs, lease_s)
-
     async def load(self, job: LoadJob) -> None:
         src = job.source
         if src is None:

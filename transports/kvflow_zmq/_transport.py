@@ -8,24 +8,17 @@ control frames.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
 from typing import Any
 
-import msgspec
 import trio
 import zmq
 
-from kvflow.keys import ChunkKey
 from kvflow.layout import KVLayout, LayoutError, layout_mismatch
 from kvflow.peer import (
-    HeldOffers,
-    Renew,
-    answer_renew,
     read_lease,
     read_lease_ms,
-    renew_at,
-    select_blocks,
 )
+from kvflow.peer_transport import PeerOptions, PeerTransport
 from kvflow.runtime import poll_until
 from kvflow.transport import (
     Capabilities,
@@ -34,12 +27,10 @@ from kvflow.transport import (
     LoadJob,
     Offer,
     PeerSource,
-    SaveJob,
-    Transport,
     TransportContext,
     TransportError,
 )
-from kvflow.zmqio import BadFrame, TrioSocket, bind_loopback
+from kvflow.zmqio import BadFrame, TrioSocket
 
 from . import _ipc as ipc
 from . import _wire as wire
@@ -51,47 +42,30 @@ READ_MARGIN_S = 5.0
 at the deadline; ZMQ then frees what it still held of the producer's frames)."""
 
 
-class ZmqOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+class ZmqOptions(PeerOptions, forbid_unknown_fields=True, kw_only=True):
     """Options of the `zmq` transport (`kv_connector_extra_config["options"]`)."""
 
-    host: str = "127.0.0.1"
-    """Address the producer binds and advertises; loopback unless told otherwise."""
-    port: int = 0
-    """0: a free port, chosen at start and advertised; a taken fixed port is an error."""
     ipc_lease_s: float = 30.0
     """CUDA IPC: how long a consumer may copy a request's blocks out of the producer's
     memory before the producer may hand them back to vLLM regardless."""
 
 
-class ZmqTransport(Transport):
+class ZmqTransport(PeerTransport):
     name = "zmq"
     Options = ZmqOptions
     capabilities = Capabilities(store=False, peer=True, memory=frozenset({"cpu", "cuda"}))
+    Pull = wire.Pull
+    wire_version = wire.WIRE_VERSION
     device_type: type[ipc.Device] = ipc.CudaDevice
     """How device memory is shared (tests on machines without a GPU swap in a stand-in)."""
 
     def __init__(self, options: ZmqOptions, context: TransportContext) -> None:
         super().__init__(options, context)
         self.options: ZmqOptions = options
-        self._zmq = zmq.Context()
-        self._router: TrioSocket | None = None
-        self.held = HeldOffers()
         self._device = self.device_type()
         self._handles: list[ipc.IpcHandle] = []
         self._opened: dict[str, tuple[bytes, list[Any]]] = {}
         """Producers' layers opened by this consumer: address -> (first handle, layers)."""
-
-    async def open(self) -> None:
-        if self.context.role != "worker":
-            return
-        sock = self._zmq.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unroutable reply is an error, not a drop
-        try:
-            self.address = bind_loopback(sock, self.options.host, self.options.port)
-        except OSError as exc:
-            sock.close(0)
-            raise TransportError(f"kv_connector_extra_config['options']: {exc}") from None
-        self._router = TrioSocket(sock)
 
     async def register(self, layout: KVLayout) -> None:
         await super().register(layout)
@@ -100,67 +74,35 @@ class ZmqTransport(Transport):
 
     async def aclose(self) -> None:
         self._opened.clear()
-        self._zmq.destroy(linger=0)
-
-    # -- store methods: not a store ----------------------------------------
-    async def lookup(self, keys: Sequence[ChunkKey]) -> int:
-        return 0
-
-    async def save(self, job: SaveJob) -> None:
-        raise TransportError("the zmq transport is a peer transport; it stores nothing")
+        await super().aclose()
 
     # -- producer ----------------------------------------------------------
-    async def offer(self, offer: Offer) -> str:
-        return await self.held.offer(offer)
+    def decode(self, data: bytes) -> wire.ToProducer:
+        return wire.decode_to_producer(data)
 
-    async def serve(self) -> None:
-        router = self._router
-        if router is None:
-            raise TransportError("zmq serve() needs a worker-side transport")
-        async with trio.open_nursery() as leases:
-            while True:
-                ident, data = await router.recv_multipart()
-                try:
-                    msg = wire.decode_to_producer(data)
-                except BadFrame as exc:
-                    log.warning("kvflow zmq: dropped a bad frame from a peer: %s", exc)
-                    continue
-                if isinstance(msg, Renew):
-                    await answer_renew(self.held, router, ident, msg)
-                    continue
-                if not isinstance(msg, wire.Pull):  # only the consumer that pulled counts
-                    outcome = "done" if isinstance(msg, wire.Done) else msg.reason
-                    self.held.release(msg.req, outcome, peer=ident)
-                    continue
-                why = "wire version" if msg.version != wire.WIRE_VERSION else ""
-                if msg.geometries and not why:  # over CUDA IPC, layouts are converted
-                    ours = self._layout().geometries
-                    why = layout_mismatch(ours, msg.geometries, cells=bool(self._handles))
-                offer = None if why else self.held.get(msg.req)
-                if offer is not None:
-                    offer = select_blocks(offer, msg.block_ids)
-                    why = "" if offer else f"blocks {msg.block_ids} are not all offered"
-                why = why or self.held.claim(msg.req, ident)
-                if why or offer is None:
-                    await self._reply(router, ident, wire.Refused(msg.req, why))
-                elif self._handles:
-                    lent = await leases.start(self.held.lend, msg.req, self.options.ipc_lease_s)
-                    reply = self._ipc_reply(offer) if lent else wire.Refused(msg.req, "expired")
-                    if not await self._reply(router, ident, reply):
-                        self.held.release(msg.req, "the consumer went away", peer=ident)
-                elif not await leases.start(
-                    self._send_held, router, ident, offer, read_lease(msg.lease_ms)
-                ):
-                    await self._reply(router, ident, wire.Refused(msg.req, "expired"))
+    def refusal(self, req: str, why: str) -> bytes:
+        return wire.encode(wire.Refused(req, why))
 
-    async def _reply(self, router: TrioSocket, ident: bytes, msg: wire.ToConsumer) -> bool:
-        """Send a control frame to a consumer; False if it is gone (ROUTER_MANDATORY)."""
-        try:
-            await router.send_multipart([ident, wire.encode(msg)])
-            return True
-        except zmq.ZMQError as exc:
-            log.info("kvflow zmq: consumer of %s unreachable: %s", msg.req, exc)
-            return False
+    def check_pull(self, msg: wire.Pull) -> str:
+        if not msg.geometries:
+            return ""
+        ours = self._layout().geometries  # over CUDA IPC, layouts are converted
+        return layout_mismatch(ours, msg.geometries, cells=bool(self._handles))
+
+    def ended(self, msg: wire.Done | wire.Failed, ident: bytes) -> None:
+        outcome = "done" if isinstance(msg, wire.Done) else msg.reason
+        self.held.release(msg.req, outcome, peer=ident)
+
+    async def answer(
+        self, nursery: trio.Nursery, ident: bytes, msg: wire.Pull, offer: Offer
+    ) -> None:
+        if self._handles:
+            lent = await nursery.start(self.held.lend, msg.req, self.options.ipc_lease_s)
+            reply = self._ipc_reply(offer) if lent else wire.Refused(msg.req, "expired")
+            if not await self.reply(ident, msg.req, wire.encode(reply)):
+                self.held.release(msg.req, "the consumer went away", peer=ident)
+        elif not await nursery.start(self._send_held, ident, offer, read_lease(msg.lease_ms)):
+            await self.reply(ident, msg.req, self.refusal(msg.req, "expired"))
 
     def _ipc_reply(self, offer: Offer) -> wire.Ipc:
         layout = self._layout()
@@ -175,7 +117,6 @@ class ZmqTransport(Transport):
 
     async def _send_held(
         self,
-        router: TrioSocket,
         ident: bytes,
         o: Offer,
         lease_s: float,
@@ -195,7 +136,8 @@ class ZmqTransport(Transport):
         with self.held.reading(o.req):  # the blocks stay held until the trackers fired
             trackers: list[zmq.MessageTracker] = []
             try:
-                await self._send_layers(router, ident, o, trackers)
+                assert self._router is not None
+                await self._send_layers(self._router, ident, o, trackers)
                 task_status.started(True)
             finally:
                 with trio.CancelScope(shield=True):  # zmq reads the blocks until then
@@ -232,9 +174,6 @@ class ZmqTransport(Transport):
             log.warning("kvflow zmq: sending %s failed: %s", o.req, exc)
 
     # -- consumer ----------------------------------------------------------
-    async def renew(self, address: str, reqs: Sequence[str], lease_s: float) -> dict[str, str]:
-        return await renew_at(self._zmq, address, reqs, lease_s)
-
     async def load(self, job: LoadJob) -> None:
         src = job.source
         if src is None:

@@ -18,8 +18,7 @@ from kvflow.hidden_states import (
     host_buffer,
     save_hidden_states,
 )
-from kvflow.keys import chunk_keys
-from kvflow.transport import load_transport
+from kvflow_redis import RedisOptions, RedisTransport
 
 
 async def test_hidden_states_round_trip_through_redis(redis_url: str) -> None:
@@ -27,7 +26,7 @@ async def test_hidden_states_round_trip_through_redis(redis_url: str) -> None:
     ref = HiddenStatesRef(
         transport="redis",
         namespace="hs-redis",
-        keys=chunk_keys("hs-redis", tokens, 16),
+        keys=[f"{i:032x}" for i in range(3)],
         block_size=16,
         token_ids=tokens,
         num_layers=3,
@@ -37,9 +36,8 @@ async def test_hidden_states_round_trip_through_redis(redis_url: str) -> None:
     buf = host_buffer(ref)
     buf.copy_(torch.randn(buf.shape))
     options = {"url": redis_url, "key_prefix": f"kvflow-hs-{os.getpid()}:"}
-    cls = load_transport("redis")
-    writer = cls(
-        msgspec.convert(options, cls.Options), hidden_context("e", "worker", ref.namespace)
+    writer = RedisTransport(
+        msgspec.convert(options, RedisOptions), hidden_context("e", "worker", ref.namespace)
     )
     await writer.open()
     await writer.register(hidden_layout(16, 3, 24, "float32"))
