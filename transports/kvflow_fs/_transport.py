@@ -12,13 +12,13 @@ import os
 import secrets
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 import msgspec
 import trio
 
+from kvflow.chunks import BadHeader, ChunkFailure, ChunkHeader, first_failure, layer_hash
 from kvflow.config import default_cache_dir
 from kvflow.keys import ChunkKey
 from kvflow.transport import (
@@ -32,24 +32,10 @@ from kvflow.transport import (
     TransportError,
 )
 
-from ._format import HEADER_SIZE, BadHeader, ChunkHeader, encode_header, hash_of, read_header
+from ._format import HEADER_SIZE, encode_header, layer_offset, read_header
 
 log = logging.getLogger("kvflow.fs")
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class _Failure:
-    """Why a load stops at `chunk`; `kind` is the error it raises."""
-
-    chunk: int
-    kind: type[TransportError]
-    reason: str
-
-
-def _first(found: list[_Failure | None]) -> _Failure | None:
-    """The failure at the earliest chunk: every chunk before it is intact."""
-    return min((f for f in found if f is not None), key=lambda f: f.chunk, default=None)
 
 
 class FsOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -285,27 +271,12 @@ class FsTransport(Transport):
     ) -> None:
         """Write payload and header of each chunk in `chunks`; each layer is hashed just
         before, so the write copies it from the CPU's cache."""
-        layout = self.context.layout
-        assert layout is not None
-        described = layout.describe()
-        sizes: dict[int, list[int]] = {}
         for c in chunks:
             fd = fds[c]
             if fd is None:
                 continue
-            count = job.token_counts[c]
-            if count not in sizes:
-                sizes[count] = [layout.chunk_nbytes(i, count) for i in range(len(layers))]
             spans = [layer[c] for layer in layers]
-            h = ChunkHeader(
-                key=job.keys[c],
-                namespace=self.context.namespace,
-                shard=self.context.shard,
-                num_tokens=count,
-                layer_nbytes=sizes[count],
-                layer_hash=[hash_of(s) for s in spans],
-                layout=described,
-            )
+            h = ChunkHeader.of(self.context, job.keys[c], job.token_counts[c], spans)
             _write_all(fd, [s for ls in spans for s in ls], HEADER_SIZE)
             _write_all(fd, [memoryview(encode_header(h))], 0)  # apart: see decision 35
             headers[c] = h
@@ -354,7 +325,7 @@ class FsTransport(Transport):
         paths = [self.path(k) for k in job.keys]
         fds: list[int] = []
         headers: list[ChunkHeader] = []
-        found: list[_Failure | None] = []
+        found: list[ChunkFailure | None] = []
         groups = _layer_groups(job.num_layers) if job.layerwise else [range(job.num_layers)]
         try:
             found.append(
@@ -363,7 +334,7 @@ class FsTransport(Transport):
                 )
             )
             for group in groups:
-                first = _first(found)
+                first = first_failure(found)
                 intact = len(fds) if first is None else first.chunk
                 spans = [job.spans(layer) for layer in group]
                 sizes = [sum(h.layer_nbytes[i] for i in group) for h in headers[:intact]]
@@ -378,37 +349,31 @@ class FsTransport(Transport):
         finally:
             with trio.CancelScope(shield=True):
                 await trio.to_thread.run_sync(self._close, fds, limiter=self._load_threads)
-        failure = _first(found)
+        failure = first_failure(found)
         if failure is not None:
-            key = job.keys[failure.chunk]
-            raise failure.kind(
-                f"chunk {failure.chunk} ({key}): {failure.reason}", chunk=failure.chunk, key=key
-            )
+            raise failure.error(job.keys[failure.chunk])
 
     def _open_chunks(
         self, job: LoadJob, paths: list[Path], fds: list[int], headers: list[ChunkHeader]
-    ) -> _Failure | None:
+    ) -> ChunkFailure | None:
         """Open and validate each chunk's file into `fds` / `headers`, up to the first bad one."""
-        layout = self.context.layout
-        assert layout is not None
         for c, (key, count, path) in enumerate(zip(job.keys, job.token_counts, paths, strict=True)):
             try:
                 fd = os.open(path, os.O_RDONLY)
             except FileNotFoundError:
-                return _Failure(c, ChunkMissing, f"missing file {path}")
+                return ChunkFailure(c, ChunkMissing, f"missing file {path}")
             except OSError as exc:
-                return _Failure(c, TransportError, f"cannot open {path}: {exc}")
+                return ChunkFailure(c, TransportError, f"cannot open {path}: {exc}")
             try:
                 h = read_header(fd)
-                expect = [layout.chunk_nbytes(i, count) for i in range(job.num_layers)]
-                problem = self._header_problem(h, key, count, expect)
+                problem = h.problem(self.context, key, count)
                 if not problem and os.fstat(fd).st_size < HEADER_SIZE + h.payload_nbytes():
                     problem = "truncated payload"
             except BadHeader as exc:
                 problem = str(exc)
             except OSError as exc:
                 os.close(fd)
-                return _Failure(c, TransportError, f"cannot read {path}: {exc}")
+                return ChunkFailure(c, TransportError, f"cannot read {path}: {exc}")
             if problem:
                 failure = self._corrupt(c, fd, path, problem)
                 os.close(fd)
@@ -416,27 +381,6 @@ class FsTransport(Transport):
             fds.append(fd)
             headers.append(h)
         return None
-
-    def _header_problem(self, h: ChunkHeader, key: ChunkKey, count: int, expect: list[int]) -> str:
-        ctx = self.context
-        if h.key != key:
-            return f"key mismatch (header names {h.key})"
-        if h.namespace != ctx.namespace:
-            return (
-                f"written by another configuration (namespace {h.namespace}, not {ctx.namespace})"
-            )
-        if h.shard != ctx.shard:
-            return f"shard mismatch (written by {h.shard}, this is {ctx.shard})"
-        if h.num_tokens != count:
-            return f"token count mismatch ({h.num_tokens} tokens stored, {count} expected)"
-        if h.layer_nbytes != expect:
-            return "layer sizes do not match this KV layout"
-        if len(h.layer_hash) != len(expect):
-            return f"{len(h.layer_hash)} layer hashes for {len(expect)} layers"
-        ours = ctx.layout.describe() if ctx.layout is not None else ""
-        if h.layout and h.layout != ours:  # the same sizes, another order of the bytes
-            return f"written with another KV layout ({h.layout}; this reader has {ours})"
-        return ""
 
     def _read_layers(
         self,
@@ -446,7 +390,7 @@ class FsTransport(Transport):
         group: range,
         spans: list[list[list[memoryview]]],
         chunks: range,
-    ) -> _Failure | None:
+    ) -> ChunkFailure | None:
         """Read layers `group` of each chunk in `chunks` (adjacent in the file: one system
         call), then check each of them; `spans[i]` are the spans of layer `group[i]`."""
         for c in chunks:
@@ -455,20 +399,20 @@ class FsTransport(Transport):
             want = sum(h.layer_nbytes[i] for i in group)
             where = f"layer {group[0]}" if len(group) == 1 else f"layers {group[0]}-{group[-1]}"
             try:
-                got = _read_all(fd, [s for ls in mine for s in ls], h.layer_offset(group[0]))
+                got = _read_all(fd, [s for ls in mine for s in ls], layer_offset(h, group[0]))
             except OSError as exc:
-                return _Failure(c, TransportError, f"cannot read {where} of {paths[c]}: {exc}")
+                return ChunkFailure(c, TransportError, f"cannot read {where} of {paths[c]}: {exc}")
             if got != want:
                 return self._corrupt(
                     c, fd, paths[c], f"short read ({got} of {want} bytes) in {where}"
                 )
             if self.options.verify:
                 for layer, s in zip(group, mine, strict=True):
-                    if hash_of(s) != h.layer_hash[layer]:
+                    if layer_hash(s) != h.layer_hash[layer]:
                         return self._corrupt(c, fd, paths[c], f"checksum mismatch in layer {layer}")
         return None
 
-    def _corrupt(self, chunk: int, fd: int, path: Path, problem: str) -> _Failure:
+    def _corrupt(self, chunk: int, fd: int, path: Path, problem: str) -> ChunkFailure:
         """A chunk file that failed validation: delete it, so that the next save of its key
         writes it again instead of every later load failing on it."""
         deleted = False
@@ -480,7 +424,7 @@ class FsTransport(Transport):
                 deleted = True
                 self._add_usage(-st.st_size)
                 log.warning("kvflow fs: deleted bad chunk file %s (%s)", path, problem)
-        return _Failure(
+        return ChunkFailure(
             chunk, ChunkCorrupt, f"{problem} in {path}{'; deleted it' if deleted else ''}"
         )
 

@@ -1,0 +1,133 @@
+"""What a store transport writes next to a chunk's bytes, and how it judges a chunk.
+
+A stored chunk is its layers' bytes (layer-major) plus a `ChunkHeader`: the key,
+namespace and shard it was written for, its token count, each layer's size and
+XXH3-64, and the writer's `KVLayout.describe()`. A reader checks the header against
+what it asked for (`ChunkHeader.problem`) before it uses a byte, and each layer's
+hash (`layer_hash`) before vLLM may use that layer. Where the header goes (a file's
+first page, a value's trailer, an object's metadata) is the transport's.
+
+A load that stops reports the earliest chunk that failed (`first_failure`): every
+chunk before it arrived whole, so vLLM keeps those and recomputes from there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import msgspec
+import xxhash
+
+from .keys import ChunkKey
+from .transport import TransportContext, TransportError
+
+__all__ = ["BadHeader", "ChunkFailure", "ChunkHeader", "first_failure", "layer_hash"]
+
+
+class BadHeader(ValueError):
+    """Bytes that are not a chunk header kvflow can read."""
+
+
+class ChunkHeader(msgspec.Struct, frozen=True, array_like=True):
+    key: str
+    namespace: str
+    shard: str
+    num_tokens: int
+    layer_nbytes: list[int]
+    layer_hash: list[int]
+    """XXH3-64 of each layer's bytes (`layer_hash`)."""
+    layout: str = ""
+    """`KVLayout.describe()` of the writer ("" in chunks of a kvflow before it was kept)."""
+
+    @classmethod
+    def of(
+        cls,
+        context: TransportContext,
+        key: ChunkKey,
+        num_tokens: int,
+        layers: Sequence[Sequence[memoryview]],
+    ) -> ChunkHeader:
+        """The header of one chunk whose layer i is the spans `layers[i]`."""
+        assert context.layout is not None, "a store writes chunks of registered KV caches"
+        return cls(
+            key=key,
+            namespace=context.namespace,
+            shard=context.shard,
+            num_tokens=num_tokens,
+            layer_nbytes=[sum(len(s) for s in spans) for spans in layers],
+            layer_hash=[layer_hash(spans) for spans in layers],
+            layout=context.layout.describe(),
+        )
+
+    def payload_nbytes(self) -> int:
+        return sum(self.layer_nbytes)
+
+    def encode(self) -> bytes:
+        return _encoder.encode(self)
+
+    @classmethod
+    def decode(cls, raw: bytes | memoryview) -> ChunkHeader:
+        try:
+            return _decoder.decode(raw)
+        except msgspec.DecodeError as exc:
+            raise BadHeader(f"undecodable header: {exc}") from None
+
+    def problem(self, context: TransportContext, key: ChunkKey, num_tokens: int) -> str:
+        """Why this chunk is not the one `context` asked for under `key` with `num_tokens`
+        tokens ("" when it is): another key, configuration, shard, token count, layer
+        sizes or byte order."""
+        layout = context.layout
+        assert layout is not None, "a store reads chunks into registered KV caches"
+        expect = [layout.chunk_nbytes(i, num_tokens) for i in range(layout.num_layers)]
+        if self.key != key:
+            return f"key mismatch (header names {self.key})"
+        if self.namespace != context.namespace:
+            return (
+                f"written by another configuration (namespace {self.namespace}, "
+                f"not {context.namespace})"
+            )
+        if self.shard != context.shard:
+            return f"shard mismatch (written by {self.shard}, this is {context.shard})"
+        if self.num_tokens != num_tokens:
+            return f"token count mismatch ({self.num_tokens} tokens stored, {num_tokens} expected)"
+        if self.layer_nbytes != expect:
+            return "layer sizes do not match this KV layout"
+        if len(self.layer_hash) != len(expect):
+            return f"{len(self.layer_hash)} layer hashes for {len(expect)} layers"
+        ours = layout.describe()
+        if self.layout and self.layout != ours:  # the same sizes, another order of the bytes
+            return f"written with another KV layout ({self.layout}; this reader has {ours})"
+        return ""
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(ChunkHeader)
+
+
+def layer_hash(spans: Sequence[memoryview]) -> int:
+    """XXH3-64 of the spans' bytes, in order (at memory speed: ~4x zlib's CRC32)."""
+    if len(spans) == 1:  # the common case (a block-granular or dense chunk): one call
+        return xxhash.xxh3_64_intdigest(spans[0])
+    h = xxhash.xxh3_64()
+    for s in spans:
+        h.update(s)
+    return h.intdigest()
+
+
+@dataclass(frozen=True)
+class ChunkFailure:
+    """Why a load stops at `chunk`; `kind` is the error it raises (`ChunkMissing`,
+    `ChunkCorrupt`, or `TransportError` when the store itself failed)."""
+
+    chunk: int
+    kind: type[TransportError]
+    reason: str
+
+    def error(self, key: ChunkKey) -> TransportError:
+        return self.kind(f"chunk {self.chunk} ({key}): {self.reason}", chunk=self.chunk, key=key)
+
+
+def first_failure(found: Sequence[ChunkFailure | None]) -> ChunkFailure | None:
+    """The failure at the earliest chunk: every chunk before it is intact."""
+    return min((f for f in found if f is not None), key=lambda f: f.chunk, default=None)
