@@ -10,6 +10,7 @@ conformance suites are in `kvflow.testing` (extra `kvflow[testing]`). Everything
 else is kvflow's own and may change.
 """
 
+from .chunks import BadHeader, ChunkFailure, ChunkHeader, first_failure, layer_hash
 from .config import ConfigError, KVFlowConfig
 from .keys import ChunkKey
 from .layout import KVLayout, LayerGeometry, LayoutError
@@ -35,8 +36,11 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BadFrame",
+    "BadHeader",
     "Capabilities",
     "ChunkCorrupt",
+    "ChunkFailure",
+    "ChunkHeader",
     "ChunkKey",
     "ChunkMissing",
     "ConfigError",
@@ -59,6 +63,8 @@ __all__ = [
     "TransportContext",
     "TransportError",
     "answer_renew",
+    "first_failure",
+    "layer_hash",
     "renew_at",
     "select_blocks",
 ]

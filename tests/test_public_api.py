@@ -18,8 +18,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 PUBLIC = [  # a change here is a change of kvflow's API: say so in the changelog
     "BadFrame",
+    "BadHeader",
     "Capabilities",
     "ChunkCorrupt",
+    "ChunkFailure",
+    "ChunkHeader",
     "ChunkKey",
     "ChunkMissing",
     "ConfigError",
@@ -42,6 +45,8 @@ PUBLIC = [  # a change here is a change of kvflow's API: say so in the changelog
     "TransportContext",
     "TransportError",
     "answer_renew",
+    "first_failure",
+    "layer_hash",
     "renew_at",
     "select_blocks",
 ]

@@ -9,7 +9,7 @@ in an NHD (token-granular) layout: two 32 KiB spans per layer and chunk.
 
 Rows:
 - `kvflow-redis save/load`: `RedisTransport.save` / `.load` of the request (layers given at
-  once; load with CRC verification, and with `verify=false`), when the load signalled
+  once; load with XXH3 verification, and with `verify=false`), when the load signalled
   `layer_loaded(0)` (vLLM's attention on layer 0 may start), `lookup` of its 64 keys.
 - `redis-py raw SET/GET`: the plain `redis` client (hiredis parser if installed) SETting
   and GETting the same 64 x 2 MiB values as prepared `bytes`, pipelined, in this process:

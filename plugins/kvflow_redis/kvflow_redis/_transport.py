@@ -7,15 +7,17 @@ import contextlib
 import logging
 import math
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 import trio
 
 from kvflow import (
+    BadHeader,
     Capabilities,
     ChunkCorrupt,
+    ChunkFailure,
+    ChunkHeader,
     ChunkKey,
     ChunkMissing,
     LoadJob,
@@ -23,9 +25,11 @@ from kvflow import (
     Transport,
     TransportContext,
     TransportError,
+    first_failure,
+    layer_hash,
 )
 
-from ._format import BadHeader, ChunkHeader, crc_of, decode_trailer, encode_trailer
+from ._format import decode_trailer, encode_trailer
 from ._resp import (
     Address,
     BadURL,
@@ -59,23 +63,14 @@ class RedisOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Expire a chunk this many seconds after its last save (`SET ... PX`). 0: never; the
     server's `maxmemory-policy allkeys-lru` evicts instead (see the README)."""
     verify: bool = True
-    """Check each layer's CRC32 on load before vLLM may use it (a mismatch is a load
-    error that vLLM recomputes, never wrong tokens). The CRC is always written."""
+    """Check each layer's XXH3-64 on load before vLLM may use it (a mismatch is a load
+    error that vLLM recomputes, never wrong tokens). The hash is always written."""
     max_connections: int = 16
     """Connections per transport instance (each engine process has one per worker and
     one in its scheduler); one transfer uses one connection, more wait for a free one."""
     timeout_s: float = 10.0
     """Connecting, and any wait for the server to take or send bytes, fails after this
     long (a hung server becomes a transfer error, not a stalled engine)."""
-
-
-@dataclass(frozen=True)
-class _Failure:
-    """Why a load stops at `chunk`; `kind` is the error it raises."""
-
-    chunk: int
-    kind: type[TransportError]
-    reason: str
 
 
 class RedisTransport(Transport):
@@ -192,12 +187,12 @@ class RedisTransport(Transport):
                     await self.pool.pipeline([("PEXPIRE", k, ttl_ms) for k in keys])
             return
         spans: list[list[list[memoryview]]] = []  # [layer][todo index] -> spans
-        crcs: list[list[int]] = []  # [layer][todo index]
+        hashes: list[list[int]] = []  # [layer][todo index]
         for layer in range(job.num_layers):
             layer_spans = await job.layer(layer)
             chosen = [layer_spans[c] for c in todo]
             spans.append(chosen)
-            crcs.append(await trio.to_thread.run_sync(_crcs, chosen))
+            hashes.append(await trio.to_thread.run_sync(_hashes, chosen))
         cmds: list[tuple[Any, ...]] = []
         for j, c in enumerate(todo):
             header = ChunkHeader(
@@ -206,7 +201,8 @@ class RedisTransport(Transport):
                 shard=self.context.shard,
                 num_tokens=job.token_counts[c],
                 layer_nbytes=[sum(len(s) for s in spans[i][j]) for i in range(job.num_layers)],
-                layer_crc=[crcs[i][j] for i in range(job.num_layers)],
+                layer_hash=[hashes[i][j] for i in range(job.num_layers)],
+                layout=layout.describe(),
             )
             value: list[Buffer] = [s for i in range(job.num_layers) for s in spans[i][j]]
             value.append(encode_trailer(header))
@@ -229,14 +225,14 @@ class RedisTransport(Transport):
     async def load(self, job: LoadJob) -> None:
         """Two round trips on one connection: first every chunk's length and trailer
         (checked against this layout), then, pipelined in layer order, one `GETRANGE` per
-        layer and chunk, read straight into the KV spans. A layer's CRCs are checked in a
+        layer and chunk, read straight into the KV spans. A layer's hashes are checked in a
         thread while the next layer streams in, and `layer_loaded(i)` follows its check."""
         layout = self.context.layout
         assert layout is not None, "redis load needs registered KV caches"
         n, num_layers = len(job.keys), job.num_layers
         keys = [self.key(k) for k in job.keys]
         sizes = [[layout.chunk_nbytes(i, t) for i in range(num_layers)] for t in job.token_counts]
-        found: list[_Failure | None] = []
+        found: list[ChunkFailure | None] = []
         bad: list[bytes] = []  # values that failed validation, deleted afterwards
         with self._errors("load"):
             async with self.pool.connection() as conn:
@@ -273,7 +269,7 @@ class RedisTransport(Transport):
                             found, bad, prev, done,
                         )  # fmt: skip
                         prev = done
-        failure = min((f for f in found if f is not None), key=lambda f: f.chunk, default=None)
+        failure = first_failure(found)
         if bad:
             with trio.move_on_after(self.options.timeout_s), contextlib.suppress(Exception):
                 # a corrupt value would fail every later load of its key: drop it so the
@@ -281,10 +277,7 @@ class RedisTransport(Transport):
                 await self.pool.pipeline([("DEL", k) for k in bad])
                 log.warning("kvflow redis: deleted %d corrupt chunk value(s)", len(bad))
         if failure is not None:
-            key = job.keys[failure.chunk]
-            raise failure.kind(
-                f"chunk {failure.chunk} ({key}): {failure.reason}", chunk=failure.chunk, key=key
-            )
+            raise failure.error(job.keys[failure.chunk])
 
     @staticmethod
     async def _send_layers(
@@ -300,7 +293,7 @@ class RedisTransport(Transport):
         job: LoadJob,
         keys: list[bytes],
         sizes: list[list[int]],
-        found: list[_Failure | None],
+        found: list[ChunkFailure | None],
         bad: list[bytes],
     ) -> list[ChunkHeader]:
         """Every chunk's trailer, checked, up to the first bad chunk (recorded in `found`)."""
@@ -312,7 +305,7 @@ class RedisTransport(Transport):
         for c, key in enumerate(job.keys):
             strlen, raw = replies[2 * c], replies[2 * c + 1]
             if strlen == 0:
-                found.append(_Failure(c, ChunkMissing, "not stored (never saved, or evicted)"))
+                found.append(ChunkFailure(c, ChunkMissing, "not stored (never saved, or evicted)"))
                 break
             problem = ""
             if isinstance(strlen, RedisError) or isinstance(raw, RedisError):
@@ -320,31 +313,17 @@ class RedisTransport(Transport):
             else:
                 try:
                     h = decode_trailer(raw)
-                    problem = self._header_problem(h, key, job.token_counts[c], sizes[c])
+                    problem = h.problem(self.context, key, job.token_counts[c])
                     if not problem and strlen != sum(sizes[c]) + len(raw):
                         problem = f"value of {strlen} bytes, expected {sum(sizes[c]) + len(raw)}"
                 except BadHeader as exc:
                     problem = str(exc)
             if problem:
                 bad.append(keys[c])
-                found.append(_Failure(c, ChunkCorrupt, problem))
+                found.append(ChunkFailure(c, ChunkCorrupt, problem))
                 break
             headers.append(h)
         return headers
-
-    def _header_problem(self, h: ChunkHeader, key: ChunkKey, count: int, expect: list[int]) -> str:
-        ctx = self.context
-        if h.key != key:
-            return f"key mismatch (header names {h.key})"
-        if h.namespace != ctx.namespace:
-            return f"written by another configuration (namespace {h.namespace})"
-        if h.shard != ctx.shard:
-            return f"shard mismatch (written by {h.shard}, this is {ctx.shard})"
-        if h.num_tokens != count:
-            return f"token count mismatch ({h.num_tokens} tokens stored, {count} expected)"
-        if h.layer_nbytes != expect:
-            return "layer sizes do not match this KV layout"
-        return ""
 
     async def _read_layer(
         self,
@@ -352,7 +331,7 @@ class RedisTransport(Transport):
         layer: int,
         layer_spans: list[list[memoryview]],
         sizes: list[list[int]],
-        found: list[_Failure | None],
+        found: list[ChunkFailure | None],
     ) -> None:
         """Read the replies of one layer (one per intact chunk) into its spans."""
         for c, spans in enumerate(layer_spans):
@@ -364,7 +343,7 @@ class RedisTransport(Transport):
                 if isinstance(n, int) and n > 0:
                     await conn.skip(n)
                 found.append(
-                    _Failure(
+                    ChunkFailure(
                         c,
                         ChunkMissing if n in (0, -1) else ChunkCorrupt,
                         f"value changed during the load (layer {layer}: got "
@@ -381,17 +360,19 @@ class RedisTransport(Transport):
         layer_spans: list[list[memoryview]],
         headers: list[ChunkHeader],
         keys: list[bytes],
-        found: list[_Failure | None],
+        found: list[ChunkFailure | None],
         bad: list[bytes],
         after: trio.Event,
         done: trio.Event,
     ) -> None:
-        """Verify `layer`'s CRCs, then signal it once every earlier layer was signalled."""
+        """Verify `layer`'s hashes, then signal it once every earlier layer was signalled."""
         if self.options.verify and layer_spans:
-            crcs = await trio.to_thread.run_sync(_crcs, layer_spans)
-            for c, crc in enumerate(crcs):
-                if crc != headers[c].layer_crc[layer]:
-                    found.append(_Failure(c, ChunkCorrupt, f"checksum mismatch in layer {layer}"))
+            hashes = await trio.to_thread.run_sync(_hashes, layer_spans)
+            for c, h in enumerate(hashes):
+                if h != headers[c].layer_hash[layer]:
+                    found.append(
+                        ChunkFailure(c, ChunkCorrupt, f"checksum mismatch in layer {layer}")
+                    )
                     bad.append(keys[c])
                     break
         await after.wait()
@@ -399,12 +380,12 @@ class RedisTransport(Transport):
         done.set()
 
 
-def _intact(found: list[_Failure | None], n: int) -> int:
+def _intact(found: list[ChunkFailure | None], n: int) -> int:
     return min((f.chunk for f in found if f is not None), default=n)
 
 
-def _crcs(spans: list[list[memoryview]]) -> list[int]:
-    return [crc_of(s) for s in spans]
+def _hashes(spans: list[list[memoryview]]) -> list[int]:
+    return [layer_hash(s) for s in spans]
 
 
 def _describe(exc: BaseException, timeout_s: float | None = None) -> str:
