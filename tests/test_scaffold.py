@@ -22,35 +22,45 @@ FILLED = {
                 return i
         return len(keys)""",
     "save": """\
-        layers: list[list[bytes]] = [[] for _ in job.keys]
+        spans: list[list[list[memoryview]]] = [[] for _ in job.keys]  # chunk, layer
         for i in range(job.num_layers):
-            for c, spans in enumerate(await job.layer(i)):
-                layers[c].append(b"".join(spans))
-        for key, data in zip(job.keys, layers, strict=True):
+            for c, s in enumerate(await job.layer(i)):
+                spans[c].append(s)
+        for c, key in enumerate(job.keys):
+            data = [self.header(key, job.token_counts[c], spans[c])]
+            data += [b"".join(s) for s in spans[c]]
             path = self._file(key, self.context.shard)
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_name(f"{path.name}.{id(job)}.tmp")  # one per concurrent save
             await trio.to_thread.run_sync(tmp.write_bytes, msgspec.msgpack.encode(data))
             tmp.replace(path)""",
     "load": """\
-        found = []
-        for key in job.keys:
+        found, failures = [], []
+        for c, key in enumerate(job.keys):
             path = self._file(key, self.context.shard)
             if not path.exists():
+                failures.append(ChunkFailure(c, ChunkMissing, "not stored"))
                 break
-            data = await trio.to_thread.run_sync(path.read_bytes)  # blocking I/O off the loop
-            found.append(msgspec.msgpack.decode(data, type=list[bytes]))
+            raw = await trio.to_thread.run_sync(path.read_bytes)  # blocking I/O off the loop
+            data = msgspec.msgpack.decode(raw, type=list[bytes])
+            header = self.check(c, key, job.token_counts[c], data[0])
+            if isinstance(header, ChunkFailure):
+                failures.append(header)
+                break
+            found.append((header, data[1:]))
         for i in range(job.num_layers):
-            for spans, data in zip(job.spans(i)[: len(found)], found, strict=False):
+            for c, spans in enumerate(job.spans(i)[: len(found)]):
+                header, layers = found[c]
                 off = 0
                 for span in spans:
-                    span[:] = data[i][off : off + len(span)]
+                    span[:] = layers[i][off : off + len(span)]
                     off += len(span)
+                if layer_hash(spans) != header.layer_hash[i]:
+                    failures.append(ChunkFailure(c, ChunkCorrupt, f"layer {i} corrupt"))
             job.layer_loaded(i)
             await trio.lowlevel.checkpoint()  # cancellable between layers
-        if len(found) < len(job.keys):
-            k = len(found)
-            raise ChunkMissing(f"chunk {k} not stored", chunk=k, key=job.keys[k])""",
+        if (failure := first_failure(failures)) is not None:
+            raise failure.error(job.keys[failure.chunk])""",
 }
 HELPER = """
     def _file(self, key: ChunkKey, shard: str) -> Path:

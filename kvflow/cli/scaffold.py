@@ -62,8 +62,11 @@ from collections.abc import Sequence
 import msgspec
 
 from kvflow import (
+    BadHeader,
     Capabilities,
     ChunkCorrupt,
+    ChunkFailure,
+    ChunkHeader,
     ChunkKey,
     ChunkMissing,
     LoadJob,
@@ -71,9 +74,20 @@ from kvflow import (
     Transport,
     TransportContext,
     TransportError,
+    first_failure,
+    layer_hash,
 )
 
-__all__ = ["{cls}", "{cls_options}", "ChunkCorrupt", "ChunkMissing", "TransportError"]
+__all__ = [
+    "{cls}",
+    "{cls_options}",
+    "ChunkCorrupt",
+    "ChunkFailure",
+    "ChunkMissing",
+    "TransportError",
+    "first_failure",
+    "layer_hash",
+]
 
 
 class {cls_options}(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -117,8 +131,28 @@ class {cls}(Transport):
         """Fill `job.spans(i)` of every chunk, calling `job.layer_loaded(i)` in layer order
         once layer i landed (never touch layer i again afterwards). If chunk k is missing or
         corrupt, raise `ChunkMissing` / `ChunkCorrupt` with `chunk=k` (chunks before k
-        complete in every layer)."""
+        complete in every layer). Check each stored chunk with `check` before using
+        it, and layer i's bytes (`layer_hash(spans) == header.layer_hash[i]`) before
+        `job.layer_loaded(i)`; raise `first_failure(failures).error(key)`."""
         raise NotImplementedError("{cls}.load: fill in")
+
+    # -- what a store keeps next to each chunk, and checks before using it --------------
+    def header(self, key: ChunkKey, num_tokens: int, layers: list[list[memoryview]]) -> bytes:
+        """Bytes to store with a chunk whose layer i is `layers[i]`: its key, namespace,
+        shard, token count, each layer's size and XXH3-64, this worker's KV layout
+        (`kvflow.ChunkHeader`)."""
+        return ChunkHeader.of(self.context, key, num_tokens, layers).encode()
+
+    def check(
+        self, chunk: int, key: ChunkKey, num_tokens: int, raw: bytes
+    ) -> ChunkHeader | ChunkFailure:
+        """A stored chunk's header, or why it is not the chunk this load asked for."""
+        try:
+            h = ChunkHeader.decode(raw)
+        except BadHeader as exc:
+            return ChunkFailure(chunk, ChunkCorrupt, str(exc))
+        problem = h.problem(self.context, key, num_tokens)
+        return ChunkFailure(chunk, ChunkCorrupt, problem) if problem else h
 '''
 
 TEST = '''\
