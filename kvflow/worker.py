@@ -434,6 +434,22 @@ class WorkerEngine:
             self._lent.add(req)
             self._maybe_release(req)
 
+    def _started(
+        self, kind: type[LoadStarted | SaveStarted], spec: LoadSpec | SaveSpec, layout: KVLayout
+    ) -> int:
+        """Report a load or save starting; its bytes."""
+        nbytes = layout.nbytes(spec.token_counts)
+        self.bus.emit(
+            kind(
+                req=spec.req,
+                chunks=len(spec.keys),
+                tokens=sum(spec.token_counts),
+                nbytes=nbytes,
+                transport=self.transport.name,
+            )
+        )
+        return nbytes
+
     def _on_layer_computed(self, step_no: int, layer: int, ready: LayerReady | None) -> None:
         step = self._steps.get(step_no)
         if step is not None and not step.computed[layer].is_set():
@@ -547,17 +563,7 @@ class WorkerEngine:
                 return stage.spans(layer)
             return layout.chunk_spans(layer, spec.block_ids, spec.token_counts)
 
-        tokens = sum(spec.token_counts)
-        nbytes = layout.nbytes(spec.token_counts)
-        self.bus.emit(
-            LoadStarted(
-                req=spec.req,
-                chunks=len(spec.keys),
-                tokens=tokens,
-                nbytes=nbytes,
-                transport=self.transport.name,
-            )
-        )
+        nbytes = self._started(LoadStarted, spec, layout)
         job = LoadJob(
             spec.req,
             spec.keys,
@@ -695,17 +701,7 @@ class WorkerEngine:
                 for b, n in zip(spec.block_ids, spec.token_counts, strict=True)
             ]
 
-        tokens = sum(spec.token_counts)
-        nbytes = layout.nbytes(spec.token_counts)
-        self.bus.emit(
-            SaveStarted(
-                req=spec.req,
-                chunks=len(spec.keys),
-                tokens=tokens,
-                nbytes=nbytes,
-                transport=self.transport.name,
-            )
-        )
+        nbytes = self._started(SaveStarted, spec, layout)
         job = SaveJob(spec.req, spec.keys, spec.token_counts, layout.num_layers, layer_spans)
         t0 = time.perf_counter()
         error, timed_out = "interrupted", False  # until the save ends one way or another

@@ -135,6 +135,18 @@ def violated(
     raise ContractViolation("\n".join(lines))
 
 
+async def expect_none_stored(sched: Transport, src: Chunks, promise: str, when: str) -> None:
+    """`promise` holds only if `lookup` finds none of `src`'s chunks (`when`: the moment)."""
+    got = await sched.lookup(src.keys)
+    if got:
+        violated(
+            promise,
+            f"lookup found {got} chunk(s) {when}",
+            keys=src.keys[:got],
+            block_ids=src.blocks[:got],
+        )
+
+
 # -- chunks and memory ---------------------------------------------------------
 
 
@@ -706,6 +718,18 @@ class ConformanceSuite:
         args.update(kw)
         return make_layout(**args)
 
+    def large_layout(self, like: KVLayout) -> KVLayout:
+        """Blocks of 256 tokens x 8 heads x 128 dims: 2 MiB per layer and block (float32,
+        K and V), granular as `like`."""
+        return self.build_layout(
+            like.is_block_granular(),
+            num_layers=self.large_block_layers,
+            num_blocks=4,
+            block_size=256,
+            heads=8,
+            head_dim=128,
+        )
+
     @pytest.fixture
     async def kv(
         self, make_transport: Callable[[TransportContext], Any], layout: KVLayout
@@ -879,14 +903,9 @@ class TransportConformance(ConformanceSuite):
                         keys=src.keys,
                         block_ids=src.blocks,
                     )
-                got = await sched.lookup(src.keys)
-                if got:
-                    violated(
-                        Promise.SAVE_ATOMIC,
-                        f"lookup found {got} chunk(s) while layers {layer}.. were not given yet",
-                        keys=src.keys[:got],
-                        block_ids=src.blocks[:got],
-                    )
+                await expect_none_stored(
+                    sched, src, Promise.SAVE_ATOMIC, f"while layers {layer}.. were not given yet"
+                )
                 gated.give(layer)
 
         await _all([save, drive])
@@ -1071,14 +1090,9 @@ class TransportConformance(ConformanceSuite):
                 keys=src.keys,
                 block_ids=src.blocks,
             )
-        got = await sched.lookup(src.keys)
-        if got:
-            violated(
-                Promise.CANCEL,
-                f"lookup found {got} chunk(s) after a save cancelled at layer {stop_at}",
-                keys=src.keys[:got],
-                block_ids=src.blocks[:got],
-            )
+        await expect_none_stored(
+            sched, src, Promise.CANCEL, f"after a save cancelled at layer {stop_at}"
+        )
         dst = src.at(kv.blocks(len(src)))
         exc = await kv.load_error(worker, dst)
         if exc.chunk != 0:
@@ -1113,15 +1127,7 @@ class TransportConformance(ConformanceSuite):
 
     # -- scale -----------------------------------------------------------------
     async def test_large_blocks(self, kv: Harness) -> None:
-        # 2 planes x 256 tokens x 8 heads x 128 dims x 4 bytes = 2 MiB per layer and block
-        big = self.build_layout(
-            kv.layout.is_block_granular(),
-            num_layers=self.large_block_layers,
-            num_blocks=4,
-            block_size=256,
-            heads=8,
-            head_dim=128,
-        )
+        big = self.large_layout(kv.layout)
         worker = await kv.worker(layout=big)
         await kv.round_trip(worker, worker, kv.chunks(2, partial=100, layout=big), layout=big)
 

@@ -421,14 +421,7 @@ class PeerConformance(ConformanceSuite):
         await self.pull_all(kv, producers, consumers, srcs, reqs=["tp", "tp"])
 
     async def test_large_blocks(self, kv: Harness) -> None:
-        big = self.build_layout(
-            kv.layout.is_block_granular(),
-            num_layers=self.large_block_layers,
-            num_blocks=4,
-            block_size=256,
-            heads=8,
-            head_dim=128,
-        )
+        big = self.large_layout(kv.layout)
         producer = await kv.worker(layout=big)
         consumer = await kv.worker(layout=big)
         await self.pull(kv, producer, consumer, kv.chunks(2, partial=100, layout=big), layout=big)
