@@ -44,6 +44,7 @@ from .events import (
 )
 from .keys import ChunkKey
 from .layout import KVLayout, LayoutError
+from .lending import Lending
 from .metadata import LoadSpec, OfferSpec, SaveSpec, WorkerPlan
 from .runtime import Runtime, poll_until
 from .staging import HostStage, event_done, mark
@@ -178,21 +179,13 @@ class WorkerEngine:
         """Asynchronous loads running: request -> when vLLM's thread gives up on them."""
         self._now = time.monotonic
         """vLLM's thread's clock for those deadlines (tests move it)."""
+        self._lending = Lending(lambda req: self.bus.emit(BlocksReleased(req=req)))
+        """Whose blocks kvflow uses, and when vLLM may have them back."""
         # vLLM-thread state: what vLLM still waits for, should the loop die
-        self._open_lent: set[str] = set()
         self._open_async: dict[str, list[int]] = {}
         self._gone = False
         # loop-thread state
         self._steps: dict[int, _Step] = {}
-        self._pending_saves: dict[str, int] = {}
-        self._save_scopes: dict[str, set[trio.CancelScope]] = {}
-        self._save_drops: dict[trio.CancelScope, str] = {}
-        """Why a save was cancelled, when not for a preemption."""
-        self._reading: dict[int, int] = {}
-        """Blocks that saves read -> how many (written in both threads, under the lock)."""
-        self._save_blocks: dict[trio.CancelScope, list[int]] = {}
-        self._lent: set[str] = set()
-        self._saves_changed: trio.Event | None = None
         self._limiters: dict[str, trio.CapacityLimiter] = {}
         self._outcomes = ChunkOutcomes() if report_chunks else None
 
@@ -239,14 +232,10 @@ class WorkerEngine:
         self._step_load_blocks = {
             b for spec in plan.loads if not spec.asynchronous for b in spec.block_ids
         }
-        self._open_lent.update(plan.lent)
         self._open_async.update((s.req, list(s.block_ids)) for s in plan.loads if s.asynchronous)
         if plan.reused:
             self._fence(plan.reused)
-        with self._lock:
-            for save in plan.saves:
-                for b in save.block_ids:
-                    self._reading[b] = self._reading.get(b, 0) + 1
+        self._lending.bound(plan.lent, (save.block_ids for save in plan.saves))
         if not self.runtime.running:  # the loop died: nothing will run this plan
             self._loop_gone()
         elif not plan.is_empty():
@@ -255,12 +244,11 @@ class WorkerEngine:
     def _fence(self, reused: list[int]) -> None:
         """Wait, at most `preempt_timeout_s`, until no save reads a block vLLM reuses
         now; a save still reading one then is cancelled and stores nothing."""
-        with self._lock:
-            busy = {b for b in reused if b in self._reading}
+        busy = self._lending.busy(reused)
         if not busy or not self.runtime.running:
             return
         try:
-            self.runtime.call(self._await_blocks, busy, timeout=self.config.preempt_timeout_s)
+            self.runtime.call(self._lending.idle, busy, timeout=self.config.preempt_timeout_s)
         except TimeoutError:
             log.warning(
                 "kvflow: saves still read blocks %s that vLLM reuses, after "
@@ -268,7 +256,7 @@ class WorkerEngine:
                 sorted(busy),
                 self.config.preempt_timeout_s,
             )
-            self.runtime.submit(self._cancel_saves_over, busy)
+            self.runtime.submit(self._lending.cancel_over, busy, "vLLM reused its blocks")
 
     def wait_layer(self, layer: int) -> None:
         """Block until this step's synchronous loads of `layer` have landed (or failed)."""
@@ -316,7 +304,7 @@ class WorkerEngine:
             snap = self._results
             self._results = TransferResults(error_block_ids=snap.error_block_ids)
         snap.error_block_ids = set()  # those are taken by take_error_blocks
-        self._open_lent -= snap.finished_sending
+        snap.finished_sending |= self._lending.take_released()
         for req in snap.finished_recving:
             self._open_async.pop(req, None)
         return snap
@@ -373,8 +361,7 @@ class WorkerEngine:
 
     # -- loop thread -------------------------------------------------------
     async def _drain(self) -> None:
-        while any(n > 0 for n in self._pending_saves.values()):
-            await self._saves_change()
+        await self._lending.drained()
 
     def _require_layout(self) -> KVLayout:
         if self.layout is None:
@@ -386,17 +373,6 @@ class WorkerEngine:
         if lim is None:
             lim = self._limiters[kind] = trio.CapacityLimiter(self.config.max_concurrent_transfers)
         return lim
-
-    async def _saves_change(self) -> None:
-        """Wait until some save ends (any number of waiters)."""
-        if self._saves_changed is None:
-            self._saves_changed = trio.Event()
-        await self._saves_changed.wait()
-
-    def _notify_saves_changed(self) -> None:
-        if self._saves_changed is not None:
-            self._saves_changed.set()
-            self._saves_changed = None
 
     def _on_bind(self, plan: WorkerPlan, gate: _LayerGate) -> None:
         self.bus.emit(StepBound(step=plan.step, loads=len(plan.loads), saves=len(plan.saves)))
@@ -414,11 +390,10 @@ class WorkerEngine:
                 self._require_layout().num_layers, len(plan.saves)
             )
             for save in plan.saves:
-                self._pending_saves[save.req] = self._pending_saves.get(save.req, 0) + 1
                 # registered now, not when the task first runs: a preempt may come first
                 scope = trio.CancelScope()
-                self._save_scopes.setdefault(save.req, set()).add(scope)
-                self._save_blocks[scope] = save.block_ids
+                self._lending.start(save.req, scope)
+                self._lending.reads(scope, save.block_ids)
                 loads: list[trio.Event] = []
                 for b in save.computed_over:
                     over.setdefault(b, []).append(scope)
@@ -428,11 +403,10 @@ class WorkerEngine:
                     self._save_flow, save, plan.step, step, scope, loads, name=f"save:{save.req}"
                 )
         for o in plan.offers:  # held like a save: released when the offer ends
-            self._pending_saves[o.req] = self._pending_saves.get(o.req, 0) + 1
+            self._lending.start(o.req)
             self.runtime.start_soon(self._offer_flow, o, name=f"offer:{o.req}")
         for req in plan.lent:
-            self._lent.add(req)
-            self._maybe_release(req)
+            self._lending.lend(req)
 
     def _started(
         self, kind: type[LoadStarted | SaveStarted], spec: LoadSpec | SaveSpec, layout: KVLayout
@@ -465,14 +439,6 @@ class WorkerEngine:
                     step.ready[layer] = ready
                     ev.set()
 
-    def _maybe_release(self, req: str) -> None:
-        if req in self._lent and self._pending_saves.get(req, 0) == 0:
-            self._lent.discard(req)
-            self._pending_saves.pop(req, None)
-            with self._lock:
-                self._results.finished_sending.add(req)
-            self.bus.emit(BlocksReleased(req=req))
-
     def _give_up_on_step_loads(self, what: str) -> None:
         """vLLM's thread waited `load_timeout_s` + `STOP_GRACE_S` for this step's loads. If
         the loop runs, a load ignored its deadline and may still write: stop the engine.
@@ -493,7 +459,7 @@ class WorkerEngine:
             )
         with self._lock:
             r = self._results
-            r.finished_sending |= self._open_lent
+            r.finished_sending |= self._lending.release_all()
             r.error_block_ids |= self._step_load_blocks
             self._step_load_blocks = set()  # reported once: later steps may reuse them
             for req, blocks in self._open_async.items():
@@ -634,8 +600,7 @@ class WorkerEngine:
     ) -> None:
         for b in failed:
             for scope in over.get(b, ()):
-                self._save_drops[scope] = f"computed over blocks whose load failed ({req})"
-                scope.cancel()
+                self._lending.drop(scope, f"computed over blocks whose load failed ({req})")
 
     def _finish_load(
         self, spec: LoadSpec, error: str, intact: int, timed_out: bool, elapsed: float, nbytes: int
@@ -718,28 +683,18 @@ class WorkerEngine:
                     True,
                 )
             elif scope.cancelled_caught:
-                error = f"cancelled: {self._save_drops.pop(scope, 'request preempted')}"
+                error = f"cancelled: {self._lending.why(scope)}"
         except Exception as exc:
             error = f"{type(exc).__name__}: {exc}"
             log.warning("kvflow save of %s failed: %s", spec.req, error)
         finally:
-            self._save_scopes[spec.req].discard(scope)
-            with self._lock:
-                for b in self._save_blocks.pop(scope, ()):
-                    if (left := self._reading.pop(b) - 1) > 0:
-                        self._reading[b] = left
-            self._save_drops.pop(scope, None)
-            if not self._save_scopes[spec.req]:
-                del self._save_scopes[spec.req]
             step.saves_left -= 1
             if step.saves_left == 0:
                 self._steps.pop(step_no, None)
             if self._outcomes is not None:  # before the release: vLLM may stop stepping then
                 with self._lock:
                     (self._outcomes.unsaved if error else self._outcomes.saved).extend(spec.keys)
-            self._pending_saves[spec.req] -= 1
-            self._maybe_release(spec.req)
-            self._notify_saves_changed()
+            self._lending.end(spec.req, scope)
         if error:
             self.bus.emit(
                 TransferFailed(req=spec.req, direction="save", reason=error, timed_out=timed_out)
@@ -800,26 +755,8 @@ class WorkerEngine:
                         req=spec.req, direction="send", reason=why, timed_out=not outcome
                     )
                 )
-            self._pending_saves[spec.req] -= 1
-            self._maybe_release(spec.req)
-            self._notify_saves_changed()
-
-    async def _await_blocks(self, blocks: set[int]) -> None:
-        while True:
-            with self._lock:
-                if not any(b in self._reading for b in blocks):
-                    return
-            await self._saves_change()
-
-    def _cancel_saves_over(self, blocks: set[int]) -> None:
-        for scope, save_blocks in self._save_blocks.items():
-            if not blocks.isdisjoint(save_blocks):
-                self._save_drops[scope] = "vLLM reused its blocks"
-                scope.cancel()
+            self._lending.end(spec.req)
 
     async def _cancel_saves(self, reqs: list[str]) -> None:
-        for req in reqs:
-            for scope in self._save_scopes.get(req, ()):
-                scope.cancel()
-        while any(self._pending_saves.get(r, 0) > 0 for r in reqs):
-            await self._saves_change()
+        self._lending.cancel(reqs)
+        await self._lending.ended(reqs)

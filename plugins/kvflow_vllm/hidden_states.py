@@ -23,6 +23,7 @@ from kvflow.config import ConfigError
 from kvflow.events import EventBus
 from kvflow.hidden_states import HiddenStatesRef, host_buffer, save_hidden_states
 from kvflow.keys import Fingerprint, chunk_keys, chunk_token_counts
+from kvflow.lending import Lending
 from kvflow.runtime import Runtime, poll_until
 from kvflow.transport import Transport
 
@@ -181,8 +182,9 @@ class HiddenStatesExporter:
         self._stream: Any = None
         self._lock = threading.Lock()
         self._done: set[str] = set()
-        self._open: set[str] = set()
-        """Exports started and not reported done (vLLM's thread)."""
+        """Requests this worker does not copy out of: done at once."""
+        self._lending = Lending()
+        """The blocks of requests whose rows are being copied out."""
         self._running = 0
         self._idle: trio.Event | None = None
 
@@ -198,7 +200,7 @@ class HiddenStatesExporter:
             with self._lock:
                 self._done.update(e.req for e in exports)
             return
-        self._open.update(e.req for e in exports)
+        self._lending.bound((e.req for e in exports), [])
         ready = None
         if self._view.is_cuda:  # what vLLM's stream queued so far wrote the rows
             ready = torch.cuda.Event()
@@ -213,9 +215,9 @@ class HiddenStatesExporter:
         loop be gone, every export still open: nothing copies out of the blocks any more."""
         with self._lock:
             out, self._done = self._done, set()
-        if self._open and not self.runtime.running:
-            out |= self._open
-        self._open -= out
+        out |= self._lending.take_released()
+        if not self.runtime.running:
+            out |= self._lending.release_all()
         return out
 
     def drain(self, timeout_s: float) -> None:
@@ -233,13 +235,14 @@ class HiddenStatesExporter:
 
     async def _flow(self, e: HiddenExport, ready: Any) -> None:
         buf = None
+        self._lending.start(e.req)
+        self._lending.lend(e.req)
         try:
             buf = await self._copy_out(e, ready)
         except Exception as exc:
             log.error("kvflow: hidden states of %s not copied out: %s", e.req, exc)
         finally:  # the rows are in host memory (or lost): vLLM may have its blocks back
-            with self._lock:
-                self._done.add(e.req)
+            self._lending.end(e.req)
         try:
             if buf is not None:
                 assert self.transport is not None
