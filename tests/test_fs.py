@@ -26,6 +26,7 @@ from kvflow_fs import FsOptions, FsTransport
 from kvflow_fs import _transport as fs_module
 from kvflow_fs._format import HEADER_SIZE, encode_header, read_header
 from kvflow_fs._transport import THREADS
+from kvflow_fs._usage import StoreUsage
 
 PATH_OPTION = "kv_connector_extra_config['options']['path']"
 
@@ -464,14 +465,14 @@ async def test_opening_a_store_does_not_walk_it_first(
     """A big store takes long to walk: open (inside vLLM's start-up call) returns at once
     and the walk runs after it."""
     walking, done_walking = threading.Event(), threading.Event()
-    scan = FsTransport._scan_usage
+    scan = StoreUsage.scan
 
-    def slow_scan(self: FsTransport) -> None:
+    def slow_scan(self: StoreUsage) -> None:
         walking.set()
         done_walking.wait(30)
         scan(self)
 
-    monkeypatch.setattr(FsTransport, "_scan_usage", slow_scan)
+    monkeypatch.setattr(StoreUsage, "scan", slow_scan)
     worker = await fs_worker(kv)  # returns while the walk has not finished
     await kv.round_trip(worker, worker, kv.chunks(2))  # and the store serves meanwhile
     assert walking.is_set() and not done_walking.is_set()
@@ -549,7 +550,7 @@ async def test_read_only_filesystem_fails_at_open() -> None:
 
 async def test_open_sweeps_temp_files_a_crashed_writer_left(tmp_path: Path) -> None:
     from kvflow.testing.layouts import make_layout
-    from kvflow_fs._transport import STALE_TMP_S
+    from kvflow_fs._usage import STALE_TMP_S
 
     layout = make_layout()
     t = FsTransport(

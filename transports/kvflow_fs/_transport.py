@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import functools
 import itertools
 import logging
 import os
 import secrets
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -33,6 +32,7 @@ from kvflow.transport import (
 )
 
 from ._format import HEADER_SIZE, encode_header, layer_offset, read_header
+from ._usage import StoreUsage
 
 log = logging.getLogger("kvflow.fs")
 T = TypeVar("T")
@@ -55,12 +55,6 @@ class FsOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 THREADS = 32
 """Threads of each kind (loads, saves) one fs transport runs at once."""
-USAGE_FILE = ".usage"
-"""The store's byte count, under the store's root, shared by every process using it."""
-
-STALE_TMP_S = 3600.0
-"""A temp file untouched this long belongs to a writer that died; swept at open."""
-
 
 BATCH_BYTES = 64 << 20
 """Bytes one thread call writes or reads: a cancelled transfer stops between batches."""
@@ -156,13 +150,8 @@ class FsTransport(Transport):
         base = Path(options.path).expanduser() if options.path else default_cache_dir() / "fs"
         self.root = base
         self.dir = base / context.namespace
-        self.max_bytes = int(options.max_gb * (1 << 30))
-        self._evicting = False
-        self._chores = 0
-        self._idle = trio.Event()
-        self._idle.set()
-        self.evictions = 0
-        """Evictions this transport ran (the background task counts them)."""
+        self.usage = StoreUsage(base, int(options.max_gb * (1 << 30)), lambda: context.evicted)
+        """The store's byte count and eviction, shared with every process using it."""
         # Loads and saves have threads of their own: a layer the forward waits for never
         # queues behind saves (trio's default limiter would serve both, 40 threads).
         self._load_threads = trio.CapacityLimiter(THREADS)
@@ -186,7 +175,7 @@ class FsTransport(Transport):
                 f"{where}: {str(self.root)!r} is not a writable directory ({exc.strerror or exc})"
             ) from None
         if self.context.role == "worker":  # off the start-up path: a big store takes a while
-            self._spawn(self._scan_usage)
+            self.usage.scan_soon()
 
     # -- paths -------------------------------------------------------------
     def path(self, key: ChunkKey, shard: str | None = None) -> Path:
@@ -219,9 +208,7 @@ class FsTransport(Transport):
         headers: list[ChunkHeader | None] = [None] * n
         committed = False
         try:
-            await trio.to_thread.run_sync(
-                self._create, finals, tmps, fds, limiter=self._save_threads
-            )
+            await trio.to_thread.run_sync(_create, finals, tmps, fds, limiter=self._save_threads)
             if not any(fd is not None for fd in fds):
                 return
             layers = [await job.layer(i) for i in range(job.num_layers)]
@@ -233,7 +220,7 @@ class FsTransport(Transport):
                 self.options.threads,
             )
             written = await trio.to_thread.run_sync(
-                self._commit, fds, headers, tmps, finals, limiter=self._save_threads
+                _commit, fds, headers, tmps, finals, self.options.fsync, limiter=self._save_threads
             )
             committed = True
         except OSError as exc:
@@ -241,25 +228,12 @@ class FsTransport(Transport):
         finally:
             if not committed:
                 with trio.CancelScope(shield=True):
-                    await trio.to_thread.run_sync(
-                        self._discard, fds, tmps, limiter=self._save_threads
-                    )
+                    await trio.to_thread.run_sync(_discard, fds, tmps, limiter=self._save_threads)
         with trio.CancelScope(shield=True):  # the files are visible: count them
             usage = await trio.to_thread.run_sync(
-                self._add_usage, written, limiter=self._save_threads
+                self.usage.add, written, limiter=self._save_threads
             )
-        if self.max_bytes and usage > self.max_bytes and not self._evicting:
-            self._evicting = True  # one eviction at a time, after the save returned
-            self._spawn(self._evict)
-
-    def _create(self, finals: list[Path], tmps: list[Path], fds: list[int | None]) -> None:
-        """Open a temp file for each chunk not stored yet, into `fds` (so that a failure
-        half-way leaves `fds` naming what `_discard` must clean up)."""
-        for c, (final, tmp) in enumerate(zip(finals, tmps, strict=True)):
-            if final.exists():  # same key, same bytes: someone saved it already
-                continue
-            final.parent.mkdir(parents=True, exist_ok=True)
-            fds[c] = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        self.usage.saved(usage)
 
     def _write_chunks(
         self,
@@ -280,35 +254,6 @@ class FsTransport(Transport):
             _write_all(fd, [s for ls in spans for s in ls], HEADER_SIZE)
             _write_all(fd, [memoryview(encode_header(h))], 0)  # apart: see decision 35
             headers[c] = h
-
-    def _commit(
-        self,
-        fds: list[int | None],
-        headers: list[ChunkHeader | None],
-        tmps: list[Path],
-        finals: list[Path],
-    ) -> int:
-        written = 0
-        for c, (fd, h, tmp, final) in enumerate(zip(fds, headers, tmps, finals, strict=True)):
-            if fd is None:
-                continue
-            assert h is not None, "every open chunk file was written"
-            if self.options.fsync:
-                os.fsync(fd)
-            fds[c] = None  # closed: `_discard` must not close this number again
-            os.close(fd)
-            os.replace(tmp, final)
-            written += HEADER_SIZE + h.payload_nbytes()
-        return written
-
-    def _discard(self, fds: list[int | None], tmps: list[Path]) -> None:
-        """Close what is still open and remove every temp file (committed ones are gone)."""
-        for fd, tmp in zip(fds, tmps, strict=True):
-            if fd is not None:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
-            with contextlib.suppress(OSError):
-                tmp.unlink()
 
     # -- load --------------------------------------------------------------
     async def load(self, job: LoadJob) -> None:
@@ -348,7 +293,7 @@ class FsTransport(Transport):
                     job.layer_loaded(layer)
         finally:
             with trio.CancelScope(shield=True):
-                await trio.to_thread.run_sync(self._close, fds, limiter=self._load_threads)
+                await trio.to_thread.run_sync(_close, fds, limiter=self._load_threads)
         failure = first_failure(found)
         if failure is not None:
             raise failure.error(job.keys[failure.chunk])
@@ -422,132 +367,71 @@ class FsTransport(Transport):
             if (st.st_dev, st.st_ino) == (now.st_dev, now.st_ino):
                 os.unlink(path)
                 deleted = True
-                self._add_usage(-st.st_size)
+                self.usage.add(-st.st_size)
                 log.warning("kvflow fs: deleted bad chunk file %s (%s)", path, problem)
         return ChunkFailure(
             chunk, ChunkCorrupt, f"{problem} in {path}{'; deleted it' if deleted else ''}"
         )
 
-    def _close(self, fds: list[int]) -> None:
-        now = time.time()
-        for fd in fds:
-            with contextlib.suppress(OSError):
-                os.utime(fd, (now, now))  # recency for LRU eviction
-            with contextlib.suppress(OSError):
-                os.close(fd)
-
     # -- capacity ----------------------------------------------------------
-    def _walk(self) -> list[os.DirEntry[str]]:
-        out: list[os.DirEntry[str]] = []
-        if not self.root.is_dir():
-            return out
-        for ns in os.scandir(self.root):
-            if not ns.is_dir():
-                continue
-            for sub in os.scandir(ns.path):
-                if sub.is_dir():
-                    out.extend(os.scandir(sub.path))
-        return out
-
-    def _files(self) -> list[os.DirEntry[str]]:
-        return [e for e in self._walk() if e.name.endswith(".kv")]
-
-    def _spawn(self, work: Callable[[], None]) -> None:
-        """Start a store-wide chore (scan, eviction) apart from every transfer."""
-        if not self._chores:
-            self._idle = trio.Event()
-        self._chores += 1
-        trio.lowlevel.spawn_system_task(self._background, work, name=f"fs{work.__name__}")
-
-    async def _background(self, work: Callable[[], None]) -> None:
-        try:
-            await trio.to_thread.run_sync(work)
-        except Exception as exc:  # the chunks are stored; a failed chore is not a transfer's
-            log.warning("kvflow fs: %s under %s failed: %s", work.__name__, self.root, exc)
-        finally:
-            if work == self._evict:
-                self._evicting = False
-            self._chores -= 1
-            if not self._chores:
-                self._idle.set()
+    @property
+    def evictions(self) -> int:
+        """Evictions this transport's process ran."""
+        return self.usage.evictions
 
     async def chores_done(self) -> None:
         """Wait until the store-wide chores started so far (scan, eviction) ended."""
-        await self._idle.wait()
+        await self.usage.chores_done()
 
-    @contextlib.contextmanager
-    def _locked(self, name: str, blocking: bool = True) -> Iterator[bool]:
-        """An exclusive lock on `root/name`, shared by every process using the store;
-        yields False if `blocking` is off and another holds it."""
-        fd = os.open(self.root / name, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
-            except BlockingIOError:
-                yield False
-                return
-            yield True
-        finally:
-            os.close(fd)  # releases the lock
 
-    def _add_usage(self, delta: int, *, total: int | None = None) -> int:
-        """Add `delta` bytes to the store's usage, or set it to `total`: one count in
-        `root/.usage` for every process that uses the store. Returns the new count."""
-        path = self.root / USAGE_FILE
-        with self._locked(USAGE_FILE + ".lock"):
-            try:
-                usage = int(path.read_text() or 0)
-            except (FileNotFoundError, ValueError):
-                usage = 0
-            usage = max(0, usage + delta) if total is None else total
-            tmp = path.with_name(f"{USAGE_FILE}.{os.getpid()}.{secrets.token_hex(4)}")
-            tmp.write_text(str(usage))
-            os.replace(tmp, path)
-        return usage
+def _create(finals: list[Path], tmps: list[Path], fds: list[int | None]) -> None:
+    """Open a temp file for each chunk not stored yet, into `fds` (so that a failure
+    half-way leaves `fds` naming what `_discard` must clean up)."""
+    for c, (final, tmp) in enumerate(zip(finals, tmps, strict=True)):
+        if final.exists():  # same key, same bytes: someone saved it already
+            continue
+        final.parent.mkdir(parents=True, exist_ok=True)
+        fds[c] = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
 
-    def _scan_usage(self) -> None:
-        """Count the chunk files in the store into the shared usage; sweep temp files a
-        crashed writer left."""
-        usage, cutoff = 0, time.time() - STALE_TMP_S
-        for e in self._walk():
-            with contextlib.suppress(FileNotFoundError):
-                if e.name.endswith(".kv"):
-                    usage += e.stat().st_size
-                elif ".kv.tmp." in e.name and e.stat().st_mtime < cutoff:
-                    os.unlink(e.path)
-        self._add_usage(0, total=usage)
 
-    def _evict(self) -> None:
-        """Delete least-recently-used chunk files until usage is 90% of the cap (one
-        process at a time: another one evicting already is enough)."""
-        with self._locked(".evict.lock", blocking=False) as mine:
-            if mine:
-                self._evict_locked()
+def _commit(
+    fds: list[int | None],
+    headers: list[ChunkHeader | None],
+    tmps: list[Path],
+    finals: list[Path],
+    fsync: bool,
+) -> int:
+    """Make each written chunk visible under its final name (fsynced first if asked);
+    the bytes committed."""
+    written = 0
+    for c, (fd, h, tmp, final) in enumerate(zip(fds, headers, tmps, finals, strict=True)):
+        if fd is None:
+            continue
+        assert h is not None, "every open chunk file was written"
+        if fsync:
+            os.fsync(fd)
+        fds[c] = None  # closed: `_discard` must not close this number again
+        os.close(fd)
+        os.replace(tmp, final)
+        written += HEADER_SIZE + h.payload_nbytes()
+    return written
 
-    def _evict_locked(self) -> None:
-        entries = []
-        for e in self._files():
-            with contextlib.suppress(FileNotFoundError):
-                st = e.stat()
-                entries.append((st.st_mtime, st.st_size, e.path))
-        entries.sort()
-        usage = sum(size for _, size, _ in entries)
-        target = int(self.max_bytes * 0.9)
-        freed = 0
-        gone: dict[str, list[ChunkKey]] = {}  # namespace -> chunks deleted
-        for _, size, path in entries:
-            if usage - freed <= target:
-                break
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
-                freed += size
-                namespace = os.path.basename(os.path.dirname(os.path.dirname(path)))
-                gone.setdefault(namespace, []).append(os.path.basename(path).split(".", 1)[0])
-        # what it deleted, not the walk's total: saves committed during the walk count
-        usage = self._add_usage(-freed)
-        self.evictions += 1
-        removed = sum(len(keys) for keys in gone.values())
-        log.info("kvflow fs: evicted %d chunk files; %d bytes remain", removed, usage)
-        if self.context.evicted is not None:  # for vLLM's KV events
-            for namespace, keys in gone.items():
-                self.context.evicted(namespace, keys)
+
+def _discard(fds: list[int | None], tmps: list[Path]) -> None:
+    """Close what is still open and remove every temp file (committed ones are gone)."""
+    for fd, tmp in zip(fds, tmps, strict=True):
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+
+
+def _close(fds: list[int]) -> None:
+    """Close the files a load read, touching each first (recency for LRU eviction)."""
+    now = time.time()
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.utime(fd, (now, now))  # recency for LRU eviction
+        with contextlib.suppress(OSError):
+            os.close(fd)
