@@ -128,7 +128,7 @@ async def test_consumer_reads_held_blocks_layer_by_layer(
                     assert all(layer.count(0) >= len(layer) // 2 for layer in whole), whole
             nursery.cancel_scope.cancel()
     assert outcomes == ["done", "done"], "the producer hands blocks back once every READ ended"
-    assert [r.name for r in consumer._remote.values()] == [producer._agent.name]
+    assert [r.name for r in consumer.remotes.by_address.values()] == [producer._agent.name]
 
 
 async def test_pull_of_an_unknown_request_is_refused(
@@ -405,15 +405,17 @@ async def test_a_producer_forgotten_mid_pull_stays_added_until_that_pull_ends(
                 nursery.start_soon(producer.offer, _offer(prod, req))
             await trio.testing.wait_all_tasks_blocked()
             await consumer.load(job("first"))  # the producer is added and prepared
-            (remote,) = consumer._remote.values()
+            (remote,) = consumer.remotes.by_address.values()
             async with trio.open_nursery() as pulls:
                 pulls.start_soon(consumer.load, job("slow"))
                 await consumer.at_gate.wait()
                 assert remote.users == 1, "the slow pull holds the agent"
                 await consumer.load(job("fails"))  # forgets the producer at its end
-                assert consumer._remote == {} and consumer._stale == {remote.name: remote}
+                assert consumer.remotes.by_address == {} and consumer.remotes.stale == {
+                    remote.name: remote
+                }
                 consumer.gate.set()
-            assert consumer._stale == {}, "the last pull removed the forgotten agent"
+            assert consumer.remotes.stale == {}, "the last pull removed the forgotten agent"
             assert _bytes(cons, [7, 8, 9], COUNTS) == _bytes(prod, [1, 2, 3], COUNTS)
             nursery.cancel_scope.cancel()
     await consumer.aclose()

@@ -41,12 +41,10 @@ PROC until the producer's agent next polls.
 
 from __future__ import annotations
 
-import ctypes
 import importlib
 import logging
 import os
 import secrets
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -55,7 +53,7 @@ import numpy as np
 import trio
 import zmq
 
-from kvflow.layout import KVLayout, LayerGeometry, LayoutError, layout_mismatch
+from kvflow.layout import KVLayout, LayoutError
 from kvflow.peer import (
     read_lease,
     read_lease_ms,
@@ -74,6 +72,16 @@ from kvflow.transport import (
 from kvflow.zmqio import BadFrame, TrioSocket
 
 from . import _wire as wire
+from ._descs import (
+    MEMORY_TYPES,
+    Table,
+    bases,
+    disjoint,
+    partial_descs,
+    prepare,
+    release,
+)
+from ._remotes import Remote, RemoteAgents
 
 log = logging.getLogger("kvflow.nixl")
 
@@ -81,9 +89,6 @@ INSTALL_HINT = "pip install 'kvflow[nixl]' (or: pip install nixl-cu12==1.5.1)"
 DRAIN_TIMEOUT_S = 5.0
 """How long a cancelled consumer waits for a READ in flight to end before releasing it."""
 LEASE_MARGIN_S = 1.0
-MAX_DESCRIPTORS = 1 << 27
-"""Bounds a prepared whole-memory list (80 layers x 2 runs x 800k blocks), so that no
-peer's `Regions` makes NIXL build an unbounded one (and indices stay int32)."""
 READ_AHEAD = 2
 """Layers whose READs are in flight at once: a posted READ may copy inside `transfer()`
 or in the next poll, which progresses every posted READ; a short window lets layer 0
@@ -114,97 +119,6 @@ def import_nixl() -> Any:
     raise TransportError(
         f"the nixl transport needs NIXL's Python API ({'; '.join(errors)}); {INSTALL_HINT}"
     )
-
-
-def _address(span: memoryview) -> int:
-    """Start address of a span (writable views via ctypes: 4x faster than numpy)."""
-    try:
-        return ctypes.addressof(ctypes.c_char.from_buffer(span))
-    except TypeError:
-        return int(np.frombuffer(span, np.uint8).ctypes.data)
-
-
-MEMORY_TYPES = {"cpu": "DRAM", "cuda": "VRAM"}
-
-
-def _bases(layout: KVLayout) -> list[tuple[int, int]]:
-    """(address, device id) of each layer's first byte: host buffers or CUDA tensors."""
-    if layout.memory == "cpu":
-        return [(_address(buf), 0) for buf in layout.buffers]
-    return [(int(t.data_ptr()), int(t.device.index or 0)) for t in layout.tensors]
-
-
-def _disjoint(bases: Sequence[tuple[int, int]], sizes: Sequence[int]) -> list[Any]:
-    """The layers' memory as NIXL registers it: overlapping or touching layers merged
-    (layouts with the layer dimension inside the blocks interleave every layer)."""
-    merged: list[list[int]] = []
-    for (address, dev), n in sorted(
-        zip(bases, sizes, strict=True), key=lambda r: (r[0][1], r[0][0])
-    ):
-        last = merged[-1] if merged else None
-        if last is not None and last[2] == dev and address <= last[0] + last[1]:
-            last[1] = max(last[1], address + n - last[0])
-        else:
-            merged.append([address, n, dev])
-    return [(address, n, dev, "") for address, n, dev in merged]
-
-
-@dataclass
-class _Table:
-    """A prepared descriptor list over a whole KV memory: row `starts[layer] + r *
-    num_blocks + block` is run `r` of `block` in `layer` (`LayerGeometry.block_runs`)."""
-
-    dlist: Any
-    starts: list[int]
-    geometries: list[LayerGeometry]
-
-    def index(self, layer: int, block_ids: np.ndarray) -> np.ndarray:
-        g = self.geometries[layer]
-        runs = len(g.block_runs())
-        first = self.starts[layer] + np.arange(runs, dtype=np.int64)[:, None] * g.num_blocks
-        return (first + block_ids[None, :]).reshape(-1).astype(np.int32)
-
-
-def _strided(bases: Sequence[tuple[int, int]], geometries: Sequence[LayerGeometry]) -> Any:
-    """NIXL's compressed (N x 5) form of a whole-memory table: per (layer, run) one row
-    [address, length, device, stride, count] standing for its `count` blocks."""
-    rows = [
-        (base + off, n, dev, g.block_stride, g.num_blocks)
-        for (base, dev), g in zip(bases, geometries, strict=True)
-        for off, n in g.block_runs()
-    ]
-    return np.array(rows, dtype=np.uint64)
-
-
-def _prepare(
-    agent: Any,
-    who: str,
-    bases: Sequence[tuple[int, int]],
-    geometries: Sequence[LayerGeometry],
-    memory: str,
-    backend: str,
-) -> _Table:
-    starts = [0]
-    for g in geometries:
-        starts.append(starts[-1] + len(g.block_runs()) * g.num_blocks)
-    if starts[-1] > MAX_DESCRIPTORS:
-        raise TransportError(
-            f"{starts[-1]} block descriptors (layers x runs x blocks) exceed {MAX_DESCRIPTORS}"
-        )
-    dlist = agent.prep_xfer_dlist(who, _strided(bases, geometries), memory, [backend])
-    return _Table(dlist, starts[:-1], list(geometries))
-
-
-def _partial_descs(
-    bases: Sequence[tuple[int, int]],
-    geometries: Sequence[LayerGeometry],
-    chunks: Sequence[tuple[int, int]],
-) -> list[list[tuple[int, int, int]]]:
-    """Per layer, [address, length, device] of the runs of each (block, tokens) chunk."""
-    return [
-        [(base + off, n, dev) for b, count in chunks for off, n in g.ranges(b, count)]
-        for (base, dev), g in zip(bases, geometries, strict=True)
-    ]
 
 
 async def _backoff(delay: float) -> float:
@@ -245,11 +159,9 @@ class NixlTransport(PeerTransport):
         self._reg: Any = None
         self._memory = "DRAM"
         self._bases: list[tuple[int, int]] = []
-        self._local: _Table | None = None
-        self._remote: dict[str, _Remote] = {}
-        """Producer side-channel address -> its NIXL agent, added once (consumer cache)."""
-        self._stale: dict[str, _Remote] = {}
-        """Agents forgotten while a pull still used them; its last user removes them."""
+        self._local: Table | None = None
+        self.remotes = RemoteAgents(options.backend)
+        """The producers this consumer pulls from (their agents, added once)."""
         self._pulls: dict[str, _Pull] = {}
         self._reads_started = trio.Event()
 
@@ -266,7 +178,7 @@ class NixlTransport(PeerTransport):
         if layout.memory not in MEMORY_TYPES:
             raise TransportError(f"the nixl transport cannot register {layout.memory!r} memory")
         self._memory = MEMORY_TYPES[layout.memory]
-        self._bases = _bases(layout)
+        self._bases = bases(layout)
         if self._api is None:
             self._api = import_nixl()
         backend = self.options.backend
@@ -284,10 +196,10 @@ class NixlTransport(PeerTransport):
             )
         self._agent = agent  # from here on aclose() undoes what registration did
         sizes = [len(b) for b in layout.buffers] or [int(t.numel()) for t in layout.tensors]
-        regions = _disjoint(self._bases, sizes)
+        regions = disjoint(self._bases, sizes)
         try:
             self._reg = agent.register_memory(regions, self._memory, [backend])
-            self._local = _prepare(agent, "", self._bases, layout.geometries, self._memory, backend)
+            self._local = prepare(agent, "", self._bases, layout.geometries, self._memory, backend)
         except TransportError:
             raise
         except Exception as exc:
@@ -298,14 +210,9 @@ class NixlTransport(PeerTransport):
         peer that is already gone."""
         agent, self._agent = self._agent, None
         if agent is not None:
-            for address in list(self._remote):
-                self._forget(agent, address)
-            for remote in self._stale.values():
-                remote.users = 0
-                self._retire(agent, remote)
-            self._stale.clear()
+            self.remotes.close(agent)
             if self._local is not None:
-                _release(self._local.dlist)
+                release(self._local.dlist)
                 self._local = None
             if self._reg is not None:
                 try:
@@ -315,6 +222,11 @@ class NixlTransport(PeerTransport):
                 self._reg = None
             del agent
         await super().aclose()
+
+    def _layout(self) -> KVLayout:
+        if self.context.layout is None:
+            raise TransportError("the nixl transport has no registered KV memory")
+        return self.context.layout
 
     def _require_agent(self) -> Any:
         if self._agent is None:
@@ -440,19 +352,18 @@ class NixlTransport(PeerTransport):
         xfers: list[Any] = []
         dlists: list[Any] = []
         ok = refused = False
-        peer: _Remote | None = None
+        peer: Remote | None = None
         try:
             sock.sock.connect(address)
             lease_ms = read_lease_ms(DRAIN_TIMEOUT_S)
-            known = self._remote[address].name if address in self._remote else ""
+            known = self.remotes.known(address)
             pull = wire.Pull(src.req, agent.name, known, lease_ms, list(src.block_ids))
             await sock.send_multipart([wire.encode(pull)])
             msg = wire.decode_to_consumer((await sock.recv_multipart())[0])
             if isinstance(msg, wire.Refused):
                 refused = True  # nothing is held for us: nothing to answer
                 raise ChunkMissing(f"producer {address} refused {src.req}: {msg.reason}")
-            peer = self._add_remote(agent, address, msg)
-            peer.users += 1
+            peer = self.remotes.acquire(agent, address, msg, self._layout())
             await self._read(agent, job, peer, msg, xfers, dlists)
             try:  # every READ is DONE: the producer may hand the blocks back
                 agent.send_notif(peer.name, wire.encode(wire.Read(src.req)))
@@ -469,14 +380,7 @@ class NixlTransport(PeerTransport):
                 except TransferStuck as exc:
                     drained, stuck = False, exc
             if peer is not None:
-                peer.users -= 1
-                if self._stale.get(peer.name) is peer and not peer.users:
-                    del self._stale[peer.name]
-                    self._retire(agent, peer)
-            if not drained and peer is not None:
-                peer.broken = True  # never taken back: re-added once its last pull ended
-                if self._remote.get(address) is peer:  # not a newer one another pull added
-                    self._forget(agent, address)
+                self.remotes.release(agent, address, peer, drained)
             answer: wire.ToProducer | None = None
             if ok:
                 answer = wire.Read(src.req)
@@ -491,76 +395,9 @@ class NixlTransport(PeerTransport):
             if stuck is not None:
                 raise stuck
 
-    def _add_remote(self, agent: Any, address: str, msg: wire.Blocks) -> _Remote:
-        """The producer behind `address`: its agent added and its KV memory prepared
-        once (a new agent name means it restarted)."""
-        cached = self._remote.get(address)
-        if cached is not None and cached.name == msg.agent:  # concurrent first pulls too
-            return cached
-        if msg.agent in self._stale:  # forgotten, but still added
-            if self._stale[msg.agent].broken:
-                raise TransportError(
-                    f"a READ from {address} failed; its NIXL agent is re-added once the "
-                    "pulls still using it end"
-                )
-            self._forget(agent, address)  # take it back
-            remote = self._remote[address] = self._stale.pop(msg.agent)
-            return remote
-        if not msg.metadata or msg.regions is None:  # we forgot it while it answered
-            raise TransportError(f"producer {address} sent no NIXL metadata for {msg.agent}")
-        layout = self.context.layout
-        assert layout is not None
-        regions = msg.regions
-        why = layout_mismatch(regions.geometries, layout.geometries)
-        if why or len(regions.bases) != len(regions.geometries):
-            raise ChunkCorrupt(f"producer {address}: {why or 'bad regions'}")
-        self._forget(agent, address)
-        try:
-            added = agent.add_remote_agent(msg.metadata)
-        except Exception as exc:
-            raise TransportError(f"NIXL rejected the metadata of {address}: {exc}") from None
-        name = added.decode() if isinstance(added, bytes) else str(added)
-        if name != msg.agent:
-            _remove_agent(agent, name)
-            raise ChunkCorrupt(f"producer {address} sent metadata of {name}, not {msg.agent}")
-        try:
-            table = _prepare(
-                agent, name, regions.bases, regions.geometries, msg.memory, self.options.backend
-            )
-        except Exception as exc:
-            _remove_agent(agent, name)
-            raise TransportError(f"NIXL cannot prepare the memory of {address}: {exc}") from None
-        remote = self._remote[address] = _Remote(name, table, regions.bases, msg.memory)
-        return remote
-
-    def _forget(self, agent: Any, address: str) -> None:
-        """Drop the cached producer at `address` (it restarted, or a READ of it failed)."""
-        remote = self._remote.pop(address, None)
-        if remote is not None:
-            self._retire(agent, remote)
-
-    def _retire(self, agent: Any, remote: _Remote) -> None:
-        """Release a producer's prepared list and agent, or leave that to the last pull
-        still reading with them."""
-        if remote.users:
-            self._stale[remote.name] = remote
-            return
-        _release(remote.table.dlist)
-        _remove_agent(agent, remote.name)
-
-    async def _read(
-        self,
-        agent: Any,
-        job: LoadJob,
-        peer: _Remote,
-        msg: wire.Blocks,
-        xfers: list[Any],
-        dlists: list[Any],
-    ) -> None:
-        """READ layer by layer, READ_AHEAD layers in flight; signal each as it lands."""
-        layout = self.context.layout
-        local = self._local
-        assert layout is not None and local is not None
+    @staticmethod
+    def _check_offer(job: LoadJob, peer: Remote, msg: wire.Blocks, layout: KVLayout) -> None:
+        """Refuse an offer of other chunks, or of blocks either side does not have."""
         if msg.token_counts != job.token_counts or len(msg.block_ids) != len(job.block_ids):
             raise ChunkCorrupt(
                 f"producer {peer.name} offers chunks of {msg.token_counts} tokens in blocks "
@@ -573,6 +410,60 @@ class NixlTransport(PeerTransport):
                 ours.check_blocks(job.block_ids, "consumer")
         except LayoutError as exc:
             raise ChunkCorrupt(str(exc)) from None
+
+    def _tail_lists(
+        self,
+        agent: Any,
+        job: LoadJob,
+        peer: Remote,
+        msg: wire.Blocks,
+        partial: list[int],
+        dlists: list[Any],
+    ) -> tuple[tuple[Any, Any] | None, list[int]]:
+        """Descriptor lists (ours, theirs) over just the tokens of the `partial` chunks,
+        added to `dlists`, and where each layer's rows start in them."""
+        starts = [0]
+        if not partial:
+            return None, starts
+        layout = self._layout()
+        counts = [job.token_counts[c] for c in partial]
+        try:
+            mine = partial_descs(
+                self._bases,
+                layout.geometries,
+                [(job.block_ids[c], n) for c, n in zip(partial, counts, strict=True)],
+            )
+            their = partial_descs(
+                peer.bases,
+                peer.table.geometries,
+                [(msg.block_ids[c], n) for c, n in zip(partial, counts, strict=True)],
+            )
+        except LayoutError as exc:
+            raise ChunkCorrupt(str(exc)) from None
+        for layer in mine:
+            starts.append(starts[-1] + len(layer))
+        try:
+            for who, descs, memory in (("", mine, self._memory), (peer.name, their, peer.memory)):
+                flat = np.array([d for layer in descs for d in layer], np.uint64)
+                dlists.append(agent.prep_xfer_dlist(who, flat, memory, [self.options.backend]))
+        except Exception as exc:
+            raise TransportError(f"NIXL cannot prepare the READ from {peer.name}: {exc}") from None
+        return (dlists[-2], dlists[-1]), starts
+
+    async def _read(
+        self,
+        agent: Any,
+        job: LoadJob,
+        peer: Remote,
+        msg: wire.Blocks,
+        xfers: list[Any],
+        dlists: list[Any],
+    ) -> None:
+        """READ layer by layer, READ_AHEAD layers in flight; signal each as it lands."""
+        layout = self.context.layout
+        local = self._local
+        assert layout is not None and local is not None
+        self._check_offer(job, peer, msg, layout)
         # Whole blocks come from the prepared lists; a partial block of a token-granular
         # cache must move only its tokens, through a small list of its own.
         packed = all(g.block_bytes for g in layout.geometries)
@@ -581,81 +472,25 @@ class NixlTransport(PeerTransport):
         partial = [c for c, f in enumerate(full) if not f]
         theirs_ids = np.array([msg.block_ids[c] for c in whole], np.int64)
         ours_ids = np.array([job.block_ids[c] for c in whole], np.int64)
-        backends = [self.options.backend]
-        tails: tuple[Any, Any] | None = None
-        tail_starts = [0]
-        if partial:
-            try:
-                counts = [job.token_counts[c] for c in partial]
-                mine = _partial_descs(
-                    self._bases,
-                    layout.geometries,
-                    [(job.block_ids[c], n) for c, n in zip(partial, counts, strict=True)],
-                )
-                their = _partial_descs(
-                    peer.bases,
-                    peer.table.geometries,
-                    [(msg.block_ids[c], n) for c, n in zip(partial, counts, strict=True)],
-                )
-            except LayoutError as exc:
-                raise ChunkCorrupt(str(exc)) from None
-            for layer in mine:
-                tail_starts.append(tail_starts[-1] + len(layer))
-            try:
-                for who, descs, memory in (
-                    ("", mine, self._memory),
-                    (peer.name, their, peer.memory),
-                ):
-                    flat = np.array([d for layer in descs for d in layer], np.uint64)
-                    dlists.append(agent.prep_xfer_dlist(who, flat, memory, backends))
-            except Exception as exc:
-                raise TransportError(
-                    f"NIXL cannot prepare the READ from {peer.name}: {exc}"
-                ) from None
-            tails = (dlists[-2], dlists[-1])
-
+        tails, tail_starts = self._tail_lists(agent, job, peer, msg, partial, dlists)
         # Layer by layer (layer 0 lands, and attention can start, early), or all layers
         # in one READ when nobody waits on single layers (an asynchronous P/D pull).
         step = 1 if job.layerwise else max(1, job.num_layers)
         groups = [range(i, min(i + step, job.num_layers)) for i in range(0, job.num_layers, step)]
-        posted: list[list[Any]] = []
 
-        def post(group: range) -> None:
-            i = group[0]
-            sides = []
-            if len(whole):
-                sides.append(
-                    (
-                        local.dlist,
-                        np.concatenate([local.index(n, ours_ids) for n in group]),
-                        peer.table.dlist,
-                        np.concatenate([peer.table.index(n, theirs_ids) for n in group]),
-                    )
-                )
+        def sides(group: range) -> list[tuple[Any, Any, Any, Any]]:
+            """(our list, our rows, their list, their rows) of each READ of `group`."""
+            out = []
+            if whole:
+                ours = np.concatenate([local.index(n, ours_ids) for n in group])
+                theirs = np.concatenate([peer.table.index(n, theirs_ids) for n in group])
+                out.append((local.dlist, ours, peer.table.dlist, theirs))
             if tails is not None:
-                idx = np.arange(tail_starts[i], tail_starts[group[-1] + 1], dtype=np.int32)
-                sides.append((tails[0], idx, tails[1], idx))
-            handles = []
-            for mine_dl, mine_idx, their_dl, their_idx in sides:
-                try:
-                    h = agent.make_prepped_xfer(
-                        "READ", mine_dl, mine_idx, their_dl, their_idx, b"", backends
-                    )
-                    xfers.append(h)
-                    handles.append(h)
-                    state = agent.transfer(h)
-                except Exception as exc:
-                    raise TransportError(
-                        f"NIXL READ of layer {i} from {peer.name} failed: {exc}"
-                    ) from None
-                if state == "ERR":
-                    raise TransportError(
-                        f"NIXL could not post the READ of layer {i} from {peer.name}"
-                    )
-            posted.append(handles)
+                idx = np.arange(tail_starts[group[0]], tail_starts[group[-1] + 1], dtype=np.int32)
+                out.append((tails[0], idx, tails[1], idx))
+            return out
 
-        for group in groups[:READ_AHEAD]:
-            post(group)
+        posted = [self._post(agent, peer, g[0], sides(g), xfers) for g in groups[:READ_AHEAD]]
         for g, group in enumerate(groups):
             for h in posted[g]:
                 delay = POLL_MIN_S
@@ -666,10 +501,34 @@ class NixlTransport(PeerTransport):
                         f"NIXL READ of layer {group[0]} from {peer.name} failed ({state})"
                     )
             if g + READ_AHEAD < len(groups):
-                post(groups[g + READ_AHEAD])
+                ahead = groups[g + READ_AHEAD]
+                posted.append(self._post(agent, peer, ahead[0], sides(ahead), xfers))
             for i in group:
                 job.layer_loaded(i)
             await trio.lowlevel.checkpoint()
+
+    def _post(
+        self, agent: Any, peer: Remote, layer: int, sides: list[Any], xfers: list[Any]
+    ) -> list[Any]:
+        """Post the READs of `sides` (from `layer` on), each handle added to `xfers`."""
+        handles = []
+        for mine_dl, mine_idx, their_dl, their_idx in sides:
+            try:
+                h = agent.make_prepped_xfer(
+                    "READ", mine_dl, mine_idx, their_dl, their_idx, b"", [self.options.backend]
+                )
+                xfers.append(h)
+                handles.append(h)
+                state = agent.transfer(h)
+            except Exception as exc:
+                raise TransportError(
+                    f"NIXL READ of layer {layer} from {peer.name} failed: {exc}"
+                ) from None
+            if state == "ERR":
+                raise TransportError(
+                    f"NIXL could not post the READ of layer {layer} from {peer.name}"
+                )
+        return handles
 
     async def _drain(self, agent: Any, xfers: list[Any], dlists: list[Any]) -> bool:
         """Release every handle once its READ left PROC. Returns False if a READ failed;
@@ -693,37 +552,7 @@ class NixlTransport(PeerTransport):
                 f"a NIXL READ was still in flight {DRAIN_TIMEOUT_S}s after its load ended"
             )
         for h in [*xfers, *dlists]:
-            clean = _release(h) and clean
+            clean = release(h) and clean
         xfers.clear()
         dlists.clear()
         return clean
-
-
-@dataclass
-class _Remote:
-    """A producer agent this consumer added, and its KV memory, prepared."""
-
-    name: str
-    table: _Table
-    bases: list[tuple[int, int]]
-    memory: str
-    users: int = 0
-    """Pulls reading with this agent right now."""
-    broken: bool = False
-    """A READ with it could not be drained: forget it, never take it back."""
-
-
-def _release(handle: Any) -> bool:
-    try:
-        handle.release()
-        return True
-    except Exception as exc:
-        log.warning("kvflow nixl: releasing %r: %s", handle, exc)
-        return False
-
-
-def _remove_agent(agent: Any, name: str) -> None:
-    try:
-        agent.remove_remote_agent(name)
-    except Exception as exc:
-        log.debug("kvflow nixl: removing agent %s: %s", name, exc)
