@@ -26,6 +26,7 @@ from kvflow.transport import (
     TransportError,
 )
 from kvflow_nixl import NixlOptions, NixlTransport
+from kvflow_nixl._reads import READ_AHEAD
 
 if not any(importlib.util.find_spec(m) for m in ("nixl", "nixl_cu12")):
     pytest.skip("NIXL is not installed (pip install nixl-cu12==1.5.1)", allow_module_level=True)
@@ -238,12 +239,11 @@ async def test_a_cancelled_consumer_drains_its_reads_before_blocks_go_back() -> 
     prod = make_layout(num_layers=3, num_blocks=4, block_size=BS, heads=64, head_dim=2048)
     cons = make_layout(num_layers=3, num_blocks=10, block_size=BS, heads=64, head_dim=2048)
     fill_blocks(prod, [1, 2, 3], seed=7)
-    import kvflow_nixl._transport as impl
 
     producer, consumer = await _open(prod), await _open(cons)
     producer._agent = pspy = _Spy(producer._agent)
     consumer._agent = cspy = _Spy(consumer._agent)
-    cspy.first_posts = min(impl.READ_AHEAD, cons.num_layers)  # the READs posted up front
+    cspy.first_posts = min(READ_AHEAD, cons.num_layers)  # the READs posted up front
     pspy.stalled = True  # the producer makes no UCX progress: the READs cannot finish
     order: list[str] = []
     signalled: list[int] = []
@@ -302,7 +302,7 @@ async def test_a_read_that_stays_in_flight_is_never_released_and_stops_the_load(
     producer, consumer = await _open(prod), await _open(cons)
     producer._agent = pspy = _Spy(producer._agent)
     consumer._agent = cspy = _Spy(consumer._agent)
-    cspy.first_posts = min(impl.READ_AHEAD, cons.num_layers)
+    cspy.first_posts = min(READ_AHEAD, cons.num_layers)
     pspy.stalled = True  # and it never recovers
     raised: list[BaseException] = []
 
@@ -372,8 +372,8 @@ class GatedConsumer(NixlTransport):
             await self.gate.wait()
         await super()._read(agent, job, *args)
 
-    async def _drain(self, agent: Any, xfers: list[Any], dlists: list[Any]) -> bool:
-        return await super()._drain(agent, xfers, dlists) and not _failing_drain.get()
+    async def _drain(self, reads: Any) -> bool:
+        return await super()._drain(reads) and not _failing_drain.get()
 
     async def load(self, job: LoadJob) -> None:
         token = _failing_drain.set(job.req == "c-fails")  # this task's pull only

@@ -49,11 +49,10 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import msgspec
-import numpy as np
 import trio
 import zmq
 
-from kvflow.layout import KVLayout, LayoutError
+from kvflow.layout import KVLayout
 from kvflow.peer import (
     read_lease,
     read_lease_ms,
@@ -77,10 +76,10 @@ from ._descs import (
     Table,
     bases,
     disjoint,
-    partial_descs,
     prepare,
     release,
 )
+from ._reads import POLL_MIN_S, Reads, backoff
 from ._remotes import Remote, RemoteAgents
 
 log = logging.getLogger("kvflow.nixl")
@@ -89,14 +88,6 @@ INSTALL_HINT = "pip install 'kvflow[nixl]' (or: pip install nixl-cu12==1.5.1)"
 DRAIN_TIMEOUT_S = 5.0
 """How long a cancelled consumer waits for a READ in flight to end before releasing it."""
 LEASE_MARGIN_S = 1.0
-READ_AHEAD = 2
-"""Layers whose READs are in flight at once: a posted READ may copy inside `transfer()`
-or in the next poll, which progresses every posted READ; a short window lets layer 0
-land (and attention start) early, and keeps each blocking NIXL call one layer long."""
-POLL_MIN_S = 1e-4
-POLL_MAX_S = 2e-3
-"""Backoff of the completion/notification polls: never a busy loop, a few ms at most."""
-
 Backend = Literal["UCX"]
 
 
@@ -119,11 +110,6 @@ def import_nixl() -> Any:
     raise TransportError(
         f"the nixl transport needs NIXL's Python API ({'; '.join(errors)}); {INSTALL_HINT}"
     )
-
-
-async def _backoff(delay: float) -> float:
-    await trio.sleep(delay)
-    return min(delay * 2, POLL_MAX_S)
 
 
 @dataclass
@@ -323,7 +309,7 @@ class NixlTransport(PeerTransport):
                 delay = POLL_MIN_S
             notifs: dict[str, list[bytes]] = agent.get_new_notifs()
             if not notifs:
-                delay = await _backoff(delay)
+                delay = await backoff(delay)
                 continue
             for sender, messages in notifs.items():
                 for data in messages:
@@ -349,8 +335,10 @@ class NixlTransport(PeerTransport):
         agent = self._require_agent()
         address = self.context.peer_address(src)
         sock = TrioSocket(self._zmq.socket(zmq.DEALER))
-        xfers: list[Any] = []
-        dlists: list[Any] = []
+        reads = Reads(
+            agent, self.options.backend, self._local_table(), self._bases, self._memory,
+            self._layout(),
+        )  # fmt: skip
         ok = refused = False
         peer: Remote | None = None
         try:
@@ -364,7 +352,7 @@ class NixlTransport(PeerTransport):
                 refused = True  # nothing is held for us: nothing to answer
                 raise ChunkMissing(f"producer {address} refused {src.req}: {msg.reason}")
             peer = self.remotes.acquire(agent, address, msg, self._layout())
-            await self._read(agent, job, peer, msg, xfers, dlists)
+            await self._read(agent, job, peer, msg, reads)
             try:  # every READ is DONE: the producer may hand the blocks back
                 agent.send_notif(peer.name, wire.encode(wire.Read(src.req)))
             except Exception as exc:  # the side channel's Read below still tells it
@@ -376,7 +364,7 @@ class NixlTransport(PeerTransport):
             stuck: TransferStuck | None = None
             with trio.CancelScope(shield=True):
                 try:
-                    drained = await self._drain(agent, xfers, dlists)
+                    drained = await self._drain(reads)
                 except TransferStuck as exc:
                     drained, stuck = False, exc
             if peer is not None:
@@ -395,164 +383,15 @@ class NixlTransport(PeerTransport):
             if stuck is not None:
                 raise stuck
 
-    @staticmethod
-    def _check_offer(job: LoadJob, peer: Remote, msg: wire.Blocks, layout: KVLayout) -> None:
-        """Refuse an offer of other chunks, or of blocks either side does not have."""
-        if msg.token_counts != job.token_counts or len(msg.block_ids) != len(job.block_ids):
-            raise ChunkCorrupt(
-                f"producer {peer.name} offers chunks of {msg.token_counts} tokens in blocks "
-                f"{msg.block_ids}; {job.req} expects {job.token_counts} in "
-                f"{len(job.block_ids)} blocks"
-            )
-        try:
-            for theirs, ours in zip(peer.table.geometries, layout.geometries, strict=True):
-                theirs.check_blocks(msg.block_ids, f"producer {peer.name}")
-                ours.check_blocks(job.block_ids, "consumer")
-        except LayoutError as exc:
-            raise ChunkCorrupt(str(exc)) from None
-
-    def _tail_lists(
-        self,
-        agent: Any,
-        job: LoadJob,
-        peer: Remote,
-        msg: wire.Blocks,
-        partial: list[int],
-        dlists: list[Any],
-    ) -> tuple[tuple[Any, Any] | None, list[int]]:
-        """Descriptor lists (ours, theirs) over just the tokens of the `partial` chunks,
-        added to `dlists`, and where each layer's rows start in them."""
-        starts = [0]
-        if not partial:
-            return None, starts
-        layout = self._layout()
-        counts = [job.token_counts[c] for c in partial]
-        try:
-            mine = partial_descs(
-                self._bases,
-                layout.geometries,
-                [(job.block_ids[c], n) for c, n in zip(partial, counts, strict=True)],
-            )
-            their = partial_descs(
-                peer.bases,
-                peer.table.geometries,
-                [(msg.block_ids[c], n) for c, n in zip(partial, counts, strict=True)],
-            )
-        except LayoutError as exc:
-            raise ChunkCorrupt(str(exc)) from None
-        for layer in mine:
-            starts.append(starts[-1] + len(layer))
-        try:
-            for who, descs, memory in (("", mine, self._memory), (peer.name, their, peer.memory)):
-                flat = np.array([d for layer in descs for d in layer], np.uint64)
-                dlists.append(agent.prep_xfer_dlist(who, flat, memory, [self.options.backend]))
-        except Exception as exc:
-            raise TransportError(f"NIXL cannot prepare the READ from {peer.name}: {exc}") from None
-        return (dlists[-2], dlists[-1]), starts
+    def _local_table(self) -> Table:
+        if self._local is None:
+            raise TransportError("the nixl transport has no registered KV memory")
+        return self._local
 
     async def _read(
-        self,
-        agent: Any,
-        job: LoadJob,
-        peer: Remote,
-        msg: wire.Blocks,
-        xfers: list[Any],
-        dlists: list[Any],
+        self, agent: Any, job: LoadJob, peer: Remote, msg: wire.Blocks, reads: Reads
     ) -> None:
-        """READ layer by layer, READ_AHEAD layers in flight; signal each as it lands."""
-        layout = self.context.layout
-        local = self._local
-        assert layout is not None and local is not None
-        self._check_offer(job, peer, msg, layout)
-        # Whole blocks come from the prepared lists; a partial block of a token-granular
-        # cache must move only its tokens, through a small list of its own.
-        packed = all(g.block_bytes for g in layout.geometries)
-        full = [packed or n >= layout.block_size for n in job.token_counts]
-        whole = [c for c, f in enumerate(full) if f]
-        partial = [c for c, f in enumerate(full) if not f]
-        theirs_ids = np.array([msg.block_ids[c] for c in whole], np.int64)
-        ours_ids = np.array([job.block_ids[c] for c in whole], np.int64)
-        tails, tail_starts = self._tail_lists(agent, job, peer, msg, partial, dlists)
-        # Layer by layer (layer 0 lands, and attention can start, early), or all layers
-        # in one READ when nobody waits on single layers (an asynchronous P/D pull).
-        step = 1 if job.layerwise else max(1, job.num_layers)
-        groups = [range(i, min(i + step, job.num_layers)) for i in range(0, job.num_layers, step)]
+        await reads.read(job, peer, msg)
 
-        def sides(group: range) -> list[tuple[Any, Any, Any, Any]]:
-            """(our list, our rows, their list, their rows) of each READ of `group`."""
-            out = []
-            if whole:
-                ours = np.concatenate([local.index(n, ours_ids) for n in group])
-                theirs = np.concatenate([peer.table.index(n, theirs_ids) for n in group])
-                out.append((local.dlist, ours, peer.table.dlist, theirs))
-            if tails is not None:
-                idx = np.arange(tail_starts[group[0]], tail_starts[group[-1] + 1], dtype=np.int32)
-                out.append((tails[0], idx, tails[1], idx))
-            return out
-
-        posted = [self._post(agent, peer, g[0], sides(g), xfers) for g in groups[:READ_AHEAD]]
-        for g, group in enumerate(groups):
-            for h in posted[g]:
-                delay = POLL_MIN_S
-                while (state := agent.check_xfer_state(h)) == "PROC":
-                    delay = await _backoff(delay)
-                if state != "DONE":
-                    raise TransportError(
-                        f"NIXL READ of layer {group[0]} from {peer.name} failed ({state})"
-                    )
-            if g + READ_AHEAD < len(groups):
-                ahead = groups[g + READ_AHEAD]
-                posted.append(self._post(agent, peer, ahead[0], sides(ahead), xfers))
-            for i in group:
-                job.layer_loaded(i)
-            await trio.lowlevel.checkpoint()
-
-    def _post(
-        self, agent: Any, peer: Remote, layer: int, sides: list[Any], xfers: list[Any]
-    ) -> list[Any]:
-        """Post the READs of `sides` (from `layer` on), each handle added to `xfers`."""
-        handles = []
-        for mine_dl, mine_idx, their_dl, their_idx in sides:
-            try:
-                h = agent.make_prepped_xfer(
-                    "READ", mine_dl, mine_idx, their_dl, their_idx, b"", [self.options.backend]
-                )
-                xfers.append(h)
-                handles.append(h)
-                state = agent.transfer(h)
-            except Exception as exc:
-                raise TransportError(
-                    f"NIXL READ of layer {layer} from {peer.name} failed: {exc}"
-                ) from None
-            if state == "ERR":
-                raise TransportError(
-                    f"NIXL could not post the READ of layer {layer} from {peer.name}"
-                )
-        return handles
-
-    async def _drain(self, agent: Any, xfers: list[Any], dlists: list[Any]) -> bool:
-        """Release every handle once its READ left PROC. Returns False if a READ failed;
-        raises `TransferStuck` (releasing nothing) if one is still in flight after
-        DRAIN_TIMEOUT_S: it may yet write into the consumer's blocks."""
-        clean = True
-        with trio.move_on_after(DRAIN_TIMEOUT_S) as waited:
-            for h in xfers:
-                delay = POLL_MIN_S
-                while True:
-                    try:
-                        state = agent.check_xfer_state(h)
-                    except Exception:
-                        state = "ERR"
-                    if state != "PROC":
-                        break
-                    delay = await _backoff(delay)
-                clean = clean and state == "DONE"
-        if waited.cancelled_caught:
-            raise TransferStuck(
-                f"a NIXL READ was still in flight {DRAIN_TIMEOUT_S}s after its load ended"
-            )
-        for h in [*xfers, *dlists]:
-            clean = release(h) and clean
-        xfers.clear()
-        dlists.clear()
-        return clean
+    async def _drain(self, reads: Reads) -> bool:
+        return await reads.drain(DRAIN_TIMEOUT_S)
