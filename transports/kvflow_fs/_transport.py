@@ -293,7 +293,7 @@ class FsTransport(Transport):
                     job.layer_loaded(layer)
         finally:
             with trio.CancelScope(shield=True):
-                await trio.to_thread.run_sync(_close, fds, limiter=self._load_threads)
+                await trio.to_thread.run_sync(self._close, fds, limiter=self._load_threads)
         failure = first_failure(found)
         if failure is not None:
             raise failure.error(job.keys[failure.chunk])
@@ -373,6 +373,9 @@ class FsTransport(Transport):
             chunk, ChunkCorrupt, f"{problem} in {path}{'; deleted it' if deleted else ''}"
         )
 
+    def _close(self, fds: list[int]) -> None:
+        _close_files(fds)
+
     # -- capacity ----------------------------------------------------------
     @property
     def evictions(self) -> int:
@@ -427,7 +430,7 @@ def _discard(fds: list[int | None], tmps: list[Path]) -> None:
             tmp.unlink()
 
 
-def _close(fds: list[int]) -> None:
+def _close_files(fds: list[int]) -> None:
     """Close the files a load read, touching each first (recency for LRU eviction)."""
     now = time.time()
     for fd in fds:

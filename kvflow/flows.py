@@ -1,0 +1,531 @@
+"""The worker's transfers on the runtime's loop: a task per load, save and offer.
+
+`Flows.on_bind` starts a step's flows; each has its own deadline and reports to
+vLLM's thread through `Reports` (one lock): completions in vLLM's terms, the
+blocks of failed loads, what became of saved chunks, and why the engine must
+stop. Which blocks kvflow uses, and when vLLM may have them back, is
+`kvflow.lending`'s. `LayerGate` is what vLLM's thread waits on for a step's
+synchronous loads; `WorkerEngine` (`kvflow.worker`) is the vLLM-thread side.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+
+from .config import KVFlowConfig
+from .events import (
+    EventBus,
+    LayerComputed,
+    LayerLoaded,
+    LoadStarted,
+    SaveStarted,
+    StepBound,
+    TransferDone,
+    TransferFailed,
+)
+from .keys import ChunkKey
+from .layout import KVLayout
+from .lending import Lending
+from .metadata import LoadSpec, OfferSpec, SaveSpec, WorkerPlan
+from .runtime import Runtime, poll_until
+from .staging import HostStage, event_done
+from .transport import (
+    ChunkMissing,
+    LoadJob,
+    Offer,
+    SaveJob,
+    TransferStuck,
+    Transport,
+    TransportError,
+)
+
+__all__ = [
+    "STOP_GRACE_S",
+    "ChunkOutcomes",
+    "Flows",
+    "LayerGate",
+    "LayerReady",
+    "Reports",
+    "TransferResults",
+]
+
+log = logging.getLogger("kvflow.worker")
+
+STOP_GRACE_S = 5.0
+"""How long past `load_timeout_s` vLLM's thread waits for a load to stop before it
+gives up on it (and, if the loop still runs, on the engine)."""
+
+LayerReady = Callable[[], bool]
+"""Polled until True before a computed layer is read (e.g. a CUDA event's query)."""
+
+
+@dataclass
+class TransferResults:
+    """One step's snapshot of completions, in vLLM's terms."""
+
+    finished_sending: set[str] = field(default_factory=set)
+    finished_recving: set[str] = field(default_factory=set)
+    failed_recving: set[str] = field(default_factory=set)
+    error_block_ids: set[int] = field(default_factory=set)
+
+
+@dataclass
+class ChunkOutcomes:
+    """What became of chunks since the last `take_chunk_outcomes`: stored by a save, not
+    stored (the save failed or was dropped), deleted by the store to make room."""
+
+    saved: list[ChunkKey] = field(default_factory=list)
+    unsaved: list[ChunkKey] = field(default_factory=list)
+    evicted: list[ChunkKey] = field(default_factory=list)
+
+
+class Reports:
+    """What the flows tell vLLM's thread, under one lock."""
+
+    def __init__(self, chunk_outcomes: bool = False) -> None:
+        self.lock = threading.Lock()
+        self.results = TransferResults()
+        self.outcomes = ChunkOutcomes() if chunk_outcomes else None
+        """What became of saved chunks (kept for vLLM's KV events only)."""
+        self.async_deadlines: dict[str, float] = {}
+        """Asynchronous loads running: request -> when vLLM's thread gives up on them
+        (`time.monotonic`)."""
+        self.fatal = ""
+        """Why the engine must stop (set once, by a load that could not be stopped)."""
+
+    def set_fatal(self, why: str) -> None:
+        """The engine must stop (the first reason holds); vLLM's thread raises it next."""
+        with self.lock:
+            self.fatal = self.fatal or (
+                f"kvflow: {why}. Stopping the engine rather than hand blocks back to vLLM "
+                "while a late write could still land in them."
+            )
+
+
+def _snapshot(spans: list[memoryview]) -> list[memoryview]:
+    return [memoryview(bytes(s)) for s in spans]
+
+
+class LayerGate:
+    """Synchronous loads still owed per layer this step; vLLM's thread waits on it."""
+
+    def __init__(self, num_layers: int, pending: int, after: Any = None) -> None:
+        self.after = after
+        """Staging: an event on vLLM's stream at bind, which device writes follow."""
+        self.events = [threading.Event() for _ in range(num_layers)]
+        self.remaining = [pending] * num_layers
+        self.unsettled = pending
+        self.settled = threading.Event()
+        """Set once every load has recorded its outcome (its error blocks included)."""
+        if pending == 0:
+            for ev in self.events:
+                ev.set()
+            self.settled.set()
+
+    def loaded(self, layer: int) -> None:
+        self.remaining[layer] -= 1
+        if self.remaining[layer] <= 0:
+            self.events[layer].set()
+
+    def wait(self, layer: int, timeout: float) -> bool:
+        ev = self.events[layer]
+        return ev.is_set() or ev.wait(timeout)
+
+    def load_settled(self) -> None:
+        self.unsettled -= 1
+        if self.unsettled <= 0:
+            self.settled.set()
+
+
+class _Step:
+    """Trio-side record of a step that saves: which layers are final."""
+
+    def __init__(self, num_layers: int, saves: int) -> None:
+        self.computed = [trio.Event() for _ in range(num_layers)]
+        self.ready: list[LayerReady | None] = [None] * num_layers
+        self.saves_left = saves
+
+    async def wait_computed(self, layer: int) -> None:
+        await self.computed[layer].wait()
+        ready = self.ready[layer]
+        if ready is not None:
+            await poll_until(ready)
+
+
+class Flows:
+    """A worker's transfers, on its runtime's loop thread."""
+
+    def __init__(
+        self,
+        *,
+        config: KVFlowConfig,
+        transport: Transport,
+        runtime: Runtime,
+        bus: EventBus,
+        lending: Lending,
+        reports: Reports,
+    ) -> None:
+        self.config = config
+        self.transport = transport
+        self.runtime = runtime
+        self.bus = bus
+        self.lending = lending
+        self.reports = reports
+        self.layout: KVLayout | None = None
+        self.staged = False
+        """The cache is device memory the transport cannot move: jobs go through host
+        memory (`kvflow.staging`)."""
+        self._steps: dict[int, _Step] = {}
+        self._limiters: dict[str, trio.CapacityLimiter] = {}
+
+    def _require_layout(self) -> KVLayout:
+        if self.layout is None:
+            raise RuntimeError("kvflow worker got a transfer before register_kv_caches")
+        return self.layout
+
+    def _limiter(self, kind: str) -> trio.CapacityLimiter:
+        lim = self._limiters.get(kind)
+        if lim is None:
+            lim = self._limiters[kind] = trio.CapacityLimiter(self.config.max_concurrent_transfers)
+        return lim
+
+    def on_bind(self, plan: WorkerPlan, gate: LayerGate) -> None:
+        self.bus.emit(StepBound(step=plan.step, loads=len(plan.loads), saves=len(plan.saves)))
+        over: dict[int, list[trio.CancelScope]] = {}  # a loaded block -> saves computed over it
+        settled: dict[int, trio.Event] = {}  # a block loaded within the step -> its load ended
+        for spec in plan.loads:
+            done = trio.Event()
+            if not spec.asynchronous:
+                settled.update(dict.fromkeys(spec.block_ids, done))
+            self.runtime.start_soon(
+                self._load_flow, spec, gate, over, done, name=f"load:{spec.req}"
+            )
+        if plan.saves:
+            step = self._steps[plan.step] = _Step(
+                self._require_layout().num_layers, len(plan.saves)
+            )
+            for save in plan.saves:
+                # registered now, not when the task first runs: a preempt may come first
+                scope = trio.CancelScope()
+                self.lending.start(save.req, scope)
+                self.lending.reads(scope, save.block_ids)
+                loads: list[trio.Event] = []
+                for b in save.computed_over:
+                    over.setdefault(b, []).append(scope)
+                    if (load := settled.get(b)) is not None and load not in loads:
+                        loads.append(load)
+                self.runtime.start_soon(
+                    self._save_flow, save, plan.step, step, scope, loads, name=f"save:{save.req}"
+                )
+        for o in plan.offers:  # held like a save: released when the offer ends
+            self.lending.start(o.req)
+            self.runtime.start_soon(self._offer_flow, o, name=f"offer:{o.req}")
+        for req in plan.lent:
+            self.lending.lend(req)
+
+    def _started(
+        self, kind: type[LoadStarted | SaveStarted], spec: LoadSpec | SaveSpec, layout: KVLayout
+    ) -> int:
+        """Report a load or save starting; its bytes."""
+        nbytes = layout.nbytes(spec.token_counts)
+        self.bus.emit(
+            kind(
+                req=spec.req,
+                chunks=len(spec.keys),
+                tokens=sum(spec.token_counts),
+                nbytes=nbytes,
+                transport=self.transport.name,
+            )
+        )
+        return nbytes
+
+    def layer_computed(self, step_no: int, layer: int, ready: LayerReady | None) -> None:
+        step = self._steps.get(step_no)
+        if step is not None and not step.computed[layer].is_set():
+            step.ready[layer] = ready
+            step.computed[layer].set()
+            self.bus.emit(LayerComputed(step=step_no, layer=layer))
+
+    def step_ended(self, step_no: int, ready: LayerReady | None) -> None:
+        step = self._steps.get(step_no)
+        if step is not None:
+            for layer, ev in enumerate(step.computed):
+                if not ev.is_set():
+                    step.ready[layer] = ready
+                    ev.set()
+
+    async def _load_flow(
+        self,
+        spec: LoadSpec,
+        gate: LayerGate,
+        over: dict[int, list[trio.CancelScope]],
+        done: trio.Event,
+    ) -> None:
+        """One load; if it fails, the saves of this step computed over its failed blocks
+        (`over`) are dropped, before `done` lets them commit."""
+        layout = self._require_layout()
+        num_layers = layout.num_layers
+        signalled = [False] * num_layers
+        sync_gate = None if spec.asynchronous else gate
+
+        def layer_loaded(layer: int) -> None:
+            if not signalled[layer]:
+                signalled[layer] = True
+                if sync_gate is not None:
+                    sync_gate.loaded(layer)
+
+        stage: HostStage | None = None  # made inside the deadline: it may fail
+
+        def transport_loaded(layer: int) -> None:
+            if not signalled[layer]:
+                if stage is not None:  # the device blocks are written before the gate opens
+                    stage.scatter(layer, gate.after)
+                self.bus.emit(LayerLoaded(req=spec.req, layer=layer))
+            layer_loaded(layer)
+
+        def spans(layer: int) -> list[list[memoryview]]:
+            if stage is not None:
+                return stage.spans(layer)
+            return layout.chunk_spans(layer, spec.block_ids, spec.token_counts)
+
+        nbytes = self._started(LoadStarted, spec, layout)
+        job = LoadJob(
+            spec.req,
+            spec.keys,
+            spec.token_counts,
+            num_layers,
+            spans,
+            transport_loaded,
+            spec.source,
+            list(spec.block_ids),
+            layerwise=not spec.asynchronous,
+        )
+        t0 = time.perf_counter()
+        error, intact, timed_out, stuck = "", 0, False, ""
+        if spec.asynchronous:  # vLLM's thread stops the engine if it outlives this
+            with self.reports.lock:
+                self.reports.async_deadlines[spec.req] = (
+                    time.monotonic() + self.config.load_timeout_s + STOP_GRACE_S
+                )
+        try:
+            if spec.error:  # known in the scheduler already (a producer that is gone)
+                raise ChunkMissing(spec.error)
+            with trio.move_on_after(self.config.load_timeout_s) as deadline:
+                async with self._limiter("load"):  # which also bounds pinned staging memory
+                    if self.staged:
+                        stage = HostStage(layout, spec.block_ids, spec.token_counts)
+                        await event_done(gate.after)  # so no scatter waits on vLLM's queue
+                    await self.transport.load(job)
+            if deadline.cancelled_caught:
+                error, timed_out = (
+                    f"no answer within load_timeout_s={self.config.load_timeout_s}",
+                    True,
+                )
+            elif not all(signalled):
+                error = "transport returned before loading every layer"
+        except TransferStuck as exc:
+            stuck = str(exc)
+        except TransportError as exc:
+            error, intact = f"{type(exc).__name__}: {exc}", max(0, exc.chunk)
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+            log.exception("kvflow load of %s failed", spec.req)
+        except BaseException:
+            error = "cancelled (kvflow shutting down)"
+            raise
+        finally:
+            with self.reports.lock:
+                self.reports.async_deadlines.pop(spec.req, None)
+            if stuck:  # its blocks never go back to vLLM: the engine stops
+                log.error("kvflow load of %s into blocks %s: %s", spec.req, spec.block_ids, stuck)
+                self.reports.set_fatal(
+                    f"the load of {spec.req} into blocks {spec.block_ids} could not be "
+                    f"stopped ({stuck})"
+                )
+                reason = f"could not be stopped: {stuck}"
+                self.bus.emit(TransferFailed(req=spec.req, direction="load", reason=reason))
+            else:
+                self._finish_load(spec, error, intact, timed_out, time.perf_counter() - t0, nbytes)
+            if error or stuck:  # such a save waits for `done` before its last layer
+                self._drop_saves_over(spec.block_ids[intact:], over, spec.req)
+            done.set()
+            for layer in range(num_layers):
+                layer_loaded(layer)
+            if sync_gate is not None:
+                sync_gate.load_settled()
+
+    def _drop_saves_over(
+        self, failed: list[int], over: dict[int, list[trio.CancelScope]], req: str
+    ) -> None:
+        for b in failed:
+            for scope in over.get(b, ()):
+                self.lending.drop(scope, f"computed over blocks whose load failed ({req})")
+
+    def _finish_load(
+        self, spec: LoadSpec, error: str, intact: int, timed_out: bool, elapsed: float, nbytes: int
+    ) -> None:
+        failed = spec.block_ids[intact:] if error else []
+        if error:
+            log.warning("kvflow load of %s failed (%s); vLLM will recompute", spec.req, error)
+            self.bus.emit(
+                TransferFailed(
+                    req=spec.req,
+                    direction="load",
+                    reason=error,
+                    block_ids=failed,
+                    timed_out=timed_out,
+                )
+            )
+        else:
+            self.bus.emit(
+                TransferDone(
+                    req=spec.req,
+                    direction="load",
+                    chunks=len(spec.keys),
+                    nbytes=nbytes,
+                    elapsed_s=elapsed,
+                )
+            )
+        # only now may vLLM learn of it: whoever reads the events sees them first
+        with self.reports.lock:
+            self.reports.results.error_block_ids.update(failed)
+            if spec.asynchronous:
+                self.reports.results.finished_recving.add(spec.req)
+                if error:
+                    self.reports.results.failed_recving.add(spec.req)
+
+    async def _save_flow(
+        self,
+        spec: SaveSpec,
+        step_no: int,
+        step: _Step,
+        scope: trio.CancelScope,
+        loads: list[trio.Event],
+    ) -> None:
+        """One save. Its chunks were computed over blocks the step's `loads` fill: their
+        last layer waits until those loads ended, so a failed one drops the save first
+        (a transport commits only once it has every layer)."""
+        layout = self._require_layout()
+
+        stage: HostStage | None = None  # made inside the deadline: it may fail
+
+        async def layer_spans(layer: int) -> list[list[memoryview]]:
+            await step.wait_computed(layer)
+            if layer == layout.num_layers - 1:
+                for done in loads:
+                    await done.wait()
+            if stage is not None:  # the host image is a snapshot by itself
+                await stage.gather(layer)
+                return stage.spans(layer)
+            return [
+                _snapshot(layout.spans(layer, b, n))
+                # a block-granular partial block keeps changing as vLLM decodes into it
+                if n < layout.block_size and layout.geometries[layer].block_bytes
+                else layout.spans(layer, b, n)
+                for b, n in zip(spec.block_ids, spec.token_counts, strict=True)
+            ]
+
+        nbytes = self._started(SaveStarted, spec, layout)
+        job = SaveJob(spec.req, spec.keys, spec.token_counts, layout.num_layers, layer_spans)
+        t0 = time.perf_counter()
+        error, timed_out = "interrupted", False  # until the save ends one way or another
+        try:
+            with scope, trio.move_on_after(self.config.save_timeout_s) as deadline:
+                async with self._limiter("save"):  # which also bounds pinned staging memory
+                    if self.staged:
+                        stage = HostStage(layout, spec.block_ids, spec.token_counts)
+                    await self.transport.save(job)
+            error = ""
+            if deadline.cancelled_caught:
+                error, timed_out = (
+                    f"not saved within save_timeout_s={self.config.save_timeout_s}",
+                    True,
+                )
+            elif scope.cancelled_caught:
+                error = f"cancelled: {self.lending.why(scope)}"
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+            log.warning("kvflow save of %s failed: %s", spec.req, error)
+        finally:
+            step.saves_left -= 1
+            if step.saves_left == 0:
+                self._steps.pop(step_no, None)
+            if (outcomes := self.reports.outcomes) is not None:  # before the release: vLLM
+                with self.reports.lock:  # may stop stepping then
+                    (outcomes.unsaved if error else outcomes.saved).extend(spec.keys)
+            self.lending.end(spec.req, scope)
+        if error:
+            self.bus.emit(
+                TransferFailed(req=spec.req, direction="save", reason=error, timed_out=timed_out)
+            )
+        else:
+            self.bus.emit(
+                TransferDone(
+                    req=spec.req,
+                    direction="save",
+                    chunks=len(spec.keys),
+                    nbytes=nbytes,
+                    elapsed_s=time.perf_counter() - t0,
+                )
+            )
+
+    async def _offer_flow(self, spec: OfferSpec) -> None:
+        """P/D producer: hold the blocks until the consumer is done, failed, or never came."""
+        layout = self._require_layout()
+
+        def spans(layer: int) -> list[list[memoryview]]:
+            return layout.chunk_spans(layer, spec.block_ids, spec.token_counts)
+
+        hold = trio.CancelScope(deadline=trio.current_time() + self.config.hold_timeout_s)
+        leased: list[float] = []
+
+        def renew(lease_s: float) -> None:  # a consumer claimed it: its lease, not the hold
+            hold.deadline = trio.current_time() + lease_s
+            leased[:] = [lease_s]
+
+        offer = Offer(spec.req, spec.block_ids, spec.token_counts, layout.num_layers, spans, renew)
+        t0 = time.perf_counter()
+        outcome = ""
+        try:
+            with hold:
+                outcome = await self.transport.offer(offer)
+        except Exception as exc:
+            outcome = f"{type(exc).__name__}: {exc}"
+            log.warning("kvflow offer of %s failed: %s", spec.req, outcome)
+        finally:
+            if outcome == "done":
+                self.bus.emit(
+                    TransferDone(
+                        req=spec.req,
+                        direction="send",
+                        chunks=len(spec.block_ids),
+                        nbytes=layout.nbytes(spec.token_counts),
+                        elapsed_s=time.perf_counter() - t0,
+                    )
+                )
+            else:
+                why = outcome or (
+                    f"the consumer's claim lapsed (lease of {leased[0]}s not renewed)"
+                    if leased
+                    else f"no consumer within hold_timeout_s={self.config.hold_timeout_s}"
+                )
+                self.bus.emit(
+                    TransferFailed(
+                        req=spec.req, direction="send", reason=why, timed_out=not outcome
+                    )
+                )
+            self.lending.end(spec.req)
+
+    async def cancel_saves(self, reqs: list[str]) -> None:
+        self.lending.cancel(reqs)
+        await self.lending.ended(reqs)
+
+    async def drained(self) -> None:
+        await self.lending.drained()
