@@ -21,6 +21,7 @@ import trio
 
 from .config import KVFlowConfig
 from .events import (
+    Direction,
     EventBus,
     LayerComputed,
     LayerLoaded,
@@ -159,6 +160,127 @@ class _Step:
             await poll_until(ready)
 
 
+class _Load:
+    """One load's state: the layers signalled so far (each once: the gate counts them),
+    its host staging (a device cache), and how it ended."""
+
+    def __init__(self, spec: LoadSpec, layout: KVLayout, gate: LayerGate, bus: EventBus) -> None:
+        self.spec = spec
+        self.layout = layout
+        self.bus = bus
+        self.gate = None if spec.asynchronous else gate
+        self.after = gate.after
+        self.signalled = [False] * layout.num_layers
+        self.stage: HostStage | None = None
+        """Made inside the deadline: it may fail."""
+        self.error = "cancelled (kvflow shutting down)"
+        self.intact = 0
+        """Leading chunks that arrived whole (when `error`)."""
+        self.timed_out = False
+        self.stuck = ""
+        """Why the load could not be stopped (`TransferStuck`): the engine must stop."""
+
+    async def run(
+        self, transport: Transport, timeout_s: float, limiter: trio.CapacityLimiter, staged: bool
+    ) -> None:
+        """Move the chunks within `timeout_s`; record how it ended (a cancellation leaves
+        the error it starts with)."""
+        spec = self.spec
+        try:
+            if spec.error:  # known in the scheduler already (a producer that is gone)
+                raise ChunkMissing(spec.error)
+            with trio.move_on_after(timeout_s) as deadline:
+                async with limiter:  # which also bounds pinned staging memory
+                    if staged:
+                        self.stage = HostStage(self.layout, spec.block_ids, spec.token_counts)
+                        await event_done(self.after)  # so no scatter waits on vLLM's queue
+                    await transport.load(self.job())
+            self.error = ""
+            if deadline.cancelled_caught:
+                self.error = f"no answer within load_timeout_s={timeout_s}"
+                self.timed_out = True
+            elif not all(self.signalled):
+                self.error = "transport returned before loading every layer"
+        except TransferStuck as exc:
+            self.error, self.stuck = "", str(exc)
+        except TransportError as exc:
+            self.error, self.intact = f"{type(exc).__name__}: {exc}", max(0, exc.chunk)
+        except Exception as exc:
+            self.error = f"{type(exc).__name__}: {exc}"
+            log.exception("kvflow load of %s failed", spec.req)
+
+    def job(self) -> LoadJob:
+        spec = self.spec
+        return LoadJob(
+            spec.req,
+            spec.keys,
+            spec.token_counts,
+            self.layout.num_layers,
+            self.spans,
+            self.transport_loaded,
+            spec.source,
+            list(spec.block_ids),
+            layerwise=not spec.asynchronous,
+        )
+
+    def spans(self, layer: int) -> list[list[memoryview]]:
+        if self.stage is not None:
+            return self.stage.spans(layer)
+        return self.layout.chunk_spans(layer, self.spec.block_ids, self.spec.token_counts)
+
+    def transport_loaded(self, layer: int) -> None:
+        if not self.signalled[layer]:
+            if self.stage is not None:  # the device blocks are written before the gate opens
+                self.stage.scatter(layer, self.after)
+            self.bus.emit(LayerLoaded(req=self.spec.req, layer=layer))
+        self.layer_loaded(layer)
+
+    def layer_loaded(self, layer: int) -> None:
+        if not self.signalled[layer]:
+            self.signalled[layer] = True
+            if self.gate is not None:
+                self.gate.loaded(layer)
+
+    def settle(self) -> None:
+        """The load ended, one way or another: every layer's gate opens."""
+        for layer in range(self.layout.num_layers):
+            self.layer_loaded(layer)
+        if self.gate is not None:
+            self.gate.load_settled()
+
+
+class _SaveSpans:
+    """`SaveJob.layer` of one save: layer i's spans once vLLM computed it (and, for the
+    last layer, once the step's loads it was computed over ended)."""
+
+    def __init__(
+        self, spec: SaveSpec, layout: KVLayout, step: _Step, loads: list[trio.Event]
+    ) -> None:
+        self.spec = spec
+        self.layout = layout
+        self.step = step
+        self.loads = loads
+        self.stage: HostStage | None = None
+        """A device cache's host image (made inside the save's deadline: it may fail)."""
+
+    async def layer(self, layer: int) -> list[list[memoryview]]:
+        layout, spec = self.layout, self.spec
+        await self.step.wait_computed(layer)
+        if layer == layout.num_layers - 1:
+            for done in self.loads:
+                await done.wait()
+        if self.stage is not None:  # the host image is a snapshot by itself
+            await self.stage.gather(layer)
+            return self.stage.spans(layer)
+        return [
+            _snapshot(layout.spans(layer, b, n))
+            # a block-granular partial block keeps changing as vLLM decodes into it
+            if n < layout.block_size and layout.geometries[layer].block_bytes
+            else layout.spans(layer, b, n)
+            for b, n in zip(spec.block_ids, spec.token_counts, strict=True)
+        ]
+
+
 class Flows:
     """A worker's transfers, on its runtime's loop thread."""
 
@@ -270,96 +392,37 @@ class Flows:
     ) -> None:
         """One load; if it fails, the saves of this step computed over its failed blocks
         (`over`) are dropped, before `done` lets them commit."""
-        layout = self._require_layout()
-        num_layers = layout.num_layers
-        signalled = [False] * num_layers
-        sync_gate = None if spec.asynchronous else gate
-
-        def layer_loaded(layer: int) -> None:
-            if not signalled[layer]:
-                signalled[layer] = True
-                if sync_gate is not None:
-                    sync_gate.loaded(layer)
-
-        stage: HostStage | None = None  # made inside the deadline: it may fail
-
-        def transport_loaded(layer: int) -> None:
-            if not signalled[layer]:
-                if stage is not None:  # the device blocks are written before the gate opens
-                    stage.scatter(layer, gate.after)
-                self.bus.emit(LayerLoaded(req=spec.req, layer=layer))
-            layer_loaded(layer)
-
-        def spans(layer: int) -> list[list[memoryview]]:
-            if stage is not None:
-                return stage.spans(layer)
-            return layout.chunk_spans(layer, spec.block_ids, spec.token_counts)
-
-        nbytes = self._started(LoadStarted, spec, layout)
-        job = LoadJob(
-            spec.req,
-            spec.keys,
-            spec.token_counts,
-            num_layers,
-            spans,
-            transport_loaded,
-            spec.source,
-            list(spec.block_ids),
-            layerwise=not spec.asynchronous,
-        )
+        load = _Load(spec, self._require_layout(), gate, self.bus)
+        nbytes = self._started(LoadStarted, spec, load.layout)
         t0 = time.perf_counter()
-        error, intact, timed_out, stuck = "", 0, False, ""
         if spec.asynchronous:  # vLLM's thread stops the engine if it outlives this
             with self.reports.lock:
                 self.reports.async_deadlines[spec.req] = (
                     time.monotonic() + self.config.load_timeout_s + STOP_GRACE_S
                 )
         try:
-            if spec.error:  # known in the scheduler already (a producer that is gone)
-                raise ChunkMissing(spec.error)
-            with trio.move_on_after(self.config.load_timeout_s) as deadline:
-                async with self._limiter("load"):  # which also bounds pinned staging memory
-                    if self.staged:
-                        stage = HostStage(layout, spec.block_ids, spec.token_counts)
-                        await event_done(gate.after)  # so no scatter waits on vLLM's queue
-                    await self.transport.load(job)
-            if deadline.cancelled_caught:
-                error, timed_out = (
-                    f"no answer within load_timeout_s={self.config.load_timeout_s}",
-                    True,
-                )
-            elif not all(signalled):
-                error = "transport returned before loading every layer"
-        except TransferStuck as exc:
-            stuck = str(exc)
-        except TransportError as exc:
-            error, intact = f"{type(exc).__name__}: {exc}", max(0, exc.chunk)
-        except Exception as exc:
-            error = f"{type(exc).__name__}: {exc}"
-            log.exception("kvflow load of %s failed", spec.req)
-        except BaseException:
-            error = "cancelled (kvflow shutting down)"
-            raise
+            await load.run(
+                self.transport, self.config.load_timeout_s, self._limiter("load"), self.staged
+            )
         finally:
             with self.reports.lock:
                 self.reports.async_deadlines.pop(spec.req, None)
-            if stuck:  # its blocks never go back to vLLM: the engine stops
-                log.error("kvflow load of %s into blocks %s: %s", spec.req, spec.block_ids, stuck)
+            if load.stuck:  # its blocks never go back to vLLM: the engine stops
+                log.error(
+                    "kvflow load of %s into blocks %s: %s", spec.req, spec.block_ids, load.stuck
+                )
                 self.reports.set_fatal(
                     f"the load of {spec.req} into blocks {spec.block_ids} could not be "
-                    f"stopped ({stuck})"
+                    f"stopped ({load.stuck})"
                 )
-                reason = f"could not be stopped: {stuck}"
+                reason = f"could not be stopped: {load.stuck}"
                 self.bus.emit(TransferFailed(req=spec.req, direction="load", reason=reason))
             else:
-                self._finish_load(spec, error, intact, timed_out, time.perf_counter() - t0, nbytes)
-            if error or stuck:  # such a save waits for `done` before its last layer
-                self._drop_saves_over(spec.block_ids[intact:], over, spec.req)
+                self._finish_load(spec, load, t0, nbytes)
+            if load.error or load.stuck:  # such a save waits for `done` before its last layer
+                self._drop_saves_over(spec.block_ids[load.intact :], over, spec.req)
             done.set()
-            for layer in range(num_layers):
-                layer_loaded(layer)
-            if sync_gate is not None:
-                sync_gate.load_settled()
+            load.settle()
 
     def _drop_saves_over(
         self, failed: list[int], over: dict[int, list[trio.CancelScope]], req: str
@@ -368,31 +431,13 @@ class Flows:
             for scope in over.get(b, ()):
                 self.lending.drop(scope, f"computed over blocks whose load failed ({req})")
 
-    def _finish_load(
-        self, spec: LoadSpec, error: str, intact: int, timed_out: bool, elapsed: float, nbytes: int
-    ) -> None:
-        failed = spec.block_ids[intact:] if error else []
+    def _finish_load(self, spec: LoadSpec, load: _Load, t0: float, nbytes: int) -> None:
+        error = load.error
+        failed = spec.block_ids[load.intact :] if error else []
         if error:
             log.warning("kvflow load of %s failed (%s); vLLM will recompute", spec.req, error)
-            self.bus.emit(
-                TransferFailed(
-                    req=spec.req,
-                    direction="load",
-                    reason=error,
-                    block_ids=failed,
-                    timed_out=timed_out,
-                )
-            )
-        else:
-            self.bus.emit(
-                TransferDone(
-                    req=spec.req,
-                    direction="load",
-                    chunks=len(spec.keys),
-                    nbytes=nbytes,
-                    elapsed_s=elapsed,
-                )
-            )
+        chunks = len(spec.keys)
+        self._ended(spec.req, "load", error, chunks, nbytes, t0, load.timed_out, failed)
         # only now may vLLM learn of it: whoever reads the events sees them first
         with self.reports.lock:
             self.reports.results.error_block_ids.update(failed)
@@ -413,34 +458,16 @@ class Flows:
         last layer waits until those loads ended, so a failed one drops the save first
         (a transport commits only once it has every layer)."""
         layout = self._require_layout()
-
-        stage: HostStage | None = None  # made inside the deadline: it may fail
-
-        async def layer_spans(layer: int) -> list[list[memoryview]]:
-            await step.wait_computed(layer)
-            if layer == layout.num_layers - 1:
-                for done in loads:
-                    await done.wait()
-            if stage is not None:  # the host image is a snapshot by itself
-                await stage.gather(layer)
-                return stage.spans(layer)
-            return [
-                _snapshot(layout.spans(layer, b, n))
-                # a block-granular partial block keeps changing as vLLM decodes into it
-                if n < layout.block_size and layout.geometries[layer].block_bytes
-                else layout.spans(layer, b, n)
-                for b, n in zip(spec.block_ids, spec.token_counts, strict=True)
-            ]
-
+        spans = _SaveSpans(spec, layout, step, loads)
         nbytes = self._started(SaveStarted, spec, layout)
-        job = SaveJob(spec.req, spec.keys, spec.token_counts, layout.num_layers, layer_spans)
+        job = SaveJob(spec.req, spec.keys, spec.token_counts, layout.num_layers, spans.layer)
         t0 = time.perf_counter()
         error, timed_out = "interrupted", False  # until the save ends one way or another
         try:
             with scope, trio.move_on_after(self.config.save_timeout_s) as deadline:
                 async with self._limiter("save"):  # which also bounds pinned staging memory
                     if self.staged:
-                        stage = HostStage(layout, spec.block_ids, spec.token_counts)
+                        spans.stage = HostStage(layout, spec.block_ids, spec.token_counts)
                     await self.transport.save(job)
             error = ""
             if deadline.cancelled_caught:
@@ -461,18 +488,35 @@ class Flows:
                 with self.reports.lock:  # may stop stepping then
                     (outcomes.unsaved if error else outcomes.saved).extend(spec.keys)
             self.lending.end(spec.req, scope)
+        self._ended(spec.req, "save", error, len(spec.keys), nbytes, t0, timed_out)
+
+    def _ended(
+        self,
+        req: str,
+        direction: Direction,
+        error: str,
+        chunks: int,
+        nbytes: int,
+        t0: float,
+        timed_out: bool = False,
+        block_ids: list[int] | None = None,
+    ) -> None:
+        """Report a transfer's end: failed with `error`, or done since `t0`."""
         if error:
             self.bus.emit(
-                TransferFailed(req=spec.req, direction="save", reason=error, timed_out=timed_out)
+                TransferFailed(
+                    req=req,
+                    direction=direction,
+                    reason=error,
+                    block_ids=block_ids or [],
+                    timed_out=timed_out,
+                )
             )
         else:
+            elapsed = time.perf_counter() - t0
             self.bus.emit(
                 TransferDone(
-                    req=spec.req,
-                    direction="save",
-                    chunks=len(spec.keys),
-                    nbytes=nbytes,
-                    elapsed_s=time.perf_counter() - t0,
+                    req=req, direction=direction, chunks=chunks, nbytes=nbytes, elapsed_s=elapsed
                 )
             )
 
@@ -500,27 +544,15 @@ class Flows:
             outcome = f"{type(exc).__name__}: {exc}"
             log.warning("kvflow offer of %s failed: %s", spec.req, outcome)
         finally:
-            if outcome == "done":
-                self.bus.emit(
-                    TransferDone(
-                        req=spec.req,
-                        direction="send",
-                        chunks=len(spec.block_ids),
-                        nbytes=layout.nbytes(spec.token_counts),
-                        elapsed_s=time.perf_counter() - t0,
-                    )
-                )
-            else:
-                why = outcome or (
+            why = "" if outcome == "done" else outcome
+            if not outcome:
+                why = (
                     f"the consumer's claim lapsed (lease of {leased[0]}s not renewed)"
                     if leased
                     else f"no consumer within hold_timeout_s={self.config.hold_timeout_s}"
                 )
-                self.bus.emit(
-                    TransferFailed(
-                        req=spec.req, direction="send", reason=why, timed_out=not outcome
-                    )
-                )
+            nbytes = layout.nbytes(spec.token_counts)
+            self._ended(spec.req, "send", why, len(spec.block_ids), nbytes, t0, not outcome)
             self.lending.end(spec.req)
 
     async def cancel_saves(self, reqs: list[str]) -> None:
