@@ -26,7 +26,7 @@ from .config import ConfigError, parse_options
 from .events import EventBus, SaveStarted, TransferDone, TransferFailed
 from .keys import ChunkKey, chunk_token_counts
 from .layout import KVLayout, view_geometry
-from .runtime import Runtime
+from .runtime import Runtime, RuntimeClosed
 from .transport import LoadJob, SaveJob, Transport, TransportContext, TransportError, load_transport
 
 __all__ = [
@@ -85,6 +85,8 @@ class HiddenStatesRef(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         """From a request's `kv_transfer_params` (or the value under `PARAM`)."""
         if isinstance(params, HiddenStatesRef):
             return params
+        if not isinstance(params, Mapping):
+            raise HiddenStatesError(f"not a kvflow hidden-states reference: {params!r}")
         raw = params.get(PARAM, params)
         try:
             ref = msgspec.convert(raw, cls)
@@ -228,6 +230,7 @@ class HiddenStatesReader:
 
     def close(self) -> None:
         self._runtime.shutdown()
+        self._open.clear()
 
     def load(
         self, params: Mapping[str, Any] | HiddenStatesRef, *, timeout_s: float | None = None
@@ -243,7 +246,16 @@ class HiddenStatesReader:
             )
         wait = self.timeout_s if timeout_s is None else timeout_s
         buf = host_buffer(ref)
-        self._runtime.call(self._load, ref, buf, wait, timeout=wait + 30.0)
+        try:
+            self._runtime.call(self._load, ref, buf, wait, timeout=wait + 30.0)
+        except TransportError as exc:
+            raise HiddenStatesError(f"reading hidden states ({self.transport}): {exc}") from exc
+        except TimeoutError:
+            raise HiddenStatesError(
+                f"the {self.transport} store did not answer within {wait + 30.0}s"
+            ) from None
+        except RuntimeClosed:
+            raise HiddenStatesError("this reader is closed") from None
         rows = buf.view(-1, ref.num_layers, ref.hidden_size)[: ref.num_tokens]
         return HiddenStates(rows, torch.tensor(ref.token_ids, dtype=torch.long))
 
@@ -282,7 +294,4 @@ class HiddenStatesReader:
             layer_loaded=lambda layer: None,
             layerwise=False,
         )
-        try:
-            await transport.load(job)
-        except TransportError as exc:
-            raise HiddenStatesError(f"reading hidden states: {exc}") from exc
+        await transport.load(job)

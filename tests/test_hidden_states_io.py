@@ -135,6 +135,14 @@ async def test_a_reader_says_what_it_cannot_read(tmp_path: Path) -> None:
             reader.load({PARAM: {"keys": []}})
     with pytest.raises(HiddenStatesError, match="pathh"):
         HiddenStatesReader("fs", {"pathh": "/tmp"})
+    with pytest.raises(HiddenStatesError, match="not a kvflow hidden-states reference: None"):
+        HiddenStatesReader("fs", {"path": str(tmp_path)}).load(None)  # type: ignore[arg-type]
+    (tmp_path / "file").write_bytes(b"")
+    bad = pytest.raises(HiddenStatesError, match=r"\(fs\): .* not a writable directory")
+    with HiddenStatesReader("fs", {"path": str(tmp_path / "file")}) as reader, bad:
+        await trio.to_thread.run_sync(reader.load, ref.to_params())
+    with pytest.raises(HiddenStatesError, match="this reader is closed"):
+        reader.load(ref.to_params())
 
 
 def wait_done(exporter: hs.HiddenStatesExporter, reqs: set[str]) -> set[str]:

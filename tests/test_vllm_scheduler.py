@@ -28,6 +28,7 @@ from vllm.v1.core.sched.interface import PauseState
 from vllm.v1.engine import FinishReason
 from vllm.v1.request import RequestStatus
 
+from kvflow.hidden_states import HiddenStatesRef
 from kvflow.keys import chunk_keys
 from kvflow.metadata import OfferSpec
 from kvflow.pd import parse_pd_params
@@ -437,6 +438,63 @@ def test_abort_during_async_load(harness: MakeHarness, tmp_path: Path) -> None:
     after = h.step()
     assert after.plan.lent == [], "nothing saved: kvflow does not hold the blocks"
     h.step(finished_recving={"r"})
+    assert h.free_blocks == start
+    assert not h.scheduler.requests and not h.kvflow_requests
+
+
+def test_hidden_states_keep_a_finished_requests_blocks_until_copied_out(
+    harness: MakeHarness, tmp_path: Path
+) -> None:
+    """Under extract_hidden_states vLLM's scheduler lends a finished request's blocks to
+    kvflow, which names its rows in kv_transfer_params and plans their export from the
+    request's own blocks; the blocks go back when the worker says they were copied."""
+    prompt = prompt_of(3, 40)
+    # a consumer saves nothing: only the export keeps blocks
+    config = fs_config(tmp_path, aux_layers=[1, 2], kv_role="kv_consumer")
+    h = harness(config, 16)
+    start = h.free_blocks
+    h.add(make_request("r", prompt, max_tokens=1))
+    first = h.collect(h.step())
+    (out,) = first.finished
+    ref = HiddenStatesRef.from_params(out.kv_transfer_params or {})
+    assert ref.token_ids == prompt and ref.token_counts == [16, 16, 8]
+    assert (ref.num_layers, ref.dtype) == (2, "float32")
+    table = first.block_ids["r"]
+    h.add(make_request("next", prompt_of(4, 8), max_tokens=1))  # vLLM steps on
+    nxt = h.collect(h.step())
+    exports = nxt.output.kv_connector_metadata.exports  # type: ignore[union-attr]
+    assert [(e.req, e.block_ids, e.ref) for e in exports] == [("r", table, ref)]
+    # both finished, both exporting: vLLM holds their blocks until kvflow copied them
+    assert set(h.scheduler.requests) == {"r", "next"}
+    assert h.free_blocks == start - 3 - 1
+    h.add(make_request("last", prompt_of(5, 8), max_tokens=1))
+    h.collect(h.step(finished_sending={"r", "next"}))
+    assert set(h.scheduler.requests) <= {"last"}
+    while h.scheduler.has_requests():  # `last`, exported too
+        h.step(finished_sending={"last"})
+    h.drain()
+    assert h.free_blocks == start and not h.scheduler.requests
+
+
+def test_no_hidden_states_of_a_request_aborted_while_its_load_lands(
+    harness: MakeHarness, tmp_path: Path
+) -> None:
+    """Its rows are not in its blocks, and vLLM frees them when the load lands: exporting
+    it would copy garbage and report blocks vLLM no longer holds (its scheduler asserts)."""
+    prompt = prompt_of(1, 40)
+    store_prefix(harness, tmp_path, prompt)
+    config = fs_config(tmp_path, load_mode="async", aux_layers=[1, 2])
+    h = harness(config, 16)
+    start = h.free_blocks
+    h.add(
+        make_request("r", prompt, max_tokens=2, kv_transfer_params={"include_output_tokens": True})
+    )
+    assert [s.req for s in h.step().plan.loads] == ["r"]
+    h.scheduler.finish_requests("r", RequestStatus.FINISHED_ABORTED)
+    h.add(make_request("other", prompt_of(2, 20), max_tokens=2))
+    after = h.step(finished_recving={"r"})
+    assert after.output.kv_connector_metadata.exports == []  # type: ignore[union-attr]
+    run_to_completion(h)
     assert h.free_blocks == start
     assert not h.scheduler.requests and not h.kvflow_requests
 

@@ -44,7 +44,9 @@ from vllm.config import (
     KVTransferConfig,
     LoadConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     VllmConfig,
 )
 from vllm.utils.hashing import sha256
@@ -92,8 +94,10 @@ def make_vllm_config(
     max_num_batched_tokens: int = 256,
     enable_prefix_caching: bool = True,
     kv_load_failure_policy: str = "recompute",
+    aux_layers: Sequence[int] = (),
 ) -> VllmConfig:
-    """A CPU `VllmConfig` over kvflow's tiny Llama with `KVFlowConnector` as connector."""
+    """A CPU `VllmConfig` over kvflow's tiny Llama with `KVFlowConnector` as connector;
+    with `aux_layers`, vLLM's `extract_hidden_states` method exporting those layers."""
     register()
     model_config = ModelConfig(
         model=model_dir("tiny-llama"),
@@ -128,9 +132,21 @@ def make_vllm_config(
         },
         kv_load_failure_policy=kv_load_failure_policy,  # type: ignore[arg-type]
     )
+    speculative = None
+    if aux_layers:
+        speculative = SpeculativeConfig(
+            method="extract_hidden_states",
+            num_speculative_tokens=1,
+            draft_model_config={
+                "hf_config": {"eagle_aux_hidden_state_layer_ids": list(aux_layers)}
+            },
+            target_model_config=model_config,
+            target_parallel_config=ParallelConfig(),
+        )
     return VllmConfig(
         model_config=model_config,
         scheduler_config=scheduler_config,
+        speculative_config=speculative,
         cache_config=cache_config,
         kv_transfer_config=kv_transfer_config,
         device_config=DeviceConfig("cpu"),

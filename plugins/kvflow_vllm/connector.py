@@ -475,6 +475,9 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
         """Scheduler, under extract_hidden_states: the requests whose hidden states to store."""
         self._exporter: HiddenStatesExporter | None = None
         """Worker, under extract_hidden_states: copies them out and stores them."""
+        self._loading: set[str] = set()
+        """Scheduler, under extract_hidden_states: requests whose asynchronous load has
+        not landed (their hidden states are not in their blocks yet)."""
         if hidden:
             planner = HiddenStatesPlanner(vllm_config, kv_cache_config, self.config.transport)
             if is_scheduler:
@@ -603,7 +606,10 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
             for sched in self.scheds:
                 sched.limit_hit(req, num_computed_tokens + n)
         remote = self.sched.is_remote(req)
-        return n, n > 0 and (remote or self.config.load_mode == "async")
+        asynchronous = n > 0 and (remote or self.config.load_mode == "async")
+        if asynchronous and self._planner is not None:
+            self._loading.add(req)
+        return n, asynchronous
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -687,7 +693,11 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
             )
             params = []
         out = join_groups(params) if params else {}
-        if self._planner is not None:  # its blocks stay lent until the rows are copied out
+        # its blocks stay lent until the rows are copied out; not a request whose load is
+        # still landing (aborted meanwhile): its rows are not there, its blocks not free
+        if not any(block_ids):  # never allocated: no load of it will land
+            self._loading.discard(request.request_id)
+        if self._planner is not None and request.request_id not in self._loading:
             ids = block_ids[self._planner.group] if len(block_ids) > 1 else block_ids[0]
             if ref := self._planner.finished(request, ids, request_salt(request)):
                 lend = True
@@ -702,6 +712,8 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
             sched.peer_addresses = [m.addresses[g] for m in shards]
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self._loading -= connector_output.finished_recving or set()
+        self._loading -= connector_output.failed_recving or set()
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, KVFlowWorkerMeta):
             for tracker, report in zip(self._trackers, meta.reports, strict=False):

@@ -123,6 +123,8 @@ class HiddenStatesPlanner:
     def finished(self, request: Request, block_ids: list[int], salt: str) -> HiddenStatesRef | None:
         """A request finished: plan its export (its blocks must stay lent until the
         worker copied them), or None when it has nothing complete to export."""
+        if getattr(request, "prompt_embeds", None) is not None:
+            return None  # no token ids name its rows (they would share keys with others')
         params = request.kv_transfer_params or {}
         if params.get("include_output_tokens"):  # the last token was never a forward's input
             tokens = list(request.all_token_ids)[:-1]
@@ -156,12 +158,15 @@ def gather_rows(
     layer's view (vLLM's logical `[blocks, layers, tokens, hidden]`, whatever its memory
     order; `num_blocks` manager blocks, each maybe several kernel blocks) into `out`
     (a `host_buffer`). Asynchronous (on the current stream) for a device view."""
-    ratio = view.shape[0] // num_blocks
-    ids = torch.tensor([b * ratio + k for b in block_ids for k in range(ratio)], dtype=torch.long)
-    rows = view.index_select(0, ids.to(view.device))  # [kernel blocks, layers, tokens, hidden]
-    rows = rows.permute(0, 2, 1, 3).reshape(-1, view.shape[1], view.shape[3])
-    dst = out.view(-1, view.shape[1], view.shape[3])
-    dst[:num_tokens].copy_(rows[:num_tokens], non_blocking=view.is_cuda)
+    ratio, tokens = view.shape[0] // num_blocks, view.shape[2]
+    dst = out.view(-1, view.shape[1], view.shape[3])  # [tokens, layers, hidden]
+    kernel_blocks = [b * ratio + k for b in block_ids for k in range(ratio)]
+    for i, kb in enumerate(kernel_blocks):  # a block at a time: no request-sized temporary
+        n = min(tokens, num_tokens - i * tokens)
+        if n <= 0:
+            break
+        rows = view[kb].permute(1, 0, 2)[:n]  # [tokens, layers, hidden]
+        dst[i * tokens : i * tokens + n].copy_(rows, non_blocking=view.is_cuda)
 
 
 class HiddenStatesExporter:
@@ -191,6 +196,8 @@ class HiddenStatesExporter:
     def register(self, transport: Transport, view: torch.Tensor, num_blocks: int) -> None:
         """This worker writes: `view` is the cache-only layer's, `transport` is open."""
         self.transport, self._view, self._num_blocks = transport, view, num_blocks
+        if view.is_cuda:  # one stream, made here: copies in several threads share it
+            self._stream = torch.cuda.Stream(device=view.device)
 
     def export(self, exports: list[HiddenExport]) -> None:
         """vLLM's thread, at bind: start each export; returns at once."""
@@ -279,12 +286,11 @@ class HiddenStatesExporter:
     def _copy_on_stream(self, e: HiddenExport, ready: Any, buf: torch.Tensor) -> Any:
         """A device cache: gather on a stream of kvflow's own, after `ready`; returns the
         event that says the rows are in `buf`."""
-        assert self._view is not None
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(device=self._view.device)
-        with torch.cuda.stream(self._stream):
-            self._stream.wait_event(ready)
-            gather_rows(self._view, self._num_blocks, e.block_ids, e.ref.num_tokens, buf)
+        view, stream = self._view, self._stream
+        assert view is not None and stream is not None
+        with torch.cuda.stream(stream):
+            stream.wait_event(ready)
+            gather_rows(view, self._num_blocks, e.block_ids, e.ref.num_tokens, buf)
             done = torch.cuda.Event()
-            done.record(self._stream)
+            done.record(stream)
         return done
