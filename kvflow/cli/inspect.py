@@ -35,7 +35,7 @@ from ..publish import (
     open_subscriber,
     runtime_dir,
 )
-from .inspect_state import EVENT_KINDS, EventFilter, InspectState
+from .inspect_state import EVENT_KINDS, EngineTotals, EventFilter, InspectState
 
 __all__ = ["add_parser", "render", "run_inspect"]
 
@@ -133,24 +133,42 @@ def render(state: InspectState, now: float, *, where: str = "", max_rows: int = 
         f"  {live} engine(s) live  {state.events} events  ",
         (where, "dim"),
     )
+    parts: list[Any] = [head, _engines_table(engines), _transfers_table(state, now, max_rows)]
+    errors = state.errors(now)
+    if errors:
+        xt = Table(title="last errors", title_justify="left")
+        for col in ("age", "engine", "request", "what", "reason"):
+            xt.add_column(col)
+        for x in errors:
+            xt.add_row(f"{now - x.at:.0f}s", _short(x.engine), x.req, x.what, Text(x.reason, "red"))
+        parts.append(xt)
+    if not engines:
+        parts.append(Text("no engines yet (vLLM with KVFlowConnector and inspect: true)", "dim"))
+    return Group(*parts)
+
+
+_ENGINE_COLUMNS = (
+    "engine",
+    "runtimes",
+    "lookups",
+    "hits",
+    "misses",
+    "tok loaded",
+    "tok saved",
+    "loaded",
+    "saved",
+    "sent",
+    "exports",
+    "failures",
+    "timeouts",
+    "lent",
+    "dropped",
+)
+
+
+def _engines_table(engines: list[EngineTotals]) -> Table:
     et = Table(title="engines", title_justify="left", expand=False)
-    for col in (
-        "engine",
-        "runtimes",
-        "lookups",
-        "hits",
-        "misses",
-        "tok loaded",
-        "tok saved",
-        "loaded",
-        "saved",
-        "sent",
-        "exports",
-        "failures",
-        "timeouts",
-        "lent",
-        "dropped",
-    ):
+    for col in _ENGINE_COLUMNS:
         et.add_column(col, justify="left" if col == "engine" else "right")
     for e in engines:
         roles = sorted(e.runtimes)
@@ -172,6 +190,10 @@ def render(state: InspectState, now: float, *, where: str = "", max_rows: int = 
             Text(str(e.dropped), style="yellow" if e.dropped else ""),
             style="dim" if e.gone_at is not None else "",
         )
+    return et
+
+
+def _transfers_table(state: InspectState, now: float, max_rows: int) -> Table:
     tt = Table(title="transfers", title_justify="left")
     for col in ("engine", "rank", "request", "dir", "transport", "chunks", "tokens", "bytes"):
         tt.add_column(
@@ -194,18 +216,7 @@ def render(state: InspectState, now: float, *, where: str = "", max_rows: int = 
             "" if gbps is None else f"{gbps:.2f}",
             Text(t.state, style=_STATE_STYLE.get(t.state, "")),
         )
-    parts: list[Any] = [head, et, tt]
-    errors = state.errors(now)
-    if errors:
-        xt = Table(title="last errors", title_justify="left")
-        for col in ("age", "engine", "request", "what", "reason"):
-            xt.add_column(col)
-        for x in errors:
-            xt.add_row(f"{now - x.at:.0f}s", _short(x.engine), x.req, x.what, Text(x.reason, "red"))
-        parts.append(xt)
-    if not engines:
-        parts.append(Text("no engines yet (vLLM with KVFlowConnector and inspect: true)", "dim"))
-    return Group(*parts)
+    return tt
 
 
 # -- the command -------------------------------------------------------------

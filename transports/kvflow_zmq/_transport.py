@@ -239,30 +239,7 @@ class ZmqTransport(PeerTransport):
     ) -> None:
         """Copy the offered blocks device to device out of the producer's memory."""
         layout = self._layout()
-        here = ipc.host_id()
-        if layout.memory == "cpu":
-            raise TransportError(
-                f"producer {address} offers CUDA memory; this consumer's KV cache is in host "
-                "memory (both sides need the same kind)"
-            )
-        if msg.host != here:
-            raise TransportError(
-                f"CUDA IPC needs producer and consumer on one host: {address} is on "
-                f"{msg.host}, this consumer on {here}"
-            )
-        if why := layout_mismatch(msg.geometries, layout.geometries, cells=True):
-            raise ChunkCorrupt(f"producer {address}: {why}")
-        if msg.block_ids != src.block_ids or len(job.block_ids) != len(src.block_ids):
-            raise ChunkCorrupt(
-                f"producer {address} offers blocks {msg.block_ids}; the consumer asked for "
-                f"{src.block_ids} into {len(job.block_ids)} blocks"
-            )
-        try:
-            for g_src, g_dst in zip(msg.geometries, layout.geometries, strict=True):
-                g_src.check_blocks(src.block_ids, f"producer {address}")
-                g_dst.check_blocks(job.block_ids, "destination")
-        except LayoutError as exc:
-            raise ChunkCorrupt(str(exc)) from None
+        _check_ipc_offer(job, src, msg, address, layout)
         first = msg.handles[0].handle if msg.handles else b""
         if self._opened.get(address, (None,))[0] != first:  # new, or the producer restarted
             self._opened[address] = (first, [self._device.open(h) for h in msg.handles])
@@ -301,3 +278,34 @@ class ZmqTransport(PeerTransport):
                     chunk=0,
                 )
             job.layer_loaded(layer)
+
+
+def _check_ipc_offer(
+    job: LoadJob, src: PeerSource, msg: wire.Ipc, address: str, layout: KVLayout
+) -> None:
+    """Refuse an offer this consumer cannot copy: another memory kind or host, another
+    layout, other blocks."""
+    here = ipc.host_id()
+    if layout.memory == "cpu":
+        raise TransportError(
+            f"producer {address} offers CUDA memory; this consumer's KV cache is in host "
+            "memory (both sides need the same kind)"
+        )
+    if msg.host != here:
+        raise TransportError(
+            f"CUDA IPC needs producer and consumer on one host: {address} is on "
+            f"{msg.host}, this consumer on {here}"
+        )
+    if why := layout_mismatch(msg.geometries, layout.geometries, cells=True):
+        raise ChunkCorrupt(f"producer {address}: {why}")
+    if msg.block_ids != src.block_ids or len(job.block_ids) != len(src.block_ids):
+        raise ChunkCorrupt(
+            f"producer {address} offers blocks {msg.block_ids}; the consumer asked for "
+            f"{src.block_ids} into {len(job.block_ids)} blocks"
+        )
+    try:
+        for g_src, g_dst in zip(msg.geometries, layout.geometries, strict=True):
+            g_src.check_blocks(src.block_ids, f"producer {address}")
+            g_dst.check_blocks(job.block_ids, "destination")
+    except LayoutError as exc:
+        raise ChunkCorrupt(str(exc)) from None
