@@ -281,7 +281,8 @@ class _SaveSpans:
         ]
 
 
-class Flows:
+class Flows:  # ~280 lines: a step's loads, saves and offers and how they affect each
+    # other (a failed load drops the saves computed over its blocks)
     """A worker's transfers, on its runtime's loop thread."""
 
     def __init__(

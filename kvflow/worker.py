@@ -45,7 +45,8 @@ class KVFlowFatal(RuntimeError):
     """kvflow cannot go on without risking wrong KV: the engine must stop."""
 
 
-class WorkerEngine:
+class WorkerEngine:  # ~270 lines: every call vLLM's thread makes, each bounded, and
+    # what becomes of them when the loop dies or a load cannot be stopped
     """Runs a worker's transfers on its runtime."""
 
     def __init__(

@@ -265,8 +265,39 @@ async def open_nursery() -> AsyncIterator[trio.Nursery]:
 # -- the harness -----------------------------------------------------------------
 
 
+def _explain(
+    layout: KVLayout, layer: int, diff: Any, src: Chunks, dst: Chunks, promise: str
+) -> NoReturn:
+    """Name the block, chunk and key where a loaded layer differs from what was saved."""
+    block, offset = _locate(layout, layer, int(diff[0]))
+    changed = f"{len(diff)} bytes of the layer differ"
+    if block not in dst.blocks:
+        violated(
+            promise,
+            f"layer {layer}: block {block} changed at byte {offset} of the block, "
+            f"though no chunk of the load targets it ({changed})",
+            block_ids=[block] if block is not None else [],
+        )
+    c = dst.blocks.index(block)
+    ranges = _span_ranges(layout, layer, dst.token_counts[c])
+    what = (
+        "holds other bytes than were saved"
+        if any(lo <= offset < hi for lo, hi in ranges)
+        else f"was written outside the spans of its {dst.token_counts[c]} tokens"
+    )
+    violated(
+        promise,
+        f"layer {layer}: destination block {block} {what} (first difference at byte "
+        f"{offset} of the block; {changed}); saved from block {src.blocks[c]}",
+        chunks=[c],
+        keys=[dst.keys[c]],
+        block_ids=[block],
+    )
+
+
 @dataclass
-class Harness:
+class Harness:  # ~360 lines: every test's vocabulary (workers, chunks, jobs, checks) in
+    # one place, so that each promise's test reads as the promise
     """One test's view of the transport under test: instances, memory, jobs, checks."""
 
     make: Callable[[TransportContext], Any]
@@ -585,30 +616,7 @@ class Harness:
             diff = np.flatnonzero(got != _as_array(expected.buffers[layer]))
             if not len(diff):
                 continue
-            block, offset = _locate(layout, layer, int(diff[0]))
-            changed = f"{len(diff)} bytes of the layer differ"
-            if block not in dst.blocks:
-                violated(
-                    promise,
-                    f"layer {layer}: block {block} changed at byte {offset} of the block, "
-                    f"though no chunk of the load targets it ({changed})",
-                    block_ids=[block] if block is not None else [],
-                )
-            c = dst.blocks.index(block)
-            ranges = _span_ranges(layout, layer, dst.token_counts[c])
-            what = (
-                "holds other bytes than were saved"
-                if any(lo <= offset < hi for lo, hi in ranges)
-                else f"was written outside the spans of its {dst.token_counts[c]} tokens"
-            )
-            violated(
-                promise,
-                f"layer {layer}: destination block {block} {what} (first difference at byte "
-                f"{offset} of the block; {changed}); saved from block {src.blocks[c]}",
-                chunks=[c],
-                keys=[dst.keys[c]],
-                block_ids=[block],
-            )
+            _explain(layout, layer, diff, src, dst, promise)
 
     async def round_trip(
         self,
@@ -766,7 +774,8 @@ class ConformanceSuite:
         return ""
 
 
-class TransportConformance(ConformanceSuite):
+class TransportConformance(ConformanceSuite):  # ~420 lines: one test per promise of the
+    # contract; pytest collects them from this class
     """The store suite. Subclass and provide a `make_transport` fixture; see the module
     docstring."""
 

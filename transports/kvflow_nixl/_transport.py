@@ -130,7 +130,8 @@ class _Pull:
             self.ended.set()
 
 
-class NixlTransport(PeerTransport):
+class NixlTransport(PeerTransport):  # ~265 lines: the producer's lease of a pull (held
+    # until the consumer's notification, failure or lease end) and the consumer's load
     name = "nixl"
     Options = NixlOptions
     capabilities = Capabilities(store=False, peer=True, memory=frozenset({"cpu", "cuda"}))
