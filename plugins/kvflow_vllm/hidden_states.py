@@ -280,7 +280,11 @@ class HiddenStatesExporter:
             )
             return buf
         done = await trio.to_thread.run_sync(self._copy_on_stream, e, ready, buf)
-        await poll_until(done.query)
+        try:
+            await poll_until(done.query)
+        except BaseException:  # cancelled: the blocks go back only once nothing reads them
+            done.synchronize()
+            raise
         return buf
 
     def _copy_on_stream(self, e: HiddenExport, ready: Any, buf: torch.Tensor) -> Any:
@@ -290,7 +294,11 @@ class HiddenStatesExporter:
         assert view is not None and stream is not None
         with torch.cuda.stream(stream):
             stream.wait_event(ready)
-            gather_rows(view, self._num_blocks, e.block_ids, e.ref.num_tokens, buf)
+            try:
+                gather_rows(view, self._num_blocks, e.block_ids, e.ref.num_tokens, buf)
+            except BaseException:  # what it queued reads vLLM's blocks: let it end first
+                stream.synchronize()
+                raise
             done = torch.cuda.Event()
             done.record(stream)
         return done
