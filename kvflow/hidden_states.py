@@ -26,7 +26,7 @@ from .config import ConfigError, parse_options
 from .events import EventBus, SaveStarted, TransferDone, TransferFailed
 from .keys import ChunkKey, chunk_token_counts
 from .layout import KVLayout, view_geometry
-from .runtime import Runtime, RuntimeClosed
+from .runtime import Backoff, Runtime, RuntimeClosed
 from .transport import LoadJob, SaveJob, Transport, TransportContext, TransportError, load_transport
 
 __all__ = [
@@ -274,10 +274,9 @@ class HiddenStatesReader:
         transport = await self._transport(ref)
         found = 0
         with trio.move_on_after(wait):
-            delay = 1e-3
+            backoff = Backoff(1e-3, 0.05)  # the write follows the request's end
             while (found := await transport.lookup(ref.keys)) < len(ref.keys):
-                await trio.sleep(delay)  # the write follows the request's end
-                delay = min(delay * 2, 0.05)
+                await backoff.wait()
         if found < len(ref.keys):
             raise HiddenStatesError(
                 f"{found} of {len(ref.keys)} chunks of these hidden states are stored after "

@@ -22,8 +22,15 @@ are free (vLLM's `finished_sending`). A request's blocks are in one of these sta
 
 A save counts the blocks it reads from the moment vLLM's thread binds it
 (`bound`), so a block reused in the next step is known busy even before the save's
-task runs. The scheduler decides what is lent (`WorkerPlan.lent`); the adapter
-joins requests over KV cache groups (`kvflow_vllm.groups.Pending`).
+task runs.
+
+Who calls it: the scheduler process decides what is lent (its answer to vLLM's
+`request_finished` is True when a save of the request was issued, its blocks are
+offered to a P/D consumer, or its hidden states are to be copied out of them) and
+ships it to the workers (`WorkerPlan.lent`, the hidden-state exports); each worker's
+`WorkerEngine` and `kvflow.flows` keep one `Lending` per KV cache group, the
+adapter's hidden-state exporter one of its own, and the adapter joins a request's
+releases over them (`kvflow_vllm.groups.Pending`) before vLLM hears of it.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 
 import trio
 
-__all__ = ["Runtime", "RuntimeClosed"]
+__all__ = ["Backoff", "Runtime", "RuntimeClosed", "poll_until"]
 
 log = logging.getLogger("kvflow.runtime")
 T = TypeVar("T")
@@ -288,13 +288,30 @@ class Runtime:
                         log.exception("kvflow runtime %r: closer %r failed", self.name, closer)
 
 
-async def poll_until(done: Callable[[], bool]) -> None:
-    """Wait for a condition only polling can see (a CUDA event): backoff from 20 us to
-    1 ms, never blocking the loop."""
-    delay = 2e-5
+class Backoff:
+    """Sleeps that double from `first` to `most` seconds: how kvflow polls what no event
+    announces (a CUDA event, a NIXL transfer, a store that has not been written yet),
+    never blocking the loop, never spinning."""
+
+    def __init__(self, first: float = 2e-5, most: float = 1e-3) -> None:
+        self.first = first
+        self.most = most
+        self.delay = first
+
+    async def wait(self) -> None:
+        await trio.sleep(self.delay)
+        self.delay = min(self.delay * 2, self.most)
+
+    def reset(self) -> None:
+        """Something happened: poll at once again."""
+        self.delay = self.first
+
+
+async def poll_until(done: Callable[[], bool], *, first: float = 2e-5, most: float = 1e-3) -> None:
+    """Wait for a condition only polling can see, backing off from `first` to `most`."""
+    backoff = Backoff(first, most)
     while not done():
-        await trio.sleep(delay)
-        delay = min(delay * 2, 1e-3)
+        await backoff.wait()
 
 
 def _name_of(fn: object) -> str:

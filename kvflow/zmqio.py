@@ -17,6 +17,8 @@ import msgspec
 import trio
 import zmq
 
+from .runtime import Backoff
+
 __all__ = ["BadFrame", "TrioSocket", "bind_loopback", "decode_frame"]
 
 T = TypeVar("T")
@@ -52,7 +54,7 @@ class TrioSocket:
         self, frames: Sequence[Any], *, copy: bool = True, track: bool = False
     ) -> zmq.MessageTracker | None:
         await trio.lowlevel.checkpoint_if_cancelled()
-        delay = BUSY_PEER_MIN_S
+        backoff = Backoff(BUSY_PEER_MIN_S, BUSY_PEER_MAX_S)
         while True:
             try:
                 return self.sock.send_multipart(frames, zmq.NOBLOCK, copy=copy, track=track)
@@ -60,8 +62,7 @@ class TrioSocket:
                 if int(self.sock.getsockopt(zmq.EVENTS)) & zmq.POLLOUT:
                     # The socket has room, not for this peer (a ROUTER_MANDATORY peer
                     # whose pipe is full): no FD edge will say when; back off.
-                    await trio.sleep(delay)
-                    delay = min(delay * 2, BUSY_PEER_MAX_S)
+                    await backoff.wait()
                 else:
                     await self._ready(zmq.POLLOUT)
 

@@ -14,10 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvflow.events import TransferDone
 from kvflow.hidden_states import PARAM, HiddenStatesReader
 from kvflow_vllm.engine import tiny_model_dir
 
-from .e2e import assert_same_generation, run_engine
+from .e2e import assert_same_generation, events_for, run_engine
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -43,8 +44,11 @@ def test_a_prompt_saved_under_extract_hidden_states_is_loaded_again(tmp_path: Pa
     assert first.cached_tokens == 0
     assert second.cached_tokens == len(PROMPT) - 1, "the second request did not hit"
     assert_same_generation(second, first, "loaded under extract_hidden_states")
-    # the scheduler's transport and the worker's use one namespace
-    assert len([d for d in (tmp_path / "store").iterdir() if d.is_dir()]) == 1
+    # the scheduler's transport and the worker's use one KV namespace (next to the
+    # hidden states' own)
+    store = tmp_path / "store"
+    kv = [d for d in store.iterdir() if d.is_dir() and any(d.glob("*/*.tp0of1pp0.kv"))]
+    assert len(kv) == 1
 
 
 def reference_rows(tokens: list[int], layer_ids: list[int]) -> torch.Tensor:
@@ -66,10 +70,17 @@ def test_hidden_states_are_stored_and_read_back_by_request(tmp_path: Path) -> No
         batches=[[PROMPT], [PROMPT], [PROMPT[:77]]],
         batch_params=[{}, {}, {"include_output_tokens": True}],
         max_tokens=4,
-        extra_config={"options": {"path": str(store)}},
+        extra_config={"options": {"path": str(store)}, "event_log": str(tmp_path / "ev.jsonl")},
         llm_args={"speculative_config": SPECULATIVE},
     )
     (cold,), (warm,), (outputs,) = res.batches
+    for r in (cold, warm, outputs):  # what `kvflow inspect` shows as an export
+        done = [
+            e
+            for e in events_for(tmp_path / "ev.jsonl", r)
+            if isinstance(e, TransferDone) and e.what == "hidden_states"
+        ]
+        assert len(done) == 1 and done[0].direction == "save", done
     assert warm.cached_tokens == len(PROMPT) - 1, "the second request did not hit"
     layer_ids = SPECULATIVE["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"]
     want = reference_rows(PROMPT, layer_ids)

@@ -12,13 +12,14 @@ import numpy as np
 import trio
 
 from kvflow.layout import KVLayout, LayoutError
+from kvflow.runtime import Backoff
 from kvflow.transport import ChunkCorrupt, LoadJob, TransferStuck, TransportError
 
 from . import _wire as wire
 from ._descs import Table, partial_descs, release
 from ._remotes import Remote
 
-__all__ = ["POLL_MIN_S", "READ_AHEAD", "Reads", "backoff"]
+__all__ = ["POLL_MAX_S", "POLL_MIN_S", "READ_AHEAD", "Reads"]
 
 READ_AHEAD = 2
 """Layers whose READs are in flight at once: a posted READ may copy inside `transfer()`
@@ -27,11 +28,6 @@ land (and attention start) early, and keeps each blocking NIXL call one layer lo
 POLL_MIN_S = 1e-4
 POLL_MAX_S = 2e-3
 """Backoff of the completion/notification polls: never a busy loop, a few ms at most."""
-
-
-async def backoff(delay: float) -> float:
-    await trio.sleep(delay)
-    return min(delay * 2, POLL_MAX_S)
 
 
 class Reads:
@@ -142,9 +138,9 @@ class Reads:
         posted = [self._post(peer, g[0], sides(g)) for g in groups[:READ_AHEAD]]
         for g, group in enumerate(groups):
             for h in posted[g]:
-                delay = POLL_MIN_S
+                backoff = Backoff(POLL_MIN_S, POLL_MAX_S)
                 while (state := agent.check_xfer_state(h)) == "PROC":
-                    delay = await backoff(delay)
+                    await backoff.wait()
                 if state != "DONE":
                     raise TransportError(
                         f"NIXL READ of layer {group[0]} from {peer.name} failed ({state})"
@@ -186,7 +182,7 @@ class Reads:
         clean = True
         with trio.move_on_after(timeout_s) as waited:
             for h in xfers:
-                delay = POLL_MIN_S
+                backoff = Backoff(POLL_MIN_S, POLL_MAX_S)
                 while True:
                     try:
                         state = agent.check_xfer_state(h)
@@ -194,7 +190,7 @@ class Reads:
                         state = "ERR"
                     if state != "PROC":
                         break
-                    delay = await backoff(delay)
+                    await backoff.wait()
                 clean = clean and state == "DONE"
         if waited.cancelled_caught:
             raise TransferStuck(

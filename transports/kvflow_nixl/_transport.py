@@ -58,6 +58,7 @@ from kvflow.peer import (
     read_lease_ms,
 )
 from kvflow.peer_transport import PeerOptions, PeerTransport
+from kvflow.runtime import Backoff
 from kvflow.transport import (
     Capabilities,
     ChunkCorrupt,
@@ -79,7 +80,7 @@ from ._descs import (
     prepare,
     release,
 )
-from ._reads import POLL_MIN_S, Reads, backoff
+from ._reads import POLL_MAX_S, POLL_MIN_S, Reads
 from ._remotes import Remote, RemoteAgents
 
 log = logging.getLogger("kvflow.nixl")
@@ -302,20 +303,20 @@ class NixlTransport(PeerTransport):  # ~265 lines: the producer's lease of a pul
     async def _poll_notifs(self, agent: Any) -> None:
         """Collect READ notifications (this also drives the producer's UCX progress);
         sleeps on an event while no pull is open, backs off while nothing arrives."""
-        delay = POLL_MIN_S
+        backoff = Backoff(POLL_MIN_S, POLL_MAX_S)
         while True:
             if not self._pulls:
                 self._reads_started = trio.Event()
                 await self._reads_started.wait()
-                delay = POLL_MIN_S
+                backoff.reset()
             notifs: dict[str, list[bytes]] = agent.get_new_notifs()
             if not notifs:
-                delay = await backoff(delay)
+                await backoff.wait()
                 continue
             for sender, messages in notifs.items():
                 for data in messages:
                     self._on_notif(sender, data)
-            delay = POLL_MIN_S
+            backoff.reset()
             await trio.sleep(0)
 
     def _on_notif(self, sender: str, data: bytes) -> None:
