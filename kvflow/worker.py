@@ -64,10 +64,6 @@ class WorkerEngine:  # ~270 lines: every call vLLM's thread makes, each bounded,
         self.transport = transport
         self.runtime = runtime
         self.bus = bus
-        self.layout: KVLayout | None = None
-        self.staged = False
-        """The cache is device memory the transport cannot move: jobs go through host
-        memory (`kvflow.staging`)."""
         self._gate = LayerGate(0, 0)
         self._step = 0
         self._step_saves = False
@@ -89,24 +85,34 @@ class WorkerEngine:  # ~270 lines: every call vLLM's thread makes, each bounded,
         self._open_async: dict[str, list[int]] = {}
         self._gone = False
 
+    @property
+    def layout(self) -> KVLayout | None:
+        """vLLM's KV memory (None until `register`)."""
+        return self._flows.layout
+
+    @property
+    def staged(self) -> bool:
+        """The cache is device memory the transport cannot move: jobs go through host
+        memory (`kvflow.staging`)."""
+        return self._flows.staged
+
     # -- vLLM thread -------------------------------------------------------
     def register(self, layout: KVLayout) -> None:
         caps = self.transport.capabilities
-        self.staged = layout.memory not in caps.memory
-        if self.staged and ("cpu" not in caps.memory or caps.peer or not layout.tensors):
+        staged = layout.memory not in caps.memory
+        if staged and ("cpu" not in caps.memory or caps.peer or not layout.tensors):
             raise LayoutError(
                 f"kvflow: the KV cache is in {layout.memory} memory; transport "
                 f"{self.transport.name!r} moves {', '.join(sorted(caps.memory))} memory only"
                 + (" (peer transports are not staged through host memory)" if caps.peer else "")
             )
-        if self.staged:
+        if staged:
             log.info(
                 "kvflow: %s moves host memory; staging the %s KV cache through pinned host buffers",
                 self.transport.name,
                 layout.memory,
             )
-        self.layout = self._flows.layout = layout
-        self._flows.staged = self.staged
+        self._flows.layout, self._flows.staged = layout, staged
         self.runtime.call(self.transport.register, layout, timeout=60.0)
         if self.transport.capabilities.peer:
             self.runtime.spawn(self.transport.serve, name=f"{self.transport.name}:serve")
