@@ -174,6 +174,21 @@ class WorkerEngine:  # ~270 lines: every call vLLM's thread makes, each bounded,
             self._give_up_on_step_loads(f"layer {layer}'s load")
         self._check_fatal()
 
+    def forward_started(self) -> None:
+        """vLLM's forward begins. It writes a layer's new tokens into the cache before it
+        asks whether that layer's loads landed, so a layer's loads must have landed
+        before the forward reaches the layer: layer 0's now, layer i+1's once layer i is
+        computed (`layer_finished`). See docs/decisions.md. (Loads between steps leave
+        every gate open.)"""
+        self.wait_layer(0)
+
+    def layer_finished(self, layer: int, ready: LayerReady | None = None) -> None:
+        """vLLM computed `layer` (`layer_computed`); then wait for the next layer's loads,
+        which vLLM is about to write into."""
+        self.layer_computed(layer, ready)
+        if self.layout is not None and layer + 1 < self.layout.num_layers:
+            self.wait_layer(layer + 1)
+
     def layer_computed(self, layer: int, ready: LayerReady | None = None) -> None:
         """vLLM finished writing `layer` for this step; saves of it may start."""
         if self._step_saves:

@@ -804,12 +804,10 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
             worker.preempt(plan.preempted)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        # Loads started in bind_connector_metadata. vLLM writes a layer's new KV
-        # (unified_kv_cache_update) *before* it calls wait_for_layer_load for that layer,
-        # so a layer must have landed before the forward reaches it: layer 0 now, layer
-        # i+1 at the end of layer i (save_kv_layer). See docs/decisions.md. (Several KV
-        # cache groups load between steps only: their gates are open.)
-        self.worker.wait_layer(0)
+        # loads started in bind_connector_metadata; the layer gates' protocol is the
+        # worker's (WorkerEngine.forward_started). Several KV cache groups load between
+        # steps only: their gates are open.
+        self.worker.forward_started()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if (at := self._layer_index.get(layer_name)) is not None:
@@ -830,9 +828,7 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
             event = torch.cuda.Event()
             event.record()
             ready = event.query
-        worker.layer_computed(i, ready)
-        if worker.layout is not None and i + 1 < worker.layout.num_layers:
-            worker.wait_layer(i + 1)  # before vLLM writes layer i+1's new tokens
+        worker.layer_finished(i, ready)
 
     def wait_for_save(self) -> None:
         for worker in self.workers:
