@@ -24,13 +24,12 @@ A save counts the blocks it reads from the moment vLLM's thread binds it
 (`bound`), so a block reused in the next step is known busy even before the save's
 task runs.
 
-Who calls it: the scheduler process decides what is lent (its answer to vLLM's
-`request_finished` is True when a save of the request was issued, its blocks are
-offered to a P/D consumer, or its hidden states are to be copied out of them) and
-ships it to the workers (`WorkerPlan.lent`, the hidden-state exports); each worker's
-`WorkerEngine` and `kvflow.flows` keep one `Lending` per KV cache group, the
-adapter's hidden-state exporter one of its own, and the adapter joins a request's
-releases over them (`kvflow_vllm.groups.Pending`) before vLLM hears of it.
+Who calls it: the scheduler process decides what is lent (`lent_at_finish`, its
+answer to vLLM's `request_finished`) and ships it to the workers (`WorkerPlan.lent`,
+the hidden-state exports); each worker's `WorkerEngine` and `kvflow.flows` keep one
+`Lending` per KV cache group, the adapter's hidden-state exporter one of its own,
+and the adapter joins a request's releases over them (`kvflow_vllm.groups.Pending`)
+before vLLM hears of it.
 """
 
 from __future__ import annotations
@@ -40,7 +39,14 @@ from collections.abc import Callable, Iterable
 
 import trio
 
-__all__ = ["Lending"]
+__all__ = ["Lending", "lent_at_finish"]
+
+
+def lent_at_finish(*, saving: bool, offering: bool = False, exporting: bool = False) -> bool:
+    """Whether vLLM lends a finished request's blocks to kvflow: a save of it was issued
+    (it may still read them), they are offered to a P/D consumer, or its hidden states
+    are to be copied out of them. The scheduler's answer to `request_finished`."""
+    return saving or offering or exporting
 
 
 class Lending:

@@ -26,6 +26,7 @@ from .events import (
     StepPlanned,
 )
 from .keys import ChunkKey, chunk_keys, chunk_token_counts
+from .lending import lent_at_finish
 from .metadata import LoadSpec, OfferSpec, SaveSpec, WorkerPlan
 from .pd import PD_VERSION, PdParams, consumer_params
 from .runtime import Runtime
@@ -324,7 +325,9 @@ class SchedulerEngine:  # ~340 lines: one request's life in the scheduler (looku
                 block_size=self.block_size,
             )
             params = consumer_params(pd)
-        lend = st is not None and (st.saves_issued or params is not None)
+        lend = st is not None and lent_at_finish(
+            saving=st.saves_issued, offering=params is not None
+        )
         if lend:
             self._lent.append(req)
         blocks = len(block_ids) if lend else 0

@@ -6,7 +6,7 @@ from __future__ import annotations
 import trio
 import trio.testing
 
-from kvflow.lending import Lending
+from kvflow.lending import Lending, lent_at_finish
 
 
 def make() -> tuple[Lending, list[str]]:
@@ -90,3 +90,9 @@ async def test_when_the_loop_is_gone_every_lent_request_not_reported_is_released
     lending.lend("c")
     assert lending.release_all() == {"a", "c"}
     assert lending.release_all() == set() and lending.take_released() == set()
+
+
+def test_vllm_lends_a_finished_requests_blocks_only_while_kvflow_may_read_them() -> None:
+    assert not lent_at_finish(saving=False)
+    for why in ({"saving": True}, {"offering": True}, {"exporting": True}):
+        assert lent_at_finish(**{"saving": False, **why})

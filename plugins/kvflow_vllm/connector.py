@@ -33,6 +33,7 @@ from kvflow.events import EventBus, Origin
 from kvflow.hidden_states import hidden_context, hidden_layout
 from kvflow.keys import Fingerprint
 from kvflow.layout import KVLayout, LayoutError, block_geometry, view_extent, view_geometry
+from kvflow.lending import lent_at_finish
 from kvflow.metadata import WorkerPlan, decode_plan, encode_plan
 from kvflow.neighbours import pinned_neighbours
 from kvflow.pd import PdParams, PdParamsError, join_groups, parse_pd_params
@@ -700,7 +701,7 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
         if self._planner is not None and request.request_id not in self._loading:
             ids = block_ids[self._planner.group] if len(block_ids) > 1 else block_ids[0]
             if ref := self._planner.finished(request, ids, request_salt(request)):
-                lend = True
+                lend = lent_at_finish(saving=lend, exporting=True)
                 out = {**out, **ref.to_params()}
         return lend, out or None
 
