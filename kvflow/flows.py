@@ -320,6 +320,7 @@ class Flows:  # ~280 lines: a step's loads, saves and offers and how they affect
         return lim
 
     def on_bind(self, plan: WorkerPlan, gate: LayerGate) -> None:
+        """Start a step's flows: its loads (signalling `gate`), saves and offers."""
         self.bus.emit(StepBound(step=plan.step, loads=len(plan.loads), saves=len(plan.saves)))
         over: dict[int, list[trio.CancelScope]] = {}  # a loaded block -> saves computed over it
         settled: dict[int, trio.Event] = {}  # a block loaded within the step -> its load ended
@@ -370,6 +371,7 @@ class Flows:  # ~280 lines: a step's loads, saves and offers and how they affect
         return nbytes
 
     def layer_computed(self, step_no: int, layer: int, ready: LayerReady | None) -> None:
+        """vLLM computed `layer` of step `step_no`: its saves may read it (once `ready`)."""
         step = self._steps.get(step_no)
         if step is not None and not step.computed[layer].is_set():
             step.ready[layer] = ready
@@ -377,6 +379,7 @@ class Flows:  # ~280 lines: a step's loads, saves and offers and how they affect
             self.bus.emit(LayerComputed(step=step_no, layer=layer))
 
     def step_ended(self, step_no: int, ready: LayerReady | None) -> None:
+        """Step `step_no`'s forward is over: every layer vLLM did not report is final."""
         step = self._steps.get(step_no)
         if step is not None:
             for layer, ev in enumerate(step.computed):
