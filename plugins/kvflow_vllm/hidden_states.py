@@ -93,7 +93,7 @@ class HiddenStatesPlanner:
     def __init__(
         self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, transport: str
     ) -> None:
-        from vllm.utils.torch_utils import is_quantized_kv_cache, kv_cache_dtype_str_to_dtype
+        from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
 
         mc = vllm_config.model_config
         spec_config = vllm_config.speculative_config
@@ -103,8 +103,9 @@ class HiddenStatesPlanner:
         self.group = hidden_group(kv_cache_config)
         self.block_size = kv_cache_config.kv_cache_groups[self.group].kv_cache_spec.block_size
         self.hidden_size = mc.get_hidden_size()
-        cache_dtype = vllm_config.cache_config.cache_dtype  # as the cache-only layer reads it
-        if is_quantized_kv_cache(cache_dtype):
+        # as the cache-only layer reads it: a quantized KV cache dtype is the model's
+        cache_dtype = vllm_config.cache_config.cache_dtype
+        if cache_dtype not in ("bfloat16", "float16"):
             cache_dtype = "auto"
         self.dtype = str(kv_cache_dtype_str_to_dtype(cache_dtype, mc)).removeprefix("torch.")
         self.transport = transport
