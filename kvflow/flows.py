@@ -338,8 +338,7 @@ class Flows:  # ~280 lines: a step's loads, saves and offers and how they affect
             for save in plan.saves:
                 # registered now, not when the task first runs: a preempt may come first
                 scope = trio.CancelScope()
-                self.lending.start(save.req, scope)
-                self.lending.reads(scope, save.block_ids)
+                self.lending.start(save.req, scope, save.block_ids)
                 loads: list[trio.Event] = []
                 for b in save.computed_over:
                     over.setdefault(b, []).append(scope)

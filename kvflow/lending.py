@@ -103,16 +103,15 @@ class Lending:
         return out
 
     # -- the loop thread -------------------------------------------------------
-    def start(self, req: str, scope: trio.CancelScope | None = None) -> None:
-        """A use of `req`'s blocks starts: a save (cancelled through `scope`; its blocks
-        were counted at `bound`) or an offer (no scope)."""
+    def start(
+        self, req: str, scope: trio.CancelScope | None = None, blocks: list[int] | None = None
+    ) -> None:
+        """A use of `req`'s blocks starts: a save, cancelled through `scope`, that reads
+        `blocks` (counted at `bound`), or an offer (no scope)."""
         self._uses[req] = self._uses.get(req, 0) + 1
         if scope is not None:
             self._scopes.setdefault(req, set()).add(scope)
-
-    def reads(self, scope: trio.CancelScope, blocks: list[int]) -> None:
-        """The save under `scope` reads `blocks` (counted at `bound`)."""
-        self._blocks[scope] = blocks
+            self._blocks[scope] = blocks or []
 
     def end(self, req: str, scope: trio.CancelScope | None = None) -> None:
         """A use of `req`'s blocks ended; the request is released if lent and it was

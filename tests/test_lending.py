@@ -27,10 +27,8 @@ async def test_lent_blocks_wait_for_the_last_use() -> None:
     lending, released = make()
     a, b = trio.CancelScope(), trio.CancelScope()
     lending.bound(["r"], [[1, 2], [3]])
-    lending.start("r", a)
-    lending.reads(a, [1, 2])
-    lending.start("r", b)
-    lending.reads(b, [3])
+    lending.start("r", a, [1, 2])
+    lending.start("r", b, [3])
     lending.start("r")  # an offer of the same request
     lending.lend("r")
     assert lending.busy([1, 3, 9]) == {1, 3}
@@ -45,8 +43,7 @@ async def test_uses_of_a_request_vllm_did_not_lend_release_nothing() -> None:
     lending, released = make()
     s = trio.CancelScope()
     lending.bound([], [[4]])
-    lending.start("r", s)
-    lending.reads(s, [4])
+    lending.start("r", s, [4])
     lending.end("r", s)
     assert (released, lending.take_released(), lending.busy([4])) == ([], set(), set())
 
@@ -58,8 +55,7 @@ async def test_preemption_cancels_the_requests_saves_and_waits_for_their_end() -
     async with trio.open_nursery() as nursery:
         for req, scope in scopes.items():
             lending.bound([], [[ord(req)]])
-            lending.start(req, scope)
-            lending.reads(scope, [ord(req)])
+            lending.start(req, scope, [ord(req)])
 
             async def save(req: str = req, scope: trio.CancelScope = scope) -> None:
                 with scope:
@@ -82,8 +78,7 @@ async def test_when_the_loop_is_gone_every_lent_request_not_reported_is_released
     lending, _ = make()
     s = trio.CancelScope()
     lending.bound(["a", "b", "c"], [[1]])
-    lending.start("a", s)
-    lending.reads(s, [1])
+    lending.start("a", s, [1])
     lending.lend("a")  # still read
     lending.lend("b")  # released, not reported yet
     assert lending.take_released() == {"b"}
