@@ -12,10 +12,13 @@ the claim lapse.
 The first answer decides the request: held, and it is pulled; refused,
 unreachable, or no answer within `timeout_s`, and its load fails at once with
 that reason (vLLM recomputes or fails the request, as its load-failure policy
-says) instead of waiting `load_timeout_s` on a producer that is gone. The first
-answer is the P/D request's `LookupAnswered` event. A refusal
-ends a claim (after its pull the producer has let go: nothing is left to hold);
-a renewal that goes unanswered later only logs, and the next round tries again.
+says) instead of waiting `load_timeout_s` on a producer that is gone. A producer
+that has not offered the request yet (its worker learns of the offer a step after
+its API server answered) says so; the claim asks again, backing off, until the
+offer is there or `timeout_s` passed. The deciding answer is the P/D request's
+`LookupAnswered` event. A refusal ends a claim (after its pull the producer has let
+go: nothing is left to hold); a renewal that goes unanswered later only logs, and
+the next round tries again.
 """
 
 from __future__ import annotations
@@ -28,8 +31,8 @@ from dataclasses import dataclass, field
 import trio
 
 from .events import EventBus, LookupAnswered
-from .runtime import Runtime
-from .transport import Transport
+from .runtime import Backoff, Runtime
+from .transport import Renewed, Transport
 
 __all__ = ["Claim", "Claims"]
 
@@ -50,6 +53,8 @@ class Claim:
     """Shards whose first answer has not come yet."""
     answered: bool = False
     """Every shard answered the first renewal, or one refused it or did not answer."""
+    waiting: set[str] = field(default_factory=set)
+    """Shards asked again because they have not offered the request yet."""
     error: str = ""
     """Why the request cannot be pulled ("" while it can)."""
     since: float = field(default_factory=time.perf_counter)
@@ -108,41 +113,84 @@ class Claims:
         self._due.set()
 
     async def _renewals(self) -> None:
-        while True:
-            with trio.move_on_after(self.lease_s / 3):
-                await self._due.wait()
-            self._due = trio.Event()
-            by_address: dict[str, list[tuple[str, Claim]]] = {}
-            for req, claim in self._claims.items():
-                for address in claim.addresses:
-                    by_address.setdefault(address, []).append((req, claim))
-            async with trio.open_nursery() as nursery:
-                for address, claims in by_address.items():
-                    nursery.start_soon(self._renew_at, address, claims)
+        async with trio.open_nursery() as waits:  # claims not offered yet, asked again
+            while True:
+                with trio.move_on_after(self.lease_s / 3):
+                    await self._due.wait()
+                self._due = trio.Event()
+                by_address: dict[str, list[tuple[str, Claim]]] = {}
+                for req, claim in self._claims.items():
+                    for address in claim.addresses:
+                        by_address.setdefault(address, []).append((req, claim))
+                async with trio.open_nursery() as nursery:
+                    for address, claims in by_address.items():
+                        nursery.start_soon(self._renew_at, waits, address, claims)
 
-    async def _renew_at(self, address: str, claims: list[tuple[str, Claim]]) -> None:
-        why, refused = "", {}
+    async def _renew_at(
+        self, waits: trio.Nursery, address: str, claims: list[tuple[str, Claim]]
+    ) -> None:
+        pending = await self._ask(address, claims)
+        new = [(req, c) for req, c in pending if address not in c.waiting]
+        if new:
+            for _, claim in new:
+                claim.waiting.add(address)
+            waits.start_soon(self._wait_for_offers, address, new)
+
+    async def _wait_for_offers(self, address: str, claims: list[tuple[str, Claim]]) -> None:
+        """Ask `address` again for `claims` it has not offered yet, until it has or
+        `timeout_s` passed (then the claims fail, naming the producer)."""
+
+        def undecided() -> list[tuple[str, Claim]]:  # not dropped, not answered meanwhile
+            return [
+                (r, c) for r, c in claims if self._claims.get(r) is c and address in c.unanswered
+            ]
+
+        backoff = Backoff(0.005, 0.25)
+        with trio.move_on_after(self.timeout_s):
+            while claims:
+                await backoff.wait()
+                claims = await self._ask(address, undecided())
+        why = f"producer {address} has not offered %s within {self.timeout_s}s of the claim"
+        for req, claim in undecided():
+            self._settle(req, claim, address, why % claim.req)
+
+    async def _ask(self, address: str, claims: list[tuple[str, Claim]]) -> list[tuple[str, Claim]]:
+        """One renewal of `claims` at `address`; returns those it has not offered yet."""
+        if not claims:
+            return []
+        why, answer = "", Renewed({})
         with trio.move_on_after(self.timeout_s) as deadline:
             try:
-                refused = await self.transport.renew(
+                answer = await self.transport.renew(
                     address, [c.req for _, c in claims], self.lease_s
                 )
             except Exception as exc:
                 why = f"producer {address} unreachable: {type(exc).__name__}: {exc}"
         if deadline.cancelled_caught:
             why = f"producer {address} did not answer its claim within {self.timeout_s}s"
+        pending, not_offered = [], set(answer.pending)
         for req, claim in claims:
-            reason = refused.get(claim.req, "")
+            reason = answer.refused.get(claim.req, "")
             if reason:
                 reason = f"producer {address} refused {claim.req}: {reason}"
+            elif claim.req in not_offered and address in claim.unanswered:
+                pending.append((req, claim))
+                continue
+            elif claim.req in not_offered:  # held before, forgotten since: nothing to hold
+                reason = f"producer {address} no longer knows {claim.req}"
             elif why and claim.answered:  # held before: perhaps busy; try again next round
                 log.warning("kvflow: renewing the claim of %s: %s", req, why)
                 continue
-            if claim.settle(address, reason or why):
-                hit = 0 if claim.error else claim.tokens
-                elapsed = time.perf_counter() - claim.since
-                self.bus.emit(
-                    LookupAnswered(req=req, hit_tokens=hit, elapsed_s=elapsed, error=claim.error)
-                )
-            if claim.error:  # nothing more to hold: never renewed again
-                self._claims.pop(req, None)
+            self._settle(req, claim, address, reason or why)
+        return pending
+
+    def _settle(self, req: str, claim: Claim, address: str, why: str) -> None:
+        """`address`'s answer to `claim` (held if `why` is empty)."""
+        if claim.settle(address, why):
+            hit = 0 if claim.error else claim.tokens
+            elapsed = time.perf_counter() - claim.since
+            self.bus.emit(
+                LookupAnswered(req=req, hit_tokens=hit, elapsed_s=elapsed, error=claim.error)
+            )
+        if claim.error:  # nothing more to hold: never renewed again
+            self._claims.pop(req, None)

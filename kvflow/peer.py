@@ -12,12 +12,20 @@ every peer transport so each one gets it right the same way: `offer()`
 implements `Transport.offer`, the transport's serving task looks offers up,
 answers `Renew` with `answer_renew()`, wraps each read in `reading()` and calls
 `release()`; `renew_at` is the consumer's side of a renewal.
+
+A claim can reach the producer before its offer: the producer's API server answers
+as the request finishes, but the worker learns of the offer only with a later
+step's metadata (under vLLM's async scheduling, after the next forward). The
+producer tells a request it has not offered yet (`Renewed.pending`: the consumer
+asks again, up to its `lookup_timeout_s`) from one it offered and let go (refused,
+saying why: pulled, released by its consumer, or expired).
 """
 
 from __future__ import annotations
 
 import logging
 import math
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -27,7 +35,7 @@ import msgspec
 import trio
 import zmq
 
-from .transport import Offer, TransportError
+from .transport import Offer, Renewed, TransportError
 from .zmqio import BadFrame, TrioSocket, decode_frame
 
 __all__ = [
@@ -51,6 +59,12 @@ MAX_READ_LEASE_S = 600.0
 MAX_RENEW_BYTES = 4 << 20
 """A renewal names request ids only; this bounds what a bad peer makes us decode."""
 
+MAX_ENDED = 16384
+"""How many ended offers a producer remembers (why each ended) to answer a late claim;
+an older one looks never offered: its claim waits `lookup_timeout_s`, then fails."""
+
+NOT_OFFERED = "not offered by this producer (never, or too long ago to remember)"
+
 
 class Renew(msgspec.Struct, tag=True, frozen=True):
     """Consumer -> producer: keep holding these requests' blocks `lease_ms` longer; the
@@ -58,13 +72,6 @@ class Renew(msgspec.Struct, tag=True, frozen=True):
 
     reqs: list[str]
     lease_ms: int
-
-
-class Renewed(msgspec.Struct, tag=True, frozen=True):
-    """Producer -> consumer: the answer to a `Renew`."""
-
-    refused: dict[str, str]
-    """Why, for each request the producer no longer holds (unknown, expired, pulled)."""
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -130,6 +137,17 @@ class HeldOffers:
 
     def __init__(self) -> None:
         self._held: dict[str, _Held] = {}
+        self._ended: OrderedDict[str, str] = OrderedDict()  # why, by request, newest last
+
+    def _end(self, req: str, why: str) -> None:
+        self._ended[req] = why
+        self._ended.move_to_end(req)
+        if len(self._ended) > MAX_ENDED:
+            self._ended.popitem(last=False)
+
+    def why_not(self, req: str) -> str:
+        """Why `req` is not held: how its offer ended, or `NOT_OFFERED`."""
+        return self._ended.get(req, NOT_OFFERED)
 
     def _open(self, req: str) -> _Held | None:
         held = self._held.get(req)
@@ -146,15 +164,18 @@ class HeldOffers:
 
     def renew(self, reqs: Sequence[str], lease_s: float) -> Renewed:
         """Answer a consumer's `Renew`: each held request's hold deadline becomes
-        `lease_s` from now (`Offer.renew`); the others are refused with the reason."""
-        refused = {}
+        `lease_s` from now (`Offer.renew`); those not offered (yet) are pending; the
+        others are refused with the reason."""
+        refused, pending = {}, []
         for req in reqs:
             held = self._open(req)
-            if held is None:
-                refused[req] = "unknown or expired request"
-            else:
+            if held is not None:
                 held.offer.renew(lease_s)
-        return Renewed(refused)
+            elif req in self._ended:
+                refused[req] = self._ended[req]
+            else:
+                pending.append(req)
+        return Renewed(refused, pending)
 
     def claim(self, req: str, peer: object) -> str:
         """Reserve `req` for the consumer `peer`: "" if it may pull, else why not. One
@@ -162,7 +183,7 @@ class HeldOffers:
         counts (`release(..., peer=)`)."""
         held = self._open(req)
         if held is None:
-            return "unknown or expired request"
+            return self.why_not(req)
         if held.peer is not None and held.peer != peer:
             return "already being pulled by another consumer"
         held.peer = peer
@@ -172,11 +193,14 @@ class HeldOffers:
         """Hold `offer` until released; return the outcome ("done" or the consumer's
         reason). When cancelled, return only after every read of the blocks ended."""
         held = self._held[offer.req] = _Held(offer)
+        self._ended.pop(offer.req, None)
         try:
             await held.released.wait()
             return held.outcome
         finally:
             held.closed = True  # at once: nothing new may read the blocks from here on
+            if not held.released.is_set():
+                self._end(offer.req, "expired: its hold timeout passed or its claim lapsed")
             with trio.CancelScope(shield=True):
                 while held.readers:
                     await held.idle.wait()
@@ -193,6 +217,7 @@ class HeldOffers:
             return False
         held.outcome = outcome
         held.released.set()
+        self._end(req, "already pulled" if outcome == "done" else f"released: {outcome}")
         return True
 
     async def lend(
@@ -237,10 +262,10 @@ class HeldOffers:
 
 async def renew_at(
     zctx: zmq.Context[Any], address: str, reqs: Sequence[str], lease_s: float
-) -> dict[str, str]:
+) -> Renewed:
     """The consumer's side of a renewal: ask the producer worker at `address` (its peer
     transport's endpoint, which must answer `Renew` with `Renewed`) to hold `reqs`
-    `lease_s` longer. Returns the refused requests with the reasons; raises
+    `lease_s` longer. Returns its answer (refused and pending requests); raises
     `TransportError` on an answer that does not decode. Waits for the answer until
     cancelled (a producer that is gone never answers: the caller bounds the wait)."""
     sock = TrioSocket(zctx.socket(zmq.DEALER))
@@ -249,7 +274,7 @@ async def renew_at(
         await sock.send_multipart([_encoder.encode(Renew(list(reqs), int(lease_s * 1000)))])
         (data,) = await sock.recv_multipart()
         try:
-            return decode_frame(_renewed, data, MAX_RENEW_BYTES).refused
+            return decode_frame(_renewed, data, MAX_RENEW_BYTES)
         except BadFrame as exc:
             raise TransportError(f"producer {address} answered a renewal with {exc}") from None
     finally:

@@ -22,7 +22,7 @@ import trio
 import zmq
 
 from .keys import ChunkKey
-from .peer import HeldOffers, Renew, answer_renew, renew_at, select_blocks
+from .peer import HeldOffers, Renew, Renewed, answer_renew, renew_at, select_blocks
 from .transport import Capabilities, Offer, SaveJob, Transport, TransportContext, TransportError
 from .zmqio import BadFrame, TrioSocket, bind_loopback
 
@@ -113,7 +113,7 @@ class PeerTransport(Transport):
             offer = select_blocks(offer, msg.block_ids)
             why = "" if offer else f"blocks {msg.block_ids} are not all offered"
         why = why or self.held.claim(msg.req, ident)
-        return offer if offer is not None and not why else why or "unknown or expired request"
+        return offer if offer is not None and not why else why or self.held.why_not(msg.req)
 
     async def reply(self, ident: bytes, req: str, frame: bytes) -> bool:
         """Send a control frame to a consumer; False if it is gone (ROUTER_MANDATORY)."""
@@ -153,5 +153,5 @@ class PeerTransport(Transport):
         """A consumer's frame other than a pull or a renewal: its end of a pull."""
 
     # -- consumer --------------------------------------------------------------
-    async def renew(self, address: str, reqs: Sequence[str], lease_s: float) -> dict[str, str]:
+    async def renew(self, address: str, reqs: Sequence[str], lease_s: float) -> Renewed:
         return await renew_at(self._zmq, address, reqs, lease_s)

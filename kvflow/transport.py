@@ -33,6 +33,7 @@ __all__ = [
     "NoOptions",
     "Offer",
     "PeerSource",
+    "Renewed",
     "SaveJob",
     "TransferStuck",
     "Transport",
@@ -173,6 +174,18 @@ class LoadJob:
     (`layer_loaded` is still called for every layer, in order)."""
 
 
+class Renewed(msgspec.Struct, tag=True, frozen=True):
+    """Producer -> consumer: the answer to a `kvflow.peer.Renew` (what `Transport.renew`
+    returns)."""
+
+    refused: dict[str, str]
+    """Why, for each request the producer offered and no longer holds (pulled, released
+    by its consumer, expired)."""
+    pending: list[str] = []
+    """Requests the producer has not offered: not yet (its worker learns of an offer a
+    step after the request finished) or never. The consumer asks again."""
+
+
 @dataclass
 class Offer:
     """Blocks a producer holds for one request until a peer has pulled them."""
@@ -230,13 +243,15 @@ class Transport(ABC):
         deadline), return only after no pull of the blocks is in flight."""
         raise NotImplementedError(f"transport {self.name!r} is not a peer transport")
 
-    async def renew(self, address: str, reqs: Sequence[str], lease_s: float) -> dict[str, str]:
+    async def renew(self, address: str, reqs: Sequence[str], lease_s: float) -> Renewed:
         """Peer transports, on a consumer's scheduler: ask the producer worker at
         `address` to hold `reqs` (its request ids) `lease_s` longer (see `kvflow.peer`).
-        Returns why, for each request it no longer holds. The caller bounds the wait: a
-        producer that is gone never answers. The default claims nothing: the producer
-        then holds a request until its hold timeout."""
-        return {}
+        Returns the producer's answer: why, for each request it offered and no longer
+        holds (`refused`), and the requests it has not offered yet (`pending`: the
+        caller asks again). The caller bounds the wait: a producer that is gone never
+        answers. The default claims nothing: the producer then holds a request until its
+        hold timeout."""
+        return Renewed({})
 
     @abstractmethod
     async def lookup(self, keys: Sequence[ChunkKey]) -> int: ...

@@ -140,7 +140,7 @@ async def test_pull_of_an_unknown_request_is_refused(
     with trio.fail_after(10):
         async with trio.open_nursery() as nursery:
             nursery.start_soon(producer.serve)
-            with pytest.raises(ChunkMissing, match="unknown or expired request"):
+            with pytest.raises(ChunkMissing, match="not offered by this producer"):
                 await consumer.load(_job(cons, producer.address, "never-offered"))
             nursery.cancel_scope.cancel()
 

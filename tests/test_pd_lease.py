@@ -9,7 +9,8 @@ the claims cross real ZMQ sockets between a consumer scheduler and a producer wo
 from __future__ import annotations
 
 import socket
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Sequence
 
 import trio
 import trio.testing
@@ -20,6 +21,7 @@ from kvflow.metadata import LoadSpec, OfferSpec, WorkerPlan
 from kvflow.pd import PD_VERSION, PdParams
 from kvflow.runtime import Runtime
 from kvflow.scheduler import ScheduledRequest, SchedulerEngine
+from kvflow.transport import Renewed
 from kvflow_zmq import ZmqOptions, ZmqTransport
 
 from .test_engines import (  # noqa: F401 - fixtures too
@@ -42,8 +44,9 @@ def _zmq(_options: object, ctx: object) -> ZmqTransport:
     return ZmqTransport(ZmqOptions(), ctx)  # type: ignore[arg-type]
 
 
-def _offer(e: Engine, req: str = "p-req") -> None:
-    run_step(e, WorkerPlan(step=1, offers=[OfferSpec(req, [1, 2, 3], [4, 4, 2])], lent=[req]))
+def _offer(e: Engine, req: str = "p-req", step: int = 1) -> None:
+    plan = WorkerPlan(step=step, offers=[OfferSpec(req, [1, 2, 3], [4, 4, 2])], lent=[req])
+    run_step(e, plan)
 
 
 async def _advance(clock: trio.testing.MockClock, seconds: float) -> None:
@@ -69,16 +72,16 @@ def test_a_claimed_offer_outlives_the_hold_timeout_and_ends_when_the_claim_lapse
         rt.call(_advance, clock, seconds, timeout=WAIT)
         return rt.call(trio.to_thread.run_sync, lambda: "p-req" in peer.held, timeout=WAIT)
 
-    def renew(lease_s: float) -> dict[str, str]:
-        async def go() -> dict[str, str]:
-            return peer.held.renew(["p-req", "nobody"], lease_s).refused
+    def renew(lease_s: float) -> Renewed:
+        async def go() -> Renewed:
+            return peer.held.renew(["p-req", "nobody"], lease_s)
 
         return rt.call(go, timeout=WAIT)
 
     assert advance(20)  # t=20: within the hold timeout, unclaimed
-    assert renew(60.0) == {"nobody": "unknown or expired request"}  # claimed until t=80
+    assert renew(60.0) == Renewed({}, ["nobody"])  # claimed until t=80; nobody: not offered
     assert advance(40)  # t=60: past the 30 s hold timeout, still held for the consumer
-    assert renew(60.0) == {"nobody": "unknown or expired request"}  # renewed until t=120
+    assert renew(60.0) == Renewed({}, ["nobody"])  # renewed until t=120
     assert advance(50)  # t=110
     assert not e.worker.take_results().finished_sending
     assert not advance(20)  # t=130: the consumer stopped renewing at t=60; the claim lapsed
@@ -87,6 +90,8 @@ def test_a_claimed_offer_outlives_the_hold_timeout_and_ends_when_the_claim_lapse
     assert "claim lapsed (lease of 60.0s not renewed)" in failed.reason
     e.worker_events.wait_for(BlocksReleased, "p-req")
     assert e.worker.take_results().finished_sending == {"p-req"}
+    lapsed = renew(60.0).refused["p-req"]  # a consumer that comes back learns why
+    assert lapsed == "expired: its hold timeout passed or its claim lapsed", lapsed
 
 
 def _pd(addresses: list[str], req: str = "p-req") -> PdParams:
@@ -123,8 +128,18 @@ def _planned_load(sched: SchedulerEngine, req: str) -> LoadSpec:
 def test_a_consumer_claims_a_request_as_it_arrives_and_pulls_only_what_is_held(
     start_engine: Callable[..., Engine], make_runtime: MakeRuntime
 ) -> None:
-    producer = start_engine("producer", worker_transport=_zmq)
-    _offer(producer)
+    clock = trio.testing.MockClock()  # time moves only when the test says
+    producer = start_engine(
+        "producer",
+        config=KVFlowConfig(hold_timeout_s=30.0),
+        worker_transport=_zmq,
+        worker_clock=clock,
+    )
+    _offer(producer, "gone")
+    for seconds in (0.0, 31.0):  # the offer holds from t=0; nobody claims it by t=31
+        producer.worker.runtime.call(_advance, clock, seconds, timeout=WAIT)
+    producer.worker_events.wait_for(BlocksReleased, "gone")
+    _offer(producer, step=2)
     sched, rec = _consumer(make_runtime)
     sched.add_request("d", PROMPT, pd=_pd([producer.worker_transport.address]))
     sched.add_request("late", PROMPT, pd=_pd([producer.worker_transport.address], "gone"))
@@ -135,9 +150,51 @@ def test_a_consumer_claims_a_request_as_it_arrives_and_pulls_only_what_is_held(
 
     refused = rec.wait_for(LookupAnswered, "late")
     assert refused.hit_tokens == 0, refused
-    assert "refused gone: unknown or expired request" in refused.error
+    assert "refused gone: expired: its hold timeout passed" in refused.error, refused
     load = _planned_load(sched, "late")  # planned, and failed by the worker at once
     assert load.error == refused.error
+
+
+def test_a_claim_that_reaches_the_producer_before_its_offer_is_held_once_offered(
+    start_engine: Callable[..., Engine], make_runtime: MakeRuntime
+) -> None:
+    """vLLM's API server answers the prefill as the request finishes; the producer's worker
+    learns of the offer with a later step's metadata (with async scheduling, after the
+    next forward). A claim arriving in between is not refused: it asks again."""
+    producer = start_engine("producer", worker_transport=_zmq)
+    peer = producer.worker_transport
+    assert isinstance(peer, ZmqTransport)
+    answered_early = threading.Event()
+    renew = peer.held.renew
+
+    def watched(reqs: Sequence[str], lease_s: float) -> Renewed:  # the real answer, seen
+        answer = renew(reqs, lease_s)
+        if "p-req" in answer.pending or "p-req" in answer.refused:
+            answered_early.set()
+        return answer
+
+    peer.held.renew = watched  # type: ignore[method-assign]
+    sched, rec = _consumer(make_runtime)
+    sched.add_request("d", PROMPT, pd=_pd([peer.address]))
+    assert answered_early.wait(WAIT), "the producer did not answer the claim"
+    _offer(producer)  # the producer's next step binds the offer
+    held = rec.wait_for(LookupAnswered, "d")
+    assert held.hit_tokens == len(PROMPT) and not held.error, held
+    assert _planned_load(sched, "d").error == ""
+    assert sched.lookup("d", 0) == len(PROMPT)
+
+
+def test_a_claim_the_producer_never_offers_fails_after_lookup_timeout(
+    start_engine: Callable[..., Engine], make_runtime: MakeRuntime
+) -> None:
+    producer = start_engine("producer", worker_transport=_zmq)
+    address = producer.worker_transport.address
+    sched, rec = _consumer(make_runtime, lookup_timeout_s=0.5)
+    sched.add_request("d", PROMPT, pd=_pd([address], "never"))
+    answer = rec.wait_for(LookupAnswered, "d")
+    assert answer.hit_tokens == 0, answer
+    assert f"producer {address} has not offered never within 0.5s" in answer.error, answer
+    assert _planned_load(sched, "d").error == answer.error
 
 
 def _dead_address() -> str:

@@ -39,6 +39,7 @@ PUBLIC = [  # a change here is a change of kvflow's API: say so in the changelog
     "PeerSource",
     "PeerTransport",
     "Renew",
+    "Renewed",
     "SaveJob",
     "TransferStuck",
     "Transport",

@@ -32,7 +32,7 @@ import trio
 import trio.testing
 
 from ..layout import KVLayout
-from ..transport import ChunkMissing, Offer, PeerSource, Transport, TransportError
+from ..transport import ChunkMissing, Offer, PeerSource, Renewed, Transport, TransportError
 from .conformance import (
     Chunks,
     ConformanceSuite,
@@ -70,8 +70,12 @@ class PeerPromise:
     )
     RENEW = (
         "renew(address, reqs, lease_s) reaches the producer worker at `address`: each held "
-        "request's Offer.renew(lease_s) is called, and the others come back refused with a "
-        "reason"
+        "request's Offer.renew(lease_s) is called, one offered and let go comes back refused "
+        "with a reason, and one not offered (yet) comes back pending"
+    )
+    EARLY_CLAIM = (
+        "a claim (renew) that reaches the producer before its offer is pending, and held "
+        "once the offer is made"
     )
     ONE_CONSUMER = (
         "a request is pulled by one consumer: a second is refused (ChunkMissing) and nothing "
@@ -291,17 +295,43 @@ class PeerConformance(ConformanceSuite):  # ~340 lines: one test per promise of 
             pytest.skip(f"{type(consumer).__name__} holds offers for the hold timeout only")
         leases: list[float] = []
         offer = dataclasses.replace(self.offer_of(kv, "held", kv.chunks(2)), renew=leases.append)
-        refused: dict[str, str] | None = None
+        with trio.CancelScope() as deadline:
+            deadline.cancel()  # the hold deadline passed before any consumer came
+            await producer.offer(self.offer_of(kv, "gone", kv.chunks(1)))
+        answer: Renewed | None = None
         async with open_nursery() as nursery:
             nursery.start_soon(producer.offer, offer)
             await trio.testing.wait_all_tasks_blocked()
             with trio.move_on_after(kv.progress_timeout_s):
-                refused = await consumer.renew(producer.address, ["held", "never"], 12.5)
+                answer = await consumer.renew(producer.address, ["held", "gone", "never"], 12.5)
             nursery.cancel_scope.cancel()  # the hold deadline
-        if refused is None:
+        if answer is None:
             violated(PeerPromise.RENEW, f"no answer within {kv.progress_timeout_s} s")
-        elif leases != [12.5] or list(refused) != ["never"] or not refused["never"]:
-            violated(PeerPromise.RENEW, f"renewed {leases}, refused {refused}")
+        elif (
+            leases != [12.5]
+            or list(answer.refused) != ["gone"]
+            or not answer.refused["gone"]
+            or answer.pending != ["never"]
+        ):
+            violated(PeerPromise.RENEW, f"renewed {leases}, answered {answer}")
+
+    async def test_a_claim_before_its_offer_is_pending_then_held(self, kv: Harness) -> None:
+        producer, consumer = await kv.worker(), await kv.scheduler()
+        if type(consumer).renew is Transport.renew:
+            pytest.skip(f"{type(consumer).__name__} holds offers for the hold timeout only")
+        leases: list[float] = []
+        offer = dataclasses.replace(self.offer_of(kv, "r", kv.chunks(2)), renew=leases.append)
+        answers: list[Renewed] = []
+        async with open_nursery() as nursery:
+            with trio.move_on_after(kv.progress_timeout_s):
+                answers.append(await consumer.renew(producer.address, ["r"], 9.0))
+                nursery.start_soon(producer.offer, offer)  # the producer's next step
+                await trio.testing.wait_all_tasks_blocked()
+                answers.append(await consumer.renew(producer.address, ["r"], 9.0))
+            nursery.cancel_scope.cancel()
+        want = [Renewed({}, ["r"]), Renewed({}, [])]
+        if answers != want or leases != [9.0]:
+            violated(PeerPromise.EARLY_CLAIM, f"answered {answers}, renewed {leases}")
 
     async def test_blocks_stay_held_while_a_pull_reads_them(self, kv: Harness) -> None:
         """The hold deadline passes mid-pull: once offer() returns, vLLM reuses the blocks
