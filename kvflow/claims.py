@@ -137,48 +137,55 @@ class Claims:
             waits.start_soon(self._wait_for_offers, address, new)
 
     async def _wait_for_offers(self, address: str, claims: list[tuple[str, Claim]]) -> None:
-        """Ask `address` again for `claims` it has not offered yet, until it has or
-        `timeout_s` passed (then the claims fail, naming the producer)."""
-
-        def undecided() -> list[tuple[str, Claim]]:  # not dropped, not answered meanwhile
-            return [
-                (r, c) for r, c in claims if self._claims.get(r) is c and address in c.unanswered
-            ]
-
+        """Ask `address` again for `claims` it has not offered yet, until it has, or
+        until `timeout_s` after the claim (then the claim fails, naming the producer)."""
         backoff = Backoff(0.005, 0.25)
-        with trio.move_on_after(self.timeout_s):
-            while claims:
+        while claims:
+            waiting = []
+            for req, claim in claims:
+                if self._claims.get(req) is not claim or address not in claim.unanswered:
+                    continue  # dropped, or answered meanwhile
+                if time.perf_counter() - claim.since < self.timeout_s:
+                    waiting.append((req, claim))
+                    continue
+                why = f"producer {address} has not offered {claim.req} within {self.timeout_s}s"
+                self._settle(req, claim, address, f"{why} of the claim (lookup_timeout_s)")
+            if waiting:
                 await backoff.wait()
-                claims = await self._ask(address, undecided())
-        why = f"producer {address} has not offered %s within {self.timeout_s}s of the claim"
-        for req, claim in undecided():
-            self._settle(req, claim, address, why % claim.req)
+            claims = await self._ask(address, waiting)
 
     async def _ask(self, address: str, claims: list[tuple[str, Claim]]) -> list[tuple[str, Claim]]:
         """One renewal of `claims` at `address`; returns those it has not offered yet."""
         if not claims:
             return []
+        open_before = {req for req, c in claims if address in c.unanswered}
         why, answer = "", Renewed({})
         with trio.move_on_after(self.timeout_s) as deadline:
             try:
                 answer = await self.transport.renew(
                     address, [c.req for _, c in claims], self.lease_s
                 )
+                if not isinstance(answer, Renewed):
+                    raise TypeError(f"renew() returned {type(answer).__name__}, not Renewed")
             except Exception as exc:
                 why = f"producer {address} unreachable: {type(exc).__name__}: {exc}"
+                answer = Renewed({})
         if deadline.cancelled_caught:
             why = f"producer {address} did not answer its claim within {self.timeout_s}s"
         pending, not_offered = [], set(answer.pending)
         for req, claim in claims:
+            held = address not in claim.unanswered  # this shard said held (perhaps just now)
             reason = answer.refused.get(claim.req, "")
             if reason:
                 reason = f"producer {address} refused {claim.req}: {reason}"
-            elif claim.req in not_offered and address in claim.unanswered:
+            elif claim.req in not_offered and not held:
                 pending.append((req, claim))
                 continue
+            elif claim.req in not_offered and req in open_before:
+                continue  # asked before its offer, answered by a later ask: stale
             elif claim.req in not_offered:  # held before, forgotten since: nothing to hold
                 reason = f"producer {address} no longer knows {claim.req}"
-            elif why and claim.answered:  # held before: perhaps busy; try again next round
+            elif why and held:  # held before: perhaps busy; try again next round
                 log.warning("kvflow: renewing the claim of %s: %s", req, why)
                 continue
             self._settle(req, claim, address, reason or why)

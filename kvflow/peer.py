@@ -217,7 +217,7 @@ class HeldOffers:
             return False
         held.outcome = outcome
         held.released.set()
-        self._end(req, "already pulled" if outcome == "done" else f"released: {outcome}")
+        self._end(req, "already pulled" if outcome == "done" else f"released: {outcome[:200]}")
         return True
 
     async def lend(

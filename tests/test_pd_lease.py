@@ -98,7 +98,9 @@ def _pd(addresses: list[str], req: str = "p-req") -> PdParams:
     return PdParams(PD_VERSION, "producer", addresses, req, [1, 2, 3], len(PROMPT), BS)
 
 
-def _consumer(make_runtime: MakeRuntime, **config: float) -> tuple[SchedulerEngine, Recorder]:
+def _consumer(
+    make_runtime: MakeRuntime, shards: int = 1, **config: float
+) -> tuple[SchedulerEngine, Recorder]:
     """A P/D consumer's scheduler side with its real zmq transport (it sends the claims)."""
     rt: Runtime = make_runtime("consumer-sched")
     transport = ZmqTransport(ZmqOptions(), _context("scheduler", "ns", None))
@@ -113,6 +115,7 @@ def _consumer(make_runtime: MakeRuntime, **config: float) -> tuple[SchedulerEngi
         namespace="ns",
         block_size=BS,
         can_pull=True,
+        num_shards=shards,
     )
     return sched, rec
 
@@ -155,6 +158,22 @@ def test_a_consumer_claims_a_request_as_it_arrives_and_pulls_only_what_is_held(
     assert load.error == refused.error
 
 
+def _watch_answers(e: Engine, req: str = "p-req") -> threading.Event:
+    """Set once `e`'s producer worker answered a claim of `req` (pending or refused)."""
+    peer = e.worker_transport
+    assert isinstance(peer, ZmqTransport)
+    answered, renew = threading.Event(), peer.held.renew
+
+    def watched(reqs: Sequence[str], lease_s: float) -> Renewed:  # the real answer, seen
+        answer = renew(reqs, lease_s)
+        if req in answer.pending or req in answer.refused:
+            answered.set()
+        return answer
+
+    peer.held.renew = watched  # type: ignore[method-assign]
+    return answered
+
+
 def test_a_claim_that_reaches_the_producer_before_its_offer_is_held_once_offered(
     start_engine: Callable[..., Engine], make_runtime: MakeRuntime
 ) -> None:
@@ -162,25 +181,36 @@ def test_a_claim_that_reaches_the_producer_before_its_offer_is_held_once_offered
     learns of the offer with a later step's metadata (with async scheduling, after the
     next forward). A claim arriving in between is not refused: it asks again."""
     producer = start_engine("producer", worker_transport=_zmq)
-    peer = producer.worker_transport
-    assert isinstance(peer, ZmqTransport)
-    answered_early = threading.Event()
-    renew = peer.held.renew
-
-    def watched(reqs: Sequence[str], lease_s: float) -> Renewed:  # the real answer, seen
-        answer = renew(reqs, lease_s)
-        if "p-req" in answer.pending or "p-req" in answer.refused:
-            answered_early.set()
-        return answer
-
-    peer.held.renew = watched  # type: ignore[method-assign]
+    answered_early = _watch_answers(producer)
     sched, rec = _consumer(make_runtime)
-    sched.add_request("d", PROMPT, pd=_pd([peer.address]))
+    sched.add_request("d", PROMPT, pd=_pd([producer.worker_transport.address]))
     assert answered_early.wait(WAIT), "the producer did not answer the claim"
     _offer(producer)  # the producer's next step binds the offer
     held = rec.wait_for(LookupAnswered, "d")
     assert held.hit_tokens == len(PROMPT) and not held.error, held
     assert _planned_load(sched, "d").error == ""
+    assert sched.lookup("d", 0) == len(PROMPT)
+
+
+def test_a_tensor_parallel_claim_waits_for_the_shard_that_has_not_offered_yet(
+    start_engine: Callable[..., Engine], make_runtime: MakeRuntime
+) -> None:
+    """Two producer workers (tensor-parallel ranks) bind the same step's offer at
+    different times: the claim is held once both hold their shard."""
+    rank0, rank1 = (
+        start_engine("producer-0", worker_transport=_zmq),
+        start_engine("producer-1", worker_transport=_zmq),
+    )
+    _offer(rank0)
+    rank1_early = _watch_answers(rank1)
+    sched, rec = _consumer(make_runtime, shards=2)
+    addresses = [rank0.worker_transport.address, rank1.worker_transport.address]
+    sched.add_request("d", PROMPT, pd=_pd(addresses))
+    assert rank1_early.wait(WAIT), "rank 1 did not answer the claim"
+    assert sched.lookup("d", 0) is None  # rank 0 holds, rank 1 not yet: vLLM asks again
+    _offer(rank1)
+    held = rec.wait_for(LookupAnswered, "d")
+    assert held.hit_tokens == len(PROMPT) and not held.error, held
     assert sched.lookup("d", 0) == len(PROMPT)
 
 

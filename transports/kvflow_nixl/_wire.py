@@ -17,7 +17,7 @@ notification for the data path:
 and, from the consumer's scheduler while the request waits (`kvflow.peer`):
 
     consumer -> producer   Renew(reqs, lease_ms)
-    producer -> consumer   Renewed(refused)
+    producer -> consumer   Renewed(refused, pending)
 
 `metadata` (the producer agent's NIXL metadata) and `regions` (where its KV memory
 starts and how it is paged) come only on a consumer's first pull from that agent:

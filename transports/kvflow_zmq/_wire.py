@@ -13,7 +13,7 @@ A pull is one DEALER->ROUTER conversation:
 and, from the consumer's scheduler while the request waits (`kvflow.peer`):
 
     consumer -> producer   Renew(reqs, lease_ms)
-    producer -> consumer   Renewed(refused)
+    producer -> consumer   Renewed(refused, pending)
 """
 
 from __future__ import annotations
