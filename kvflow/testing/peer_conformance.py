@@ -289,12 +289,20 @@ class PeerConformance(ConformanceSuite):  # ~340 lines: one test per promise of 
             await producer.offer(self.offer_of(kv, "late", src))
         await self.refused(kv, consumer, self.source([producer], "late", src))
 
-    async def test_a_claim_renews_held_offers_and_names_the_others(self, kv: Harness) -> None:
+    async def claiming(
+        self, kv: Harness, req: str
+    ) -> tuple[Transport, Transport, Offer, list[float]]:
+        """A producer worker, a consumer scheduler, and an offer of `req` whose renewals
+        are recorded (in the list); skips transports without claims."""
         producer, consumer = await kv.worker(), await kv.scheduler()
         if type(consumer).renew is Transport.renew:
             pytest.skip(f"{type(consumer).__name__} holds offers for the hold timeout only")
         leases: list[float] = []
-        offer = dataclasses.replace(self.offer_of(kv, "held", kv.chunks(2)), renew=leases.append)
+        offer = dataclasses.replace(self.offer_of(kv, req, kv.chunks(2)), renew=leases.append)
+        return producer, consumer, offer, leases
+
+    async def test_a_claim_renews_held_offers_and_names_the_others(self, kv: Harness) -> None:
+        producer, consumer, offer, leases = await self.claiming(kv, "held")
         with trio.CancelScope() as deadline:
             deadline.cancel()  # the hold deadline passed before any consumer came
             await producer.offer(self.offer_of(kv, "gone", kv.chunks(1)))
@@ -316,11 +324,7 @@ class PeerConformance(ConformanceSuite):  # ~340 lines: one test per promise of 
             violated(PeerPromise.RENEW, f"renewed {leases}, answered {answer}")
 
     async def test_a_claim_before_its_offer_is_pending_then_held(self, kv: Harness) -> None:
-        producer, consumer = await kv.worker(), await kv.scheduler()
-        if type(consumer).renew is Transport.renew:
-            pytest.skip(f"{type(consumer).__name__} holds offers for the hold timeout only")
-        leases: list[float] = []
-        offer = dataclasses.replace(self.offer_of(kv, "r", kv.chunks(2)), renew=leases.append)
+        producer, consumer, offer, leases = await self.claiming(kv, "r")
         answers: list[Renewed] = []
         async with open_nursery() as nursery:
             with trio.move_on_after(kv.progress_timeout_s):
