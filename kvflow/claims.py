@@ -15,7 +15,7 @@ that reason (vLLM recomputes or fails the request, as its load-failure policy
 says) instead of waiting `load_timeout_s` on a producer that is gone. A producer
 that has not offered the request yet (its worker learns of the offer a step after
 its API server answered) says so; the claim asks again, backing off, until the
-offer is there or `timeout_s` passed. The deciding answer is the P/D request's
+offer is there or `timeout_s` after the claim. The deciding answer is the P/D request's
 `LookupAnswered` event. A refusal ends a claim (after its pull the producer has let
 go: nothing is left to hold); a renewal that goes unanswered later only logs, and
 the next round tries again.
