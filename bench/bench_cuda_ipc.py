@@ -12,8 +12,11 @@ layer, Llama-3-8B's geometry) with a
 consumer, pulls each request into other blocks of its own caches and checks
 every byte. The baseline is what the pull does at best: `index_copy_` of the
 same blocks between two tensors of this process on the same GPU, timed the
-same way (wall time including synchronisation). Prints GB/s for both and their
-ratio, and writes bench/results/cuda_ipc.json. Needs an NVIDIA GPU.
+same way (wall time including synchronisation), alternating with the pulls. Pulls
+are asynchronous loads, as kvflow's P/D pulls are (`LoadJob.layerwise` False: one
+wait for all layers); `--layerwise` times loads a forward waits on layer by layer.
+Prints median GB/s for both and their ratio, and writes bench/results/cuda_ipc.json
+(cuda_ipc_layerwise.json). Needs an NVIDIA GPU.
 """
 
 from __future__ import annotations
@@ -78,28 +81,25 @@ def producer_main(conn: Connection, layers: int, blocks: int, requests: int) -> 
     trio.run(run)
 
 
-def plain_copy_gbs(caches: list[torch.Tensor], src: list[int], dst: list[int]) -> float:
-    """Best of 5: the same blocks copied between two tensors of this process."""
-    other = [c.clone() for c in caches]
-    si, di = torch.tensor(src, device="cuda"), torch.tensor(dst, device="cuda")
-    nbytes = sum(c[0].numel() * c.element_size() for c in caches) * len(src)
-    best = float("inf")
-    for _ in range(5):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for c, o in zip(caches, other, strict=True):
-            o.index_copy_(0, di, c.index_select(0, si))
-        torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t0)
-    return nbytes / best / 1e9
+def plain_copy_s(
+    caches: list[torch.Tensor], other: list[torch.Tensor], si: torch.Tensor, di: torch.Tensor
+) -> float:
+    """The baseline once: the same blocks copied between two tensors of this process."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for c, o in zip(caches, other, strict=True):
+        o.index_copy_(0, di, c.index_select(0, si))
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--blocks", type=int, default=1024, help="blocks per cache; half move")
-    ap.add_argument("--requests", type=int, default=6)
+    ap.add_argument("--requests", type=int, default=12)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--layerwise", action="store_true", help="wait for each layer")
     args = ap.parse_args()
     if args.quick:
         args.layers, args.blocks, args.requests = 4, 64, 3
@@ -118,6 +118,10 @@ def main() -> int:
     src_ids = list(range(half))
     dst_ids = list(range(args.blocks - 1, half - 1, -1))  # other blocks, reversed
     secs: list[float] = []
+    plain: list[float] = []
+    other = [c.clone() for c in caches]
+    si = torch.tensor(src_ids, device="cuda")
+    di = torch.tensor(dst_ids, device="cuda")
     equal = True
 
     async def consume() -> None:
@@ -136,6 +140,7 @@ def main() -> int:
                 signalled.append,
                 PeerSource("bench", [address], f"r{r}", src_ids),
                 dst_ids,
+                layerwise=args.layerwise,
             )
             t0 = time.perf_counter()
             await t.load(job)
@@ -145,6 +150,7 @@ def main() -> int:
             want = [e[src_ids] for e in expected]
             equal &= all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
             equal &= signalled == list(range(args.layers))
+            plain.append(plain_copy_s(caches, other, si, di))  # alternating with the pulls
         await t.aclose()
 
     trio.run(consume)
@@ -152,23 +158,25 @@ def main() -> int:
     proc.join(30)
     nbytes = sum(c[0].numel() * c.element_size() for c in caches) * half
     ipc_gbs = nbytes / statistics.median(secs[1:] or secs) / 1e9  # the first pull opens handles
-    plain = plain_copy_gbs(caches, src_ids, dst_ids)
+    plain_gbs = nbytes / statistics.median(plain[1:] or plain) / 1e9
     result: dict[str, Any] = {
         "device": torch.cuda.get_device_name(),
         "layers": args.layers,
         "blocks_moved": half,
         "bytes_per_request": nbytes,
+        "layerwise": args.layerwise,
         "first_pull_s": secs[0],
         "ipc_pull_gbs": ipc_gbs,
-        "plain_d2d_gbs": plain,
-        "ratio": ipc_gbs / plain,
+        "plain_d2d_gbs": plain_gbs,
+        "ratio": ipc_gbs / plain_gbs,
         "bytes_equal": equal,
         "producer_outcomes": outcomes,
     }
     print(json.dumps(result, indent=2))
     print(f"bytes equal: {'yes' if equal else 'NO'}")
     if not args.quick:
-        out = Path(__file__).parent / "results" / "cuda_ipc.json"
+        name = "cuda_ipc_layerwise.json" if args.layerwise else "cuda_ipc.json"
+        out = Path(__file__).parent / "results" / name
         out.write_text(json.dumps(result, indent=2) + "\n")
     return 0 if equal and outcomes == ["done"] * args.requests else 1
 

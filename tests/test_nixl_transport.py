@@ -27,6 +27,7 @@ from kvflow.transport import (
 )
 from kvflow_nixl import NixlOptions, NixlTransport
 from kvflow_nixl._reads import READ_AHEAD
+from kvflow_nixl._transport import vram_hint
 
 if not any(importlib.util.find_spec(m) for m in ("nixl", "nixl_cu12")):
     pytest.skip("NIXL is not installed (pip install nixl-cu12==1.5.1)", allow_module_level=True)
@@ -130,6 +131,14 @@ async def test_consumer_reads_held_blocks_layer_by_layer(
             nursery.cancel_scope.cancel()
     assert outcomes == ["done", "done"], "the producer hands blocks back once every READ ended"
     assert [r.name for r in consumer.remotes.by_address.values()] == [producer._agent.name]
+
+
+def test_a_failed_vram_registration_says_when_cuda_12s_runtime_is_missing() -> None:
+    """Seen on an H100 with a torch built for CUDA 13: UCX took VRAM for host memory."""
+    hint = vram_hint("VRAM", "libkvflow-missing.so.12")
+    assert "libkvflow-missing.so.12 does not load here" in hint
+    assert "nvidia-cuda-runtime-cu12" in hint
+    assert vram_hint("DRAM", "libkvflow-missing.so.12") == ""
 
 
 async def test_pull_of_an_unknown_request_is_refused(

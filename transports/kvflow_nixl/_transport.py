@@ -41,6 +41,7 @@ PROC until the producer's agent next polls.
 
 from __future__ import annotations
 
+import ctypes
 import importlib
 import logging
 import os
@@ -191,7 +192,8 @@ class NixlTransport(PeerTransport):  # ~265 lines: the producer's lease of a pul
         except TransportError:
             raise
         except Exception as exc:
-            raise TransportError(f"NIXL cannot register the KV memory: {exc}") from None
+            why = f"{exc}{vram_hint(self._memory)}"
+            raise TransportError(f"NIXL cannot register the KV memory: {why}") from None
 
     async def aclose(self) -> None:
         """Forget remote agents, deregister memory, drop the agent; each step survives a
@@ -397,3 +399,20 @@ class NixlTransport(PeerTransport):  # ~265 lines: the producer's lease of a pul
 
     async def _drain(self, reads: Reads) -> bool:
         return await reads.drain(DRAIN_TIMEOUT_S)
+
+
+def vram_hint(memory: str, runtime: str = "libcudart.so.12") -> str:
+    """What to add to a failed registration of GPU memory when CUDA 12's runtime does not
+    load: nixl-cu12's UCX needs it for VRAM, and without it takes VRAM for host memory
+    (NIXL_ERR_BACKEND). A torch built for CUDA 13 brings none (seen on an H100)."""
+    if memory != "VRAM":
+        return ""
+    try:
+        ctypes.CDLL(runtime)
+    except OSError:
+        return (
+            f" ({runtime} does not load here, and nixl-cu12's UCX needs it to register GPU "
+            "memory: with a torch built for CUDA 13, `pip install nvidia-cuda-runtime-cu12` "
+            "and put its nvidia/cuda_runtime/lib directory on LD_LIBRARY_PATH)"
+        )
+    return ""

@@ -253,6 +253,7 @@ class ZmqTransport(PeerTransport):
                 theirs[0].device,
                 layout.tensors[0].device,
             )
+        queued: list[int] = []  # layers copied, not yet waited for
         for layer in range(job.num_layers):
             ours = layout.tensors[layer]
             with self._device.stream(ours.device):
@@ -266,18 +267,29 @@ class ZmqTransport(PeerTransport):
                     job.block_ids,
                     job.token_counts,
                 )
-            try:
-                await self._device.done(ours.device)
-            except BaseException:  # cancelled: what is queued lands before the blocks go back
-                self._device.wait_idle(ours.device)
-                raise
-            if trio.current_time() - leased > msg.lease_s:
-                raise TransportError(
-                    f"copying from {address} outlived the producer's lease of {msg.lease_s}s "
-                    "(ipc_lease_s): its blocks may be reused",
-                    chunk=0,
-                )
-            job.layer_loaded(layer)
+            queued.append(layer)
+            if job.layerwise or layer == job.num_layers - 1:  # else: one wait for all
+                await self._landed({layout.tensors[i].device for i in queued})
+                if trio.current_time() - leased > msg.lease_s:
+                    raise TransportError(
+                        f"copying from {address} outlived the producer's lease of "
+                        f"{msg.lease_s}s (ipc_lease_s): its blocks may be reused",
+                        chunk=0,
+                    )
+                for i in queued:
+                    job.layer_loaded(i)
+                queued = []
+
+    async def _landed(self, devices: set[Any]) -> None:
+        """Wait for the copies queued on `devices`; cancelled, still wait (blocking) before
+        the producer's blocks go back."""
+        try:
+            for device in devices:
+                await self._device.done(device)
+        except BaseException:
+            for device in devices:
+                self._device.wait_idle(device)
+            raise
 
 
 def _check_ipc_offer(
