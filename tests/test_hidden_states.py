@@ -120,11 +120,13 @@ def test_through_vllms_openai_server_as_the_docs_say(tmp_path: Path) -> None:
     try:
         server.wait_ready()
         out = server.completion(PROMPT[:50], 2)
+        params = out["kv_transfer_params"]
+        # read while the server runs: vLLM's default `--shutdown-timeout 0` kills the
+        # engine at SIGTERM, with whatever it was still writing (docs/models.md)
+        with HiddenStatesReader("fs", {"path": str(store)}) as reader:
+            got = reader.load(params)
     finally:
         server.close()
-    params = out["kv_transfer_params"]
-    with HiddenStatesReader("fs", {"path": str(store)}) as reader:
-        got = reader.load(params)
     layer_ids = SPECULATIVE["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"]
     torch.testing.assert_close(
         got.hidden_states, reference_rows(PROMPT[:50], layer_ids), rtol=1e-3, atol=1e-3
