@@ -30,6 +30,9 @@ __all__ = ["PeerOptions", "PeerTransport"]
 
 log = logging.getLogger("kvflow.peer")
 
+CLOSE_TIMEOUT_S = 5.0
+"""How long `aclose` waits for libzmq to close the transport's sockets and context."""
+
 
 class PeerOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Where a producer listens; a peer transport's options extend these."""
@@ -70,7 +73,17 @@ class PeerTransport(Transport):
         self._router = TrioSocket(sock)
 
     async def aclose(self) -> None:
-        self._zmq.destroy(linger=0)
+        """Close every socket and the ZMQ context, dropping what is queued. Bounded: once
+        (a consumer that stopped reading mid-pull, zero-copy frames still queued to it)
+        libzmq's context termination waited for ever, and a transport's close must not
+        hang vLLM's shutdown; past `CLOSE_TIMEOUT_S` the context is left to its thread."""
+        zctx = self._zmq
+        with trio.move_on_after(CLOSE_TIMEOUT_S) as scope:
+            await trio.to_thread.run_sync(zctx.destroy, 0, abandon_on_cancel=True)
+        if scope.cancelled_caught:
+            log.warning(
+                "kvflow %s: ZMQ did not close within %ss; left behind", self.name, CLOSE_TIMEOUT_S
+            )
 
     # -- not a store ---------------------------------------------------------
     async def lookup(self, keys: Sequence[ChunkKey]) -> int:
