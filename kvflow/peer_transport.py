@@ -125,8 +125,8 @@ class PeerTransport(Transport):
         if offer is not None:
             offer = select_blocks(offer, msg.block_ids)
             why = "" if offer else f"blocks {msg.block_ids} are not all offered"
-        why = why or self.held.claim(msg.req, ident)
-        return offer if offer is not None and not why else why or self.held.why_not(msg.req)
+        why = why or self.held.claim(msg.req, ident)  # not held: why_not(req), never ""
+        return offer if offer is not None and not why else why
 
     async def reply(self, ident: bytes, req: str, frame: bytes) -> bool:
         """Send a control frame to a consumer; False if it is gone (ROUTER_MANDATORY)."""
