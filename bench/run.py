@@ -50,6 +50,7 @@ BENCHES: dict[str, tuple[list[str], bool, Callable[[], str]]] = {
     "hooks": (["bench_hooks.py"], False, lambda: ""),
     "engines": (["bench_engines.py"], True, lambda: ""),
     "zmq": (["bench_zmq.py"], True, lambda: ""),
+    "zmq-channels": (["bench_zmq.py", "--channels"], True, lambda: ""),
     "nixl": (["bench_nixl.py"], True, lambda: ""),
     "nixl-layerwise": (
         ["bench_nixl.py", "--layerwise", "--out", str(RESULTS / "nixl-layerwise.json")],
@@ -145,6 +146,28 @@ def zmq_table(d: dict[str, Any]) -> list[str]:
     return _table(head, rows)
 
 
+def zmq_channels_table(d: dict[str, Any]) -> list[str]:
+    head = ["config", "MiB", "keyless GB/s", "authenticated GB/s", "authenticated / keyless"]
+    head += ["encrypted GB/s", "encrypted / keyless"]
+    rows = [
+        [
+            r["config"],
+            f"{r['total_bytes'] / 2**20:.0f}",
+            f"{r['keyless_gbs']:.2f}",
+            f"{r['authenticated_gbs']:.2f}",
+            f"{r['authenticated_ratio']:.3f}",
+            f"{r['encrypted_gbs']:.2f}",
+            f"{r['encrypted_ratio']:.3f}",
+        ]
+        for r in d["table"]
+    ]
+    return _table(head, rows)
+
+
+def zmq_micro_table(d: dict[str, Any]) -> list[str]:
+    return _table(["what", "us per call"], [[k, f"{v:.2f}"] for k, v in d["micro_us"].items()])
+
+
 def nixl_table(d: dict[str, Any]) -> list[str]:
     head = ["config", "MB", "raw NIXL GB/s", "kvflow nixl GB/s", "nixl / raw"]
     head += ["kvflow zmq GB/s", "nixl / zmq"]
@@ -163,6 +186,8 @@ TABLES: dict[str, tuple[str, Callable[[dict[str, Any]], list[str]], str]] = {
     "engines-miss": ("engines", miss_table, "miss"),
     "engines-hit": ("engines", hit_table, "hit"),
     "zmq": ("zmq", zmq_table, ""),
+    "zmq-channels": ("zmq-channels", zmq_channels_table, ""),
+    "zmq-channels-us": ("zmq-channels", zmq_micro_table, ""),
     "nixl": ("nixl", nixl_table, ""),
     "nixl-layerwise": ("nixl-layerwise", nixl_table, ""),
 }

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import trio
 
 from .events import EventBus, LookupAnswered
-from .runtime import Backoff, Runtime
+from .runtime import Backoff, Runtime, supervised
 from .transport import Renewed, Transport
 
 __all__ = ["Claim", "Claims"]
@@ -99,7 +99,7 @@ class Claims:
         claim = Claim(producer_req, tokens, list(addresses))
         if not self._started:
             self._started = True
-            self.runtime.spawn(self._renewals, name="pd-claims")
+            self.runtime.spawn(supervised, "pd-claims", self._renewals, name="pd-claims")
         self.runtime.submit(self._add, req, claim)
         return claim
 

@@ -17,11 +17,14 @@ import msgspec
 __all__ = [
     "ConfigError",
     "KVFlowConfig",
+    "channel_of",
     "default_cache_dir",
     "host_cpus",
     "parse_config",
     "parse_options",
 ]
+
+from .security import Channel, ChannelMode, SecurityError, read_key
 
 LoadMode = Literal["layer", "async"]
 Role = Literal["kv_both", "kv_producer", "kv_consumer"]
@@ -51,6 +54,18 @@ class KVFlowConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     lease_s: float = 30.0
     """P/D consumer: a claim holds the producer's blocks this long past its latest
     renewal; the consumer renews every `lease_s / 3` while the request waits."""
+    max_hold_s: float = 600.0
+    """P/D producer: the longest it holds a request's blocks, renewals or not."""
+    key_file: str = ""
+    """A file holding the deployment's secret (`kvflow keygen PATH` makes one); unset,
+    `$KVFLOW_KEY` holds it, if set. With a key, the P/D side channel answers only peers
+    that hold it, and consumers believe only P/D params it signed (docs/security.md)."""
+    channel: ChannelMode = "authenticated"
+    """With a key: `authenticated` (every control frame carries a MAC; KV bytes cross in
+    the clear) or `encrypted` (ZMQ CURVE: every frame, KV included, is encrypted)."""
+    insecure: bool = False
+    """Allow P/D without a key beyond loopback: anyone who reaches the side channel can
+    read this engine's KV, and consumers connect where P/D params say."""
     shutdown_drain_s: float = 10.0
     """At shutdown, how long in-flight saves may finish before they are cancelled."""
     max_concurrent_transfers: int = 16
@@ -88,10 +103,15 @@ class KVFlowConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             "lookup_timeout_s",
             "hold_timeout_s",
             "lease_s",
+            "max_hold_s",
             "shutdown_drain_s",
         ):
             if not getattr(self, key) > 0:  # NaN too
                 raise ConfigError(f"kv_connector_extra_config[{key!r}] must be > 0")
+        if self.max_hold_s < max(self.hold_timeout_s, self.lease_s):
+            raise ConfigError(
+                "kv_connector_extra_config['max_hold_s'] must be >= hold_timeout_s and lease_s"
+            )
         if self.max_concurrent_transfers < 1:
             raise ConfigError("kv_connector_extra_config['max_concurrent_transfers'] must be >= 1")
         if (cpus := self.cpus()) and not cpus <= (host := host_cpus()):
@@ -99,6 +119,16 @@ class KVFlowConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 f"kv_connector_extra_config['worker_cpus']: {self.worker_cpus!r} names cores "
                 f"this host lacks (it has {','.join(map(str, sorted(host)))})"
             )
+
+
+def channel_of(cfg: KVFlowConfig) -> Channel:
+    """The side-channel security `cfg` asks for, its key read from `key_file` or
+    `$KVFLOW_KEY`."""
+    try:
+        key = read_key(cfg.key_file)
+    except SecurityError as exc:
+        raise ConfigError(f"kv_connector_extra_config['key_file']: {exc}") from None
+    return Channel(key, cfg.channel, cfg.insecure)
 
 
 def host_cpus() -> set[int]:

@@ -28,6 +28,7 @@ __all__ = [
     "LookupAnswered",
     "LookupRequested",
     "Origin",
+    "Rejected",
     "RequestFinished",
     "SaveStarted",
     "StepBound",
@@ -149,6 +150,15 @@ class BlocksReleased(_Base):
     pass
 
 
+# either side
+class Rejected(_Base):
+    """Input from outside that kvflow refused: P/D params (scheduler) or a side-channel
+    frame (worker). `reason` is one of `kvflow.security.REJECT_REASONS`."""
+
+    reason: str
+    detail: str = ""
+
+
 Event = (
     LookupRequested
     | LookupAnswered
@@ -164,6 +174,7 @@ Event = (
     | TransferDone
     | TransferFailed
     | BlocksReleased
+    | Rejected
 )
 
 _encoder = msgspec.msgpack.Encoder()

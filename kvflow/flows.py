@@ -530,14 +530,24 @@ class Flows:  # ~280 lines: a step's loads, saves and offers and how they affect
         def spans(layer: int) -> list[list[memoryview]]:
             return layout.chunk_spans(layer, spec.block_ids, spec.token_counts)
 
-        hold = trio.CancelScope(deadline=trio.current_time() + self.config.hold_timeout_s)
+        now = trio.current_time()
+        hold = trio.CancelScope(deadline=now + self.config.hold_timeout_s)
+        cap = now + self.config.max_hold_s  # renewals or not: a stranger cannot pin blocks
         leased: list[float] = []
 
         def renew(lease_s: float) -> None:  # a consumer claimed it: its lease, not the hold
-            hold.deadline = trio.current_time() + lease_s
+            lease_s = min(lease_s, self.config.lease_s)  # the consumer's word, bounded
+            hold.deadline = min(trio.current_time() + lease_s, cap)
             leased[:] = [lease_s]
 
-        offer = Offer(spec.req, spec.block_ids, spec.token_counts, layout.num_layers, spans, renew)
+        offer = Offer(
+            spec.offer or spec.req,
+            spec.block_ids,
+            spec.token_counts,
+            layout.num_layers,
+            spans,
+            renew,
+        )
         t0 = time.perf_counter()
         outcome = ""
         try:
@@ -550,7 +560,9 @@ class Flows:  # ~280 lines: a step's loads, saves and offers and how they affect
             why = "" if outcome == "done" else outcome
             if not outcome:
                 why = (
-                    f"the consumer's claim lapsed (lease of {leased[0]}s not renewed)"
+                    f"held max_hold_s={self.config.max_hold_s} without a pull"
+                    if trio.current_time() >= cap
+                    else f"the consumer's claim lapsed (lease of {leased[0]}s not renewed)"
                     if leased
                     else f"no consumer within hold_timeout_s={self.config.hold_timeout_s}"
                 )

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import Annotated, Any, NamedTuple
 
 import msgspec
 import torch
@@ -24,7 +24,7 @@ import trio
 
 from .config import ConfigError, parse_options
 from .events import EventBus, SaveStarted, TransferDone, TransferFailed
-from .keys import ChunkKey, chunk_token_counts
+from .keys import ChunkKey, chunk_token_counts, is_chunk_key, is_plain_name, shown
 from .layout import KVLayout, view_geometry
 from .runtime import Backoff, Runtime, RuntimeClosed
 from .transport import LoadJob, SaveJob, Transport, TransportContext, TransportError, load_transport
@@ -49,6 +49,7 @@ SHARD = "hidden"
 """The one shard hidden states have (every tensor-parallel rank holds all of them;
 rank 0 writes)."""
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_Positive = Annotated[int, msgspec.Meta(ge=1)]
 
 
 class HiddenStatesError(RuntimeError):
@@ -61,12 +62,12 @@ class HiddenStatesRef(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     transport: str
     namespace: str
     keys: list[ChunkKey]
-    block_size: int
+    block_size: _Positive
     token_ids: list[int]
     """The tokens whose hidden states these are (the prompt; with the request's
     `include_output_tokens`, also the output tokens but the last)."""
-    num_layers: int
-    hidden_size: int
+    num_layers: _Positive
+    hidden_size: _Positive
     dtype: str
 
     @property
@@ -82,18 +83,30 @@ class HiddenStatesRef(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     @classmethod
     def from_params(cls, params: Mapping[str, Any] | HiddenStatesRef) -> HiddenStatesRef:
-        """From a request's `kv_transfer_params` (or the value under `PARAM`)."""
+        """From a request's `kv_transfer_params` (or the value under `PARAM`), checked:
+        a reference comes from a client, and its names reach paths and store keys."""
         if isinstance(params, HiddenStatesRef):
-            return params
+            params = params.to_params()  # checked all the same
         if not isinstance(params, Mapping):
-            raise HiddenStatesError(f"not a kvflow hidden-states reference: {params!r}")
+            raise HiddenStatesError(f"not a kvflow hidden-states reference: {shown(params)}")
         raw = params.get(PARAM, params)
         try:
             ref = msgspec.convert(raw, cls)
         except msgspec.ValidationError as exc:
             raise HiddenStatesError(f"not a kvflow hidden-states reference: {exc}") from None
         if ref.dtype not in DTYPES or len(ref.keys) != len(ref.token_counts):
-            raise HiddenStatesError(f"inconsistent kvflow hidden-states reference: {raw!r}")
+            raise HiddenStatesError(f"inconsistent kvflow hidden-states reference: {shown(raw)}")
+        if not is_plain_name(ref.namespace):
+            raise HiddenStatesError(
+                f"kvflow hidden-states reference: namespace {shown(ref.namespace)} is not a "
+                "plain name (letters, digits, '_', '-', '.', not starting with '.')"
+            )
+        for key in ref.keys:
+            if not is_chunk_key(key):
+                raise HiddenStatesError(
+                    f"kvflow hidden-states reference: chunk key {shown(key)} is not 32 "
+                    "lowercase hex characters"
+                )
         return ref
 
 

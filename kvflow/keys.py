@@ -14,17 +14,28 @@ differs from any full chunk's because the token count is hashed in.
 from __future__ import annotations
 
 import hashlib
+import re
 from array import array
 from collections.abc import Sequence
 
 import msgspec
 
-__all__ = ["ChunkKey", "Fingerprint", "chunk_keys", "chunk_token_counts"]
+__all__ = [
+    "ChunkKey",
+    "Fingerprint",
+    "chunk_keys",
+    "chunk_token_counts",
+    "is_chunk_key",
+    "is_plain_name",
+    "shown",
+]
 
 ChunkKey = str
 """Hex digest naming one chunk of KV bytes (32 hex characters)."""
 
 _DIGEST = 16
+_CHUNK_KEY = re.compile(f"[0-9a-f]{{{2 * _DIGEST}}}")
+_PLAIN_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}")
 
 
 class Fingerprint(msgspec.Struct, frozen=True, kw_only=True):
@@ -84,3 +95,21 @@ def chunk_token_counts(num_tokens: int, block_size: int) -> list[int]:
     """Tokens held by each chunk of a `num_tokens` prefix: full blocks, then a partial tail."""
     full, tail = divmod(num_tokens, block_size)
     return [block_size] * full + ([tail] if tail else [])
+
+
+def is_chunk_key(key: object) -> bool:
+    """Whether `key` has the form `chunk_keys` gives: 32 lowercase hex characters (safe
+    in a file name or a store's key)."""
+    return isinstance(key, str) and _CHUNK_KEY.fullmatch(key) is not None
+
+
+def is_plain_name(name: object) -> bool:
+    """Whether `name` (a namespace) is safe as one path component: at most 128 letters,
+    digits, `_`, `-` and `.`, not starting with `.` (so never `.` or `..`)."""
+    return isinstance(name, str) and _PLAIN_NAME.fullmatch(name) is not None
+
+
+def shown(value: object, limit: int = 80) -> str:
+    """`repr(value)` for an error message, cut to about `limit` characters."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."

@@ -37,9 +37,16 @@ __all__ = [
     "LayoutError",
     "block_geometry",
     "layout_mismatch",
+    "peer_layout_problem",
     "view_extent",
     "view_geometry",
 ]
+
+
+MAX_LAYER_BYTES = 1 << 48
+"""No layer of a peer's geometry may span more (a bound on the strides it sends)."""
+MAX_PEER_BLOCKS = 1 << 22
+"""Nor have more blocks (a consumer may prepare a descriptor per block)."""
 
 
 class LayoutError(ValueError):
@@ -136,6 +143,22 @@ class LayerGeometry(msgspec.Struct, frozen=True, kw_only=True):
             runs,
         )
 
+    def extent(self) -> int:
+        """Bytes from the layer's first byte to the end of its last block's last cell
+        (above `MAX_LAYER_BYTES` if a stride is negative)."""
+        strides = (self.block_stride, self.kernel_stride, self.head_stride, self.token_stride)
+        if min(strides) < 0:
+            return MAX_LAYER_BYTES + 1
+        last = (self.num_blocks - 1) * self.block_stride
+        if self.block_bytes:
+            return last + self.block_bytes
+        inner = (
+            (self.kernel_blocks - 1) * self.kernel_stride
+            + (self.heads - 1) * self.head_stride
+            + (self.kernel_tokens - 1) * self.token_stride
+        )
+        return last + inner + self.cell_bytes
+
     def block_runs(self) -> list[tuple[int, int]]:
         """(offset within a block, length) of the runs of one whole block: what moves a
         full block with the fewest descriptors."""
@@ -187,12 +210,56 @@ def layout_mismatch(
             else p.block_shape() == c.block_shape()
         )
         if not same:
-            return (
-                f"KV layouts differ (layer {i}): producer {p.describe()}, consumer "
-                f"{c.describe()}; give both instances the same --block-size"
-                + ("" if cells else " and VLLM_KV_CACHE_LAYOUT")
-            )
+            return _differ(i, p, c, cells)
     return ""
+
+
+def _differ(layer: int, p: LayerGeometry, c: LayerGeometry, cells: bool) -> str:
+    return (
+        f"KV layouts differ (layer {layer}): producer {p.describe()}, consumer "
+        f"{c.describe()}; give both instances the same --block-size"
+        + ("" if cells else " and VLLM_KV_CACHE_LAYOUT")
+    )
+
+
+def peer_layout_problem(
+    theirs: Sequence[LayerGeometry],
+    ours: Sequence[LayerGeometry],
+    *,
+    cells: bool = False,
+    producer: bool = True,
+) -> str:
+    """`layout_mismatch` for geometries a peer sent (`producer`: they are the
+    producer's), checked first in O(layers) without trusting them: every number within
+    bounds, and blocks of our size, heads and cell (and kernel blocks, unless `cells`)
+    before anything costs more than our own layout does. "" when our blocks can be
+    copied from (or into) theirs."""
+    pair = (theirs, ours) if producer else (ours, theirs)
+    if len(theirs) != len(ours):
+        return f"the producer has {len(pair[0])} KV layers, the consumer {len(pair[1])}"
+    for i, (t, o) in enumerate(zip(theirs, ours, strict=True)):
+        if not _in_bounds(t):
+            return f"the peer's layer {i} has sizes or strides out of bounds"
+        sizes = (t.block_size, t.heads, t.cell_bytes, t.block_bytes)
+        if sizes != (o.block_size, o.heads, o.cell_bytes, o.block_bytes) or (
+            not cells and t.kernel_blocks != o.kernel_blocks
+        ):
+            p, c = (t, o) if producer else (o, t)
+            return _differ(i, p, c, cells)
+    return layout_mismatch(*pair, cells=cells)
+
+
+def _in_bounds(g: LayerGeometry) -> bool:
+    """Whether a peer's `g` can be described and compared without dividing by zero or
+    spanning more than `MAX_LAYER_BYTES` / `MAX_PEER_BLOCKS`."""
+    return (
+        0 < g.num_blocks <= MAX_PEER_BLOCKS
+        and g.kernel_blocks >= 1
+        and g.block_size >= 0
+        and g.block_size % g.kernel_blocks == 0
+        and min(g.heads, g.cell_bytes, g.block_bytes) >= 0
+        and g.extent() <= MAX_LAYER_BYTES
+    )
 
 
 def _check_disjoint(dims: Sequence[tuple[int, int]], cell: int, what: str) -> None:

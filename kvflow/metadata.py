@@ -37,6 +37,9 @@ class OfferSpec(msgspec.Struct, frozen=True, array_like=True):
     req: str
     block_ids: list[int]
     token_counts: list[int]
+    offer: str = ""
+    """The random id consumers pull the blocks by (`PdParams.offer`; the scheduler always
+    sets one; without one, `req`)."""
 
 
 class SaveSpec(msgspec.Struct, frozen=True, array_like=True):

@@ -8,25 +8,41 @@ passes those params as they came to the consumer. The `kvflow` entry is a versio
 `PdParams`, or a list of them, one per KV cache group, for a model vLLM's hybrid KV
 cache manager gives several groups (each group has its own blocks and its own
 transport endpoints); anything malformed there is a `PdParamsError` naming the field.
+
+The params come from a client (through a proxy), so nothing in them is believed: every
+field is bounded; the producer names its offer by a random id (`offer`), not by the
+request id a client chooses; and `check_pd_params` refuses, before any socket opens,
+params made for another prompt (`prompt`, a `kvflow.security.prompt_digest`), params a
+keyed deployment did not sign (`mac`) and addresses that are not `tcp://` IP literals.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import Annotated, Any
 
 import msgspec
+from msgspec import Meta
+
+from .security import Channel, prompt_digest
 
 __all__ = [
     "PD_VERSION",
     "PdParams",
     "PdParamsError",
+    "check_pd_params",
     "consumer_params",
     "join_groups",
     "parse_pd_params",
 ]
 
-PD_VERSION = 2
+PD_VERSION = 3
 KEY = "kvflow"
+MAX_BLOCKS = 1 << 20
+MAX_SHARDS = 1024
+
+Text = Annotated[str, Meta(max_length=256)]
+Hex = Annotated[str, Meta(pattern="^[0-9a-f]*$", max_length=128)]
 
 
 class PdParamsError(ValueError):
@@ -37,16 +53,33 @@ class PdParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Where a consumer pulls a request's prompt KV from."""
 
     version: int
-    engine_id: str
-    addresses: list[str]
+    engine_id: Text
+    addresses: Annotated[list[Text], Meta(min_length=1, max_length=MAX_SHARDS)]
     """The producer's worker endpoints, one per shard (TP rank)."""
-    req: str
-    """The request id on the producer."""
-    block_ids: list[int]
-    num_tokens: int
-    block_size: int
+    offer: Annotated[str, Meta(pattern="^[0-9a-f]{32}$")]
+    """The producer's random id of this offer: what the consumer pulls and renews."""
+    block_ids: Annotated[
+        list[Annotated[int, Meta(ge=0, lt=1 << 31)]], Meta(min_length=1, max_length=MAX_BLOCKS)
+    ]
+    num_tokens: Annotated[int, Meta(ge=1, lt=1 << 31)]
+    block_size: Annotated[int, Meta(ge=1, le=1 << 20)]
     """Tokens in one of the producer's blocks (a consumer pulls only into blocks of as
     many; their layouts are the workers' business)."""
+    prompt: Hex
+    """`prompt_digest` of the prompt's first `num_tokens` tokens and its salt."""
+    mac: Hex = ""
+    """The deployment's MAC over every other field ("" for a keyless deployment)."""
+
+    def message(self) -> bytes:
+        """What `mac` covers: every other field."""
+        return _encoder.encode(msgspec.structs.astuple(msgspec.structs.replace(self, mac="")))
+
+    def signed(self, channel: Channel) -> PdParams:
+        """These params with the deployment's MAC."""
+        return msgspec.structs.replace(self, mac=channel.sign(self.message()))
+
+
+_encoder = msgspec.msgpack.Encoder()
 
 
 def consumer_params(p: PdParams) -> dict[str, Any]:
@@ -79,15 +112,34 @@ def parse_pd_params(raw: Any) -> list[PdParams] | None:
 
 
 def _parse_one(entry: Any) -> PdParams:
+    if not isinstance(entry, dict) or entry.get("version") != PD_VERSION:
+        version = entry.get("version") if isinstance(entry, dict) else None
+        raise PdParamsError(
+            f"kv_transfer_params['kvflow']['version'] is {version!r}; this kvflow reads "
+            f"{PD_VERSION} (run the same kvflow on producer and consumer)"
+        )
     try:
         p = msgspec.convert(entry, PdParams)
     except msgspec.ValidationError as exc:
-        raise PdParamsError(f"kv_transfer_params['kvflow']: {exc}") from None
-    if p.version != PD_VERSION:
-        raise PdParamsError(
-            f"kv_transfer_params['kvflow']['version'] is {p.version}; "
-            f"this kvflow reads {PD_VERSION}"
-        )
-    if not p.addresses or not p.block_ids or p.num_tokens < 1:
-        raise PdParamsError("kv_transfer_params['kvflow'] names no producer or no tokens")
+        raise PdParamsError(f"kv_transfer_params['kvflow']: {exc}"[:500]) from None
     return p
+
+
+def check_pd_params(
+    p: PdParams, channel: Channel, token_ids: Sequence[int], salt: str
+) -> tuple[str, str]:
+    """(reason, why) a consumer must not pull `p` for a request of `token_ids` and
+    `salt`; ("", "") if it may. Reasons: `address`, `signature`, `prompt`."""
+    for address in p.addresses:
+        if why := channel.address_problem(address):
+            return "address", f"producer address {address[:100]!r}: {why}"
+    if not channel.signed(p.message(), p.mac):
+        missing = "not signed" if not p.mac else "signed with another key, or altered"
+        return "signature", (
+            f"the params are {missing}"
+            if channel.keyed
+            else "the params are signed but this engine has no key (key_file)"
+        )
+    if len(token_ids) < p.num_tokens or p.prompt != prompt_digest(token_ids[: p.num_tokens], salt):
+        return "prompt", "the params were made for another prompt (tokens, cache_salt or LoRA)"
+    return "", ""

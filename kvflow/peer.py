@@ -29,22 +29,27 @@ from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 import trio
 import zmq
+from msgspec import Meta
 
+from .security import MAC_BYTES, Channel
 from .transport import Offer, Renewed, TransportError
 from .zmqio import BadFrame, TrioSocket, decode_frame
 
 __all__ = [
     "MAX_READ_LEASE_S",
+    "MAX_RENEW_REQS",
     "HeldOffers",
     "NotHeld",
+    "OfferId",
     "Renew",
     "Renewed",
     "answer_renew",
+    "dealer",
     "read_lease",
     "read_lease_ms",
     "renew_at",
@@ -57,7 +62,17 @@ MAX_READ_LEASE_S = 600.0
 """The longest a producer keeps blocks for a pull whose consumer never reports back."""
 
 MAX_RENEW_BYTES = 4 << 20
-"""A renewal names request ids only; this bounds what a bad peer makes us decode."""
+"""A renewal's answer names offer ids and reasons; this bounds what a bad peer makes us
+decode."""
+MAX_RENEW_REQS = 1024
+"""The most offers one renewal names (a consumer with more sends several)."""
+MAX_REASON = 200
+"""A peer's reason is kept and logged up to this many characters."""
+FRAME_SLACK = MAC_BYTES + 256
+"""Added to a frame's bound in `ZMQ_MAXMSGSIZE`: its MAC and CURVE's box."""
+
+OfferId = Annotated[str, Meta(max_length=128)]
+"""How a peer names an offer on the wire (`PdParams.offer`)."""
 
 MAX_ENDED = 16384
 """How many ended offers a producer remembers (why each ended) to answer a late claim;
@@ -70,8 +85,9 @@ class Renew(msgspec.Struct, tag=True, frozen=True):
     """Consumer -> producer: keep holding these requests' blocks `lease_ms` longer; the
     consumer still means to pull them. Part of every peer transport's producer wire."""
 
-    reqs: list[str]
-    lease_ms: int
+    reqs: Annotated[list[OfferId], Meta(max_length=MAX_RENEW_REQS)]
+    lease_ms: Annotated[int, Meta(gt=0, lt=1 << 40)]
+    """The producer holds each `lease_ms` from now, at most its own `lease_s`."""
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -215,9 +231,9 @@ class HeldOffers:
             return False
         if peer is not None and peer != held.peer:
             return False
-        held.outcome = outcome
+        held.outcome = outcome[:MAX_REASON]
         held.released.set()
-        self._end(req, "already pulled" if outcome == "done" else f"released: {outcome[:200]}")
+        self._end(req, "already pulled" if outcome == "done" else f"released: {held.outcome}")
         return True
 
     async def lend(
@@ -260,32 +276,70 @@ class HeldOffers:
                 held.idle.set()
 
 
+def dealer(
+    zctx: zmq.Context[Any], address: str, max_frame_bytes: int, channel: Channel
+) -> TrioSocket:
+    """A consumer's socket to the producer worker at `address`, secured for `channel`,
+    refusing frames over `max_frame_bytes`. `address` must be a `tcp://` IP literal, and
+    loopback unless the channel is keyed or insecure (`Channel.address_problem`): else a
+    `TransportError`, before any socket exists."""
+    if why := channel.address_problem(address):
+        raise TransportError(f"producer address {address[:100]!r}: {why}")
+    sock = zctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes + FRAME_SLACK)
+    channel.secure(sock, server=False)
+    sock.connect(address)
+    return TrioSocket(sock)
+
+
 async def renew_at(
-    zctx: zmq.Context[Any], address: str, reqs: Sequence[str], lease_s: float
+    zctx: zmq.Context[Any],
+    address: str,
+    reqs: Sequence[str],
+    lease_s: float,
+    channel: Channel | None = None,
 ) -> Renewed:
     """The consumer's side of a renewal: ask the producer worker at `address` (its peer
     transport's endpoint, which must answer `Renew` with `Renewed`) to hold `reqs`
-    `lease_s` longer. Returns its answer (refused and pending requests); raises
-    `TransportError` on an answer that does not decode. Waits for the answer until
+    `lease_s` longer, over `channel` (the deployment's key; keyless if None; `dealer`
+    checks `address`), in rounds of at most `MAX_RENEW_REQS`. Returns its answer
+    (refused and pending requests); raises `TransportError` on an answer that does not
+    decode. Waits for the answer until
     cancelled (a producer that is gone never answers: the caller bounds the wait)."""
-    sock = TrioSocket(zctx.socket(zmq.DEALER))
+    channel = channel or Channel()
+    trio_sock = dealer(zctx, address, MAX_RENEW_BYTES, channel)
+    refused: dict[str, str] = {}
+    pending: list[str] = []
     try:
-        sock.sock.connect(address)
-        await sock.send_multipart([_encoder.encode(Renew(list(reqs), int(lease_s * 1000)))])
-        (data,) = await sock.recv_multipart()
-        try:
-            return decode_frame(_renewed, data, MAX_RENEW_BYTES)
-        except BadFrame as exc:
-            raise TransportError(f"producer {address} answered a renewal with {exc}") from None
+        lease_ms = max(1, int(lease_s * 1000))
+        for i in range(0, len(reqs), MAX_RENEW_REQS):
+            renew = Renew(list(reqs[i : i + MAX_RENEW_REQS]), lease_ms)
+            await trio_sock.send_multipart([channel.seal(_encoder.encode(renew))])
+            frames = await trio_sock.recv_multipart()
+            try:
+                if len(frames) != 1:
+                    raise BadFrame(f"a message of {len(frames)} frames")
+                answer = decode_frame(_renewed, channel.open(frames[0]), MAX_RENEW_BYTES)
+            except BadFrame as exc:
+                raise TransportError(f"producer {address} answered a renewal with {exc}") from None
+            refused.update((r, why[:MAX_REASON]) for r, why in answer.refused.items())
+            pending += answer.pending
+        return Renewed(refused, pending)
     finally:
-        sock.close()
+        trio_sock.close()
 
 
-async def answer_renew(held: HeldOffers, router: TrioSocket, ident: bytes, msg: Renew) -> None:
+async def answer_renew(
+    held: HeldOffers, router: TrioSocket, ident: bytes, msg: Renew, channel: Channel | None = None
+) -> None:
     """A producer's answer to the consumer `ident`'s `Renew` on its ROUTER side channel
-    (every peer transport's serving loop calls it); a consumer gone meanwhile is logged."""
+    (every peer transport's serving loop calls it), sealed for `channel`, never waiting: a
+    consumer gone meanwhile, or one that does not read its answers, is logged and its
+    answer dropped."""
     answer = held.renew(msg.reqs, msg.lease_ms / 1000)
+    frame = (channel or Channel()).seal(_encoder.encode(answer))
+    await trio.lowlevel.checkpoint()
     try:
-        await router.send_multipart([ident, _encoder.encode(answer)])
+        router.sock.send_multipart([ident, frame], zmq.NOBLOCK)
     except zmq.ZMQError as exc:
         log.info("kvflow: a consumer renewing %d request(s) is unreachable: %s", len(msg.reqs), exc)

@@ -8,22 +8,50 @@ its wire version differs, the request is not held, the blocks it asks for are no
 all offered, or another consumer claimed it. What differs between transports (the
 wire's frames, how the bytes move, how a pull ends) is the subclass's:
 `decode`, `Pull`, `refusal`, `check_pull`, `answer` and `ended`.
+
+Nothing a peer sends is believed. With the deployment's key (`TransportContext.channel`)
+every connection's handshake proves the key before libzmq takes in a message (a ZAP
+task of `serve` checks it; failures are counted), and every control frame, both ways,
+is sealed: a frame without its MAC is dropped unanswered. Every socket refuses frames
+over its bound (`ZMQ_MAXMSGSIZE`); the serving loop handles each message on its own and
+never waits on a consumer: a frame of any shape, count or content is refused and
+counted (`TransportContext.rejected`), never the end of `serve`.
 """
 
 from __future__ import annotations
 
 import logging
 from abc import abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import msgspec
 import trio
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from .keys import ChunkKey
-from .peer import HeldOffers, Renew, Renewed, answer_renew, renew_at, select_blocks
-from .transport import Capabilities, Offer, SaveJob, Transport, TransportContext, TransportError
+from .peer import (
+    FRAME_SLACK,
+    MAX_REASON,
+    HeldOffers,
+    Renew,
+    Renewed,
+    answer_renew,
+    dealer,
+    renew_at,
+    select_blocks,
+)
+from .security import Rejections
+from .transport import (
+    Capabilities,
+    ChunkMissing,
+    Offer,
+    SaveJob,
+    Transport,
+    TransportContext,
+    TransportError,
+)
 from .zmqio import BadFrame, TrioSocket, bind_loopback
 
 __all__ = ["PeerOptions", "PeerTransport"]
@@ -52,25 +80,53 @@ class PeerTransport(Transport):
     Pull: ClassVar[type[Any]]
     """The wire's pull frame: it has `req`, `block_ids` and `version`."""
     wire_version: ClassVar[int]
+    max_frame_bytes: ClassVar[int]
+    """The largest control frame a consumer sends this producer (its ROUTER's bound)."""
 
     def __init__(self, options: Any, context: TransportContext) -> None:
         super().__init__(options, context)
         self._zmq = zmq.Context()
         self._router: TrioSocket | None = None
+        self._zap: TrioSocket | None = None
+        """Where libzmq asks for each connection's handshake to be checked (keyed
+        workers; `serve` answers)."""
         self.held = HeldOffers()
+        self.channel = context.channel
+        self.reject = Rejections(f"{self.name} side channel", context.rejected)
+        """Count and log a refused frame (a reason of `kvflow.security.REJECT_REASONS`)."""
 
     async def open(self) -> None:
-        """Workers: bind the producer's endpoint (the scheduler's instance moves nothing)."""
+        """Workers: bind the producer's endpoint (the scheduler's instance moves nothing).
+        A keyless channel binds loopback only, unless it is `insecure`."""
         if self.context.role != "worker":
             return
+        if why := self.channel.bind_problem(self.options.host):
+            raise TransportError(f"kv_connector_extra_config['options']['host']: {why}")
+        self._zap = self.channel.zap_socket(self._zmq)
         sock = self._zmq.socket(zmq.ROUTER)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unroutable reply is an error, not a drop
+        sock.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes + FRAME_SLACK)
         try:
+            self.channel.secure(sock, server=True)
             self.address = bind_loopback(sock, self.options.host, self.options.port)
-        except OSError as exc:
+        except (OSError, ValueError) as exc:
             sock.close(0)
             raise TransportError(f"kv_connector_extra_config['options']: {exc}") from None
         self._router = TrioSocket(sock)
+
+    def connect(self, address: str, max_frame_bytes: int) -> TrioSocket:
+        """A consumer's socket to the producer at `address`, which must be a `tcp://` IP
+        literal (loopback, keyless), refusing frames over `max_frame_bytes`."""
+        return dealer(self._zmq, address, max_frame_bytes, self.channel)
+
+    def seal(self, frame: bytes) -> bytes:
+        """A control frame as sent on the side channel (`Channel.seal`)."""
+        return self.channel.seal(frame)
+
+    def unseal(self, frame: Any) -> bytes | memoryview:
+        """A received control frame's payload; `BadFrame` if it lacks this deployment's
+        MAC."""
+        return self.channel.open(frame)
 
     async def aclose(self) -> None:
         """Close every socket and the ZMQ context, dropping what is queued. Bounded: once
@@ -102,21 +158,58 @@ class PeerTransport(Transport):
             raise TransportError(f"{self.name} serve() needs a worker-side transport")
         async with trio.open_nursery() as nursery:
             await self.serving(nursery)
+            if self._zap is not None:
+                nursery.start_soon(self.channel.answer_zap, self._zap)
+                nursery.start_soon(self._count_failed_handshakes, router)
             while True:
-                ident, data = await router.recv_multipart()
+                frames = await router.recv_multipart()
                 try:
-                    msg = self.decode(data)
-                except BadFrame as exc:
-                    log.warning("kvflow %s: dropped a bad frame from a peer: %s", self.name, exc)
-                    continue
-                if isinstance(msg, Renew):
-                    await answer_renew(self.held, router, ident, msg)
-                elif not isinstance(msg, self.Pull):
-                    self.ended(msg, ident)  # only the consumer that claimed it counts
-                elif isinstance(found := self._claim(msg, ident), str):
-                    await self.reply(ident, msg.req, self.refusal(msg.req, found))
-                else:
-                    await self.answer(nursery, ident, msg, found)
+                    await self._handle(nursery, router, frames)
+                except Exception as exc:  # one message's failure never ends serve()
+                    self.reject("frame", f"handling a frame failed: {type(exc).__name__}: {exc}")
+
+    async def _count_failed_handshakes(self, router: TrioSocket) -> None:
+        """Count each connection whose handshake failed (a peer without the key)."""
+        failed = (
+            zmq.EVENT_HANDSHAKE_FAILED_AUTH
+            | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+            | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+        )
+        monitor = TrioSocket(router.sock.get_monitor_socket(failed))
+        try:
+            while True:
+                event = parse_monitor_message(await monitor.recv_multipart())
+                raw: Any = event.get("endpoint", b"")
+                where = raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw)
+                self.reject("unauthenticated", f"a connection to {where} failed its handshake")
+        finally:
+            router.sock.disable_monitor()
+            monitor.close()
+
+    async def _handle(self, nursery: trio.Nursery, router: TrioSocket, frames: list[Any]) -> None:
+        """One message from a consumer: checked, then answered (or dropped, counted)."""
+        if len(frames) != 2:
+            self.reject("frame", f"a message of {len(frames) - 1} frames (one expected)")
+            return
+        ident, data = frames
+        try:
+            payload = self.unseal(data)
+        except BadFrame as exc:
+            self.reject("unauthenticated", str(exc))
+            return
+        try:
+            msg = self.decode(payload)
+        except BadFrame as exc:
+            self.reject("frame", str(exc))
+            return
+        if isinstance(msg, Renew):
+            await answer_renew(self.held, router, ident, msg, self.channel)
+        elif not isinstance(msg, self.Pull):
+            self.ended(msg, ident)  # only the consumer that claimed it counts
+        elif isinstance(found := self._claim(msg, ident), str):
+            await self.reply(ident, msg.req, self.refusal(msg.req, found[:MAX_REASON]))
+        else:
+            await self.answer(nursery, ident, msg, found)
 
     def _claim(self, msg: Any, ident: bytes) -> Offer | str:
         """The offered blocks `msg` asks for, claimed for `ident`; or why not."""
@@ -124,26 +217,36 @@ class PeerTransport(Transport):
         offer = None if why else self.held.get(msg.req)
         if offer is not None:
             offer = select_blocks(offer, msg.block_ids)
-            why = "" if offer else f"blocks {msg.block_ids} are not all offered"
+            why = "" if offer else f"{len(msg.block_ids)} blocks asked for are not all offered"
         why = why or self.held.claim(msg.req, ident)  # not held: why_not(req), never ""
         return offer if offer is not None and not why else why
 
     async def reply(self, ident: bytes, req: str, frame: bytes) -> bool:
-        """Send a control frame to a consumer; False if it is gone (ROUTER_MANDATORY)."""
+        """Send a control frame to a consumer, sealed; False if it is gone or does not
+        read (`send`)."""
+        return self.send(ident, [self.seal(frame)], req)
+
+    def send(self, ident: bytes, frames: list[Any], req: str) -> bool:
+        """Queue `frames` (copied) for the consumer `ident`, never waiting: False, and
+        dropped, if it is gone (ROUTER_MANDATORY) or its pipe is full because it does not
+        read what it asked for (a peer that never reads must not stall `serve`, and with
+        it every other consumer)."""
         assert self._router is not None
         try:
-            await self._router.send_multipart([ident, frame])
+            self._router.sock.send_multipart([ident, *frames], zmq.NOBLOCK)
             return True
+        except zmq.Again:
+            self.reject("frame", f"a consumer of {req} does not read its answers; dropped one")
         except zmq.ZMQError as exc:
             log.info("kvflow %s: consumer of %s unreachable: %s", self.name, req, exc)
-            return False
+        return False
 
     # -- what a transport says -------------------------------------------------
     async def serving(self, nursery: trio.Nursery) -> None:
         """`serve` started: start tasks that live as long as it (in `nursery`)."""
 
     @abstractmethod
-    def decode(self, data: bytes) -> Any:
+    def decode(self, data: bytes | memoryview) -> Any:
         """A frame from a consumer (raise `BadFrame` when it is not one)."""
 
     def check_pull(self, msg: Any) -> str:
@@ -166,5 +269,19 @@ class PeerTransport(Transport):
         """A consumer's frame other than a pull or a renewal: its end of a pull."""
 
     # -- consumer --------------------------------------------------------------
+    def answer_to(self, frame: Any, decode: Callable[[bytes | memoryview], Any], req: str) -> Any:
+        """A producer's answer to this consumer's pull of `req`, unsealed and decoded;
+        `BadFrame` if it lacks this deployment's MAC, does not decode, or is about another
+        offer."""
+        msg = decode(self.unseal(frame))
+        if msg.req != req:
+            raise BadFrame(f"an answer about {msg.req[:40]!r}, not {req!r}")
+        return msg
+
+    @staticmethod
+    def refused(address: str, req: str, reason: str) -> ChunkMissing:
+        """The error of a pull the producer refused, its reason cut to `MAX_REASON`."""
+        return ChunkMissing(f"producer {address} refused {req}: {reason[:MAX_REASON]}")
+
     async def renew(self, address: str, reqs: Sequence[str], lease_s: float) -> Renewed:
-        return await renew_at(self._zmq, address, reqs, lease_s)
+        return await renew_at(self._zmq, address, reqs, lease_s, self.channel)

@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 
 import trio
 
-__all__ = ["Backoff", "Runtime", "RuntimeClosed", "poll_until"]
+__all__ = ["Backoff", "Runtime", "RuntimeClosed", "poll_until", "supervised"]
 
 log = logging.getLogger("kvflow.runtime")
 T = TypeVar("T")
@@ -311,6 +311,32 @@ async def poll_until(done: Callable[[], bool], *, first: float = 2e-5, most: flo
     """Wait for a condition only polling can see, backing off from `first` to `most`."""
     backoff = Backoff(first, most)
     while not done():
+        await backoff.wait()
+
+
+async def supervised(
+    name: str,
+    async_fn: Callable[..., Awaitable[object]],
+    *args: Any,
+    first_s: float = 0.1,
+    most_s: float = 5.0,
+) -> None:
+    """Run `async_fn(*args)` for as long as the loop lives, starting it again whenever it
+    ends by an exception (logged with its traceback), after a pause that doubles from
+    `first_s` to `most_s` (a run that lasted longer than `most_s` starts the pauses
+    over). For the long-lived tasks an engine depends on (a peer transport's `serve`,
+    the P/D claims' renewals): one that failed must not stay dead while vLLM's health
+    check says all is well."""
+    backoff = Backoff(first_s, most_s)
+    while True:
+        started = trio.current_time()
+        try:
+            await async_fn(*args)
+            return
+        except Exception:
+            log.exception("kvflow: %s failed; starting it again", name)
+        if trio.current_time() - started > most_s:
+            backoff.reset()
         await backoff.wait()
 
 

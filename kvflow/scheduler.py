@@ -9,6 +9,7 @@ the answer the task left behind.
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -22,14 +23,16 @@ from .events import (
     EventBus,
     LookupAnswered,
     LookupRequested,
+    Rejected,
     RequestFinished,
     StepPlanned,
 )
 from .keys import ChunkKey, chunk_keys, chunk_token_counts
 from .lending import lent_at_finish
 from .metadata import LoadSpec, OfferSpec, SaveSpec, WorkerPlan
-from .pd import PD_VERSION, PdParams, consumer_params
+from .pd import PD_VERSION, PdParams, check_pd_params, consumer_params
 from .runtime import Runtime
+from .security import Rejections, prompt_digest
 from .transport import PeerSource, Transport, shard_mismatch
 
 __all__ = ["ScheduledRequest", "SchedulerEngine"]
@@ -70,6 +73,9 @@ class _Request:
     """Set when a producer prefilled this request: pull its prompt KV from there."""
     claim: Claim | None = None
     """The claim on the producer's blocks (with `pd`)."""
+    tokens: Sequence[int] = ()
+    """P/D producers: the prompt, whose digest its offer's params carry."""
+    salt: str = ""
 
     def hit_tokens(self) -> int:
         return sum(self.counts[: self.hit_chunks or 0])
@@ -120,6 +126,11 @@ class SchedulerEngine:  # ~340 lines: one request's life in the scheduler (looku
         self._lent: list[str] = []
         self._preempted: list[str] = []
         self._step = 0
+        self.reject = Rejections(
+            "P/D params",
+            lambda reason, detail: runtime.submit(bus.emit, Rejected(reason=reason, detail=detail)),
+        )
+        """Count and log P/D params refused (`kvflow.security.REJECT_REASONS`)."""
         self._claims = (  # for peer transports that hold on a lease
             Claims(
                 transport, runtime, bus, lease_s=config.lease_s, timeout_s=config.lookup_timeout_s
@@ -135,9 +146,14 @@ class SchedulerEngine:  # ~340 lines: one request's life in the scheduler (looku
         """Key a new request's prompt (once; keys are reused by lookups and saves)."""
         if req in self._reqs:
             return
-        if pd is not None and self.can_pull and (why := self._refuse_pull(pd)):
-            log.error("kvflow: request %s: %s: computing its prompt here", req, why)
-            pd = None
+        if pd is not None and self.can_pull:
+            reason, why = check_pd_params(pd, self.transport.context.channel, token_ids, salt)
+            if reason:
+                self.reject(reason, f"request {req[:100]}: {why}; computing its prompt here")
+                pd = None
+            elif why := self._refuse_pull(pd):
+                log.error("kvflow: request %s: %s: computing its prompt here", req, why)
+                pd = None
         if pd is not None and self.can_pull:
             n = min(pd.num_tokens, len(token_ids))
             counts = chunk_token_counts(n, self.block_size)[: len(pd.block_ids)]
@@ -148,7 +164,7 @@ class SchedulerEngine:  # ~340 lines: one request's life in the scheduler (looku
                 prompt_len=len(token_ids),
                 hit_chunks=len(counts),
                 pd=pd,
-                claim=claims.add(req, pd.req, sum(counts), pd.addresses) if claims else None,
+                claim=claims.add(req, pd.offer, sum(counts), pd.addresses) if claims else None,
             )
             return
         keys = chunk_keys(
@@ -160,7 +176,13 @@ class SchedulerEngine:  # ~340 lines: one request's life in the scheduler (looku
         )
         counts = chunk_token_counts(len(token_ids), self.block_size)[: len(keys)]
         st = self._reqs[req] = _Request(keys=keys, counts=counts, prompt_len=len(token_ids))
+        if self.can_offer:
+            st.tokens, st.salt = token_ids, salt
         self._start_lookup(req, st)  # overlap the lookup with the request's wait in the queue
+
+    def knows(self, req: str) -> bool:
+        """Whether `req` was added (and has not finished)."""
+        return req in self._reqs
 
     def chunk_keys(self, req: str) -> list[ChunkKey]:
         """The keys of a known request's prompt chunks ([] for one not known)."""
@@ -225,7 +247,7 @@ class SchedulerEngine:  # ~340 lines: one request's life in the scheduler (looku
         if st.pd is not None:
             pd = st.pd
             source = PeerSource(
-                pd.engine_id, pd.addresses, pd.req, [pd.block_ids[i] for i in chunks]
+                pd.engine_id, pd.addresses, pd.offer, [pd.block_ids[i] for i in chunks]
             )
             if any(pd.block_ids[i] == self.null_block for i in chunks):
                 error = error or (  # the same window on both sides: not expected
@@ -314,17 +336,19 @@ class SchedulerEngine:  # ~340 lines: one request's life in the scheduler (looku
         params = None
         if remote_decode and self.can_offer and st is not None and block_ids:
             counts = chunk_token_counts(st.prompt_len, self.block_size)[: len(block_ids)]
-            self._offers.append(OfferSpec(req, list(block_ids[: len(counts)]), counts))
+            offer = secrets.token_hex(16)  # consumers pull by it: a client cannot guess it
+            self._offers.append(OfferSpec(req, list(block_ids[: len(counts)]), counts, offer))
             pd = PdParams(
                 version=PD_VERSION,
                 engine_id=self.engine_id,
                 addresses=self.peer_addresses,
-                req=req,
+                offer=offer,
                 block_ids=list(block_ids[: len(counts)]),
                 num_tokens=sum(counts),
                 block_size=self.block_size,
+                prompt=prompt_digest(st.tokens[: sum(counts)], st.salt),
             )
-            params = consumer_params(pd)
+            params = consumer_params(pd.signed(self.transport.context.channel))
         lend = st is not None and lent_at_finish(
             saving=st.saves_issued, offering=params is not None
         )

@@ -21,6 +21,7 @@ from .events import (
     LoadStarted,
     LookupAnswered,
     LookupRequested,
+    Rejected,
     RequestFinished,
     SaveStarted,
     TransferDone,
@@ -45,6 +46,7 @@ def empty() -> dict[str, Any]:
     """Stats of an interval in which nothing happened."""
     data: dict[str, Any] = {c: 0 for c in COUNTERS}
     data["transfers"] = []  # [direction, nbytes, start, end] per finished transfer
+    data["rejected"] = {}  # reason -> inputs from outside refused (kvflow.security)
     return data
 
 
@@ -53,6 +55,9 @@ def merge(into: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
     for c in COUNTERS:
         into[c] = into.get(c, 0) + other.get(c, 0)
     into.setdefault("transfers", []).extend(other.get("transfers", []))
+    rejected = into.setdefault("rejected", {})
+    for reason, n in other.get("rejected", {}).items():
+        rejected[reason] = rejected.get(reason, 0) + n
     return into
 
 
@@ -70,6 +75,7 @@ def busy_seconds(intervals: Iterable[tuple[float, float]]) -> float:
 def reduce(data: dict[str, Any]) -> dict[str, int | float]:
     """The interval in a few numbers, for vLLM's periodic log line."""
     out: dict[str, int | float] = {c: data.get(c, 0) for c in COUNTERS}
+    out["rejected"] = sum(data.get("rejected", {}).values())
     for d in DIRECTIONS:
         mine = [t for t in data.get("transfers", []) if t[0] == d]
         nbytes = sum(t[1] for t in mine)
@@ -81,7 +87,11 @@ def reduce(data: dict[str, Any]) -> dict[str, int | float]:
 
 
 def is_empty(data: dict[str, Any]) -> bool:
-    return not data.get("transfers") and not any(data.get(c, 0) for c in COUNTERS)
+    return (
+        not data.get("transfers")
+        and not data.get("rejected")
+        and not any(data.get(c, 0) for c in COUNTERS)
+    )
 
 
 _COUNTED = frozenset(
@@ -93,6 +103,7 @@ _COUNTED = frozenset(
         TransferDone,
         TransferFailed,
         RequestFinished,
+        Rejected,
     }
 )
 
@@ -136,6 +147,8 @@ class StatsCollector:
                 self._tokens.pop((event.req, event.direction), None)
                 d["failures"] += 1
                 d["timeouts"] += int(event.timed_out)
+            elif isinstance(event, Rejected):
+                d["rejected"][event.reason] = d["rejected"].get(event.reason, 0) + 1
             elif isinstance(event, RequestFinished) and event.lent:
                 d["requests_lent"] += 1
 

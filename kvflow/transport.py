@@ -24,6 +24,7 @@ import trio
 
 from .keys import ChunkKey
 from .layout import KVLayout
+from .security import Channel
 
 __all__ = [
     "Capabilities",
@@ -103,6 +104,13 @@ class TransportContext:
     layout: KVLayout | None = None
     """The registered KV memory (workers only)."""
     extra: dict[str, Any] = field(default_factory=dict)
+    channel: Channel = field(default_factory=Channel)
+    """The deployment's side-channel security (peer transports seal every control
+    frame with it and refuse peers without the key; `kvflow.security`)."""
+    rejected: Callable[[str, str], None] | None = None
+    """Set by kvflow's vLLM adapter: a peer transport calls it with a reason from
+    `kvflow.security.REJECT_REASONS` and a detail for each frame it refuses (the
+    counter `vllm:kvflow_rejected_total`)."""
     evicted: Callable[[str, list[ChunkKey]], None] | None = None
     """Set by kvflow's vLLM adapter when vLLM publishes KV events: a store transport that
     deletes chunks to make room calls it with their namespace and keys (any thread)."""

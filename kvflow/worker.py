@@ -32,7 +32,7 @@ from .keys import ChunkKey
 from .layout import KVLayout, LayoutError
 from .lending import Lending
 from .metadata import WorkerPlan
-from .runtime import Runtime
+from .runtime import Runtime, supervised
 from .staging import mark
 from .transport import Transport
 
@@ -115,7 +115,8 @@ class WorkerEngine:  # ~270 lines: every call vLLM's thread makes, each bounded,
         self._flows.layout, self._flows.staged = layout, staged
         self.runtime.call(self.transport.register, layout, timeout=60.0)
         if self.transport.capabilities.peer:
-            self.runtime.spawn(self.transport.serve, name=f"{self.transport.name}:serve")
+            serve = f"{self.transport.name}:serve"
+            self.runtime.spawn(supervised, serve, self.transport.serve, name=serve)
         nbytes = layout.nbytes_registered
         self.runtime.submit(
             self.bus.emit,

@@ -36,8 +36,8 @@ def decode_frame(decoder: msgspec.msgpack.Decoder[T], data: bytes | memoryview, 
         raise BadFrame(f"control frame of {len(data)} bytes exceeds {limit}")
     try:
         return decoder.decode(data)
-    except msgspec.DecodeError as exc:
-        raise BadFrame(f"undecodable control frame: {exc}") from None
+    except (msgspec.DecodeError, ValueError, RecursionError) as exc:  # bad UTF-8 is ValueError
+        raise BadFrame(f"undecodable control frame: {str(exc)[:200]}") from None
 
 
 class TrioSocket:

@@ -94,3 +94,20 @@ def test_transports_command_lists_fs() -> None:
         check=True,
     ).stdout
     assert out.startswith("fs ") and "kvflow_fs:FsTransport" in out and "store" in out, out
+
+
+def test_a_crafted_cache_salt_never_passes_for_a_lora_or_a_multimodal_input() -> None:
+    """Issue 27, finding 8: salt parts were joined with ";", so a client's `cache_salt`
+    could spell another request's LoRA and multimodal parts and share its chunk keys."""
+    from types import SimpleNamespace
+
+    from kvflow_vllm.connector import request_salt
+
+    mm = SimpleNamespace(identifier="img", mm_position=SimpleNamespace(offset=0))
+    honest = SimpleNamespace(cache_salt="t1", mm_features=[mm], lora_request=None)
+    crafted = SimpleNamespace(cache_salt="t1;mm=img@0", mm_features=[], lora_request=None)
+    quoted = SimpleNamespace(cache_salt='t1","mm=img@0', mm_features=[], lora_request=None)
+    salts = {request_salt(r) for r in (honest, crafted, quoted)}  # type: ignore[arg-type]
+    assert len(salts) == 3
+    plain = SimpleNamespace(cache_salt=None, mm_features=None, lora_request=None)
+    assert request_salt(plain) == ""  # type: ignore[arg-type]  # stores keep their keys

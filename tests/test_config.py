@@ -12,10 +12,12 @@ import pytest
 from kvflow.config import (
     ConfigError,
     KVFlowConfig,
+    channel_of,
     default_cache_dir,
     parse_config,
     parse_options,
 )
+from kvflow.security import KEY_ENV, keygen
 from kvflow.transport import TransportNotFound, available_transports, load_transport
 from kvflow_fs import FsOptions, FsTransport
 
@@ -210,3 +212,27 @@ def test_default_cache_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> N
     monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert default_cache_dir() == tmp_path / "home" / ".cache" / "kvflow"
+
+
+def test_a_key_that_cannot_be_read_is_an_error_naming_key_file_and_keygen(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(KEY_ENV, raising=False)
+    assert channel_of(parse_config({}, transports=["fs"])).key is None
+    bad = tmp_path / "bad"
+    bad.write_text("not hex\n")
+    for path, why in ((tmp_path / "missing", "cannot read"), (bad, "kvflow keygen PATH")):
+        cfg = parse_config({"key_file": str(path)}, transports=["fs"])
+        with pytest.raises(ConfigError, match=rf"\['key_file'\]: .*{why}"):
+            channel_of(cfg)
+    good = keygen(tmp_path / "key")
+    channel = channel_of(parse_config({"key_file": str(good)}, transports=["fs"]))
+    assert channel.keyed and channel.mode == "authenticated"
+    monkeypatch.setenv(KEY_ENV, good.read_text())
+    assert channel_of(parse_config({"channel": "encrypted"}, transports=["fs"])).key == (
+        channel.key
+    )
+    with pytest.raises(ConfigError, match="valid choices: authenticated, encrypted"):
+        parse_config({"channel": "tls"}, transports=["fs"])
+    with pytest.raises(ConfigError, match="max_hold_s"):
+        parse_config({"max_hold_s": 10.0}, transports=["fs"])

@@ -40,6 +40,7 @@ from kvflow.metadata import LoadSpec, SaveSpec, WorkerPlan, decode_plan, encode_
 from kvflow.pd import PD_VERSION, PdParams
 from kvflow.runtime import Runtime
 from kvflow.scheduler import ScheduledRequest, SchedulerEngine
+from kvflow.security import prompt_digest
 from kvflow.testing.layouts import fill_blocks, make_layout
 from kvflow.transport import (
     Capabilities,
@@ -1056,8 +1057,9 @@ def _pd_consumer(e: Engine, num_shards: int = 1) -> SchedulerEngine:
 
 
 def _pd(block_size: int = BS) -> PdParams:
-    blocks, n = [10, 11, 12], len(PROMPT)
-    return PdParams(PD_VERSION, "producer", ["tcp://p:1"], "p-req", blocks, n, block_size)
+    blocks, n, digest = [10, 11, 12], len(PROMPT), prompt_digest(PROMPT)
+    address, offer = "tcp://127.0.0.1:1", "0" * 32
+    return PdParams(PD_VERSION, "producer", [address], offer, blocks, n, block_size, digest)
 
 
 def test_a_pd_consumer_with_a_cached_prefix_pulls_only_the_rest(

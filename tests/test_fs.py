@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import stat
 import threading
 import time
@@ -503,6 +504,102 @@ async def test_loads_never_queue_behind_saves(kv: Harness, monkeypatch: pytest.M
         await worker.load(job)  # not queued behind the saves
         assert landed == list(range(kv.layout.num_layers))
         may_write.set()
+
+
+# -- names from outside, file modes ----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "key", ["../victim", "ab/../../victim", "A" * 32, "ab" * 15, "ab" * 16 + "\n"]
+)
+async def test_a_key_of_another_form_is_refused_before_any_file_is_touched(
+    kv: Harness, factory: Factory, key: str
+) -> None:
+    """A key that is not what `chunk_keys` gives (a client's `../victim`) names no file:
+    lookup, load and save refuse it, naming it, and the file it leads to (outside the
+    store) is neither read, nor deleted as corrupt, nor written."""
+    worker = await fs_worker(kv)
+    victim = factory.store.parent / f"victim.{worker.context.shard}.kv"  # where ../ leads
+    victim.write_bytes(b"a file of someone else's, outside the store")
+    named = re.escape(repr(key))
+    good = kv.chunks(1)
+    bad = Chunks([good.keys[0], key], [*good.token_counts, good.token_counts[0]], kv.blocks(2))
+    with pytest.raises(TransportError, match=f"refused chunk key {named}"):
+        await worker.lookup(bad.keys)
+    exc = await kv.load_error(worker, bad)
+    assert f"refused chunk key {key!r}" in str(exc)
+    with pytest.raises(TransportError, match=f"refused chunk key {named}"):
+        await worker.save(kv.save_job(bad))
+    assert victim.read_bytes() == b"a file of someone else's, outside the store"
+    assert files(factory.store) == [], "nothing was saved: the save was refused as a whole"
+
+
+@pytest.mark.parametrize("namespace", ["..", "../x", ".hidden", "a/b", ""])
+async def test_a_namespace_that_is_not_a_plain_name_is_refused_at_open(
+    tmp_path: Path, namespace: str
+) -> None:
+    ctx = TransportContext("e", "worker", namespace, "s", ["s"])
+    transport = FsTransport(FsOptions(path=str(tmp_path / "store")), ctx)
+    with pytest.raises(TransportError, match=f"refused namespace {re.escape(repr(namespace))}"):
+        await transport.open()
+    assert list(tmp_path.iterdir()) == [], "no directory was made, in the store or beside it"
+
+
+@pytest.mark.parametrize(
+    ("namespace", "key"), [("ns", "../victim"), ("..", "ab" * 16), ("ns", "Ab" * 16)]
+)
+async def test_a_hidden_states_reference_naming_files_outside_the_store_is_refused(
+    tmp_path: Path, namespace: str, key: str
+) -> None:
+    """A client hands `HiddenStatesReader` a reference: its namespace and keys are checked
+    before the store is touched (the corrupt-file handler deleted `*.kv` files outside it)."""
+    from kvflow.hidden_states import SHARD, HiddenStatesError, HiddenStatesReader, HiddenStatesRef
+
+    store = tmp_path / "store"
+    store.mkdir()
+    # where the reference leads when joined as a path: beside the store
+    victim = tmp_path / f"victim.{SHARD}.kv" if key.startswith("..") else tmp_path / key[:2]
+    if namespace == "..":
+        victim.mkdir()
+        victim = victim / f"{key}.{SHARD}.kv"
+    victim.write_bytes(b"a file of someone else's")
+    ref = HiddenStatesRef("fs", namespace, [key], 4, [1, 2, 3, 4], 2, 8, "float32")
+    wrong = re.escape(repr(key) if namespace == "ns" else repr(namespace))
+    refused = pytest.raises(HiddenStatesError, match=wrong)
+    with HiddenStatesReader("fs", {"path": str(store)}, timeout_s=1.0) as reader, refused:
+        await trio.to_thread.run_sync(reader.load, ref.to_params())
+    assert victim.read_bytes() == b"a file of someone else's"
+    assert list(store.iterdir()) == [], "the store was not even opened"
+
+
+@pytest.mark.parametrize(
+    ("options", "file_mode", "dir_mode"),
+    [({}, 0o600, 0o700), ({"file_mode": "0640"}, 0o640, 0o750)],
+)
+async def test_chunk_files_are_owner_only_unless_file_mode_says_otherwise(
+    kv: Harness, factory: Factory, options: dict[str, str], file_mode: int, dir_mode: int
+) -> None:
+    factory.options.update(options)
+    factory.store = factory.store.with_name("other")  # not the store the harness opened
+    umask = os.umask(0o022)  # the common umask: it would let every user read a 0644 file
+    try:
+        worker = await fs_worker(kv)
+        await saved(kv, worker, 2)
+    finally:
+        os.umask(umask)
+    chunk_files = files(factory.store)
+    assert len(chunk_files) == 2
+    assert {stat.S_IMODE(f.stat().st_mode) for f in chunk_files} == {file_mode}
+    dirs = [worker.dir, *(f.parent for f in chunk_files)]
+    assert {stat.S_IMODE(d.stat().st_mode) for d in dirs} == {dir_mode}
+
+
+@pytest.mark.parametrize("value", ["0644x", "rw-------", "0400", "01600", "-600"])
+async def test_a_bad_file_mode_fails_at_open_naming_the_option(tmp_path: Path, value: str) -> None:
+    ctx = TransportContext("e", "worker", "ns", "s", ["s"])
+    transport = FsTransport(FsOptions(path=str(tmp_path), file_mode=value), ctx)
+    with pytest.raises(TransportError, match=r"\['options'\]\['file_mode'\]"):
+        await transport.open()
 
 
 # -- bad paths --------------------------------------------------------------------------------

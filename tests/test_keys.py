@@ -10,7 +10,7 @@ import sys
 import msgspec
 import pytest
 
-from kvflow.keys import Fingerprint, chunk_keys, chunk_token_counts
+from kvflow.keys import Fingerprint, chunk_keys, chunk_token_counts, is_chunk_key, is_plain_name
 
 FP = Fingerprint(
     model="tiny-llama@main",
@@ -137,3 +137,12 @@ def test_large_token_ids_are_keyed_without_truncation() -> None:
 def test_non_positive_block_size_is_rejected() -> None:
     with pytest.raises(ValueError, match="block_size"):
         chunk_keys(NS, TOKENS, 0)
+
+
+def test_only_the_form_chunk_keys_give_is_a_chunk_key() -> None:
+    assert all(is_chunk_key(k) for k in chunk_keys("ns", list(range(100)), 16))
+    for bad in ["../x", "A" * 32, "a" * 31, "a" * 33, "a" * 32 + "\n", "", None, 7]:
+        assert not is_chunk_key(bad), bad
+    assert is_plain_name("conformance-ns-a") and is_plain_name("0" * 32)
+    for bad in ["", ".", "..", ".x", "a/b", "a\0", "a" * 129, None]:
+        assert not is_plain_name(bad), bad

@@ -110,6 +110,7 @@ SAMPLES: list[Event] = [
     ev.TransferDone(req="r", direction="save", chunks=2, nbytes=1024, elapsed_s=0.5),
     ev.TransferFailed(req="r", direction="load", reason="x", block_ids=[1, 2], timed_out=True),
     ev.BlocksReleased(req="r"),
+    ev.Rejected(reason="prompt", detail="the params were made for another prompt"),
 ]
 
 

@@ -21,6 +21,7 @@ from kvflow.metadata import LoadSpec, OfferSpec, WorkerPlan
 from kvflow.pd import PD_VERSION, PdParams
 from kvflow.runtime import Runtime
 from kvflow.scheduler import ScheduledRequest, SchedulerEngine
+from kvflow.security import prompt_digest
 from kvflow.transport import Renewed
 from kvflow_zmq import ZmqOptions, ZmqTransport
 
@@ -44,9 +45,17 @@ def _zmq(_options: object, ctx: object) -> ZmqTransport:
     return ZmqTransport(ZmqOptions(), ctx)  # type: ignore[arg-type]
 
 
+def _oid(req: str) -> str:
+    """The offer id a producer scheduler would give `req` (random there; fixed here)."""
+    return req.encode().hex().ljust(32, "0")
+
+
 def _offer(e: Engine, req: str = "p-req", step: int = 1) -> None:
-    plan = WorkerPlan(step=step, offers=[OfferSpec(req, [1, 2, 3], [4, 4, 2])], lent=[req])
-    run_step(e, plan)
+    offer = OfferSpec(req, [1, 2, 3], [4, 4, 2], _oid(req))
+    run_step(e, WorkerPlan(step=step, offers=[offer], lent=[req]))
+
+
+P_REQ, NOBODY = _oid("p-req"), _oid("nobody")
 
 
 async def _advance(clock: trio.testing.MockClock, seconds: float) -> None:
@@ -60,7 +69,7 @@ def test_a_claimed_offer_outlives_the_hold_timeout_and_ends_when_the_claim_lapse
     clock = trio.testing.MockClock()  # time moves only in _advance
     e = start_engine(
         "producer",
-        config=KVFlowConfig(hold_timeout_s=30.0),
+        config=KVFlowConfig(hold_timeout_s=30.0, lease_s=60.0),
         worker_transport=_zmq,
         worker_clock=clock,
     )
@@ -70,18 +79,18 @@ def test_a_claimed_offer_outlives_the_hold_timeout_and_ends_when_the_claim_lapse
 
     def advance(seconds: float) -> bool:
         rt.call(_advance, clock, seconds, timeout=WAIT)
-        return rt.call(trio.to_thread.run_sync, lambda: "p-req" in peer.held, timeout=WAIT)
+        return rt.call(trio.to_thread.run_sync, lambda: P_REQ in peer.held, timeout=WAIT)
 
     def renew(lease_s: float) -> Renewed:
         async def go() -> Renewed:
-            return peer.held.renew(["p-req", "nobody"], lease_s)
+            return peer.held.renew([P_REQ, NOBODY], lease_s)
 
         return rt.call(go, timeout=WAIT)
 
     assert advance(20)  # t=20: within the hold timeout, unclaimed
-    assert renew(60.0) == Renewed({}, ["nobody"])  # claimed until t=80; nobody: not offered
+    assert renew(60.0) == Renewed({}, [NOBODY])  # claimed until t=80; nobody: not offered
     assert advance(40)  # t=60: past the 30 s hold timeout, still held for the consumer
-    assert renew(60.0) == Renewed({}, ["nobody"])  # renewed until t=120
+    assert renew(60.0) == Renewed({}, [NOBODY])  # renewed until t=120
     assert advance(50)  # t=110
     assert not e.worker.take_results().finished_sending
     assert not advance(20)  # t=130: the consumer stopped renewing at t=60; the claim lapsed
@@ -90,12 +99,59 @@ def test_a_claimed_offer_outlives_the_hold_timeout_and_ends_when_the_claim_lapse
     assert "claim lapsed (lease of 60.0s not renewed)" in failed.reason
     e.worker_events.wait_for(BlocksReleased, "p-req")
     assert e.worker.take_results().finished_sending == {"p-req"}
-    lapsed = renew(60.0).refused["p-req"]  # a consumer that comes back learns why
+    lapsed = renew(60.0).refused[P_REQ]  # a consumer that comes back learns why
     assert lapsed == "expired: its hold timeout passed or its claim lapsed", lapsed
 
 
+def test_a_renewal_holds_no_longer_than_the_producers_lease_nor_max_hold_s(
+    start_engine: Callable[..., Engine],
+) -> None:
+    """Issue 27, finding 2: a renewal names its own lease. One asking for ~forever holds
+    the blocks the producer's `lease_s`; renewals, however many, end at `max_hold_s`."""
+    clock = trio.testing.MockClock()
+    e = start_engine(
+        "producer",
+        config=KVFlowConfig(hold_timeout_s=30.0, lease_s=30.0, max_hold_s=100.0),
+        worker_transport=_zmq,
+        worker_clock=clock,
+    )
+    rt, peer = e.worker.runtime, e.worker_transport
+    assert isinstance(peer, ZmqTransport)
+
+    def advance(seconds: float, offer: str) -> bool:
+        rt.call(_advance, clock, seconds, timeout=WAIT)
+        return rt.call(trio.to_thread.run_sync, lambda: offer in peer.held, timeout=WAIT)
+
+    def renew(offer: str, lease_s: float) -> None:
+        async def go() -> Renewed:
+            return peer.held.renew([offer], lease_s)
+
+        assert rt.call(go, timeout=WAIT) == Renewed({})
+
+    _offer(e, "greedy")
+    assert advance(0, _oid("greedy"))  # the offer is bound
+    renew(_oid("greedy"), 1e15)  # 10**18 ms
+    assert advance(29, _oid("greedy"))
+    assert not advance(2, _oid("greedy")), "held past the producer's lease_s"
+    failed = e.worker_events.wait_for(TransferFailed, "greedy")
+    assert "claim lapsed (lease of 30.0s not renewed)" in failed.reason, failed
+
+    _offer(e, "renewed", step=2)  # from t=31, renewed every 20 s: held until t=131
+    assert advance(0, _oid("renewed"))
+    for _ in range(4):
+        renew(_oid("renewed"), 30.0)
+        assert advance(20, _oid("renewed"))  # t=51, 71, 91, 111
+    renew(_oid("renewed"), 30.0)
+    assert not advance(21, _oid("renewed")), "held past max_hold_s"  # t=132
+    failed = e.worker_events.wait_for(TransferFailed, "renewed")
+    assert "held max_hold_s=100.0 without a pull" in failed.reason, failed
+
+
 def _pd(addresses: list[str], req: str = "p-req") -> PdParams:
-    return PdParams(PD_VERSION, "producer", addresses, req, [1, 2, 3], len(PROMPT), BS)
+    digest = prompt_digest(PROMPT)
+    return PdParams(
+        PD_VERSION, "producer", addresses, _oid(req), [1, 2, 3], len(PROMPT), BS, digest
+    )
 
 
 def _consumer(
@@ -153,7 +209,7 @@ def test_a_consumer_claims_a_request_as_it_arrives_and_pulls_only_what_is_held(
 
     refused = rec.wait_for(LookupAnswered, "late")
     assert refused.hit_tokens == 0, refused
-    assert "refused gone: expired: its hold timeout passed" in refused.error, refused
+    assert f"refused {_oid('gone')}: expired: its hold timeout passed" in refused.error
     load = _planned_load(sched, "late")  # planned, and failed by the worker at once
     assert load.error == refused.error
 
@@ -166,7 +222,7 @@ def _watch_answers(e: Engine, req: str = "p-req") -> threading.Event:
 
     def watched(reqs: Sequence[str], lease_s: float) -> Renewed:  # the real answer, seen
         answer = renew(reqs, lease_s)
-        if req in answer.pending or req in answer.refused:
+        if _oid(req) in answer.pending or _oid(req) in answer.refused:
             answered.set()
         return answer
 
@@ -214,6 +270,30 @@ def test_a_tensor_parallel_claim_waits_for_the_shard_that_has_not_offered_yet(
     assert sched.lookup("d", 0) == len(PROMPT)
 
 
+def test_a_producers_serving_task_that_fails_is_started_again(
+    start_engine: Callable[..., Engine], make_runtime: MakeRuntime
+) -> None:
+    """Issue 28, item 3: a peer transport's `serve` that ended by an exception stayed
+    dead (every later claim and pull unanswered while the server looked healthy). The
+    worker now starts it again: a claim after the failure is held."""
+    failed: list[str] = []
+
+    class Flaky(ZmqTransport):
+        async def serving(self, nursery: trio.Nursery) -> None:
+            if not failed:
+                failed.append("serve")
+                raise RuntimeError("a bug in serve")
+            await super().serving(nursery)
+
+    producer = start_engine("producer", worker_transport=lambda _o, ctx: Flaky(ZmqOptions(), ctx))
+    _offer(producer)
+    sched, rec = _consumer(make_runtime)
+    sched.add_request("d", PROMPT, pd=_pd([producer.worker_transport.address]))
+    held = rec.wait_for(LookupAnswered, "d")
+    assert held.hit_tokens == len(PROMPT) and not held.error, held
+    assert failed == ["serve"]
+
+
 def test_a_claim_the_producer_never_offers_fails_after_lookup_timeout(
     start_engine: Callable[..., Engine], make_runtime: MakeRuntime
 ) -> None:
@@ -223,7 +303,7 @@ def test_a_claim_the_producer_never_offers_fails_after_lookup_timeout(
     sched.add_request("d", PROMPT, pd=_pd([address], "never"))
     answer = rec.wait_for(LookupAnswered, "d")
     assert answer.hit_tokens == 0, answer
-    assert f"producer {address} has not offered never within 0.5s" in answer.error, answer
+    assert f"producer {address} has not offered {_oid('never')} within 0.5s" in answer.error
     assert _planned_load(sched, "d").error == answer.error
 
 

@@ -1,8 +1,11 @@
-"""kvflow proxy without vLLM: the prefill copy of a request, and a dead server's error."""
+"""kvflow proxy without vLLM: the prefill copy of a request, a dead server's error, and
+what it reads of a client's request."""
 
 from __future__ import annotations
 
+import http.client
 import json
+import socket
 import urllib.error
 import urllib.request
 from collections import Counter
@@ -10,8 +13,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from kvflow.cli.main import build_parser
 from kvflow_vllm.apiserver import free_port
-from kvflow_vllm.proxy import PREFILL_PARAMS, PdProxy, prefill_request
+from kvflow_vllm.proxy import MAX_BODY_BYTES, PREFILL_PARAMS, PdProxy, prefill_request
 
 
 def test_the_prefill_copy_follows_vllms_convention() -> None:
@@ -70,3 +74,66 @@ def test_a_burst_of_clients_is_answered_not_reset() -> None:
 def test_a_proxy_needs_both_kinds_of_server() -> None:
     with pytest.raises(ValueError, match="at least one prefill and one decode"):
         PdProxy([], ["http://127.0.0.1:1"])
+
+
+def raw_post(proxy: PdProxy, content_length: str, body: bytes = b"") -> tuple[int, str, bool]:
+    """POST `body` over a real socket under a declared `Content-Length`, the socket left
+    open for more; the status, the error the proxy answered, whether it closes."""
+    host, port = proxy.httpd.server_address[:2]
+    with socket.create_connection((str(host), int(port)), timeout=60) as sock:
+        head = (
+            f"POST /v1/completions HTTP/1.1\r\nHost: proxy\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {content_length}\r\n\r\n"
+        )
+        sock.sendall(head.encode() + body)
+        answer = http.client.HTTPResponse(sock)
+        answer.begin()
+        error = json.loads(answer.read()).get("error", "")
+        return answer.status, error, answer.will_close
+
+
+@pytest.mark.parametrize("declared", [MAX_BODY_BYTES + 1, 1 << 40])
+def test_a_body_longer_than_max_body_bytes_is_refused_unread(declared: int) -> None:
+    """A client declares a body past the bound and sends nothing more: the proxy answers
+    413 at once, naming its bound, and closes (it used to allocate the declared size and
+    wait for it, holding a thread, until the client gave up)."""
+    dead = f"http://127.0.0.1:{free_port()}"
+    proxy = PdProxy([dead], [dead]).start()
+    try:
+        status, error, closes = raw_post(proxy, str(declared))
+        assert (status, closes) == (413, True)
+        assert f"a body of {declared} bytes" in error and f"at most {MAX_BODY_BYTES}" in error
+        assert "--max-body-bytes" in error
+    finally:
+        proxy.close()
+
+
+def test_max_body_bytes_is_the_largest_body_read() -> None:
+    dead = f"http://127.0.0.1:{free_port()}"
+    proxy = PdProxy([dead], [dead], max_body_bytes=64).start()
+
+    def body(n: int) -> bytes:
+        raw = json.dumps({"prompt": "", "max_tokens": 4}).encode()
+        return raw[:-1] + b" " * (n - len(raw)) + b"}"
+
+    try:
+        status, error, _ = raw_post(proxy, "64", body(64))
+        assert status == 502 and f"prefill server {dead}" in error  # read, and passed on
+        assert raw_post(proxy, "65", body(65))[:2] == (
+            413,
+            "a body of 65 bytes: this proxy reads at most 64 (--max-body-bytes)",
+        )
+        for declared in ("-1", "12abc"):
+            status, error, closes = raw_post(proxy, declared)
+            assert (status, closes) == (400, True) and "is not a byte count" in error
+        assert raw_post(proxy, "3", b"[1]")[:2] == (400, "the body is not a JSON object")
+    finally:
+        proxy.close()
+    with pytest.raises(ValueError, match="max_body_bytes must be at least 1"):
+        PdProxy([dead], [dead], max_body_bytes=0)
+
+
+def test_the_proxy_command_takes_max_body_bytes() -> None:
+    base = ["proxy", "--prefill", "http://p", "--decode", "http://d"]
+    assert build_parser().parse_args(base).max_body_bytes is None  # run(): MAX_BODY_BYTES
+    assert build_parser().parse_args([*base, "--max-body-bytes", "1024"]).max_body_bytes == 1024

@@ -13,7 +13,7 @@ import pytest
 import trio
 import trio.testing
 
-from kvflow.runtime import Runtime, RuntimeClosed
+from kvflow.runtime import Runtime, RuntimeClosed, supervised
 
 MakeRuntime = Callable[..., Runtime]
 WAIT = 10.0  # generous bound on anything that should happen "soon"
@@ -371,3 +371,25 @@ rt.shutdown(5)
     caller, loop, worker = ast.literal_eval(out.stdout)
     assert loop == worker == [last]
     assert caller == sorted(os.sched_getaffinity(0))  # the thread that started it keeps its
+
+
+def test_a_supervised_task_that_fails_is_started_again(
+    make_runtime: MakeRuntime, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A long-lived task (a peer transport's serve, the claims' renewals) that ends by an
+    exception runs again, logged with its traceback; one that returns stays ended."""
+    rt = make_runtime("supervised")
+    runs: list[int] = []
+    done = threading.Event()
+
+    async def flaky() -> None:
+        runs.append(len(runs))
+        if len(runs) < 3:
+            raise RuntimeError(f"boom {len(runs)}")
+        done.set()
+
+    rt.spawn(supervised, "flaky-task", flaky, name="flaky-task")
+    assert done.wait(30), runs
+    assert runs == [0, 1, 2]
+    assert caplog.text.count("kvflow: flaky-task failed; starting it again") == 2
+    assert "RuntimeError: boom 2" in caplog.text  # the traceback is in the log

@@ -5,7 +5,9 @@ its own session (as a supervisor or two terminals start them) and, on vLLM's CPU
 build, on its own core; kvflow's proxy between them follows vLLM's convention. zmq
 runs with the *same* `--kv-transfer-config` (`kv_both`) on both servers, nixl with
 `kv_producer` / `kv_consumer`; both with `kv_load_failure_policy: fail`, so a pull
-that fails is a request error here, never a silent recompute.
+that fails is a request error here, never a silent recompute. zmq runs with a deployment
+key (`kvflow keygen`), nixl keyless on loopback: both ways a user runs P/D. A second
+process attacks each pair as a stranger would (docs/security.md).
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
+import zmq
 
+from kvflow.security import keygen
 from kvflow_vllm.apiserver import ApiServer, post
 from kvflow_vllm.proxy import PREFILL_PARAMS, PdProxy
 
@@ -38,18 +42,23 @@ cores also busy elsewhere, 16 concurrent requests reached the decode server 6.1 
 after their prefill ended."""
 
 
-def _config(transport: str, role: str) -> dict[str, Any]:
+def _config(transport: str, role: str, key_file: str = "") -> dict[str, Any]:
+    extra: dict[str, Any] = {"transport": transport, "hold_timeout_s": HOLD_S}
+    if key_file:
+        extra["key_file"] = key_file
     return {
         "kv_connector": "KVFlowConnector",
         "kv_role": role,
         "kv_load_failure_policy": "fail",
-        "kv_connector_extra_config": {"transport": transport, "hold_timeout_s": HOLD_S},
+        "kv_connector_extra_config": extra,
     }
 
 
 class PD:
-    def __init__(self, prefill: ApiServer, decode: ApiServer, proxy: PdProxy) -> None:
+    def __init__(self, prefill: ApiServer, decode: ApiServer, proxy: PdProxy, keyed: bool) -> None:
         self.prefill, self.decode, self.proxy = prefill, decode, proxy
+        self.keyed = keyed
+        """The pair shares a deployment key (`kvflow keygen`)."""
 
     def reference(self, prompt: list[int], max_tokens: int = 8) -> dict[str, Any]:
         """One server doing everything (the prefill server, asked plainly)."""
@@ -61,24 +70,25 @@ class PD:
 
 @pytest.fixture(
     scope="module",
-    params=[("zmq", "kv_both", "kv_both"), ("nixl", "kv_producer", "kv_consumer")],
-    ids=["zmq-kv_both", "nixl-producer-consumer"],
+    params=[("zmq", "kv_both", "kv_both", True), ("nixl", "kv_producer", "kv_consumer", False)],
+    ids=["zmq-kv_both-keyed", "nixl-producer-consumer"],
 )
 def pd(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PD]:
-    transport, p_role, d_role = request.param
+    transport, p_role, d_role, keyed = request.param
     if transport == "nixl":
         pytest.importorskip("nixl_cu12", reason="NIXL is an optional extra: kvflow[nixl]")
     tmp = tmp_path_factory.mktemp(f"serve-pd-{transport}")
-    prefill = ApiServer(tmp, "prefill", _config(transport, p_role), cores="0")
+    key = str(keygen(tmp / "key")) if keyed else ""
+    prefill = ApiServer(tmp, "prefill", _config(transport, p_role, key), cores="0")
     # dev mode: vLLM's /pause and /resume, to hold a request in the decode server's queue
     dev = {"VLLM_SERVER_DEV_MODE": "1"}
-    decode = ApiServer(tmp, "decode", _config(transport, d_role), cores="1", env=dev)
+    decode = ApiServer(tmp, "decode", _config(transport, d_role, key), cores="1", env=dev)
     proxy = None
     try:
         prefill.wait_ready()
         decode.wait_ready()
         proxy = PdProxy([prefill.url], [decode.url]).start()
-        yield PD(prefill, decode, proxy)
+        yield PD(prefill, decode, proxy, keyed)
     finally:
         if proxy is not None:
             proxy.close()
@@ -167,6 +177,58 @@ def test_a_request_queued_past_the_prefill_servers_hold_timeout_is_still_pulled(
     finally:
         post(pd.decode.url + "/resume", {})
     assert_same(got, want, "a request that queued past the hold timeout")  # policy fail
+
+
+def _rejected(m: dict[str, float], reason: str) -> float:
+    return m.get(f'vllm:kvflow_rejected_total{{reason="{reason}"}}', 0.0)
+
+
+def test_a_stranger_on_the_side_channel_cannot_stop_pd(pd: PD) -> None:
+    """Issue 27: one multi-frame message to the prefill server's side channel (its
+    address is in any prefill answer's kv_transfer_params) ended the producer's serving
+    task, and every later P/D request failed. Now each bad message is refused and
+    counted (keyed: the stranger's connection fails its handshake first), P/D goes on,
+    and the offer whose params the stranger read is still pulled by its request."""
+    prompt = _prompt(40)
+    params = pd.prefill.completion(prompt, 1, dict(PREFILL_PARAMS))["kv_transfer_params"]
+    (address,) = params["kvflow"]["addresses"]
+    before = pd.prefill.metrics()
+    ctx = zmq.Context()
+    try:
+        attacker = ctx.socket(zmq.DEALER)
+        attacker.connect(address)
+        attacker.send_multipart([b"one", b"two", b"three"])  # the frame that killed serve
+        attacker.send(b"\x81\xa4type\xa4Pull")  # msgpack of the wrong shape
+        attacker.send_multipart([b""])
+        attacker.close(linger=2000)
+    finally:
+        ctx.term()
+    want = pd.reference(prompt)
+    assert_same(pd.decode.completion(prompt, 8, params), want, "the request the stranger saw")
+    for n in (40, 150):  # P/D still works
+        other = _prompt(n)
+        assert_same(pd.ask(other), pd.reference(other), f"P/D after the attack ({n} tokens)")
+    reason = "unauthenticated" if pd.keyed else "frame"
+    m = pd.prefill.metrics_once(lambda m: _rejected(m, reason) > _rejected(before, reason))
+    assert _rejected(m, reason) > _rejected(before, reason), "the stranger was not counted"
+    assert "Traceback" not in pd.prefill.log_text()
+
+
+def test_params_of_another_prompt_are_computed_here_never_loaded(pd: PD) -> None:
+    """Issue 27, finding 4: a client (or a buggy proxy) sends one prompt with another
+    prompt's kv_transfer_params. The decode server computes the prompt itself: the
+    tokens are one server's, nothing is pulled, the refusal is counted."""
+    theirs, mine = _prompt(120), _prompt(120)
+    params = pd.prefill.completion(theirs, 1, dict(PREFILL_PARAMS))["kv_transfer_params"]
+    want = pd.reference(mine)
+    before = pd.decode.metrics()
+    got = pd.decode.completion(mine, 8, params)
+    assert_same(got, want, "a prompt sent with another prompt's params")
+    m = pd.decode.metrics_once(lambda m: _rejected(m, "prompt") > _rejected(before, "prompt"))
+    assert _rejected(m, "prompt") == _rejected(before, "prompt") + 1
+    assert _loaded(m)[0] == _loaded(before)[0], "the decode server loaded something"
+    # the params still serve the prompt they were made for (and its offer is pulled)
+    assert_same(pd.decode.completion(theirs, 8, params), pd.reference(theirs), "their prompt")
 
 
 def test_no_pull_failed_or_timed_out(pd: PD) -> None:

@@ -18,8 +18,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
+import msgspec
 import pytest
+import trio
 
 pytest.importorskip("vllm.v1.core.sched.scheduler", reason="needs vLLM installed")
 
@@ -28,10 +31,12 @@ from vllm.v1.core.sched.interface import PauseState
 from vllm.v1.engine import FinishReason
 from vllm.v1.request import RequestStatus
 
+from kvflow.events import Event, Rejected
 from kvflow.hidden_states import HiddenStatesRef
 from kvflow.keys import chunk_keys
 from kvflow.metadata import OfferSpec
-from kvflow.pd import parse_pd_params
+from kvflow.pd import PdParams, parse_pd_params
+from kvflow.security import Channel, keygen, read_key
 from kvflow.transport import Offer, PeerSource
 from kvflow_vllm.connector import KVFlowHandshake
 
@@ -556,7 +561,7 @@ def test_pd_producer_offers_blocks_and_consumer_pulls_them(harness: MakeHarness)
     assert producer.free_blocks == start - 3
 
     offer = producer.step()
-    assert offer.plan.offers == [OfferSpec("pd", table, [16, 16, 8])]
+    assert offer.plan.offers == [OfferSpec("pd", table, [16, 16, 8], pd.offer)]
     assert offer.plan.lent == ["pd"]
     producer.step()  # the consumer has not pulled yet
     assert producer.free_blocks == start - 3, "held for the consumer"
@@ -566,7 +571,7 @@ def test_pd_producer_offers_blocks_and_consumer_pulls_them(harness: MakeHarness)
 
     consumer = harness(make_vllm_config(transport="zmq", kv_role="kv_consumer"), 16)
     c_start = consumer.free_blocks
-    with held_offer(Offer("pd", table, [16, 16, 8], 0, lambda _layer: [])) as live:
+    with held_offer(Offer(pd.offer, table, [16, 16, 8], 0, lambda _layer: [])) as live:
         address = live  # a producer that answers the consumer's claim
         params["kvflow"]["addresses"] = [address]
         consumer.add(make_request("d", prompt, max_tokens=3, kv_transfer_params=params))
@@ -575,7 +580,7 @@ def test_pd_producer_offers_blocks_and_consumer_pulls_them(harness: MakeHarness)
     (load,) = pull.plan.loads
     assert load.asynchronous and load.token_counts == [16, 16, 8]
     assert load.block_ids == consumer.block_table("d")
-    assert load.source == PeerSource(pd.engine_id, [address], "pd", table)
+    assert load.source == PeerSource(pd.engine_id, [address], pd.offer, table)
     consumer.step(finished_recving={"d"})
     decode = consumer.step()
     assert decode.output.num_scheduled_tokens == {"d": 1}, "only the last token recomputed"
@@ -584,6 +589,126 @@ def test_pd_producer_offers_blocks_and_consumer_pulls_them(harness: MakeHarness)
     assert all(not s.plan.saves and not s.plan.lent for s in consumer.steps)
     assert consumer.free_blocks == c_start
     assert not consumer.kvflow_requests
+
+
+def _offered(harness: MakeHarness, prompt: list[int], **extra: object) -> dict[str, Any]:
+    """The `kv_transfer_params` vLLM's real Scheduler returns for a P/D prefill of
+    `prompt` (a producer with kvflow's keys `extra`), its offer still held."""
+    producer = harness(make_vllm_config(transport="zmq", kv_role="kv_producer", extra=extra), 16)
+    producer.connector.set_xfer_handshake_metadata({0: KVFlowHandshake(["tcp://127.0.0.1:45555"])})
+    producer.add(
+        make_request("pd", prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+    )
+    (out,) = producer.collect(producer.step()).finished
+    assert out.kv_transfer_params is not None
+    return out.kv_transfer_params
+
+
+def _rejections(h: Harness) -> Callable[[], dict[str, int]]:
+    """Record the rejections `h`'s kvflow counts (what `vllm:kvflow_rejected_total`
+    gets); the returned call says how many, by reason, so far."""
+    seen: dict[str, int] = {}
+
+    def count(event: Event) -> None:
+        if isinstance(event, Rejected):
+            seen[event.reason] = seen.get(event.reason, 0) + 1
+
+    h.connector.bus.subscribe(count)
+
+    def counted() -> dict[str, int]:
+        h.connector.runtime.call(trio.lowlevel.checkpoint, timeout=10.0)  # after its submits
+        return dict(seen)
+
+    return counted
+
+
+def test_pd_params_are_believed_only_for_their_prompt_and_deployment(
+    harness: MakeHarness, tmp_path: Path
+) -> None:
+    """Issue 27, finding 4, with vLLM's real Scheduler on both sides: a consumer pulls
+    only with params its deployment's key signed for this very prompt; anything else it
+    computes itself (never connecting), counted by reason."""
+    key = str(keygen(tmp_path / "key"))
+    prompt, other = prompt_of(3, 40), prompt_of(4, 40)
+    params = _offered(harness, prompt, key_file=key)
+    (pd,) = parse_pd_params(params) or []
+    assert len(pd.offer) == 32 and pd.mac, "a random offer id, signed"
+
+    def tampered(**fields: object) -> dict[str, Any]:
+        return {**params, "kvflow": {**params["kvflow"], **fields}}
+
+    cfg = make_vllm_config(  # no prefix cache: every request here computes all it asks
+        transport="zmq", kv_role="kv_consumer", extra={"key_file": key}, enable_prefix_caching=False
+    )
+    consumer = harness(cfg, 32)
+    rejected = _rejections(consumer)
+    other_key = tmp_path / "other"
+    keygen(other_key)
+    forged = PdParams(**{**params["kvflow"], "mac": ""}).signed(  # type: ignore[arg-type]
+        Channel(read_key(str(other_key)))
+    )
+    cases = {
+        "another prompt": (other, params),
+        "other blocks": (prompt, tampered(block_ids=[7, 8, 9])),
+        "another producer": (prompt, tampered(addresses=["tcp://127.0.0.1:1"])),
+        "unsigned": (prompt, tampered(mac="")),
+        "another key": (prompt, {**params, "kvflow": msgspec.to_builtins(forged)}),
+        "not an offer id": (prompt, tampered(offer="../../x")),
+    }
+    for i, (tokens, p) in enumerate(cases.values()):
+        consumer.add(make_request(f"d{i}", tokens, max_tokens=1, kv_transfer_params=p))
+    step = consumer.step()
+    assert not step.plan.loads, "nothing pulled"
+    assert step.output.num_scheduled_tokens == {f"d{i}": 40 for i in range(len(cases))}
+    assert rejected() == {"prompt": 1, "signature": 4, "malformed": 1}
+
+    with held_offer(
+        Offer(pd.offer, pd.block_ids, [16, 16, 8], 0, lambda _: []), Channel(read_key(key))
+    ) as address:  # the genuine params, pulled from a producer of this deployment
+        consumer.add(make_request("real", prompt, max_tokens=1, kv_transfer_params=params))
+    (load,) = consumer.step().plan.loads
+    assert load.source is not None and load.source.req == pd.offer
+    del address
+
+
+def test_a_keyless_consumer_pulls_from_loopback_only_and_never_from_a_keyed_producer(
+    harness: MakeHarness, tmp_path: Path
+) -> None:
+    """Without a key, P/D params may name loopback producers only (a client must not make
+    the consumer dial any host, or probe ports), and a keyed producer's params are
+    refused (this consumer could not speak to it)."""
+    prompt = prompt_of(3, 40)
+    keyless = _offered(harness, prompt)
+    keyed = _offered(harness, prompt, key_file=str(keygen(tmp_path / "key")))
+    consumer = harness(make_vllm_config(transport="zmq", kv_role="kv_consumer"), 16)
+    rejected = _rejections(consumer)
+    far = {**keyless, "kvflow": {**keyless["kvflow"], "addresses": ["tcp://10.9.8.7:5555"]}}
+    named = {**keyless, "kvflow": {**keyless["kvflow"], "addresses": ["tcp://localhost:5"]}}
+    for i, p in enumerate((far, named, keyed)):
+        consumer.add(make_request(f"d{i}", prompt, max_tokens=1, kv_transfer_params=p))
+    assert not consumer.step().plan.loads
+    assert rejected() == {"address": 2, "signature": 1}
+
+
+def test_a_repeated_request_id_gets_an_offer_of_its_own(harness: MakeHarness) -> None:
+    """Issue 27, finding 5: clients choose request ids. A request that reuses the id of
+    an earlier one is offered under a new random offer id: params of the earlier request
+    (still in some consumer's hands) never name the later request's blocks."""
+    producer = harness(make_vllm_config(transport="zmq", kv_role="kv_producer"), 16)
+    producer.connector.set_xfer_handshake_metadata({0: KVFlowHandshake(["tcp://127.0.0.1:45555"])})
+    offers = []
+    for seed in (3, 4):
+        remote = {"do_remote_decode": True}
+        req = make_request("same", prompt_of(seed, 40), max_tokens=1, kv_transfer_params=remote)
+        producer.add(req)
+        (out,) = producer.collect(producer.step()).finished
+        (pd,) = parse_pd_params(out.kv_transfer_params) or []
+        (spec,) = producer.step().plan.offers
+        assert spec.offer == pd.offer and spec.req == "same"
+        producer.step(finished_sending={"same"})  # pulled: vLLM frees the id
+        offers.append(pd)
+    assert offers[0].offer != offers[1].offer
+    assert offers[0].prompt != offers[1].prompt
 
 
 def test_with_vllms_prefix_cache_loads_are_between_steps(

@@ -64,6 +64,7 @@ from kvflow.config import parse_options
 from kvflow.events import Event, EventBus, LookupAnswered, Origin
 from kvflow.metadata import WorkerPlan
 from kvflow.runtime import Runtime
+from kvflow.security import Channel
 from kvflow.transport import Offer, TransportContext, load_transport
 from kvflow.worker import TransferResults, WorkerEngine
 from kvflow_vllm.connector import KVFlowConnector, KVFlowMetadata, layout_from_tensors
@@ -95,9 +96,11 @@ def make_vllm_config(
     enable_prefix_caching: bool = True,
     kv_load_failure_policy: str = "recompute",
     aux_layers: Sequence[int] = (),
+    extra: dict[str, Any] | None = None,
 ) -> VllmConfig:
     """A CPU `VllmConfig` over kvflow's tiny Llama with `KVFlowConnector` as connector;
-    with `aux_layers`, vLLM's `extract_hidden_states` method exporting those layers."""
+    with `aux_layers`, vLLM's `extract_hidden_states` method exporting those layers;
+    `extra`: more of kvflow's keys (`kv_connector_extra_config`)."""
     register()
     model_config = ModelConfig(
         model=model_dir("tiny-llama"),
@@ -129,6 +132,7 @@ def make_vllm_config(
             "load_mode": load_mode,
             "inspect": False,  # no live-event socket in unit tests
             "options": options or {},
+            **(extra or {}),
         },
         kv_load_failure_policy=kv_load_failure_policy,  # type: ignore[arg-type]
     )
@@ -588,12 +592,17 @@ def run_real_worker(harness: Harness, plans: Sequence[WorkerPlan]) -> TransferRe
 
 
 @contextmanager
-def held_offer(offer: Offer) -> Iterator[str]:
+def held_offer(offer: Offer, channel: Channel | None = None) -> Iterator[str]:
     """A producer worker's real `zmq` transport serving `offer` (held until the context
-    ends): yields its address, for a consumer to claim."""
+    ends) over `channel` (keyless if None): yields its address, for a consumer to claim."""
     cls = load_transport("zmq")
     ctx = TransportContext(
-        engine_id="producer", role="worker", namespace="", shard=SHARD, shards=[SHARD]
+        engine_id="producer",
+        role="worker",
+        namespace="",
+        shard=SHARD,
+        shards=[SHARD],
+        channel=channel or Channel(),
     )
     runtime = Runtime("test-producer")
     peer = cls(cls.Options(), ctx)

@@ -1,4 +1,5 @@
-"""The `kvflow` command: `demo`, `proxy`, `transports`, `new-transport`, `inspect`."""
+"""The `kvflow` command: `demo`, `proxy`, `transports`, `keygen`, `new-transport`,
+`inspect`."""
 
 from __future__ import annotations
 
@@ -50,6 +51,21 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     )
 
 
+def _cmd_keygen(args: argparse.Namespace) -> int:
+    from ..security import keygen
+
+    try:
+        path = keygen(args.path)
+    except OSError as exc:
+        print(f"kvflow keygen: {args.path}: {exc.strerror}", file=sys.stderr)
+        return 1
+    print(
+        f"wrote a new P/D key to {path} (owner-only). Give every instance of the deployment "
+        f"a copy and kv_connector_extra_config['key_file'] = \"{path}\" (docs/security.md)"
+    )
+    return 0
+
+
 def _cmd_proxy(args: argparse.Namespace) -> int:
     from kvflow_vllm.proxy import run
 
@@ -61,6 +77,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("transports", help="list installed transports")
     t.set_defaults(fn=_cmd_transports)
+    k = sub.add_parser(
+        "keygen", help="write a new deployment key for the P/D side channel (docs/security.md)"
+    )
+    k.add_argument("path", help="file to create (refused if it exists)")
+    k.set_defaults(fn=_cmd_keygen)
     d = sub.add_parser(
         "demo",
         help="run a real vLLM engine cold, restart it, run it warm from kvflow's cache",
@@ -84,6 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--decode", nargs="+", required=True, help="decode server base URL(s)")
     x.add_argument("--host", default="127.0.0.1")
     x.add_argument("--port", type=int, default=8000)
+    x.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=None,
+        help="answer 413 to a request body longer than this (default 32 MiB)",
+    )
     x.set_defaults(fn=_cmd_proxy)
     from .scaffold import add_parser as add_scaffold_parser
 

@@ -27,9 +27,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from kvflow.config import ConfigError, KVFlowConfig, parse_config, parse_options
+from kvflow.config import ConfigError, KVFlowConfig, channel_of, parse_config, parse_options
 from kvflow.eventlog import JsonlEventLog
-from kvflow.events import EventBus, Origin
+from kvflow.events import EventBus, Origin, Rejected
 from kvflow.hidden_states import hidden_context, hidden_layout
 from kvflow.keys import Fingerprint
 from kvflow.layout import KVLayout, LayoutError, block_geometry, view_extent, view_geometry
@@ -138,7 +138,9 @@ class KVFlowHandshake(KVConnectorHandshakeMetadata):
 
 
 def request_salt(request: Request) -> str:
-    """Per-request inputs that change KV bytes without changing token ids."""
+    """Per-request inputs that change KV bytes without changing token ids, as one string
+    no two sets of them share (a JSON list: a client's `cache_salt` cannot pass for a
+    LoRA or a multimodal input, whatever characters it holds); "" when there are none."""
     parts = []
     lora = getattr(request, "lora_request", None)
     if lora is not None:
@@ -148,7 +150,7 @@ def request_salt(request: Request) -> str:
         parts.append(f"salt={salt}")
     for f in getattr(request, "mm_features", None) or ():
         parts.append(f"mm={f.identifier}@{f.mm_position.offset}")
-    return ";".join(parts)
+    return msgspec.json.encode(parts).decode() if parts else ""
 
 
 def fingerprint(
@@ -321,6 +323,7 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
                 load_transport(self.config.transport).Options,
                 self.config.transport,
             )
+            channel = channel_of(self.config)
         except (ConfigError, TransportNotFound) as exc:
             raise ConfigError(f"KVFlowConnector: {exc}") from None
         if why := layer_loads_unsafe(vllm_config, self.config):
@@ -392,6 +395,8 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
                 namespace=fingerprint(vllm_config, kv_cache_config, g).namespace(),
                 shard=_shard(tp_rank, pc.tensor_parallel_size, pp_rank),
                 shards=shards,
+                channel=channel,
+                rejected=self._rejected,
             )
             namespaces.append(ctx.namespace)
             transport = transport_cls(options, ctx)
@@ -521,6 +526,10 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
             self.config = msgspec.structs.replace(self.config, load_mode="async")
 
     # ---------------------------------------------------------------- stats
+    def _rejected(self, reason: str, detail: str) -> None:
+        """An input from outside refused (any thread): counted, and in the event log."""
+        self.runtime.submit(self.bus.emit, Rejected(reason=reason, detail=detail))
+
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         data = self.stats.take()
         return None if data is None else KVFlowStats(data=data)
@@ -575,6 +584,8 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ------------------------------------------------------------ scheduler
     def on_new_request(self, request: Request) -> None:
+        if self.sched.knows(request.request_id):
+            return
         pds: list[PdParams | None] = [None] * len(self.scheds)
         try:
             if (parsed := parse_pd_params(request.kv_transfer_params)) is not None:
@@ -586,7 +597,8 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
                     )
                 pds = list(parsed)
         except PdParamsError as exc:  # computed locally instead: slower, never wrong
-            log.error("kvflow: request %s: %s; computing its prompt here", request.request_id, exc)
+            rid = request.request_id[:100]
+            self.sched.reject("malformed", f"request {rid}: {exc}; computing its prompt here")
         for sched, pd in zip(self.scheds, pds, strict=True):
             sched.add_request(
                 request.request_id, request.prompt_token_ids or [], request_salt(request), pd

@@ -6,7 +6,9 @@ library: each completion request goes first to a prefill server with
 fields vLLM's proxies send as null), then to a decode server with the
 `kv_transfer_params` the prefill returned, as they came. The decode server's
 answer (streamed or not) is passed through; a client that disconnects closes the
-decode request, which vLLM aborts. Servers are used round robin.
+decode request, which vLLM aborts. Servers are used round robin. A request body
+longer than `max_body_bytes` (`--max-body-bytes`, 32 MiB by default) is answered
+413 unread.
 
 Nothing here is kvflow-specific: it drives any connector that follows the
 convention. It imports no vLLM.
@@ -25,7 +27,7 @@ from collections.abc import Iterator, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-__all__ = ["PREFILL_PARAMS", "PdProxy", "open_post", "prefill_request"]
+__all__ = ["MAX_BODY_BYTES", "PREFILL_PARAMS", "PdProxy", "open_post", "prefill_request"]
 
 log = logging.getLogger("kvflow.proxy")
 
@@ -40,6 +42,9 @@ PREFILL_PARAMS: dict[str, Any] = {
 """What vLLM's proxies put in the prefill request's `kv_transfer_params`."""
 
 PATHS = ("/v1/completions", "/v1/chat/completions")
+MAX_BODY_BYTES = 32 << 20
+"""The longest request body the proxy reads by default (a long prompt as token ids in
+JSON is a few MiB); a longer one is answered 413 before any of it is read."""
 
 
 def prefill_request(body: dict[str, Any]) -> dict[str, Any]:
@@ -61,10 +66,14 @@ class PdProxy:
         host: str = "127.0.0.1",
         port: int = 0,
         timeout_s: float = 600.0,
+        max_body_bytes: int = MAX_BODY_BYTES,
     ) -> None:
         if not prefill or not decode:
             raise ValueError("a P/D proxy needs at least one prefill and one decode server")
+        if max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes must be at least 1, not {max_body_bytes}")
         self.timeout_s = timeout_s
+        self.max_body_bytes = max_body_bytes
         self._prefill = itertools.cycle([u.rstrip("/") for u in prefill])
         self._decode = itertools.cycle([u.rstrip("/") for u in decode])
         self._next_lock = threading.Lock()
@@ -106,7 +115,9 @@ class PdProxy:
                 if self.path not in PATHS:
                     self._reply(404, {"error": f"the proxy serves {', '.join(PATHS)}"})
                     return
-                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+                body = self._body()
+                if body is None:
+                    return
                 prefill, decode = proxy._servers()
                 answer = self._upstream("prefill", prefill, prefill_request(body))
                 if answer is None:
@@ -129,6 +140,32 @@ class PdProxy:
                     except (BrokenPipeError, ConnectionResetError):
                         log.info("kvflow proxy: client went away; aborting the decode request")
 
+            def _body(self) -> dict[str, Any] | None:
+                """The request's JSON object, read only if its declared length is within
+                bounds; None once the client was answered (400, 413)."""
+                declared = self.headers.get("Content-Length", "0")
+                try:
+                    size = int(declared)
+                except ValueError:
+                    size = -1
+                if size < 0:
+                    error = f"Content-Length {declared[:40]!r} is not a byte count"
+                    self._reply(400, {"error": error}, close=True)
+                    return None
+                if size > proxy.max_body_bytes:
+                    limit = f"at most {proxy.max_body_bytes} (--max-body-bytes)"
+                    error = f"a body of {size} bytes: this proxy reads {limit}"
+                    self._reply(413, {"error": error}, close=True)
+                    return None
+                try:
+                    body = json.loads(self.rfile.read(size))
+                except ValueError:
+                    body = None
+                if not isinstance(body, dict):
+                    self._reply(400, {"error": "the body is not a JSON object"})
+                    return None
+                return body
+
             def _upstream(self, which: str, base: str, body: dict[str, Any]) -> Any:
                 """POST `body` to a server; on failure answer the client and return None."""
                 try:
@@ -142,11 +179,15 @@ class PdProxy:
             def do_GET(self) -> None:
                 self._reply(200 if self.path == "/health" else 404, {})
 
-            def _reply(self, code: int, payload: dict[str, Any]) -> None:
+            def _reply(self, code: int, payload: dict[str, Any], close: bool = False) -> None:
+                """Answer `payload`; `close`: and close the connection (a body left unread)."""
                 data = json.dumps(payload).encode()
                 self.send_response(code)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
+                if close:
+                    self.send_header("Connection", "close")
+                    self.close_connection = True
                 self.end_headers()
                 self.wfile.write(data)
 
@@ -183,7 +224,8 @@ def _error_body(exc: urllib.error.HTTPError, which: str) -> dict[str, Any]:
 
 
 def run(args: Any) -> int:
-    proxy = PdProxy(args.prefill, args.decode, args.host, args.port)
+    max_body = MAX_BODY_BYTES if args.max_body_bytes is None else args.max_body_bytes
+    proxy = PdProxy(args.prefill, args.decode, args.host, args.port, max_body_bytes=max_body)
     print(f"kvflow proxy on {proxy.url}: prefill {args.prefill}, decode {args.decode}", flush=True)
     with contextlib.suppress(KeyboardInterrupt):
         proxy.serve_forever()

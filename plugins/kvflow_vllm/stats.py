@@ -23,6 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from vllm.v1.metrics.utils import create_metric_per_engine
 
 from kvflow import stats
+from kvflow.security import REJECT_REASONS
 
 __all__ = ["KVFlowPromMetrics", "KVFlowStats"]
 
@@ -108,6 +109,17 @@ class KVFlowPromMetrics(KVConnectorPromMetrics):
             )
             for key, doc in COUNTED.items()
         }
+        rejected = counter(
+            name="vllm:kvflow_rejected",
+            documentation="Inputs from outside kvflow refused, by reason: P/D params "
+            "(address, signature, prompt, malformed) and side-channel frames "
+            "(unauthenticated, frame, bounds)",
+            labelnames=[*labelnames, "reason"],
+        )
+        self.rejected = {
+            idx: {r: rejected.labels(*values, r) for r in REJECT_REASONS}
+            for idx, values in self.per_engine_labelvalues.items()
+        }
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for direction, nbytes, start, end in transfer_stats_data.get("transfers", []):
@@ -119,3 +131,6 @@ class KVFlowPromMetrics(KVConnectorPromMetrics):
         for key, per_engine in self.counters.items():
             if value := transfer_stats_data.get(key, 0):
                 per_engine[engine_idx].inc(value)
+        for reason, value in transfer_stats_data.get("rejected", {}).items():
+            if reason in self.rejected[engine_idx]:
+                self.rejected[engine_idx][reason].inc(value)

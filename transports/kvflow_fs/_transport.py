@@ -19,7 +19,7 @@ import trio
 
 from kvflow.chunks import BadHeader, ChunkFailure, ChunkHeader, first_failure, layer_hash
 from kvflow.config import default_cache_dir
-from kvflow.keys import ChunkKey
+from kvflow.keys import ChunkKey, is_chunk_key, is_plain_name, shown
 from kvflow.transport import (
     Capabilities,
     ChunkCorrupt,
@@ -51,6 +51,10 @@ class FsOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """fsync each file before it becomes visible (survives power loss; slower)."""
     threads: int = 2
     """Threads one load or save reads or writes with at once, each on its own files."""
+    file_mode: str = "0600"
+    """Permissions of the chunk files (octal), less the umask: owner-only by default;
+    e.g. "0640" for a store several users share through a group. The directories kvflow
+    creates get the same, plus search where read is granted (0700 by default)."""
 
 
 THREADS = 32
@@ -156,6 +160,8 @@ class FsTransport(Transport):
         # queues behind saves (trio's default limiter would serve both, 40 threads).
         self._load_threads = trio.CapacityLimiter(THREADS)
         self._save_threads = trio.CapacityLimiter(THREADS)
+        self._file_mode = 0o600
+        self._dir_mode = 0o700
 
     # -- lifecycle ---------------------------------------------------------
     async def open(self) -> None:
@@ -164,9 +170,16 @@ class FsTransport(Transport):
                 "kv_connector_extra_config['options']['threads']: must be at least 1, "
                 f"not {self.options.threads}"
             )
+        self._file_mode = _file_mode(self.options.file_mode)
+        self._dir_mode = self._file_mode | (self._file_mode & 0o444) >> 2  # r -> r-x
+        if not is_plain_name(self.context.namespace):  # one directory below the root
+            raise TransportError(
+                f"fs: refused namespace {shown(self.context.namespace)}: not a plain name "
+                "(letters, digits, '_', '-', '.', not starting with '.')"
+            )
         where = "kv_connector_extra_config['options']['path']"
         try:
-            self.dir.mkdir(parents=True, exist_ok=True)
+            self.dir.mkdir(parents=True, exist_ok=True, mode=self._dir_mode)
             probe = self.dir / f".probe.{os.getpid()}.{secrets.token_hex(4)}"
             probe.write_bytes(b"")
             probe.unlink()
@@ -179,17 +192,18 @@ class FsTransport(Transport):
 
     # -- paths -------------------------------------------------------------
     def path(self, key: ChunkKey, shard: str | None = None) -> Path:
+        """The file of chunk `key`; a key of any other form than `chunk_keys` gives (a
+        client's `../x`) is refused before it names a file."""
+        if not is_chunk_key(key):
+            raise TransportError(
+                f"fs: refused chunk key {shown(key)}: not 32 lowercase hex characters"
+            )
         return self.dir / key[:2] / f"{key}.{shard or self.context.shard}.kv"
 
     # -- lookup ------------------------------------------------------------
     async def lookup(self, keys: Sequence[ChunkKey]) -> int:
-        return await trio.to_thread.run_sync(self._count_present, list(keys))
-
-    def _count_present(self, keys: list[ChunkKey]) -> int:
-        for i, key in enumerate(keys):
-            if not all(os.path.exists(self.path(key, s)) for s in self.context.shards):
-                return i
-        return len(keys)
+        paths = [[self.path(k, s) for s in self.context.shards] for k in keys]
+        return await trio.to_thread.run_sync(_count_present, paths)
 
     # -- save --------------------------------------------------------------
     async def save(self, job: SaveJob) -> None:
@@ -208,7 +222,15 @@ class FsTransport(Transport):
         headers: list[ChunkHeader | None] = [None] * n
         committed = False
         try:
-            await trio.to_thread.run_sync(_create, finals, tmps, fds, limiter=self._save_threads)
+            await trio.to_thread.run_sync(
+                _create,
+                finals,
+                tmps,
+                fds,
+                self._file_mode,
+                self._dir_mode,
+                limiter=self._save_threads,
+            )
             if not any(fd is not None for fd in fds):
                 return
             layers = [await job.layer(i) for i in range(job.num_layers)]
@@ -387,14 +409,38 @@ class FsTransport(Transport):
         await self.usage.chores_done()
 
 
-def _create(finals: list[Path], tmps: list[Path], fds: list[int | None]) -> None:
+def _file_mode(text: str) -> int:
+    """The `file_mode` option as permission bits: octal, owner read and write at least."""
+    try:
+        mode = int(text, 8)
+    except ValueError:
+        mode = -1
+    if not 0 <= mode <= 0o777 or mode & 0o600 != 0o600:
+        raise TransportError(
+            f"kv_connector_extra_config['options']['file_mode']: {shown(text)} is not "
+            'octal permissions with owner read and write, like "0600" or "0640"'
+        )
+    return mode
+
+
+def _count_present(paths: list[list[Path]]) -> int:
+    """How many leading chunks have every shard's file (`paths[chunk][shard]`)."""
+    for i, shards in enumerate(paths):
+        if not all(os.path.exists(p) for p in shards):
+            return i
+    return len(paths)
+
+
+def _create(
+    finals: list[Path], tmps: list[Path], fds: list[int | None], mode: int, dir_mode: int
+) -> None:
     """Open a temp file for each chunk not stored yet, into `fds` (so that a failure
     half-way leaves `fds` naming what `_discard` must clean up)."""
     for c, (final, tmp) in enumerate(zip(finals, tmps, strict=True)):
         if final.exists():  # same key, same bytes: someone saved it already
             continue
-        final.parent.mkdir(parents=True, exist_ok=True)
-        fds[c] = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        final.parent.mkdir(parents=True, exist_ok=True, mode=dir_mode)
+        fds[c] = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
 
 
 def _commit(

@@ -63,14 +63,13 @@ from kvflow.runtime import Backoff
 from kvflow.transport import (
     Capabilities,
     ChunkCorrupt,
-    ChunkMissing,
     LoadJob,
     Offer,
     TransferStuck,
     TransportContext,
     TransportError,
 )
-from kvflow.zmqio import BadFrame, TrioSocket
+from kvflow.zmqio import BadFrame
 
 from . import _wire as wire
 from ._descs import (
@@ -139,6 +138,7 @@ class NixlTransport(PeerTransport):  # ~265 lines: the producer's lease of a pul
     capabilities = Capabilities(store=False, peer=True, memory=frozenset({"cpu", "cuda"}))
     Pull = wire.Pull
     wire_version = wire.WIRE_VERSION
+    max_frame_bytes = wire.MAX_TO_PRODUCER_BYTES
 
     def __init__(self, options: NixlOptions, context: TransportContext) -> None:
         super().__init__(options, context)
@@ -227,7 +227,7 @@ class NixlTransport(PeerTransport):  # ~265 lines: the producer's lease of a pul
     async def serving(self, nursery: trio.Nursery) -> None:
         nursery.start_soon(self._poll_notifs, self._require_agent())
 
-    def decode(self, data: bytes) -> wire.ToProducer:
+    def decode(self, data: bytes | memoryview) -> wire.ToProducer:
         return wire.decode_to_producer(data)
 
     def refusal(self, req: str, why: str) -> bytes:
@@ -296,9 +296,9 @@ class NixlTransport(PeerTransport):  # ~265 lines: the producer's lease of a pul
                 regions = wire.Regions(self._bases, list(layout.geometries))
                 metadata = agent.get_agent_metadata()
                 reply = msgspec.structs.replace(reply, metadata=metadata, regions=regions)
-            assert self._router is not None
-            await self._router.send_multipart([ident, wire.encode(reply)])
-        except (zmq.ZMQError, TransportError) as exc:
+            if not self.send(ident, [self.seal(wire.encode(reply))], msg.req):
+                pull.end("the consumer is gone or does not read")  # it can READ nothing
+        except TransportError as exc:
             log.warning("kvflow nixl: answering the pull of %s failed: %s", msg.req, exc)
             pull.end(f"answering the pull failed: {exc}")  # no descriptors left: no READ
 
@@ -323,9 +323,10 @@ class NixlTransport(PeerTransport):  # ~265 lines: the producer's lease of a pul
 
     def _on_notif(self, sender: str, data: bytes) -> None:
         try:
-            note = wire.decode_notif(data)
-        except BadFrame as exc:
-            log.warning("kvflow nixl: dropped a bad notification from %s: %s", sender, exc)
+            note = wire.decode_notif(self.unseal(data))
+        except Exception as exc:  # BadFrame, or anything else a stranger's bytes raise:
+            # one notification never ends the poll, and with it every pull's end
+            self.reject("frame", f"a bad notification from {sender[:100]!r}: {exc}")
             return
         pull = self._pulls.get(note.req)
         if pull is not None and pull.agent == sender:  # else late, foreign or stray
@@ -338,7 +339,7 @@ class NixlTransport(PeerTransport):  # ~265 lines: the producer's lease of a pul
             raise TransportError("a nixl load needs a PeerSource (kv_transfer_params)")
         agent = self._require_agent()
         address = self.context.peer_address(src)
-        sock = TrioSocket(self._zmq.socket(zmq.DEALER))
+        sock = self.connect(address, wire.MAX_TO_CONSUMER_BYTES)
         reads = Reads(
             agent, self.options.backend, self._local_table(), self._bases, self._memory,
             self._layout(),
@@ -346,19 +347,21 @@ class NixlTransport(PeerTransport):  # ~265 lines: the producer's lease of a pul
         ok = refused = False
         peer: Remote | None = None
         try:
-            sock.sock.connect(address)
             lease_ms = read_lease_ms(DRAIN_TIMEOUT_S)
             known = self.remotes.known(address)
             pull = wire.Pull(src.req, agent.name, known, lease_ms, list(src.block_ids))
-            await sock.send_multipart([wire.encode(pull)])
-            msg = wire.decode_to_consumer((await sock.recv_multipart())[0])
+            await sock.send_multipart([self.seal(wire.encode(pull))])
+            frames = await sock.recv_multipart()
+            if len(frames) != 1:
+                raise BadFrame(f"an answer of {len(frames)} frames")
+            msg = self.answer_to(frames[0], wire.decode_to_consumer, src.req)
             if isinstance(msg, wire.Refused):
                 refused = True  # nothing is held for us: nothing to answer
-                raise ChunkMissing(f"producer {address} refused {src.req}: {msg.reason}")
+                raise self.refused(address, src.req, msg.reason)
             peer = self.remotes.acquire(agent, address, msg, self._layout())
             await self._read(agent, job, peer, msg, reads)
             try:  # every READ is DONE: the producer may hand the blocks back
-                agent.send_notif(peer.name, wire.encode(wire.Read(src.req)))
+                agent.send_notif(peer.name, self.seal(wire.encode(wire.Read(src.req))))
             except Exception as exc:  # the side channel's Read below still tells it
                 log.info("kvflow nixl: notifying %s of %s: %s", peer.name, src.req, exc)
             ok = True
@@ -380,7 +383,7 @@ class NixlTransport(PeerTransport):  # ~265 lines: the producer's lease of a pul
                 answer = wire.Failed(src.req, "consumer gave up")
             try:
                 if answer is not None:
-                    sock.sock.send_multipart([wire.encode(answer)], zmq.NOBLOCK)
+                    sock.sock.send_multipart([self.seal(wire.encode(answer))], zmq.NOBLOCK)
                 sock.close(linger_ms=1000 if answer is not None else 0)  # let it arrive
             except zmq.ZMQError:
                 sock.close()

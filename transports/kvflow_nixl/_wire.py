@@ -27,29 +27,36 @@ them, once, and afterwards a pull needs only the offered block ids.
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import msgspec
+from msgspec import Meta
 
 from kvflow.layout import LayerGeometry
-from kvflow.peer import Renew
+from kvflow.peer import OfferId, Renew
 from kvflow.zmqio import decode_frame
 
-WIRE_VERSION = 5
+WIRE_VERSION = 6
 MAX_TO_PRODUCER_BYTES = 64 << 10
 """Pull / Failed / notifications: small, fixed-shape frames."""
 MAX_TO_CONSUMER_BYTES = 64 << 20
 """Blocks: agent metadata, a few numbers per layer and one id per block; 64 MiB is far
 above any request, and still bounds what a bad peer can make us decode."""
 
+BlockIds = Annotated[list[Annotated[int, Meta(ge=0, lt=1 << 31)]], Meta(max_length=1 << 20)]
+Name = Annotated[str, Meta(max_length=256)]
+Reason = Annotated[str, Meta(max_length=4096)]
+
 
 class Pull(msgspec.Struct, tag=True, frozen=True):
-    req: str
-    agent: str
+    req: OfferId
+    agent: Name
     """The consumer's NIXL agent name: its READ notifications arrive under it."""
-    known: str = ""
+    known: Name = ""
     """The producer agent the consumer already added (its metadata is not resent)."""
-    lease_ms: int = 0
+    lease_ms: Annotated[int, Meta(ge=0, lt=1 << 40)] = 0
     """The consumer stops reading within this many ms (0: unknown; the producer caps it)."""
-    block_ids: list[int] = []
+    block_ids: BlockIds = []
     """The offered blocks this consumer wants (it may have a prefix already); [] all."""
     version: int = WIRE_VERSION
 
@@ -78,20 +85,20 @@ class Blocks(msgspec.Struct, tag=True, frozen=True):
 
 
 class Refused(msgspec.Struct, tag=True, frozen=True):
-    req: str
-    reason: str
+    req: OfferId
+    reason: Reason
 
 
 class Failed(msgspec.Struct, tag=True, frozen=True):
-    req: str
-    reason: str
+    req: OfferId
+    reason: Reason
 
 
 class Read(msgspec.Struct, tag=True, frozen=True):
     """The consumer's READs of `req` all finished; nothing reads its blocks any more.
     Sent as a NIXL notification and over the side channel (whichever arrives first)."""
 
-    req: str
+    req: OfferId
 
 
 ToProducer = Pull | Failed | Read | Renew
@@ -115,5 +122,5 @@ def decode_to_consumer(data: bytes | memoryview) -> ToConsumer:
     return decode_frame(_to_consumer, data, MAX_TO_CONSUMER_BYTES)
 
 
-def decode_notif(data: bytes) -> Read:
+def decode_notif(data: bytes | memoryview) -> Read:
     return decode_frame(_notif, data, MAX_TO_PRODUCER_BYTES)

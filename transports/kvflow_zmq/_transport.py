@@ -1,8 +1,10 @@
 """The `zmq` peer transport: a producer worker serves held blocks, a consumer pulls them.
 
-Host (CPU) KV moves as zero-copy ZMQ frames, layer by layer. CUDA KV on one
-host moves device to device over CUDA IPC (`_ipc`); ZMQ then carries only the
-control frames.
+Host (CPU) KV moves as ZMQ frames, layer by layer: copies of the blocks, so the blocks
+go back to vLLM once sent, whatever a consumer does with its socket (zero-copy frames
+would let a consumer that stops reading keep them, or read what vLLM wrote there next).
+CUDA KV on one host moves device to device over CUDA IPC (`_ipc`); ZMQ then carries
+only the control frames.
 """
 
 from __future__ import annotations
@@ -13,33 +15,23 @@ from typing import Any
 import trio
 import zmq
 
-from kvflow.layout import KVLayout, LayoutError, layout_mismatch
-from kvflow.peer import (
-    read_lease,
-    read_lease_ms,
-)
+from kvflow.layout import KVLayout, LayoutError, peer_layout_problem
 from kvflow.peer_transport import PeerOptions, PeerTransport
-from kvflow.runtime import poll_until
 from kvflow.transport import (
     Capabilities,
     ChunkCorrupt,
-    ChunkMissing,
     LoadJob,
     Offer,
     PeerSource,
     TransportContext,
     TransportError,
 )
-from kvflow.zmqio import BadFrame, TrioSocket
+from kvflow.zmqio import BadFrame
 
 from . import _ipc as ipc
 from . import _wire as wire
 
 log = logging.getLogger("kvflow.zmq")
-
-READ_MARGIN_S = 5.0
-"""Added to a consumer's deadline in the lease it sends with a pull (its socket closes
-at the deadline; ZMQ then frees what it still held of the producer's frames)."""
 
 
 class ZmqOptions(PeerOptions, forbid_unknown_fields=True, kw_only=True):
@@ -56,6 +48,7 @@ class ZmqTransport(PeerTransport):
     capabilities = Capabilities(store=False, peer=True, memory=frozenset({"cpu", "cuda"}))
     Pull = wire.Pull
     wire_version = wire.WIRE_VERSION
+    max_frame_bytes = wire.MAX_CONTROL_BYTES
     device_type: type[ipc.Device] = ipc.CudaDevice
     """How device memory is shared (tests on machines without a GPU swap in a stand-in)."""
 
@@ -77,7 +70,7 @@ class ZmqTransport(PeerTransport):
         await super().aclose()
 
     # -- producer ----------------------------------------------------------
-    def decode(self, data: bytes) -> wire.ToProducer:
+    def decode(self, data: bytes | memoryview) -> wire.ToProducer:
         return wire.decode_to_producer(data)
 
     def refusal(self, req: str, why: str) -> bytes:
@@ -87,7 +80,7 @@ class ZmqTransport(PeerTransport):
         if not msg.geometries:
             return ""
         ours = self._layout().geometries  # over CUDA IPC, layouts are converted
-        return layout_mismatch(ours, msg.geometries, cells=bool(self._handles))
+        return peer_layout_problem(msg.geometries, ours, cells=bool(self._handles), producer=False)
 
     def ended(self, msg: wire.Done | wire.Failed, ident: bytes) -> None:
         outcome = "done" if isinstance(msg, wire.Done) else msg.reason
@@ -101,7 +94,7 @@ class ZmqTransport(PeerTransport):
             reply = self._ipc_reply(offer) if lent else wire.Refused(msg.req, "expired")
             if not await self.reply(ident, msg.req, wire.encode(reply)):
                 self.held.release(msg.req, "the consumer went away", peer=ident)
-        elif not await nursery.start(self._send_held, ident, offer, read_lease(msg.lease_ms)):
+        elif not await self._send(ident, offer):
             await self.reply(ident, msg.req, self.refusal(msg.req, "expired"))
 
     def _ipc_reply(self, offer: Offer) -> wire.Ipc:
@@ -115,63 +108,22 @@ class ZmqTransport(PeerTransport):
             self._handles,
         )
 
-    async def _send_held(
-        self,
-        ident: bytes,
-        o: Offer,
-        lease_s: float,
-        *,
-        task_status: trio.TaskStatus[bool] = trio.TASK_STATUS_IGNORED,
-    ) -> None:
-        """Answer one host-memory pull, started with `nursery.start`: queue `o`'s layers
-        for `ident` while serve() waits (the socket keeps one user at a time), start with
-        True, then keep the blocks held until ZMQ let go of every frame, or `lease_s`
-        (the consumer's own deadline plus a margin) passed: by then a kvflow consumer has
-        given up and closed its socket, and never uses what else arrives. serve() goes
-        on meanwhile, so a consumer that stops reading holds up only its own blocks.
-        Starts with False, sending nothing, if `o` is no longer held."""
-        if o.req not in self.held:  # expired or closing while serve() waited to start us
-            task_status.started(False)
-            return
-        with self.held.reading(o.req):  # the blocks stay held until the trackers fired
-            trackers: list[zmq.MessageTracker] = []
-            try:
-                assert self._router is not None
-                await self._send_layers(self._router, ident, o, trackers)
-                task_status.started(True)
-            finally:
-                with trio.CancelScope(shield=True):  # zmq reads the blocks until then
-                    with trio.move_on_after(lease_s):
-                        await poll_until(lambda: all(t.done for t in trackers))
-                if not all(t.done for t in trackers):
-                    log.warning(
-                        "kvflow zmq: %s: ZMQ still holds frames of it past the consumer's "
-                        "lease (%.1fs); handing the blocks back",
-                        o.req,
-                        lease_s,
-                    )
-
-    async def _send_layers(
-        self, router: TrioSocket, ident: bytes, o: Offer, trackers: list[zmq.MessageTracker]
-    ) -> None:
-        """Queue `o`'s layers for `ident`, adding each sent layer's tracker to `trackers`."""
-        try:
+    async def _send(self, ident: bytes, o: Offer) -> bool:
+        """Answer one host-memory pull: queue copies of `o`'s layers for `ident` (serve()
+        waits, letting other tasks run between layers: the socket keeps one user at a
+        time), never waiting on the consumer: one that does not read gets no more. Once
+        queued, nothing reads the blocks. False, sending nothing, if `o` is no longer
+        held (it expired or closed while serve() waited)."""
+        if o.req not in self.held:
+            return False
+        with self.held.reading(o.req):
             for layer in range(o.num_layers):
                 spans = [s for chunk in o.spans(layer) for s in chunk]
                 header = wire.encode(wire.Layer(o.req, layer, [len(s) for s in spans]))
-                # One tracker per layer, on its last frame: libzmq frees a connection's
-                # messages in order, so when the last frame is released all are (a tracker
-                # per frame costs a Python Event each, ~16k per GiB). Keep no reference to
-                # the Frame after sending it, or its tracker never fires.
-                last = zmq.Frame(spans[-1], track=True, copy=False)  # never copied: tracked
-                tracker = last.tracker
-                try:
-                    await router.send_multipart([ident, header, *spans[:-1], last], copy=False)
-                finally:
-                    del last
-                trackers.append(tracker)  # only a sent frame's tracker will fire
-        except zmq.ZMQError as exc:
-            log.warning("kvflow zmq: sending %s failed: %s", o.req, exc)
+                if not self.send(ident, [self.seal(header), *spans], o.req):
+                    break
+                await trio.lowlevel.checkpoint()
+        return True
 
     # -- consumer ----------------------------------------------------------
     async def load(self, job: LoadJob) -> None:
@@ -179,38 +131,36 @@ class ZmqTransport(PeerTransport):
         if src is None:
             raise TransportError("a zmq load needs a PeerSource (kv_transfer_params)")
         address = self.context.peer_address(src)
-        sock = TrioSocket(self._zmq.socket(zmq.DEALER))
+        layout = self._layout()
+        largest = max(g.chunk_nbytes(g.block_size) for g in layout.geometries)
+        sock = self.connect(address, max(wire.MAX_CONTROL_BYTES, largest))
         ok = refused = False
         try:
-            sock.sock.connect(address)
             pulled = trio.current_time()  # a lease can start no earlier than this
-            pull = wire.Pull(
-                src.req,
-                list(src.block_ids),
-                geometries=self._layout().geometries,
-                lease_ms=read_lease_ms(READ_MARGIN_S),
-            )
-            await sock.send_multipart([wire.encode(pull)])
+            pull = wire.Pull(src.req, list(src.block_ids), geometries=layout.geometries)
+            await sock.send_multipart([self.seal(wire.encode(pull))])
             for layer in range(job.num_layers):
                 frames: list[Any] = await sock.recv_multipart(copy=False)
-                msg = wire.decode_to_consumer(frames[0].buffer)
+                msg = self.answer_to(frames[0].buffer, wire.decode_to_consumer, src.req)
                 if isinstance(msg, wire.Refused):
                     refused = True  # nothing held for us: nothing to answer
-                    raise ChunkMissing(f"producer {address} refused {src.req}: {msg.reason}")
+                    raise self.refused(address, src.req, msg.reason)
                 if isinstance(msg, wire.Ipc):
                     await self._copy_ipc(job, src, msg, address, pulled)
                     break
-                if self._layout().memory != "cpu":
+                if layout.memory != "cpu":
                     raise TransportError(
                         f"producer {address} sends host memory; this consumer's KV cache is "
-                        f"in {self._layout().memory} memory (both sides need the same kind)"
+                        f"in {layout.memory} memory (both sides need the same kind)"
                     )
                 dest = [s for chunk in job.spans(layer) for s in chunk]
                 sizes = [len(d) for d in dest]
-                if msg.layer != layer or msg.sizes != sizes or len(frames) != len(dest) + 1:
+                got = [len(f.buffer) for f in frames[1:]]
+                if msg.layer != layer or msg.sizes != sizes or got != sizes:
                     raise ChunkCorrupt(
-                        f"producer {address} sent layer {msg.layer} with spans {msg.sizes}; "
-                        f"expected layer {layer} with {sizes}"
+                        f"producer {address} sent layer {msg.layer} with spans "
+                        f"{msg.sizes[:8]} in frames of {got[:8]}; expected layer {layer} "
+                        f"with {sizes[:8]}"
                     )
                 for d, f in zip(dest, frames[1:], strict=True):
                     d[:] = f.buffer
@@ -223,7 +173,7 @@ class ZmqTransport(PeerTransport):
             linger = 0
             try:
                 if not refused:  # a refused pull holds nothing: nothing to answer
-                    sock.sock.send_multipart([wire.encode(reply)], zmq.NOBLOCK)
+                    sock.sock.send_multipart([self.seal(wire.encode(reply))], zmq.NOBLOCK)
                     linger = 200  # let Done/Failed reach the producer
             except zmq.ZMQError:
                 pass
@@ -308,8 +258,12 @@ def _check_ipc_offer(
             f"CUDA IPC needs producer and consumer on one host: {address} is on "
             f"{msg.host}, this consumer on {here}"
         )
-    if why := layout_mismatch(msg.geometries, layout.geometries, cells=True):
+    if why := peer_layout_problem(msg.geometries, layout.geometries, cells=True):
         raise ChunkCorrupt(f"producer {address}: {why}")
+    if len(msg.handles) != len(msg.geometries) or any(
+        h.nbytes < g.extent() for h, g in zip(msg.handles, msg.geometries, strict=False)
+    ):
+        raise ChunkCorrupt(f"producer {address}: its memory handles do not cover its layers")
     if msg.block_ids != src.block_ids or len(job.block_ids) != len(src.block_ids):
         raise ChunkCorrupt(
             f"producer {address} offers blocks {msg.block_ids}; the consumer asked for "

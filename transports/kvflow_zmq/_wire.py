@@ -18,32 +18,37 @@ and, from the consumer's scheduler while the request waits (`kvflow.peer`):
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import msgspec
+from msgspec import Meta
 
 from kvflow.layout import LayerGeometry
-from kvflow.peer import Renew
+from kvflow.peer import OfferId, Renew
 from kvflow.zmqio import decode_frame
 
 from ._ipc import IpcHandle
 
-WIRE_VERSION = 4
+WIRE_VERSION = 5
 MAX_CONTROL_BYTES = 1 << 20
+MAX_BLOCKS = 1 << 20
+MAX_LAYERS = 1 << 12
+
+BlockIds = Annotated[list[Annotated[int, Meta(ge=0, lt=1 << 31)]], Meta(max_length=MAX_BLOCKS)]
+Reason = Annotated[str, Meta(max_length=4096)]
 
 
 class Pull(msgspec.Struct, tag=True, frozen=True):
-    req: str
-    block_ids: list[int] = []
+    req: OfferId
+    block_ids: BlockIds = []
     """The offered blocks this consumer wants (it may have a prefix already); [] all."""
     version: int = WIRE_VERSION
-    geometries: list[LayerGeometry] = []
+    geometries: Annotated[list[LayerGeometry], Meta(max_length=MAX_LAYERS)] = []
     """The consumer's layers: a producer refuses a pull into blocks of another layout."""
-    lease_ms: int = 0
-    """The consumer stops reading within this many ms (0: unknown; the producer caps it):
-    past it the producer hands the blocks back even if ZMQ still holds frames of them."""
 
 
 class Layer(msgspec.Struct, tag=True, frozen=True):
-    req: str
+    req: OfferId
     layer: int
     sizes: list[int]
     """Byte size of each data frame that follows, chunk by chunk, span by span."""
@@ -63,17 +68,17 @@ class Ipc(msgspec.Struct, tag=True, frozen=True):
 
 
 class Refused(msgspec.Struct, tag=True, frozen=True):
-    req: str
-    reason: str
+    req: OfferId
+    reason: Reason
 
 
 class Done(msgspec.Struct, tag=True, frozen=True):
-    req: str
+    req: OfferId
 
 
 class Failed(msgspec.Struct, tag=True, frozen=True):
-    req: str
-    reason: str
+    req: OfferId
+    reason: Reason
 
 
 ToProducer = Pull | Done | Failed | Renew

@@ -6,6 +6,10 @@ bulk reply straight into caller memory (`recv_into`), and a bounded pool.
 
 A connection whose exchange was cut short (cancellation, timeout, a network error)
 is in an unknown position of the reply stream and is closed, never reused.
+
+Replies are bounded before they are buffered (a hostile or broken server): a line
+(`MAX_LINE`), a bulk (the connection's `max_bulk`), an array's length (`MAX_ARRAY`)
+and nesting (`MAX_DEPTH`); past a bound the call raises `ProtocolError` at once.
 """
 
 from __future__ import annotations
@@ -27,6 +31,14 @@ Reply = Any
 
 IOV_MAX = 1024
 _RECV_SIZE = 256 * 1024
+MAX_LINE = 64 << 10
+"""The longest status, error or length line accepted (a server's errors are far shorter)."""
+MAX_BULK = 64 << 10
+"""A connection's `max_bulk` until its user knows better (the transport: see `register`)."""
+MAX_ARRAY = 1024
+"""The most elements an array reply may have (the transport reads a CONFIG GET pair)."""
+MAX_DEPTH = 4
+"""How deeply arrays may nest (the transport reads flat ones)."""
 
 
 class RedisError(Exception):
@@ -35,6 +47,10 @@ class RedisError(Exception):
 
 class ConnectionLost(ConnectionError):
     """The server closed the connection."""
+
+
+class ProtocolError(ConnectionError):
+    """The server sent what this client does not read: not RESP2, or past a bound."""
 
 
 class BadURL(ValueError):
@@ -154,6 +170,8 @@ class Connection:
     def __init__(self, sock: trio.socket.SocketType, timeout_s: float) -> None:
         self.sock = sock
         self.timeout_s = timeout_s
+        self.max_bulk = MAX_BULK
+        """The longest bulk reply accepted."""
         self.buf = bytearray()
         self.pos = 0
         self.last_used = trio.current_time()
@@ -233,13 +251,15 @@ class Connection:
     async def _line(self) -> bytes:
         while True:
             end = self.buf.find(b"\r\n", self.pos)
-            if end >= 0:
+            if 0 <= end <= self.pos + MAX_LINE:
                 line = bytes(self.buf[self.pos : end])
                 self.pos = end + 2
                 return line
+            if len(self.buf) - self.pos >= MAX_LINE + 2:  # no line end where one must be
+                raise ProtocolError(f"a reply line longer than {MAX_LINE} bytes")
             await self._fill()
 
-    async def reply(self) -> Reply:
+    async def reply(self, depth: int = 0) -> Reply:
         """The next reply, whole (for small replies)."""
         line = await self._line()
         kind, rest = line[:1], line[1:]
@@ -248,9 +268,9 @@ class Connection:
         if kind == b"-":
             return RedisError(rest.decode(errors="replace"))
         if kind == b":":
-            return int(rest)
+            return _number(line)
         if kind == b"$":
-            n = int(rest)
+            n = _length(line, self.max_bulk, "a bulk reply")
             if n < 0:
                 return None
             data = bytearray(n)
@@ -258,18 +278,20 @@ class Connection:
             await self._crlf()
             return bytes(data)
         if kind == b"*":
-            n = int(rest)
-            return None if n < 0 else [await self.reply() for _ in range(n)]
-        raise ConnectionLost(f"unexpected reply {line[:40]!r}: not a RESP2 server?")
+            if depth >= MAX_DEPTH:
+                raise ProtocolError(f"arrays nested deeper than {MAX_DEPTH}")
+            n = _length(line, MAX_ARRAY, "an array reply")
+            return None if n < 0 else [await self.reply(depth + 1) for _ in range(n)]
+        raise ProtocolError(f"unexpected reply {line[:40]!r}: not a RESP2 server?")
 
     async def bulk_header(self) -> int | RedisError:
         """Start a bulk reply: its length (-1 for nil), or the error reply in its place."""
         line = await self._line()
         if line[:1] == b"$":
-            return int(line[1:])
+            return _length(line, self.max_bulk, "a bulk reply")
         if line[:1] == b"-":
             return RedisError(line[1:].decode(errors="replace"))
-        raise ConnectionLost(f"expected a bulk reply, got {line[:40]!r}")
+        raise ProtocolError(f"expected a bulk reply, got {line[:40]!r}")
 
     async def bulk_end(self) -> None:
         await self._crlf()
@@ -278,7 +300,7 @@ class Connection:
         while len(self.buf) - self.pos < 2:
             await self._fill()
         if self.buf[self.pos : self.pos + 2] != b"\r\n":
-            raise ConnectionLost("malformed bulk reply (no CRLF after its data)")
+            raise ProtocolError("malformed bulk reply (no CRLF after its data)")
         self.pos += 2
 
     async def read_into(self, views: Sequence[memoryview]) -> None:
@@ -325,6 +347,22 @@ class Connection:
         return replies
 
 
+def _number(line: bytes) -> int:
+    """The integer after a reply line's type byte."""
+    try:
+        return int(line[1:])
+    except ValueError:
+        raise ProtocolError(f"not a number in the reply line {line[:40]!r}") from None
+
+
+def _length(line: bytes, limit: int, what: str) -> int:
+    """The length a bulk or array reply line announces (-1: nil), at most `limit`."""
+    n = _number(line)
+    if not -1 <= n <= limit:
+        raise ProtocolError(f"{what} of {n} (at most {limit} accepted)")
+    return n
+
+
 class Pool:
     """At most `max_connections` connections; a connection goes back only after a clean use."""
 
@@ -339,6 +377,8 @@ class Pool:
         self._idle: list[Connection] = []
         self._limit = trio.Semaphore(max_connections)
         self._closed = False
+        self.max_bulk = MAX_BULK
+        """Each connection's `max_bulk`, from its next use on."""
 
     async def _get(self) -> Connection:
         while self._idle:
@@ -361,6 +401,7 @@ class Pool:
     async def connection(self) -> AsyncIterator[Connection]:
         async with self._limit:
             conn = await self._get()
+            conn.max_bulk = self.max_bulk
             ok = False
             try:
                 yield conn

@@ -20,6 +20,7 @@ from kvflow import (
     ChunkHeader,
     ChunkKey,
     ChunkMissing,
+    KVLayout,
     LoadJob,
     SaveJob,
     Transport,
@@ -31,6 +32,7 @@ from kvflow import (
 
 from ._format import decode_trailer, encode_trailer
 from ._resp import (
+    MAX_BULK,
     Address,
     BadURL,
     Buffer,
@@ -83,6 +85,7 @@ class RedisTransport(Transport):
         self.options: RedisOptions = options
         self.addr: Address | None = None
         self._pool: Pool | None = None
+        self._max_bulk = MAX_BULK
 
     # -- lifecycle ---------------------------------------------------------
     async def open(self) -> None:
@@ -99,6 +102,7 @@ class RedisTransport(Transport):
             raise TransportError(f"{_WHERE}['url']: {exc}") from None
         name = f"kvflow-{self.context.role}-{self.context.shard}"
         self._pool = Pool(self.addr, o.max_connections, o.timeout_s, name)
+        self._pool.max_bulk = self._max_bulk
         try:
             async with self._pool.connection() as conn:
                 policy = await conn.pipeline([("CONFIG", "GET", "maxmemory-policy")])
@@ -118,6 +122,14 @@ class RedisTransport(Transport):
                 "full; set allkeys-lru (see the kvflow-redis README)",
                 self.addr.redacted(),
             )
+
+    async def register(self, layout: KVLayout) -> None:
+        """Also bounds the replies this transport reads: no bulk longer than a value it
+        writes (a hostile or broken server's `$<huge>` fails at once, unbuffered)."""
+        await super().register(layout)
+        self._max_bulk = max(MAX_BULK, _largest_value(self.context, layout))
+        if self._pool is not None:
+            self._pool.max_bulk = self._max_bulk
 
     async def aclose(self) -> None:
         if self._pool is not None:
@@ -378,6 +390,23 @@ class RedisTransport(Transport):
         await after.wait()
         job.layer_loaded(layer)
         done.set()
+
+
+def _largest_value(context: TransportContext, layout: KVLayout) -> int:
+    """Bytes of the largest value this transport writes for `layout`: a full block of
+    every layer, then a trailer with each of its numbers at its widest."""
+    full = [g.chunk_nbytes(g.block_size) for g in layout.geometries]  # block-granular: whole
+    widest = 2**64 - 1
+    trailer = ChunkHeader(
+        key="f" * 64,  # chunk keys have 32 characters
+        namespace=context.namespace,
+        shard=context.shard,
+        num_tokens=widest,
+        layer_nbytes=[widest] * len(full),
+        layer_hash=[widest] * len(full),
+        layout=layout.describe(),
+    )
+    return sum(full) + len(encode_trailer(trailer))
 
 
 def _intact(found: list[ChunkFailure | None], n: int) -> int:

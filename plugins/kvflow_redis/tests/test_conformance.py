@@ -3,9 +3,11 @@ the suite does not cover: option errors at open(), corrupt values, TTLs."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
-from collections.abc import Callable
+import tracemalloc
+from collections.abc import AsyncIterator, Callable
 
 import pytest
 import trio
@@ -19,7 +21,7 @@ from kvflow import (
 )
 from kvflow.testing import TransportConformance, make_layout
 from kvflow_redis import RedisOptions, RedisTransport
-from kvflow_redis._resp import Pool, parse_url
+from kvflow_redis._resp import MAX_BULK, Pool, ProtocolError, encode, parse_url
 
 pytestmark = pytest.mark.trio
 
@@ -174,3 +176,104 @@ async def test_server_side_timeout_is_bounded(redis_url: str) -> None:
     with trio.fail_after(5), pytest.raises(TransportError, match=r"timeout_s=0\.3"):
         await t.open()
     listener.close()
+
+
+# -- a hostile server ------------------------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def hostile_server(answer: bytes) -> AsyncIterator[str]:
+    """A server on a real socket that completes the handshake (CLIENT SETNAME, PING), then
+    answers the next command with `answer` and holds the connection open; its URL."""
+
+    async def serve(stream: trio.SocketStream) -> None:
+        got = b""
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+            while b"PING\r\n" not in got:
+                got += await stream.receive_some()
+            await stream.send_all(b"+OK\r\n+PONG\r\n")
+            await stream.receive_some()  # the next command
+            view = memoryview(answer)
+            for i in range(0, len(view), 1 << 16):  # until the client hangs up
+                await stream.send_all(view[i : i + (1 << 16)])
+            while await stream.receive_some():
+                pass
+
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(trio.serve_tcp, serve, 0)
+        port = listeners[0].socket.getsockname()[1]
+        yield f"redis://127.0.0.1:{port}/0"
+        nursery.cancel_scope.cancel()
+
+
+HOSTILE = {
+    "huge bulk": (b"$1073741824\r\n", r"a bulk reply of 1073741824 \(at most 65536"),
+    "huge array": (b"*100000000\r\n:1\r\n", r"an array reply of 100000000 \(at most 1024"),
+    "deep nesting": (b"*1\r\n" * 100_000, r"arrays nested deeper than 4"),
+    "endless line": (b"+" + b"x" * (8 << 20), r"a reply line longer than 65536 bytes"),
+    "no number": (b"$1x\r\n", r"not a number in the reply line b'\$1x'"),
+}
+
+
+@pytest.mark.parametrize("case", list(HOSTILE))
+async def test_a_hostile_reply_fails_fast_with_bounded_memory(case: str) -> None:
+    """A server that declares a 1 GiB bulk or 10^8 elements, nests arrays 100 000 deep,
+    or sends 8 MiB without a line end: the client refuses at once, naming the bound,
+    holding at most a few hundred KiB (it used to allocate the bulk, wait out
+    `timeout_s`, recurse until RecursionError, or buffer every byte)."""
+    answer, message = HOSTILE[case]
+    async with hostile_server(answer) as url:
+        t = RedisTransport(RedisOptions(url=url, timeout_s=30), _context())
+        tracemalloc.start()
+        try:
+            with pytest.raises(TransportError, match=message):
+                await t.open()
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    assert peak < 4 << 20, f"{peak} bytes held for one hostile reply"
+
+
+@pytest.mark.parametrize("block_granular", [False, True])
+async def test_the_bulk_bound_covers_the_largest_value_written(
+    redis_url: str, block_granular: bool
+) -> None:
+    """`register` bounds bulk replies by the largest value the transport writes (a full
+    chunk and its trailer): such a value reads whole; a server's bulk one byte longer
+    fails before anything is buffered."""
+    layout = make_layout(
+        num_layers=4,
+        num_blocks=2,
+        block_size=64,
+        heads=8,
+        head_dim=64,
+        block_granular=block_granular,
+    )
+    t = RedisTransport(RedisOptions(url=redis_url, key_prefix=_prefix()), _context())
+    await t.open()
+    try:
+        await t.register(layout)
+        limit = t.pool.max_bulk
+        assert limit > MAX_BULK  # 1 MiB chunks: the bound grew with the layout
+
+        async def layer_spans(i: int) -> list[list[memoryview]]:
+            return layout.chunk_spans(i, [0], [64])
+
+        key = "ab" * 16
+        await t.save(SaveJob("r", [key], [64], 4, layer_spans))
+        (strlen,) = await t.pool.pipeline([("STRLEN", t.key(key))])
+        assert isinstance(strlen, int) and strlen <= limit < strlen + 1024
+        (value,) = await t.pool.pipeline([("GET", t.key(key))])
+        assert isinstance(value, bytes) and len(value) == strlen
+    finally:
+        await t.aclose()
+    async with hostile_server(b"$%d\r\n" % (limit + 1)) as url:
+        pool = Pool(parse_url(url), 1, 30.0, "test")
+        pool.max_bulk = limit
+        try:
+            async with pool.connection() as conn:
+                await conn.send(encode("GETRANGE", "k", 0, -1))
+                with pytest.raises(ProtocolError, match=f"a bulk reply of {limit + 1} "):
+                    await conn.bulk_header()
+        finally:
+            pool.close()

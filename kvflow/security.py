@@ -1,0 +1,305 @@
+"""Who may use a P/D side channel, and which P/D params a consumer believes.
+
+A deployment shares one secret (`kvflow keygen` writes it; every instance reads
+it from `key_file` or the `KVFLOW_KEY` environment variable, never from a
+request). From it `Channel` derives, with HMAC-SHA256 and a label per use:
+
+- the MAC that seals every control frame of the peer transports' side channel
+  (`seal` / `open`): a frame without a valid MAC is dropped unanswered, so a peer
+  without the secret learns nothing, not even which requests exist;
+- in `encrypted` mode, the CURVE key pairs of ZMQ's built-in encryption
+  (`secure`): every frame, KV bytes included, is encrypted on the wire;
+- the MAC of a producer's P/D params (`sign`), which binds the offer id, the
+  producer's engine id, addresses and blocks to a digest of the prompt
+  (`prompt_digest`: its tokens and salt, so LoRA and `cache_salt` too); a consumer
+  checks it against its own request before it opens any socket (`kvflow.pd`).
+
+Without a key a channel is keyless: loopback only (binding and pulling), unless
+`insecure` says otherwise. See docs/security.md for the threat model.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import hmac
+import ipaddress
+import logging
+import os
+import secrets
+import time
+from array import array
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+from urllib.parse import urlsplit
+
+import zmq
+from zmq.utils import z85
+
+from .zmqio import BadFrame, TrioSocket
+
+__all__ = [
+    "KEY_ENV",
+    "REJECT_REASONS",
+    "Channel",
+    "ChannelMode",
+    "Rejections",
+    "SecurityError",
+    "keygen",
+    "prompt_digest",
+    "read_key",
+]
+
+KEY_ENV = "KVFLOW_KEY"
+"""An environment variable holding the deployment secret (hex), if `key_file` is unset."""
+KEY_BYTES = 32
+MAC_BYTES = 16
+"""A sealed frame starts with this many bytes of HMAC-SHA256 over the rest."""
+
+ChannelMode = Literal["authenticated", "encrypted"]
+ZAP_DOMAIN = b"kvflow"
+ZAP_ENDPOINT = "inproc://zeromq.zap.01"
+"""Where libzmq sends a context's handshake checks (ZeroMQ RFC 27)."""
+PLAIN, CURVE = b"PLAIN", b"CURVE"
+PLAIN_USER = b"kvflow"
+
+REJECT_REASONS = ("malformed", "address", "signature", "prompt", "unauthenticated", "frame")
+"""Why kvflow refused an input from outside: P/D params that do not parse (`malformed`),
+name an address it may not connect to (`address`), are not this deployment's
+(`signature`) or were made for another prompt (`prompt`); a side-channel frame without
+this deployment's MAC (`unauthenticated`) or that is malformed or out of bounds
+(`frame`)."""
+
+LOG_EVERY_S = 10.0
+
+log = logging.getLogger("kvflow.security")
+
+
+class SecurityError(ValueError):
+    """A key that cannot be read, or a setting that would expose the side channel."""
+
+
+def keygen(path: str | os.PathLike[str]) -> Path:
+    """Write a new deployment secret to `path` (owner-only, never over an existing file)."""
+    out = Path(path)
+    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(KEY_BYTES) + "\n")
+    return out
+
+
+def read_key(key_file: str = "") -> bytes | None:
+    """The deployment secret from `key_file`, else from `$KVFLOW_KEY`; None if neither."""
+    if key_file:
+        where = f"key_file {key_file!r}"
+        try:
+            text = Path(key_file).read_text()
+        except OSError as exc:
+            raise SecurityError(f"cannot read {where}: {exc.strerror}") from None
+    elif os.environ.get(KEY_ENV):
+        where, text = f"${KEY_ENV}", os.environ[KEY_ENV]
+    else:
+        return None
+    try:
+        key = bytes.fromhex(text.strip())
+    except ValueError:
+        key = b""
+    if len(key) < 16:
+        raise SecurityError(
+            f"{where} does not hold a kvflow key (at least 16 bytes, in hex); "
+            "make one with `kvflow keygen PATH`"
+        )
+    return key
+
+
+def prompt_digest(token_ids: Sequence[int], salt: str = "") -> str:
+    """What a request's KV depends on besides the model: its tokens and its salt (cache
+    salt, LoRA, multimodal inputs), as a short hex digest."""
+    h = hashlib.blake2b(digest_size=16, person=b"kvflow-prompt")
+    encoded = salt.encode()
+    h.update(len(encoded).to_bytes(8, "little") + encoded)
+    h.update(array("q", token_ids).tobytes())
+    return h.hexdigest()
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+@functools.lru_cache(maxsize=64)
+def _derive(key: bytes, label: str) -> bytes:
+    """The key of one use (`label`) of the deployment secret `key` (computed once: a
+    frame's MAC needs it each time)."""
+    return hmac.digest(key, b"kvflow/1/" + label.encode(), "sha256")
+
+
+@dataclass(frozen=True)
+class Channel:
+    """The deployment's side-channel security (see the module text)."""
+
+    key: bytes | None = None
+    mode: ChannelMode = "authenticated"
+    insecure: bool = False
+    """Allow a keyless channel beyond loopback (anyone who reaches it can pull KV)."""
+
+    @property
+    def keyed(self) -> bool:
+        return self.key is not None
+
+    def _derive(self, label: str) -> bytes:
+        assert self.key is not None
+        return _derive(self.key, label)
+
+    # -- control frames ----------------------------------------------------------
+    def seal(self, payload: bytes) -> bytes:
+        """A control frame as sent: the payload after its MAC (keyless: as it is)."""
+        if self.key is None:
+            return payload
+        return hmac.digest(self._derive("frame"), payload, "sha256")[:MAC_BYTES] + payload
+
+    def open(self, frame: Any) -> bytes | memoryview:
+        """The payload of a sealed frame; `BadFrame` if its MAC is wrong."""
+        data = frame if isinstance(frame, bytes | memoryview) else memoryview(frame)
+        if self.key is None:
+            return data
+        mac, payload = bytes(data[:MAC_BYTES]), data[MAC_BYTES:]
+        want = hmac.digest(self._derive("frame"), payload, "sha256")[:MAC_BYTES]
+        if len(data) < MAC_BYTES or not hmac.compare_digest(mac, want):
+            raise BadFrame("a frame without a valid MAC (a peer without this deployment's key)")
+        return payload
+
+    # -- sockets -----------------------------------------------------------------
+    def secure(self, sock: zmq.Socket[Any], *, server: bool) -> None:
+        """Set up `sock` for this channel before it binds or connects: with a key, every
+        connection's handshake proves the peer holds it (ZMQ's PLAIN mechanism with a
+        password derived from the key, checked by `answer_zap`; CURVE when encrypted),
+        so a stranger's connection ends before libzmq takes in any message."""
+        if self.key is None:
+            return
+        if server:
+            sock.zap_domain = ZAP_DOMAIN
+        if self.mode == "authenticated":
+            if server:
+                sock.plain_server = True
+            else:
+                sock.plain_username, sock.plain_password = PLAIN_USER, self._password()
+            return
+        if not zmq.has("curve"):
+            raise SecurityError("channel 'encrypted' needs libzmq with CURVE; this one has none")
+        server_secret, server_public = self._curve("server")
+        if server:
+            sock.curve_secretkey = server_secret
+            sock.curve_publickey = server_public
+            sock.curve_server = True
+        else:
+            sock.curve_secretkey, sock.curve_publickey = self._curve("client")
+            sock.curve_serverkey = server_public
+
+    def zap_socket(self, zctx: zmq.Context[Any]) -> TrioSocket | None:
+        """The socket through which libzmq asks `zctx`'s keyed producer sockets' handshakes
+        to be checked (ZAP, ZeroMQ RFC 27); `answer_zap` answers it. None keyless. Bind it
+        before the producer binds: until it is answered, handshakes wait."""
+        if self.key is None:
+            return None
+        sock = zctx.socket(zmq.REP)
+        sock.bind(ZAP_ENDPOINT)
+        return TrioSocket(sock)
+
+    async def answer_zap(self, sock: TrioSocket) -> None:
+        """Answer every handshake check on `sock` until cancelled: a PLAIN password, or a
+        CURVE client key, derived from this deployment's key passes; anything else fails
+        (libzmq then ends the connection before it takes in any message)."""
+        if self.mode == "authenticated":
+            want = [PLAIN, PLAIN_USER, self._password()]
+        else:
+            want = [CURVE, z85.decode(self._curve("client")[1])]
+        while True:
+            frames = await sock.recv_multipart()
+            ok = len(frames) >= 6 and frames[0] == b"1.0" and _same(frames[5:], want)
+            request_id = frames[1] if len(frames) > 1 else b""
+            status = [b"200", b"OK"] if ok else [b"400", b"not this deployment's key"]
+            await sock.send_multipart([b"1.0", request_id, *status, b"", b""])
+
+    def _password(self) -> bytes:
+        """The PLAIN password of `authenticated` connections. PLAIN sends it in the clear:
+        it keeps strangers off the network out, not an on-path attacker (every control
+        frame's MAC, and `encrypted`, do that)."""
+        return self._derive("plain").hex().encode()
+
+    def _curve(self, label: str) -> tuple[bytes, bytes]:
+        """A CURVE key pair (z85 secret, z85 public) derived from the deployment key."""
+        secret = z85.encode(self._derive(f"curve-{label}"))
+        return secret, zmq.curve_public(secret)
+
+    def bind_problem(self, host: str) -> str:
+        """Why a producer may not listen on `host` ("" if it may)."""
+        if self.keyed or self.insecure or is_loopback(host):
+            return ""
+        return (
+            f"binding the P/D side channel on {host} without a key lets anyone who reaches it "
+            "read this engine's KV: make a key with `kvflow keygen PATH` and give every "
+            "instance kv_connector_extra_config['key_file'] = PATH (or $KVFLOW_KEY), or set "
+            "'insecure': true"
+        )
+
+    def address_problem(self, address: str) -> str:
+        """Why a consumer may not connect to `address` ("" if it may): a `tcp://` IP
+        literal and port, loopback unless the channel is keyed or insecure."""
+        try:
+            url = urlsplit(address)
+            host, port = url.hostname or "", url.port
+            ipaddress.ip_address(host)
+        except ValueError:
+            return "not a tcp://IP:port address"
+        if url.scheme != "tcp" or not port or url.path or url.query or url.username:
+            return "not a tcp://IP:port address"
+        if not (self.keyed or self.insecure or is_loopback(host)):
+            return "not a loopback address, and this engine has no key"
+        return ""
+
+    # -- P/D params --------------------------------------------------------------
+    def sign(self, message: bytes) -> str:
+        """The hex MAC of a producer's P/D params ("" keyless)."""
+        if self.key is None:
+            return ""
+        return hmac.digest(self._derive("params"), message, "sha256").hex()
+
+    def signed(self, message: bytes, mac: str) -> bool:
+        """Whether `mac` is this deployment's MAC of `message` (keyless: no MAC at all)."""
+        return hmac.compare_digest(self.sign(message), mac)
+
+
+def _same(got: Sequence[bytes], want: Sequence[bytes]) -> bool:
+    """Whether a handshake's mechanism and credentials are `want`'s (constant time)."""
+    return len(got) == len(want) and all(
+        hmac.compare_digest(bytes(g), w) for g, w in zip(got, want, strict=True)
+    )
+
+
+class Rejections:
+    """Report refused inputs: each to `sink` (a counter), and to the log at most once per
+    reason every `LOG_EVERY_S`, with how many were not logged (a flood of bad input must
+    not flood the log)."""
+
+    def __init__(self, where: str, sink: Callable[[str, str], None] | None = None) -> None:
+        self.where = where
+        self.sink = sink
+        self._logged: dict[str, tuple[float, int]] = {}  # reason -> (last logged, since)
+
+    def __call__(self, reason: str, detail: str) -> None:
+        detail = detail[:300]
+        if self.sink is not None:
+            self.sink(reason, detail)
+        now = time.monotonic()
+        last, quiet = self._logged.get(reason, (-LOG_EVERY_S, 0))
+        if now - last < LOG_EVERY_S:
+            self._logged[reason] = (last, quiet + 1)
+            return
+        self._logged[reason] = (now, 0)
+        more = f" ({quiet} more since the last such line)" if quiet else ""
+        log.warning("kvflow %s: refused (%s): %s%s", self.where, reason, detail, more)
