@@ -128,6 +128,11 @@ def channel_of(cfg: KVFlowConfig) -> Channel:
         key = read_key(cfg.key_file)
     except SecurityError as exc:
         raise ConfigError(f"kv_connector_extra_config['key_file']: {exc}") from None
+    if key is None and cfg.channel == "encrypted":
+        raise ConfigError(
+            "kv_connector_extra_config['channel'] is 'encrypted' but no key is set: make one "
+            "with `kvflow keygen PATH` and set 'key_file' (or $KVFLOW_KEY)"
+        )
     return Channel(key, cfg.channel, cfg.insecure)
 
 

@@ -42,7 +42,7 @@ MAX_BLOCKS = 1 << 20
 MAX_SHARDS = 1024
 
 Text = Annotated[str, Meta(max_length=256)]
-Hex = Annotated[str, Meta(pattern="^[0-9a-f]*$", max_length=128)]
+Hex = Annotated[str, Meta(pattern=r"^[0-9a-f]*\Z", max_length=128)]
 
 
 class PdParamsError(ValueError):
@@ -56,7 +56,7 @@ class PdParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     engine_id: Text
     addresses: Annotated[list[Text], Meta(min_length=1, max_length=MAX_SHARDS)]
     """The producer's worker endpoints, one per shard (TP rank)."""
-    offer: Annotated[str, Meta(pattern="^[0-9a-f]{32}$")]
+    offer: Annotated[str, Meta(pattern=r"^[0-9a-f]{32}\Z")]
     """The producer's random id of this offer: what the consumer pulls and renews."""
     block_ids: Annotated[
         list[Annotated[int, Meta(ge=0, lt=1 << 31)]], Meta(min_length=1, max_length=MAX_BLOCKS)
@@ -66,7 +66,8 @@ class PdParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Tokens in one of the producer's blocks (a consumer pulls only into blocks of as
     many; their layouts are the workers' business)."""
     prompt: Hex
-    """`prompt_digest` of the prompt's first `num_tokens` tokens and its salt."""
+    """`prompt_digest` of the prompt's first `num_tokens` tokens, its salt and the KV
+    cache group's namespace."""
     mac: Hex = ""
     """The deployment's MAC over every other field ("" for a keyless deployment)."""
 
@@ -126,10 +127,11 @@ def _parse_one(entry: Any) -> PdParams:
 
 
 def check_pd_params(
-    p: PdParams, channel: Channel, token_ids: Sequence[int], salt: str
+    p: PdParams, channel: Channel, token_ids: Sequence[int], salt: str, scope: str = ""
 ) -> tuple[str, str]:
     """(reason, why) a consumer must not pull `p` for a request of `token_ids` and
-    `salt`; ("", "") if it may. Reasons: `address`, `signature`, `prompt`."""
+    `salt` into the KV cache group `scope` (its namespace); ("", "") if it may. Reasons:
+    `address`, `signature`, `prompt`."""
     for address in p.addresses:
         if why := channel.address_problem(address):
             return "address", f"producer address {address[:100]!r}: {why}"
@@ -140,6 +142,11 @@ def check_pd_params(
             if channel.keyed
             else "the params are signed but this engine has no key (key_file)"
         )
-    if len(token_ids) < p.num_tokens or p.prompt != prompt_digest(token_ids[: p.num_tokens], salt):
-        return "prompt", "the params were made for another prompt (tokens, cache_salt or LoRA)"
+    if len(token_ids) < p.num_tokens or p.prompt != prompt_digest(
+        token_ids[: p.num_tokens], salt, scope
+    ):
+        return "prompt", (
+            "the params were made for another prompt (tokens, cache_salt or LoRA) or for "
+            "another model or KV cache group"
+        )
     return "", ""

@@ -97,11 +97,12 @@ _renewed = msgspec.msgpack.Decoder(Renewed)
 def select_blocks(offer: Offer, block_ids: Sequence[int]) -> Offer | None:
     """The part of `offer` a consumer pulls: the chunks in `block_ids` (all of them if
     empty). A consumer that already has a prefix of the prompt (its prefix cache) pulls
-    only the rest. None if a block is not offered."""
+    only the rest. None if a block is not offered, or is named twice (each block named
+    would be sent: a peer must not make one offer cost more than its blocks)."""
     if not block_ids:
         return offer
     where = {b: i for i, b in enumerate(offer.block_ids)}
-    if any(b not in where for b in block_ids):
+    if len(set(block_ids)) != len(block_ids) or any(b not in where for b in block_ids):
         return None
     idx = [where[b] for b in block_ids]
 
@@ -286,9 +287,13 @@ def dealer(
     if why := channel.address_problem(address):
         raise TransportError(f"producer address {address[:100]!r}: {why}")
     sock = zctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes + FRAME_SLACK)
-    channel.secure(sock, server=False)
-    sock.connect(address)
+    try:
+        sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes + FRAME_SLACK)
+        channel.secure(sock, server=False)
+        sock.connect(address)
+    except zmq.ZMQError as exc:
+        sock.close(0)
+        raise TransportError(f"producer address {address[:100]!r}: {exc}") from None
     return TrioSocket(sock)
 
 

@@ -212,12 +212,13 @@ class PeerTransport(Transport):
             await self.answer(nursery, ident, msg, found)
 
     def _claim(self, msg: Any, ident: bytes) -> Offer | str:
-        """The offered blocks `msg` asks for, claimed for `ident`; or why not."""
-        why = "wire version" if msg.version != self.wire_version else self.check_pull(msg)
+        """The offered blocks `msg` asks for, claimed for `ident`; or why not. The layout
+        is checked only for an offer held (a peer learns nothing of it otherwise)."""
+        why = "wire version" if msg.version != self.wire_version else ""
         offer = None if why else self.held.get(msg.req)
-        if offer is not None:
+        if offer is not None and not (why := self.check_pull(msg)):
             offer = select_blocks(offer, msg.block_ids)
-            why = "" if offer else f"{len(msg.block_ids)} blocks asked for are not all offered"
+            why = "" if offer else "the blocks asked for are not all offered, or repeat"
         why = why or self.held.claim(msg.req, ident)  # not held: why_not(req), never ""
         return offer if offer is not None and not why else why
 

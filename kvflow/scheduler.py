@@ -147,7 +147,9 @@ class SchedulerEngine:  # ~340 lines: one request's life in the scheduler (looku
         if req in self._reqs:
             return
         if pd is not None and self.can_pull:
-            reason, why = check_pd_params(pd, self.transport.context.channel, token_ids, salt)
+            reason, why = check_pd_params(
+                pd, self.transport.context.channel, token_ids, salt, self.namespace
+            )
             if reason:
                 self.reject(reason, f"request {req[:100]}: {why}; computing its prompt here")
                 pd = None
@@ -158,7 +160,7 @@ class SchedulerEngine:  # ~340 lines: one request's life in the scheduler (looku
             n = min(pd.num_tokens, len(token_ids))
             counts = chunk_token_counts(n, self.block_size)[: len(pd.block_ids)]
             claims = self._claims
-            self._reqs[req] = _Request(
+            st = self._reqs[req] = _Request(
                 keys=[""] * len(counts),
                 counts=counts,
                 prompt_len=len(token_ids),
@@ -166,19 +168,19 @@ class SchedulerEngine:  # ~340 lines: one request's life in the scheduler (looku
                 pd=pd,
                 claim=claims.add(req, pd.offer, sum(counts), pd.addresses) if claims else None,
             )
-            return
-        keys = chunk_keys(
-            self.namespace,
-            token_ids,
-            self.block_size,
-            salt=salt,
-            include_partial=self.config.save_partial_blocks,
-        )
-        counts = chunk_token_counts(len(token_ids), self.block_size)[: len(keys)]
-        st = self._reqs[req] = _Request(keys=keys, counts=counts, prompt_len=len(token_ids))
-        if self.can_offer:
+        else:
+            keys = chunk_keys(
+                self.namespace,
+                token_ids,
+                self.block_size,
+                salt=salt,
+                include_partial=self.config.save_partial_blocks,
+            )
+            counts = chunk_token_counts(len(token_ids), self.block_size)[: len(keys)]
+            st = self._reqs[req] = _Request(keys=keys, counts=counts, prompt_len=len(token_ids))
+            self._start_lookup(req, st)  # overlap the lookup with the wait in the queue
+        if self.can_offer:  # a request pulled here may be offered on too (its digest)
             st.tokens, st.salt = token_ids, salt
-        self._start_lookup(req, st)  # overlap the lookup with the request's wait in the queue
 
     def knows(self, req: str) -> bool:
         """Whether `req` was added (and has not finished)."""
@@ -346,7 +348,7 @@ class SchedulerEngine:  # ~340 lines: one request's life in the scheduler (looku
                 block_ids=list(block_ids[: len(counts)]),
                 num_tokens=sum(counts),
                 block_size=self.block_size,
-                prompt=prompt_digest(st.tokens[: sum(counts)], st.salt),
+                prompt=prompt_digest(st.tokens[: sum(counts)], st.salt, self.namespace),
             )
             params = consumer_params(pd.signed(self.transport.context.channel))
         lend = st is not None and lent_at_finish(

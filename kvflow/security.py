@@ -114,12 +114,16 @@ def read_key(key_file: str = "") -> bytes | None:
     return key
 
 
-def prompt_digest(token_ids: Sequence[int], salt: str = "") -> str:
-    """What a request's KV depends on besides the model: its tokens and its salt (cache
-    salt, LoRA, multimodal inputs), as a short hex digest."""
+def prompt_digest(token_ids: Sequence[int], salt: str = "", scope: str = "") -> str:
+    """What a request's KV in one KV cache group depends on: the group (`scope`: its
+    namespace, which names the model, dtype, layout and group), the prompt's tokens and
+    its salt (cache salt, LoRA, multimodal inputs), as a short hex digest. Params of one
+    group never pass for another's (a hybrid model's groups, or another model pool that
+    shares the key)."""
     h = hashlib.blake2b(digest_size=16, person=b"kvflow-prompt")
-    encoded = salt.encode()
-    h.update(len(encoded).to_bytes(8, "little") + encoded)
+    for part in (scope, salt):
+        encoded = part.encode()
+        h.update(len(encoded).to_bytes(8, "little") + encoded)
     h.update(array("q", token_ids).tobytes())
     return h.hexdigest()
 
@@ -256,7 +260,8 @@ class Channel:
             ipaddress.ip_address(host)
         except ValueError:
             return "not a tcp://IP:port address"
-        if url.scheme != "tcp" or not port or url.path or url.query or url.username:
+        extra = url.path or url.query or url.fragment or "@" in url.netloc
+        if url.scheme != "tcp" or not port or extra:
             return "not a tcp://IP:port address"
         if not (self.keyed or self.insecure or is_loopback(host)):
             return "not a loopback address, and this engine has no key"

@@ -219,6 +219,8 @@ def test_a_key_that_cannot_be_read_is_an_error_naming_key_file_and_keygen(
 ) -> None:
     monkeypatch.delenv(KEY_ENV, raising=False)
     assert channel_of(parse_config({}, transports=["fs"])).key is None
+    with pytest.raises(ConfigError, match="'encrypted' but no key is set: make one with"):
+        channel_of(parse_config({"channel": "encrypted"}, transports=["fs"]))
     bad = tmp_path / "bad"
     bad.write_text("not hex\n")
     for path, why in ((tmp_path / "missing", "cannot read"), (bad, "kvflow keygen PATH")):

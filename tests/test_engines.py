@@ -1056,8 +1056,9 @@ def _pd_consumer(e: Engine, num_shards: int = 1) -> SchedulerEngine:
     )
 
 
-def _pd(block_size: int = BS) -> PdParams:
-    blocks, n, digest = [10, 11, 12], len(PROMPT), prompt_digest(PROMPT)
+def _pd(sched: SchedulerEngine, block_size: int = BS) -> PdParams:
+    """Params of PROMPT for the consumer `sched` (its namespace in the digest)."""
+    blocks, n, digest = [10, 11, 12], len(PROMPT), prompt_digest(PROMPT, scope=sched.namespace)
     address, offer = "tcp://127.0.0.1:1", "0" * 32
     return PdParams(PD_VERSION, "producer", [address], offer, blocks, n, block_size, digest)
 
@@ -1068,7 +1069,7 @@ def test_a_pd_consumer_with_a_cached_prefix_pulls_only_the_rest(
     """vLLM's prefix cache already computed the first block: the load (and the pull it
     asks the producer for) covers the other blocks only."""
     sched = _pd_consumer(start_engine("pd"))
-    sched.add_request("r", PROMPT, pd=_pd())
+    sched.add_request("r", PROMPT, pd=_pd(sched))
     assert sched.lookup("r", BS) == len(PROMPT) - BS
     sched.allocated("r", [5, 6, 7], len(PROMPT) - BS)
     (load,) = sched.plan([]).loads
@@ -1082,7 +1083,7 @@ def test_a_pd_producer_with_another_parallel_shape_is_refused_naming_both(
     """A TP=1 producer and a TP=2 consumer: the prompt is computed here, never pulled
     shard-crossed (each rank holds other heads)."""
     sched = _pd_consumer(start_engine("tp"), num_shards=2)
-    sched.add_request("r", PROMPT, pd=_pd())
+    sched.add_request("r", PROMPT, pd=_pd(sched))
     assert not sched.is_remote("r")
     assert "runs 1 worker shard(s), this consumer 2" in caplog.text
 
@@ -1093,7 +1094,7 @@ def test_a_pd_producer_with_other_block_sizes_is_refused_naming_both(
     """P with blocks of 16 tokens and D with 4: computed here, never copied block for
     block into blocks that hold other tokens."""
     sched = _pd_consumer(start_engine("blocks"))
-    sched.add_request("r", PROMPT, pd=_pd(4 * BS))
+    sched.add_request("r", PROMPT, pd=_pd(sched, 4 * BS))
     assert not sched.is_remote("r")
     assert f"producer producer has blocks of {4 * BS} tokens, this consumer {BS}" in caplog.text
 

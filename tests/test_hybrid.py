@@ -19,7 +19,13 @@ from pathlib import Path
 import pytest
 
 from kvflow.eventlog import read_event_log
-from kvflow.events import CachesRegistered, LoadStarted, TransferDone, TransferFailed
+from kvflow.events import (
+    CachesRegistered,
+    LoadStarted,
+    Rejected,
+    TransferDone,
+    TransferFailed,
+)
 from kvflow_vllm.engine import GenResult, ScenarioResult, model_dir
 
 from .e2e import ServingEngine, assert_same_generation, events_for, run_engine
@@ -157,8 +163,30 @@ def test_prefill_decode_pulls_every_group(run: Run, transport: str) -> None:
             events = events_for(log, got)
             done = [e for e in events if isinstance(e, TransferDone) and e.direction == "load"]
             assert len(done) == 4, f"prompt {i}: {len(done)} of 4 groups pulled"
+        if transport == "zmq":  # issue 27: a group's params pass for no other group
+            _swapped_groups_are_computed_not_loaded(producer, consumer, log)
         for name in (f"{transport}-producer", f"{transport}-consumer"):
             assert TURNED_OFF not in run.log(name), f"{name}: hybrid manager turned off"
     finally:
         producer.close()
         consumer.close()
+
+
+def _swapped_groups_are_computed_not_loaded(
+    producer: ServingEngine, consumer: ServingEngine, log: Path
+) -> None:
+    """A client (or a proxy) that reorders a hybrid model's per-group params: each is
+    signed for its own KV cache group (the group's namespace is in its prompt digest),
+    so none passes for another; the consumer computes the prompt and loads nothing into
+    a group from another group's blocks."""
+    prompt = [_rng.randrange(3, 1000) for _ in range(280)]  # in no engine's prefix cache
+    prefill = producer.ask(prompt, 1, {"do_remote_decode": True})
+    params = prefill.kv_transfer_params or {}
+    swapped = {**params, "kvflow": list(reversed(params["kvflow"]))}
+    got = consumer.ask(prompt, 8, swapped)
+    want = producer.ask(prompt, 8)  # computed there
+    assert_same_generation(got, want, "P/D consumer, the groups' params reversed")
+    events = events_for(log, got)
+    assert not [e for e in events if isinstance(e, LoadStarted)], "a group loaded"
+    refused = [e.reason for e in read_event_log(str(log)) if isinstance(e, Rejected)]
+    assert refused == ["prompt"] * 4, refused

@@ -148,7 +148,7 @@ def test_a_renewal_holds_no_longer_than_the_producers_lease_nor_max_hold_s(
 
 
 def _pd(addresses: list[str], req: str = "p-req") -> PdParams:
-    digest = prompt_digest(PROMPT)
+    digest = prompt_digest(PROMPT, scope="ns")  # the consumer's namespace, below
     return PdParams(
         PD_VERSION, "producer", addresses, _oid(req), [1, 2, 3], len(PROMPT), BS, digest
     )

@@ -555,6 +555,31 @@ async def test_renewals_out_of_bounds_are_dropped(kind: str, zctx: zmq.Context[A
     assert [r for r, _ in p.seen.log] == ["frame"] * len(fits)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+async def test_a_pull_naming_a_block_twice_is_refused(kind: str, zctx: zmq.Context[Any]) -> None:
+    """A pull names the offered blocks it wants, and the producer sends (copies) each one
+    it names: a pull naming one block 30 000 times (it fits nixl's 64 KiB bound) would
+    have made one offer cost 30 000 blocks' copies. A block named twice, or one not
+    offered, is refused with the reason and the offer stays held for its honest pull."""
+    async with _peers(kind) as p:
+        decode = zwire.decode_to_consumer if kind == "zmq" else nwire.decode_to_consumer
+        with trio.fail_after(HANG_GUARD_S):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(p.producer.serve)
+                held = await _hold(p, nursery)
+                attacker, _ = _dealer(zctx, p.producer.address)
+                for block_ids in ([1] * 30_000, [1, 2, 3, 3], [1, 2, 3, 4], [3, 3]):
+                    pull = _pull_frame(kind, held.offer, block_ids=block_ids)
+                    await attacker.send_multipart([pull])
+                    answer = decode((await attacker.recv_multipart())[0])
+                    assert type(answer).__name__ == "Refused", answer
+                    assert "not all offered, or repeat" in answer.reason, answer.reason
+                assert held.offer in p.producer.held and not held.released.is_set()
+                await _pull(p, held)
+                nursery.cancel_scope.cancel()
+    assert p.seen.log == []
+
+
 # -- 4. a keyed side channel -----------------------------------------------------------
 
 

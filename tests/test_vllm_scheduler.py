@@ -684,10 +684,11 @@ def test_a_keyless_consumer_pulls_from_loopback_only_and_never_from_a_keyed_prod
     rejected = _rejections(consumer)
     far = {**keyless, "kvflow": {**keyless["kvflow"], "addresses": ["tcp://10.9.8.7:5555"]}}
     named = {**keyless, "kvflow": {**keyless["kvflow"], "addresses": ["tcp://localhost:5"]}}
-    for i, p in enumerate((far, named, keyed)):
+    tail = {**keyless, "kvflow": {**keyless["kvflow"], "addresses": ["tcp://127.0.0.1:5#;x:1"]}}
+    for i, p in enumerate((far, named, tail, keyed)):
         consumer.add(make_request(f"d{i}", prompt, max_tokens=1, kv_transfer_params=p))
     assert not consumer.step().plan.loads
-    assert rejected() == {"address": 2, "signature": 1}
+    assert rejected() == {"address": 3, "signature": 1}
 
 
 def test_a_repeated_request_id_gets_an_offer_of_its_own(harness: MakeHarness) -> None:

@@ -20,6 +20,7 @@ import contextlib
 import itertools
 import json
 import logging
+import sys
 import threading
 import urllib.error
 import urllib.request
@@ -225,7 +226,11 @@ def _error_body(exc: urllib.error.HTTPError, which: str) -> dict[str, Any]:
 
 def run(args: Any) -> int:
     max_body = MAX_BODY_BYTES if args.max_body_bytes is None else args.max_body_bytes
-    proxy = PdProxy(args.prefill, args.decode, args.host, args.port, max_body_bytes=max_body)
+    try:
+        proxy = PdProxy(args.prefill, args.decode, args.host, args.port, max_body_bytes=max_body)
+    except ValueError as exc:
+        print(f"kvflow proxy: {exc}", file=sys.stderr)
+        return 2
     print(f"kvflow proxy on {proxy.url}: prefill {args.prefill}, decode {args.decode}", flush=True)
     with contextlib.suppress(KeyboardInterrupt):
         proxy.serve_forever()

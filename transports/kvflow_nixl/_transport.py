@@ -89,6 +89,9 @@ INSTALL_HINT = "pip install 'kvflow[nixl]' (or: pip install nixl-cu12==1.5.1)"
 DRAIN_TIMEOUT_S = 5.0
 """How long a cancelled consumer waits for a READ in flight to end before releasing it."""
 LEASE_MARGIN_S = 1.0
+POLL_FAILED_S = 1.0
+"""After a failed poll of NIXL's notifications, wait this long before the next (one log
+line a second at most)."""
 Backend = Literal["UCX"]
 
 
@@ -304,14 +307,21 @@ class NixlTransport(PeerTransport):  # ~265 lines: the producer's lease of a pul
 
     async def _poll_notifs(self, agent: Any) -> None:
         """Collect READ notifications (this also drives the producer's UCX progress);
-        sleeps on an event while no pull is open, backs off while nothing arrives."""
+        sleeps on an event while no pull is open, backs off while nothing arrives. A
+        failed poll is logged and retried, never the end of `serve`: that would end every
+        pull's hold while the consumers may still READ."""
         backoff = Backoff(POLL_MIN_S, POLL_MAX_S)
         while True:
             if not self._pulls:
                 self._reads_started = trio.Event()
                 await self._reads_started.wait()
                 backoff.reset()
-            notifs: dict[str, list[bytes]] = agent.get_new_notifs()
+            try:
+                notifs: dict[str, list[bytes]] = agent.get_new_notifs()
+            except Exception as exc:  # the side channel's Read still ends each pull
+                log.warning("kvflow nixl: polling NIXL notifications failed: %s", exc)
+                await trio.sleep(POLL_FAILED_S)
+                continue
             if not notifs:
                 await backoff.wait()
                 continue
