@@ -335,6 +335,13 @@ class SchedulerEngine:  # ~340 lines: one request's life in the scheduler (looku
         st = self._reqs.pop(req, None)
         if st is not None and st.claim is not None and self._claims:
             self._claims.drop(req)
+        if st is not None and st.saves_issued and not block_ids:
+            # vLLM took the blocks back before this finish (preempted outside schedule(),
+            # as reset_prefix_cache(reset_running_requests=True) does, then aborted): it
+            # lends nothing and may hand them out in the next step, so the workers stop
+            # the request's saves before that step's forward, as at a preemption
+            st.saves_issued = False
+            self._preempted.append(req)
         params = None
         if remote_decode and self.can_offer and st is not None and block_ids:
             counts = chunk_token_counts(st.prompt_len, self.block_size)[: len(block_ids)]

@@ -537,7 +537,7 @@ def test_lent_blocks_wait_for_an_in_flight_save(start_engine: Callable[..., Engi
     try:
         run_step(e, prefill_cold(e, "r", PROMPT, [1, 2, 3]))
         assert gated.entered.wait(WAIT)
-        assert e.sched.finished("r")[0] is True
+        assert e.sched.finished("r", [1, 2, 3])[0] is True
         plan = e.sched.plan([])
         assert plan.lent == ["r"]
         run_step(e, plan)

@@ -267,6 +267,38 @@ def test_reset_prefix_cache_preempt_and_resume_keeps_block_tables(
     check_tables(h)
 
 
+def test_preempted_outside_schedule_then_aborted_stops_its_saves(
+    harness: MakeHarness, tmp_path: Path
+) -> None:
+    """Issue 28, finding 1: a request with a prompt save in flight is preempted outside
+    `schedule()` (`reset_prefix_cache(reset_running_requests=True)`, as a pause with
+    clear_cache does), then aborted before the next step, and a new request takes its
+    blocks. vLLM gave the blocks back at the preemption and lends none at the finish:
+    the worker must stop the save before the step that reuses them (the next plan
+    names it preempted), or it stores the new request's KV under the aborted one's keys
+    (the harness checks at every step that no save runs over blocks vLLM took back)."""
+    h = harness(fs_config(tmp_path, max_num_batched_tokens=32), 16)
+    start = h.free_blocks
+    r = prompt_of(1, 100)
+    h.add(make_request("r", r, max_tokens=4))
+    first = h.step()  # r: 32 of 100 prompt tokens, its first chunk's save starts
+    assert [s.req for s in first.plan.saves] == ["r"]
+    h.scheduler.set_pause_state(PauseState.PAUSED_ALL)
+    h.drain()
+    if not h.scheduler.reset_prefix_cache(reset_running_requests=True):
+        pytest.fail("reset_prefix_cache failed")
+    h.scheduler.finish_requests("r", RequestStatus.FINISHED_ABORTED)
+    h.scheduler.set_pause_state(PauseState.UNPAUSED)
+    w = prompt_of(2, 220)  # 14 of the 15 blocks: vLLM hands it r's blocks too
+    h.add(make_request("w", w, max_tokens=4))
+    assert "r" in h.step().plan.preempted, "the worker is not told to stop r's save"
+    run_to_completion(h)
+    w_blocks = {b for step in h.steps for b in step.block_ids.get("w", [])}
+    assert w_blocks & set(first.block_ids["r"]), "vLLM never gave w r's blocks"
+    assert h.free_blocks == start
+    check_saves(h, {"r": r, "w": w})
+
+
 # --------------------------------------------------------------------------- 3. abort
 
 
