@@ -57,6 +57,16 @@ class Fingerprint(msgspec.Struct, frozen=True, kw_only=True):
         raw = msgspec.json.encode(self)
         return hashlib.blake2b(raw, digest_size=_DIGEST).hexdigest()
 
+    def pd_scope(self) -> str:
+        """What P/D params are bound to besides the prompt (`kvflow.security.
+        prompt_digest`): the model, its dtype and which KV cache group; not the parallel
+        shape, block size or layout, whose mismatch a consumer or producer refuses with
+        a message of its own."""
+        shapeless = msgspec.structs.replace(
+            self, block_size=0, bytes_per_token=0, layout="", tp_rank=0, tp_size=1, pp_rank=0
+        )
+        return shapeless.namespace()
+
 
 def _tokens_bytes(tokens: Sequence[int]) -> bytes:
     return array("q", tokens).tobytes()

@@ -67,7 +67,7 @@ class PdParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     many; their layouts are the workers' business)."""
     prompt: Hex
     """`prompt_digest` of the prompt's first `num_tokens` tokens, its salt and the KV
-    cache group's namespace."""
+    cache group's `Fingerprint.pd_scope`."""
     mac: Hex = ""
     """The deployment's MAC over every other field ("" for a keyless deployment)."""
 
@@ -130,7 +130,7 @@ def check_pd_params(
     p: PdParams, channel: Channel, token_ids: Sequence[int], salt: str, scope: str = ""
 ) -> tuple[str, str]:
     """(reason, why) a consumer must not pull `p` for a request of `token_ids` and
-    `salt` into the KV cache group `scope` (its namespace); ("", "") if it may. Reasons:
+    `salt` into the KV cache group `scope` (`Fingerprint.pd_scope`); ("", "") if it may. Reasons:
     `address`, `signature`, `prompt`."""
     for address in p.addresses:
         if why := channel.address_problem(address):

@@ -101,12 +101,16 @@ class SchedulerEngine:  # ~340 lines: one request's life in the scheduler (looku
         engine_id: str = "",
         num_shards: int = 1,
         null_block: int | None = None,
+        pd_scope: str | None = None,
     ) -> None:
         self.config = config
         self.transport = transport
         self.runtime = runtime
         self.bus = bus
         self.namespace = namespace
+        self.pd_scope = namespace if pd_scope is None else pd_scope
+        """What this engine's P/D params are bound to besides the prompt
+        (`Fingerprint.pd_scope`; the namespace if not given)."""
         self.block_size = block_size
         self.can_load = can_load
         self.can_save = can_save
@@ -148,7 +152,7 @@ class SchedulerEngine:  # ~340 lines: one request's life in the scheduler (looku
             return
         if pd is not None and self.can_pull:
             reason, why = check_pd_params(
-                pd, self.transport.context.channel, token_ids, salt, self.namespace
+                pd, self.transport.context.channel, token_ids, salt, self.pd_scope
             )
             if reason:
                 self.reject(reason, f"request {req[:100]}: {why}; computing its prompt here")
@@ -355,7 +359,7 @@ class SchedulerEngine:  # ~340 lines: one request's life in the scheduler (looku
                 block_ids=list(block_ids[: len(counts)]),
                 num_tokens=sum(counts),
                 block_size=self.block_size,
-                prompt=prompt_digest(st.tokens[: sum(counts)], st.salt, self.namespace),
+                prompt=prompt_digest(st.tokens[: sum(counts)], st.salt, self.pd_scope),
             )
             params = consumer_params(pd.signed(self.transport.context.channel))
         lend = st is not None and lent_at_finish(

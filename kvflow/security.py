@@ -115,8 +115,8 @@ def read_key(key_file: str = "") -> bytes | None:
 
 
 def prompt_digest(token_ids: Sequence[int], salt: str = "", scope: str = "") -> str:
-    """What a request's KV in one KV cache group depends on: the group (`scope`: its
-    namespace, which names the model, dtype, layout and group), the prompt's tokens and
+    """What a request's KV in one KV cache group depends on: the group (`scope`:
+    `Fingerprint.pd_scope`, the model, its dtype and which group), the prompt's tokens and
     its salt (cache salt, LoRA, multimodal inputs), as a short hex digest. Params of one
     group never pass for another's (a hybrid model's groups, or another model pool that
     shares the key)."""

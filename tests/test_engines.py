@@ -1058,7 +1058,7 @@ def _pd_consumer(e: Engine, num_shards: int = 1) -> SchedulerEngine:
 
 def _pd(sched: SchedulerEngine, block_size: int = BS) -> PdParams:
     """Params of PROMPT for the consumer `sched` (its namespace in the digest)."""
-    blocks, n, digest = [10, 11, 12], len(PROMPT), prompt_digest(PROMPT, scope=sched.namespace)
+    blocks, n, digest = [10, 11, 12], len(PROMPT), prompt_digest(PROMPT, scope=sched.pd_scope)
     address, offer = "tcp://127.0.0.1:1", "0" * 32
     return PdParams(PD_VERSION, "producer", [address], offer, blocks, n, block_size, digest)
 

@@ -32,15 +32,19 @@ SPECULATIVE = {
 
 
 def test_a_prompt_saved_under_extract_hidden_states_is_loaded_again(tmp_path: Path) -> None:
-    res = run_engine(
-        tmp_path,
-        "hidden",
-        batches=[[PROMPT], [PROMPT]],
-        max_tokens=1,
-        extra_config={"options": {"path": str(tmp_path / "store")}},
-        llm_args={"speculative_config": SPECULATIVE},
+    """Saved by one engine (its shutdown drains the save), loaded by the next: a second
+    request in the same engine could look up before the first one's save is stored."""
+    (first,), (second,) = (
+        run_engine(
+            tmp_path,
+            f"hidden-{n}",
+            batches=[[PROMPT]],
+            max_tokens=1,
+            extra_config={"options": {"path": str(tmp_path / "store")}},
+            llm_args={"speculative_config": SPECULATIVE},
+        ).batches[0]
+        for n in (1, 2)
     )
-    (first,), (second,) = res.batches
     assert first.cached_tokens == 0
     assert second.cached_tokens == len(PROMPT) - 1, "the second request did not hit"
     assert_same_generation(second, first, "loaded under extract_hidden_states")

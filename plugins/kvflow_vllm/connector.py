@@ -387,12 +387,14 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
             for r in range(pc.tensor_parallel_size)
         ]
         self.transports: list[Transport] = []
-        namespaces = []
+        namespaces, scopes = [], []
         for g in self.groups:
+            fp = fingerprint(vllm_config, kv_cache_config, g)
+            scopes.append(fp.pd_scope())
             ctx = TransportContext(
                 engine_id=self.engine_id,
                 role=side,
-                namespace=fingerprint(vllm_config, kv_cache_config, g).namespace(),
+                namespace=fp.namespace(),
                 shard=_shard(tp_rank, pc.tensor_parallel_size, pp_rank),
                 shards=shards,
                 channel=channel,
@@ -414,7 +416,7 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
         produces = kv_role in ("kv_both", "kv_producer")
         self._schedulers: list[SchedulerEngine] = []
         self._workers: list[WorkerEngine] = []
-        for transport, namespace in zip(self.transports, namespaces, strict=True):
+        for transport, namespace, scope in zip(self.transports, namespaces, scopes, strict=True):
             if is_scheduler:
                 self._schedulers.append(
                     SchedulerEngine(
@@ -431,6 +433,7 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
                         engine_id=self.engine_id,
                         num_shards=len(shards),
                         null_block=_NULL_BLOCK if len(self.groups) > 1 else None,
+                        pd_scope=scope,
                     )
                 )
             else:
