@@ -10,19 +10,25 @@ from its latest renewal, past its own hold timeout; a consumer that dies lets
 the claim lapse.
 
 The first answer decides the request: held, and it is pulled; refused,
-unreachable, or no answer within `timeout_s`, and its load fails at once with
-that reason (vLLM recomputes or fails the request, as its load-failure policy
-says) instead of waiting `load_timeout_s` on a producer that is gone. A producer
-that has not offered the request yet (its worker learns of the offer a step after
-its API server answered) says so; the claim asks again, backing off, until the
-offer is there or `timeout_s` after the claim. The deciding answer is the P/D request's
+unreachable, or no answer within `answer_s` (a producer answers a renewal at once:
+one that does not is dead or hung), and its load fails at once with that reason
+(vLLM recomputes or fails the request, as its load-failure policy says) instead of
+waiting `load_timeout_s` on a producer that is gone. A producer that has not offered
+the request yet (its worker learns of the offer a step after its API server
+answered) says so; the claim asks again, backing off, until the offer is there or
+`timeout_s` after the claim. The deciding answer is the P/D request's
 `LookupAnswered` event. A refusal ends a claim (after its pull the producer has let
-go: nothing is left to hold); a renewal that goes unanswered later only logs, and
-the next round tries again.
+go: nothing is left to hold), and so does a later renewal that fails or goes
+unanswered: a request not pulled yet then fails its load at once.
+
+A request that ends before its pull (aborted while it waits, refused for its shape)
+lets go of its offer: the next round tells the producer, which hands the blocks back
+at once instead of at its hold timeout.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Sequence
@@ -30,8 +36,8 @@ from dataclasses import dataclass, field
 
 import trio
 
-from .events import EventBus, LookupAnswered
-from .runtime import Backoff, Runtime, supervised
+from .events import EventBus, LookupAnswered, TaskFailed
+from .runtime import Backoff, Report, Runtime, supervised
 from .transport import Renewed, Transport
 
 __all__ = ["Claim", "Claims"]
@@ -83,36 +89,71 @@ class Claims:
         *,
         lease_s: float,
         timeout_s: float,
+        answer_s: float,
+        gave_up: Report | None = None,
     ) -> None:
         self.transport = transport
         self.runtime = runtime
         self.bus = bus
         self.lease_s = lease_s
         self.timeout_s = timeout_s
+        self.answer_s = min(answer_s, timeout_s)
+        """How long one renewal waits for its answer (`progress_timeout_s`)."""
         self._claims: dict[str, Claim] = {}  # the loop thread's only
+        self._releases: dict[str, list[str]] = {}  # address -> offers never to be pulled
         self._due = trio.Event()
         self._started = False
+        self._gave_up = gave_up
+        """Told if the renewals fail for good (the scheduler then stops the engine)."""
 
     # -- vLLM thread -------------------------------------------------------
     def add(self, req: str, producer_req: str, tokens: int, addresses: Sequence[str]) -> Claim:
         """Claim `producer_req` for the consumer request `req`; renewed until `drop`."""
         claim = Claim(producer_req, tokens, list(addresses))
-        if not self._started:
-            self._started = True
-            self.runtime.spawn(supervised, "pd-claims", self._renewals, name="pd-claims")
+        self._start()
         self.runtime.submit(self._add, req, claim)
         return claim
 
-    def drop(self, req: str) -> None:
-        """`req` ended or no longer needs its producer's blocks."""
-        self.runtime.submit(self._claims.pop, req, None)
+    def drop(self, req: str, *, unpulled: bool = False) -> None:
+        """`req` ended or no longer needs its producer's blocks; `unpulled`: it was never
+        pulled, and the producer is told to hand the blocks back now."""
+        self.runtime.submit(self._drop, req, unpulled)
+
+    def release(self, offer: str, addresses: Sequence[str]) -> None:
+        """Tell the producer at `addresses` that this consumer will never pull `offer` (a
+        request refused before it was claimed)."""
+        self._start()
+        self.runtime.submit(self._let_go, offer, list(addresses))
+
+    def _start(self) -> None:
+        if not self._started:
+            self._started = True
+            task = functools.partial(supervised, restarted=self._restarted, gave_up=self._gave_up)
+            self.runtime.spawn(task, "pd-claims", self._renewals, name="pd-claims")
+
+    def _restarted(self, task: str, error: str) -> None:
+        self.bus.emit(TaskFailed(task=task, error=error))
 
     # -- loop --------------------------------------------------------------
     def _add(self, req: str, claim: Claim) -> None:
         self._claims[req] = claim
         self._due.set()
 
+    def _drop(self, req: str, unpulled: bool) -> None:
+        claim = self._claims.pop(req, None)
+        if unpulled and claim is not None and not claim.error:
+            self._let_go(claim.req, claim.addresses)
+
+    def _let_go(self, offer: str, addresses: list[str]) -> None:
+        for address in addresses:
+            self._releases.setdefault(address, []).append(offer)
+        self._due.set()
+
     async def _renewals(self) -> None:
+        for claim in self._claims.values():  # started again after a failure: the asks
+            claim.waiting.clear()  # of offers not made yet ended with the last run
+        if self._claims or self._releases:  # and the round is due at once
+            self._due.set()
         async with trio.open_nursery() as waits:  # claims not offered yet, asked again
             while True:
                 with trio.move_on_after(self.lease_s / 3):
@@ -122,9 +163,21 @@ class Claims:
                 for req, claim in self._claims.items():
                     for address in claim.addresses:
                         by_address.setdefault(address, []).append((req, claim))
+                releases, self._releases = self._releases, {}
                 async with trio.open_nursery() as nursery:
+                    for address, offers in releases.items():
+                        nursery.start_soon(self._release_at, address, offers)
                     for address, claims in by_address.items():
                         nursery.start_soon(self._renew_at, waits, address, claims)
+
+    async def _release_at(self, address: str, offers: list[str]) -> None:
+        """Tell `address` this consumer will not pull `offers` (best effort: a producer
+        that does not hear it holds them until its hold timeout)."""
+        with trio.move_on_after(self.answer_s):
+            try:
+                await self.transport.renew(address, [], self.lease_s, release=offers)
+            except Exception as exc:
+                log.info("kvflow: releasing %d offer(s) at %s: %s", len(offers), address, exc)
 
     async def _renew_at(
         self, waits: trio.Nursery, address: str, claims: list[tuple[str, Claim]]
@@ -160,7 +213,7 @@ class Claims:
             return []
         open_before = {req for req, c in claims if address in c.unanswered}
         why, answer = "", Renewed({})
-        with trio.move_on_after(self.timeout_s) as deadline:
+        with trio.move_on_after(self.answer_s) as deadline:
             try:
                 answer = await self.transport.renew(
                     address, [c.req for _, c in claims], self.lease_s
@@ -171,7 +224,10 @@ class Claims:
                 why = f"producer {address} unreachable: {type(exc).__name__}: {exc}"
                 answer = Renewed({})
         if deadline.cancelled_caught:
-            why = f"producer {address} did not answer its claim within {self.timeout_s}s"
+            why = (
+                f"producer {address} did not answer its claim within {self.answer_s}s "
+                "(progress_timeout_s): it is gone or hung"
+            )
         pending, not_offered = [], set(answer.pending)
         for req, claim in claims:
             held = address not in claim.unanswered  # this shard said held (perhaps just now)
@@ -185,9 +241,8 @@ class Claims:
                 continue  # asked before its offer, answered by a later ask: stale
             elif claim.req in not_offered:  # held before, forgotten since: nothing to hold
                 reason = f"producer {address} no longer knows {claim.req}"
-            elif why and held:  # held before: perhaps busy; try again next round
+            elif why and held:  # held before, gone or hung since: a load not started fails
                 log.warning("kvflow: renewing the claim of %s: %s", req, why)
-                continue
             self._settle(req, claim, address, reason or why)
         return pending
 

@@ -54,6 +54,11 @@ class KVFlowConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     lease_s: float = 30.0
     """P/D consumer: a claim holds the producer's blocks this long past its latest
     renewal; the consumer renews every `lease_s / 3` while the request waits."""
+    progress_timeout_s: float = 2.0
+    """P/D consumer: the longest it waits for its producer's next sign of life (the
+    answer to a claim or a renewal, the next part of a pull) before it takes the producer
+    for dead or hung and fails the load at once (vLLM recomputes or fails the request,
+    as `kv_load_failure_policy` says) instead of at `load_timeout_s`."""
     max_hold_s: float = 600.0
     """P/D producer: the longest it holds a request's blocks, renewals or not."""
     key_file: str = ""
@@ -103,6 +108,7 @@ class KVFlowConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             "lookup_timeout_s",
             "hold_timeout_s",
             "lease_s",
+            "progress_timeout_s",
             "max_hold_s",
             "shutdown_drain_s",
         ):

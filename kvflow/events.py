@@ -159,6 +159,16 @@ class Rejected(_Base):
     detail: str = ""
 
 
+class TaskFailed(_Base):
+    """A long-lived task (`kvflow.runtime.supervised`: a peer transport's `serve`, the
+    P/D claims) ended by an exception: started again, or, `given_up`, not (the engine
+    then stops: it must not serve with the task's work silently off)."""
+
+    task: str
+    error: str
+    given_up: bool = False
+
+
 Event = (
     LookupRequested
     | LookupAnswered
@@ -175,6 +185,7 @@ Event = (
     | TransferFailed
     | BlocksReleased
     | Rejected
+    | TaskFailed
 )
 
 _encoder = msgspec.msgpack.Encoder()

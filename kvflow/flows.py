@@ -101,13 +101,15 @@ class Reports:
         self.fatal = ""
         """Why the engine must stop (set once, by a load that could not be stopped)."""
 
-    def set_fatal(self, why: str) -> None:
+    def set_fatal(
+        self,
+        why: str,
+        because: str = "Stopping the engine rather than hand blocks back to vLLM while a "
+        "late write could still land in them.",
+    ) -> None:
         """The engine must stop (the first reason holds); vLLM's thread raises it next."""
         with self.lock:
-            self.fatal = self.fatal or (
-                f"kvflow: {why}. Stopping the engine rather than hand blocks back to vLLM "
-                "while a late write could still land in them."
-            )
+            self.fatal = self.fatal or f"kvflow: {why}. {because}"
 
 
 def _snapshot(spans: list[memoryview]) -> list[memoryview]:

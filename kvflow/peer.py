@@ -88,6 +88,9 @@ class Renew(msgspec.Struct, tag=True, frozen=True):
     reqs: Annotated[list[OfferId], Meta(max_length=MAX_RENEW_REQS)]
     lease_ms: Annotated[int, Meta(gt=0, lt=1 << 40)]
     """The producer holds each `lease_ms` from now, at most its own `lease_s`."""
+    release: Annotated[list[OfferId], Meta(max_length=MAX_RENEW_REQS)] = []
+    """Offers the consumer will never pull (its request ended or was refused before its
+    pull): the producer hands their blocks back at once, unless a pull claimed them."""
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -193,6 +196,16 @@ class HeldOffers:
             else:
                 pending.append(req)
         return Renewed(refused, pending)
+
+    def release_unpulled(self, reqs: Sequence[str]) -> int:
+        """A consumer will not pull `reqs`: end each held offer no pull has claimed (a
+        pull ends by its own consumer's answer). Returns how many it ended."""
+        ended = 0
+        for req in reqs:
+            held = self._open(req)
+            if held is not None and held.peer is None:
+                ended += self.release(req, "released unpulled by its consumer")
+        return ended
 
     def claim(self, req: str, peer: object) -> str:
         """Reserve `req` for the consumer `peer`: "" if it may pull, else why not. One
@@ -303,11 +316,13 @@ async def renew_at(
     reqs: Sequence[str],
     lease_s: float,
     channel: Channel | None = None,
+    release: Sequence[str] = (),
 ) -> Renewed:
     """The consumer's side of a renewal: ask the producer worker at `address` (its peer
     transport's endpoint, which must answer `Renew` with `Renewed`) to hold `reqs`
-    `lease_s` longer, over `channel` (the deployment's key; keyless if None; `dealer`
-    checks `address`), in rounds of at most `MAX_RENEW_REQS`. Returns its answer
+    `lease_s` longer and to let go of `release` (offers this consumer will not pull), over
+    `channel` (the deployment's key; keyless if None; `dealer` checks `address`), in
+    rounds of at most `MAX_RENEW_REQS`. Returns its answer
     (refused and pending requests); raises `TransportError` on an answer that does not
     decode. Waits for the answer until
     cancelled (a producer that is gone never answers: the caller bounds the wait)."""
@@ -317,8 +332,9 @@ async def renew_at(
     pending: list[str] = []
     try:
         lease_ms = max(1, int(lease_s * 1000))
-        for i in range(0, len(reqs), MAX_RENEW_REQS):
-            renew = Renew(list(reqs[i : i + MAX_RENEW_REQS]), lease_ms)
+        for i in range(0, max(len(reqs), len(release)), MAX_RENEW_REQS):
+            part = slice(i, i + MAX_RENEW_REQS)
+            renew = Renew(list(reqs[part]), lease_ms, list(release[part]))
             await trio_sock.send_multipart([channel.seal(_encoder.encode(renew))])
             frames = await trio_sock.recv_multipart()
             try:
@@ -341,6 +357,7 @@ async def answer_renew(
     (every peer transport's serving loop calls it), sealed for `channel`, never waiting: a
     consumer gone meanwhile, or one that does not read its answers, is logged and its
     answer dropped."""
+    held.release_unpulled(msg.release)
     answer = held.renew(msg.reqs, msg.lease_ms / 1000)
     frame = (channel or Channel()).seal(_encoder.encode(answer))
     await trio.lowlevel.checkpoint()

@@ -279,10 +279,24 @@ class PeerTransport(Transport):
             raise BadFrame(f"an answer about {msg.req[:40]!r}, not {req!r}")
         return msg
 
+    async def receive(self, sock: TrioSocket, address: str, req: str, copy: bool = True) -> Any:
+        """The producer's next message on a pull of `req`, waited for at most
+        `progress_timeout_s` (the consumer's bound on a producer's silence: one that sends
+        nothing for that long is dead or hung, and the load fails at once)."""
+        wait = self.context.progress_timeout_s
+        with trio.move_on_after(wait):
+            return await sock.recv_multipart(copy=copy)
+        raise TransportError(
+            f"producer {address} sent nothing for {wait}s while {req} was pulled "
+            "(progress_timeout_s): it is gone or hung"
+        )
+
     @staticmethod
     def refused(address: str, req: str, reason: str) -> ChunkMissing:
         """The error of a pull the producer refused, its reason cut to `MAX_REASON`."""
         return ChunkMissing(f"producer {address} refused {req}: {reason[:MAX_REASON]}")
 
-    async def renew(self, address: str, reqs: Sequence[str], lease_s: float) -> Renewed:
-        return await renew_at(self._zmq, address, reqs, lease_s, self.channel)
+    async def renew(
+        self, address: str, reqs: Sequence[str], lease_s: float, release: Sequence[str] = ()
+    ) -> Renewed:
+        return await renew_at(self._zmq, address, reqs, lease_s, self.channel, release)

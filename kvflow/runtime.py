@@ -29,12 +29,26 @@ from typing import Any, TypeVar
 
 import trio
 
-__all__ = ["Backoff", "Runtime", "RuntimeClosed", "poll_until", "supervised"]
+__all__ = [
+    "GIVE_UP_AFTER",
+    "Backoff",
+    "KVFlowFatal",
+    "Runtime",
+    "RuntimeClosed",
+    "poll_until",
+    "supervised",
+]
 
 log = logging.getLogger("kvflow.runtime")
 T = TypeVar("T")
 
 _RUNTIMES: weakref.WeakSet[Runtime] = weakref.WeakSet()
+
+
+class KVFlowFatal(RuntimeError):
+    """kvflow cannot go on safely (a load that could not be stopped, a long-lived task
+    that cannot be restarted): raised in vLLM's thread, it stops the engine, whose
+    health check then fails."""
 
 
 class RuntimeClosed(RuntimeError):
@@ -314,30 +328,61 @@ async def poll_until(done: Callable[[], bool], *, first: float = 2e-5, most: flo
         await backoff.wait()
 
 
+GIVE_UP_AFTER = 5
+"""A supervised task that fails this many times in a row, no run lasting `most_s`, is
+broken for good: it is not started again, and its engine says it is unhealthy."""
+
+Report = Callable[[str, str], None]
+"""Told `(task name, "ErrorType: message")` (on the loop thread)."""
+
+
 async def supervised(
     name: str,
     async_fn: Callable[..., Awaitable[object]],
     *args: Any,
     first_s: float = 0.1,
     most_s: float = 5.0,
+    give_up_after: int = GIVE_UP_AFTER,
+    restarted: Report | None = None,
+    gave_up: Report | None = None,
 ) -> None:
     """Run `async_fn(*args)` for as long as the loop lives, starting it again whenever it
-    ends by an exception (logged with its traceback), after a pause that doubles from
-    `first_s` to `most_s` (a run that lasted longer than `most_s` starts the pauses
-    over). For the long-lived tasks an engine depends on (a peer transport's `serve`,
-    the P/D claims' renewals): one that failed must not stay dead while vLLM's health
-    check says all is well."""
+    ends by an exception (logged with its traceback; `restarted` is told), after a pause
+    that doubles from `first_s` to `most_s` (a run that lasted longer than `most_s` starts
+    the pauses and the count of failures over). After `give_up_after` failures in a row
+    it is not started again: `gave_up` is told, and the engine must then report itself
+    unhealthy rather than serve with the task's work silently off. For the long-lived
+    tasks an engine depends on (a peer transport's `serve`, the P/D claims' renewals)."""
     backoff = Backoff(first_s, most_s)
+    failures = 0
     while True:
         started = trio.current_time()
         try:
             await async_fn(*args)
             return
-        except Exception:
-            log.exception("kvflow: %s failed; starting it again", name)
+        except Exception as exc:
+            error = _describe(exc)
+            log.exception("kvflow: %s failed", name)
         if trio.current_time() - started > most_s:
             backoff.reset()
+            failures = 0
+        failures += 1
+        if failures >= give_up_after:
+            log.error("kvflow: %s failed %d times in a row; not starting it again", name, failures)
+            if gave_up is not None:
+                gave_up(name, error)
+            return
+        log.warning("kvflow: starting %s again (failure %d in a row)", name, failures)
+        if restarted is not None:
+            restarted(name, error)
         await backoff.wait()
+
+
+def _describe(exc: BaseException) -> str:
+    """`"ErrorType: message"` of what failed: the first error inside nurseries' groups."""
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    return f"{type(exc).__name__}: {exc}"[:500]
 
 
 def _name_of(fn: object) -> str:

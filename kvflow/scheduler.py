@@ -26,12 +26,13 @@ from .events import (
     Rejected,
     RequestFinished,
     StepPlanned,
+    TaskFailed,
 )
 from .keys import ChunkKey, chunk_keys, chunk_token_counts
 from .lending import lent_at_finish
 from .metadata import LoadSpec, OfferSpec, SaveSpec, WorkerPlan
 from .pd import PD_VERSION, PdParams, check_pd_params, consumer_params
-from .runtime import Runtime
+from .runtime import GIVE_UP_AFTER, KVFlowFatal, Runtime
 from .security import Rejections, prompt_digest
 from .transport import PeerSource, Transport, shard_mismatch
 
@@ -68,6 +69,9 @@ class _Request:
     """Chunks known to be in the store already; never saved again."""
     saved_upto: int = 0
     load_planned: bool = False
+    pulled: bool = False
+    """A pull of the producer's blocks was planned (P/D): the producer no longer holds
+    them for this consumer once it ends."""
     saves_issued: bool = False
     pd: PdParams | None = None
     """Set when a producer prefilled this request: pull its prompt KV from there."""
@@ -130,6 +134,8 @@ class SchedulerEngine:  # ~340 lines: one request's life in the scheduler (looku
         self._lent: list[str] = []
         self._preempted: list[str] = []
         self._step = 0
+        self._fatal = ""
+        """Why the engine must stop (a long-lived task that cannot be restarted)."""
         self.reject = Rejections(
             "P/D params",
             lambda reason, detail: runtime.submit(bus.emit, Rejected(reason=reason, detail=detail)),
@@ -137,10 +143,24 @@ class SchedulerEngine:  # ~340 lines: one request's life in the scheduler (looku
         """Count and log P/D params refused (`kvflow.security.REJECT_REASONS`)."""
         self._claims = (  # for peer transports that hold on a lease
             Claims(
-                transport, runtime, bus, lease_s=config.lease_s, timeout_s=config.lookup_timeout_s
+                transport,
+                runtime,
+                bus,
+                lease_s=config.lease_s,
+                timeout_s=config.lookup_timeout_s,
+                answer_s=config.progress_timeout_s,
+                gave_up=self._task_gave_up,
             )
             if type(transport).renew is not Transport.renew
             else None
+        )
+
+    def _task_gave_up(self, task: str, error: str) -> None:
+        """The loop thread: `task` failed for good; vLLM's thread stops at its next step."""
+        self.bus.emit(TaskFailed(task=task, error=error, given_up=True))
+        self._fatal = (
+            f"kvflow: {task} failed {GIVE_UP_AFTER} times in a row (last: {error}). Stopping "
+            "the engine rather than serve with it off."
         )
 
     # -- vLLM thread -------------------------------------------------------
@@ -159,6 +179,8 @@ class SchedulerEngine:  # ~340 lines: one request's life in the scheduler (looku
                 pd = None
             elif why := self._refuse_pull(pd):
                 log.error("kvflow: request %s: %s: computing its prompt here", req, why)
+                if self._claims:  # signed for this consumer: its producer hands them back
+                    self._claims.release(pd.offer, pd.addresses)
                 pd = None
         if pd is not None and self.can_pull:
             n = min(pd.num_tokens, len(token_ids))
@@ -251,7 +273,7 @@ class SchedulerEngine:  # ~340 lines: one request's life in the scheduler (looku
         chunks = self._real_blocks(st, first, last)
         source, error = None, st.claim.error if st.claim is not None else ""
         if st.pd is not None:
-            pd = st.pd
+            pd, st.pulled = st.pd, True
             source = PeerSource(
                 pd.engine_id, pd.addresses, pd.offer, [pd.block_ids[i] for i in chunks]
             )
@@ -280,7 +302,10 @@ class SchedulerEngine:  # ~340 lines: one request's life in the scheduler (looku
         scheduled: Iterable[ScheduledRequest],
         preempted: Iterable[str] = (),
     ) -> WorkerPlan:
-        """Build this step's WorkerPlan (resets the per-step lists)."""
+        """Build this step's WorkerPlan (resets the per-step lists); `KVFlowFatal` once a
+        long-lived task cannot be restarted (vLLM's engine stops: its health check fails)."""
+        if self._fatal:
+            raise KVFlowFatal(self._fatal)
         self._step += 1
         saves: list[SaveSpec] = []
         # Preemptions first: vLLM may preempt and resume a request in one step
@@ -338,7 +363,7 @@ class SchedulerEngine:  # ~340 lines: one request's life in the scheduler (looku
         """
         st = self._reqs.pop(req, None)
         if st is not None and st.claim is not None and self._claims:
-            self._claims.drop(req)
+            self._claims.drop(req, unpulled=not st.pulled)
         if st is not None and st.saves_issued and not block_ids:
             # vLLM took the blocks back before this finish (preempted outside schedule(),
             # as reset_prefix_cache(reset_running_requests=True) does, then aborted): it

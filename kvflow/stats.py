@@ -24,6 +24,7 @@ from .events import (
     Rejected,
     RequestFinished,
     SaveStarted,
+    TaskFailed,
     TransferDone,
     TransferFailed,
 )
@@ -47,6 +48,7 @@ def empty() -> dict[str, Any]:
     data: dict[str, Any] = {c: 0 for c in COUNTERS}
     data["transfers"] = []  # [direction, nbytes, start, end] per finished transfer
     data["rejected"] = {}  # reason -> inputs from outside refused (kvflow.security)
+    data["task_restarts"] = {}  # task -> restarts of a supervised task (kvflow.runtime)
     return data
 
 
@@ -55,9 +57,10 @@ def merge(into: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
     for c in COUNTERS:
         into[c] = into.get(c, 0) + other.get(c, 0)
     into.setdefault("transfers", []).extend(other.get("transfers", []))
-    rejected = into.setdefault("rejected", {})
-    for reason, n in other.get("rejected", {}).items():
-        rejected[reason] = rejected.get(reason, 0) + n
+    for field in ("rejected", "task_restarts"):
+        mine = into.setdefault(field, {})
+        for name, n in other.get(field, {}).items():
+            mine[name] = mine.get(name, 0) + n
     return into
 
 
@@ -76,6 +79,7 @@ def reduce(data: dict[str, Any]) -> dict[str, int | float]:
     """The interval in a few numbers, for vLLM's periodic log line."""
     out: dict[str, int | float] = {c: data.get(c, 0) for c in COUNTERS}
     out["rejected"] = sum(data.get("rejected", {}).values())
+    out["task_restarts"] = sum(data.get("task_restarts", {}).values())
     for d in DIRECTIONS:
         mine = [t for t in data.get("transfers", []) if t[0] == d]
         nbytes = sum(t[1] for t in mine)
@@ -90,6 +94,7 @@ def is_empty(data: dict[str, Any]) -> bool:
     return (
         not data.get("transfers")
         and not data.get("rejected")
+        and not data.get("task_restarts")
         and not any(data.get(c, 0) for c in COUNTERS)
     )
 
@@ -104,6 +109,7 @@ _COUNTED = frozenset(
         TransferFailed,
         RequestFinished,
         Rejected,
+        TaskFailed,
     }
 )
 
@@ -149,6 +155,8 @@ class StatsCollector:
                 d["timeouts"] += int(event.timed_out)
             elif isinstance(event, Rejected):
                 d["rejected"][event.reason] = d["rejected"].get(event.reason, 0) + 1
+            elif isinstance(event, TaskFailed) and not event.given_up:
+                d["task_restarts"][event.task] = d["task_restarts"].get(event.task, 0) + 1
             elif isinstance(event, RequestFinished) and event.lent:
                 d["requests_lent"] += 1
 

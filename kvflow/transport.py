@@ -111,6 +111,9 @@ class TransportContext:
     """Set by kvflow's vLLM adapter: a peer transport calls it with a reason from
     `kvflow.security.REJECT_REASONS` and a detail for each frame it refuses (the
     counter `vllm:kvflow_rejected_total`)."""
+    progress_timeout_s: float = 2.0
+    """Peer transports' consumers: the longest a pull waits for its producer's next
+    message (kvflow's `progress_timeout_s`); past it the producer is dead or hung."""
     evicted: Callable[[str, list[ChunkKey]], None] | None = None
     """Set by kvflow's vLLM adapter when vLLM publishes KV events: a store transport that
     deletes chunks to make room calls it with their namespace and keys (any thread)."""
@@ -251,9 +254,12 @@ class Transport(ABC):
         deadline), return only after no pull of the blocks is in flight."""
         raise NotImplementedError(f"transport {self.name!r} is not a peer transport")
 
-    async def renew(self, address: str, reqs: Sequence[str], lease_s: float) -> Renewed:
+    async def renew(
+        self, address: str, reqs: Sequence[str], lease_s: float, release: Sequence[str] = ()
+    ) -> Renewed:
         """Peer transports, on a consumer's scheduler: ask the producer worker at
-        `address` to hold `reqs` (its request ids) `lease_s` longer (see `kvflow.peer`).
+        `address` to hold `reqs` (its offer ids) `lease_s` longer, and to hand back at once
+        the blocks of `release` (offers this consumer will never pull; see `kvflow.peer`).
         Returns the producer's answer: why, for each request it offered and no longer
         holds (`refused`), and the requests it has not offered yet (`pending`: the
         caller asks again). The caller bounds the wait: a producer that is gone never

@@ -21,28 +21,25 @@ If the loop dies, every lent block goes back and every load vLLM waits for fails
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 
 from . import flows
 from .config import KVFlowConfig
-from .events import BlocksReleased, CachesRegistered, EventBus
+from .events import BlocksReleased, CachesRegistered, EventBus, TaskFailed
 from .flows import ChunkOutcomes, Flows, LayerGate, LayerReady, Reports, TransferResults
 from .keys import ChunkKey
 from .layout import KVLayout, LayoutError
 from .lending import Lending
 from .metadata import WorkerPlan
-from .runtime import Runtime, supervised
+from .runtime import GIVE_UP_AFTER, KVFlowFatal, Runtime, supervised
 from .staging import mark
 from .transport import Transport
 
 __all__ = ["KVFlowFatal", "TransferResults", "WorkerEngine"]
 
 log = logging.getLogger("kvflow.worker")
-
-
-class KVFlowFatal(RuntimeError):
-    """kvflow cannot go on without risking wrong KV: the engine must stop."""
 
 
 class WorkerEngine:  # ~270 lines: every call vLLM's thread makes, each bounded, and
@@ -116,7 +113,10 @@ class WorkerEngine:  # ~270 lines: every call vLLM's thread makes, each bounded,
         self.runtime.call(self.transport.register, layout, timeout=60.0)
         if self.transport.capabilities.peer:
             serve = f"{self.transport.name}:serve"
-            self.runtime.spawn(supervised, serve, self.transport.serve, name=serve)
+            task = functools.partial(
+                supervised, restarted=self._task_restarted, gave_up=self._task_gave_up
+            )
+            self.runtime.spawn(task, serve, self.transport.serve, name=serve)
         nbytes = layout.nbytes_registered
         self.runtime.submit(
             self.bus.emit,
@@ -331,6 +331,18 @@ class WorkerEngine:  # ~270 lines: every call vLLM's thread makes, each bounded,
             "(a read stuck in the kernel, e.g. on a hung network filesystem?)"
         )
         self._check_fatal()
+
+    def _task_restarted(self, task: str, error: str) -> None:
+        self.bus.emit(TaskFailed(task=task, error=error))
+
+    def _task_gave_up(self, task: str, error: str) -> None:
+        """A long-lived task cannot be restarted: stop the engine (vLLM's health check
+        then fails) rather than serve with it silently off."""
+        self.bus.emit(TaskFailed(task=task, error=error, given_up=True))
+        self._reports.set_fatal(
+            f"{task} failed {GIVE_UP_AFTER} times in a row (last: {error})",
+            because="Stopping the engine rather than serve with it off.",
+        )
 
     def _check_fatal(self) -> None:
         if self._reports.fatal:

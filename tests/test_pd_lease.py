@@ -12,16 +12,25 @@ import socket
 import threading
 from collections.abc import Callable, Sequence
 
+import pytest
 import trio
 import trio.testing
 
 from kvflow.config import KVFlowConfig
-from kvflow.events import BlocksReleased, EventBus, LookupAnswered, Origin, TransferFailed
+from kvflow.events import (
+    BlocksReleased,
+    EventBus,
+    LookupAnswered,
+    Origin,
+    TaskFailed,
+    TransferFailed,
+)
 from kvflow.metadata import LoadSpec, OfferSpec, WorkerPlan
 from kvflow.pd import PD_VERSION, PdParams
-from kvflow.runtime import Runtime
+from kvflow.runtime import GIVE_UP_AFTER, KVFlowFatal, Runtime
 from kvflow.scheduler import ScheduledRequest, SchedulerEngine
 from kvflow.security import prompt_digest
+from kvflow.stats import StatsCollector
 from kvflow.transport import Renewed
 from kvflow_zmq import ZmqOptions, ZmqTransport
 
@@ -286,12 +295,62 @@ def test_a_producers_serving_task_that_fails_is_started_again(
             await super().serving(nursery)
 
     producer = start_engine("producer", worker_transport=lambda _o, ctx: Flaky(ZmqOptions(), ctx))
+    stats = StatsCollector()
+    producer.worker.bus.subscribe(stats)
     _offer(producer)
     sched, rec = _consumer(make_runtime)
     sched.add_request("d", PROMPT, pd=_pd([producer.worker_transport.address]))
     held = rec.wait_for(LookupAnswered, "d")
     assert held.hit_tokens == len(PROMPT) and not held.error, held
     assert failed == ["serve"]
+    restart = producer.worker_events.wait_for(TaskFailed)
+    assert restart.task == "zmq:serve" and not restart.given_up, restart
+    assert restart.error == "RuntimeError: a bug in serve"
+    data = stats.take()  # vllm:kvflow_task_restarts_total{task="zmq:serve"}
+    assert data is not None and data["task_restarts"] == {"zmq:serve": 1}, data
+
+
+def test_a_producers_serving_task_that_cannot_be_restarted_stops_the_engine(
+    start_engine: Callable[..., Engine],
+) -> None:
+    """Issue 28, item 3: a `serve` that fails every time it starts must not leave the
+    engine serving with P/D off while its health check says all is well: after
+    `GIVE_UP_AFTER` failures in a row vLLM's thread gets `KVFlowFatal` at its next call
+    (vLLM's engine stops, and its `/health` fails)."""
+
+    class Broken(ZmqTransport):
+        async def serving(self, nursery: trio.Nursery) -> None:
+            raise OSError("the side channel's socket is gone")
+
+    producer = start_engine("producer", worker_transport=lambda _o, ctx: Broken(ZmqOptions(), ctx))
+    events = producer.worker_events
+    events.wait_for(TaskFailed, count=GIVE_UP_AFTER)
+    *restarts, last = events.of(TaskFailed)
+    assert [r.given_up for r in restarts] == [False] * (GIVE_UP_AFTER - 1)
+    assert last.given_up and last.task == "zmq:serve", last
+    with pytest.raises(KVFlowFatal, match=r"zmq:serve failed 5 times in a row \(last: OSError"):
+        run_step(producer, WorkerPlan(step=1))
+
+
+def test_claims_that_cannot_be_restarted_stop_the_consumers_scheduler(
+    make_runtime: MakeRuntime,
+) -> None:
+    """Issue 28, item 3, the consumer's side: renewals that fail for good stop the
+    engine at its next step, rather than leave every P/D request waiting on claims no
+    task renews."""
+    sched, rec = _consumer(make_runtime)
+    claims = sched._claims
+    assert claims is not None
+
+    async def broken(*_args: object) -> None:
+        raise RuntimeError("a bug in the renewals")
+
+    claims._renew_at = broken  # type: ignore[method-assign]
+    sched.add_request("d", PROMPT, pd=_pd([_dead_address()]))
+    rec.wait_for(TaskFailed, count=GIVE_UP_AFTER)
+    assert rec.of(TaskFailed)[-1].given_up
+    with pytest.raises(KVFlowFatal, match=r"pd-claims failed 5 times in a row"):
+        sched.plan([])
 
 
 def test_a_claim_the_producer_never_offers_fails_after_lookup_timeout(
@@ -334,3 +393,70 @@ def test_a_gone_producer_is_known_at_the_claim_and_the_load_fails_at_once(
     assert answer.error in failed.reason and failed.block_ids == [7, 8, 9]
     results = consumer.worker.take_results()
     assert results.finished_recving == {"d"} and results.failed_recving == {"d"}
+
+
+def test_a_producer_that_hangs_mid_pull_fails_the_load_within_progress_timeout(
+    start_engine: Callable[..., Engine], make_runtime: MakeRuntime
+) -> None:
+    """Issue 28, item 2: a producer that hung after its claim was held (SIGSTOP, a stuck
+    GPU, a partition) cost the whole `load_timeout_s`. Its silence now fails the load
+    after `progress_timeout_s`, and once it runs again its blocks go back."""
+    producer = start_engine("producer", worker_transport=_zmq)
+    _offer(producer)
+    sched, rec = _consumer(make_runtime, load_timeout_s=600.0)
+    sched.add_request("d", PROMPT, pd=_pd([producer.worker_transport.address]))
+    held = rec.wait_for(LookupAnswered, "d")
+    assert held.hit_tokens == len(PROMPT) and not held.error, held
+    load = _planned_load(sched, "d")
+    consumer = start_engine(
+        "consumer", config=KVFlowConfig(load_timeout_s=600.0), worker_transport=_zmq
+    )
+    consumer.worker_transport.context.progress_timeout_s = 0.5
+    with loop_held(producer.worker.runtime):  # the producer hangs before it answers
+        run_step(consumer, WorkerPlan(step=1, loads=[load]))
+        failed = consumer.worker_events.wait_for(TransferFailed, "d")
+    assert failed.direction == "load" and not failed.timed_out, failed
+    assert "sent nothing for 0.5s while" in failed.reason, failed.reason
+    results = consumer.worker.take_results()
+    assert results.finished_recving == {"d"} and results.failed_recving == {"d"}
+    producer.worker_events.wait_for(BlocksReleased, "p-req")  # awake again: handed back
+
+
+def test_a_request_that_ends_before_its_pull_hands_the_producers_blocks_back_at_once(
+    start_engine: Callable[..., Engine], make_runtime: MakeRuntime
+) -> None:
+    """Issue 28, item 4: a consumer request aborted while it waited in the queue left the
+    producer holding its blocks until `hold_timeout_s` (here 600 s). Its end now tells
+    the producer, which hands them back at once."""
+    producer = start_engine(
+        "producer", config=KVFlowConfig(hold_timeout_s=600.0), worker_transport=_zmq
+    )
+    _offer(producer)
+    sched, rec = _consumer(make_runtime)
+    sched.add_request("d", PROMPT, pd=_pd([producer.worker_transport.address]))
+    held = rec.wait_for(LookupAnswered, "d")
+    assert held.hit_tokens == len(PROMPT) and not held.error, held
+    assert sched.finished("d") == (False, None)  # aborted before vLLM scheduled it
+    failed = producer.worker_events.wait_for(TransferFailed, "p-req")
+    assert failed.direction == "send" and not failed.timed_out, failed
+    assert "released unpulled by its consumer" in failed.reason, failed.reason
+    producer.worker_events.wait_for(BlocksReleased, "p-req")
+    assert producer.worker.take_results().finished_sending == {"p-req"}
+
+
+def test_a_request_refused_for_its_shape_hands_the_producers_blocks_back_at_once(
+    start_engine: Callable[..., Engine], make_runtime: MakeRuntime
+) -> None:
+    """Issue 28, item 4: a consumer that refuses signed P/D params for its shape (here two
+    worker shards against the producer's one) computes the prompt itself and tells the
+    producer it will not pull."""
+    producer = start_engine(
+        "producer", config=KVFlowConfig(hold_timeout_s=600.0), worker_transport=_zmq
+    )
+    _offer(producer)
+    sched, _rec = _consumer(make_runtime, shards=2)
+    sched.add_request("d", PROMPT, pd=_pd([producer.worker_transport.address]))
+    assert not sched.is_remote("d")
+    failed = producer.worker_events.wait_for(TransferFailed, "p-req")
+    assert "released unpulled by its consumer" in failed.reason, failed.reason
+    producer.worker_events.wait_for(BlocksReleased, "p-req")

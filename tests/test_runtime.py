@@ -388,8 +388,52 @@ def test_a_supervised_task_that_fails_is_started_again(
             raise RuntimeError(f"boom {len(runs)}")
         done.set()
 
-    rt.spawn(supervised, "flaky-task", flaky, name="flaky-task")
+    restarts: list[tuple[str, str]] = []
+    rt.spawn(
+        functools.partial(supervised, restarted=lambda *r: restarts.append(r)),
+        "flaky-task",
+        flaky,
+        name="flaky-task",
+    )
     assert done.wait(30), runs
     assert runs == [0, 1, 2]
-    assert caplog.text.count("kvflow: flaky-task failed; starting it again") == 2
+    assert restarts == [
+        ("flaky-task", "RuntimeError: boom 1"),
+        ("flaky-task", "RuntimeError: boom 2"),
+    ]
+    assert caplog.text.count("kvflow: starting flaky-task again") == 2
     assert "RuntimeError: boom 2" in caplog.text  # the traceback is in the log
+
+
+def test_a_supervised_task_that_keeps_failing_is_given_up_and_reported(
+    make_runtime: MakeRuntime,
+) -> None:
+    """Issue 28, item 3: a task that cannot be restarted must not fail for ever unseen:
+    after `give_up_after` failures in a row it stays ended and `gave_up` is told (the
+    engine then reports itself unhealthy)."""
+    rt = make_runtime("supervised")
+    runs: list[int] = []
+    restarts: list[str] = []
+    given_up: list[tuple[str, str]] = []
+    told = threading.Event()
+
+    async def broken() -> None:
+        runs.append(len(runs))
+        raise OSError(f"address in use {len(runs)}")
+
+    def gave_up(name: str, error: str) -> None:
+        given_up.append((name, error))
+        told.set()
+
+    task = functools.partial(
+        supervised,
+        first_s=0.001,
+        give_up_after=3,
+        restarted=lambda name, error: restarts.append(error),
+        gave_up=gave_up,
+    )
+    rt.spawn(task, "broken-task", broken, name="broken-task")
+    assert told.wait(30), runs
+    assert runs == [0, 1, 2]
+    assert restarts == ["OSError: address in use 1", "OSError: address in use 2"]
+    assert given_up == [("broken-task", "OSError: address in use 3")]

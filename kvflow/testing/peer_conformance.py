@@ -73,6 +73,10 @@ class PeerPromise:
         "request's Offer.renew(lease_s) is called, one offered and let go comes back refused "
         "with a reason, and one not offered (yet) comes back pending"
     )
+    RELEASE = (
+        "renew(address, [], lease_s, release=[req]) makes the producer end its offer of "
+        "`req` at once when no pull claimed it (offer(o) returns a reason, not 'done')"
+    )
     EARLY_CLAIM = (
         "a claim (renew) that reaches the producer before its offer is pending, and held "
         "once the offer is made"
@@ -322,6 +326,25 @@ class PeerConformance(ConformanceSuite):  # ~340 lines: one test per promise of 
             or answer.pending != ["never"]
         ):
             violated(PeerPromise.RENEW, f"renewed {leases}, answered {answer}")
+
+    async def test_a_release_ends_an_unpulled_offer_at_once(self, kv: Harness) -> None:
+        producer, consumer, offer, _ = await self.claiming(kv, "r")
+        outcome: list[str] = []
+        ended = trio.Event()
+
+        async def hold() -> None:
+            outcome.append(await producer.offer(offer))
+            ended.set()
+
+        async with open_nursery() as nursery:
+            nursery.start_soon(hold)
+            await trio.testing.wait_all_tasks_blocked()
+            with trio.move_on_after(kv.progress_timeout_s):
+                await consumer.renew(producer.address, [], 9.0, release=["r"])
+                await ended.wait()
+            nursery.cancel_scope.cancel()  # the hold deadline
+        if not outcome or outcome[0] in ("", "done"):
+            violated(PeerPromise.RELEASE, f"offer() returned {outcome or 'nothing'}")
 
     async def test_a_claim_before_its_offer_is_pending_then_held(self, kv: Harness) -> None:
         producer, consumer, offer, leases = await self.claiming(kv, "r")

@@ -399,6 +399,7 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
                 shards=shards,
                 channel=channel,
                 rejected=self._rejected,
+                progress_timeout_s=self.config.progress_timeout_s,
             )
             namespaces.append(ctx.namespace)
             transport = transport_cls(options, ctx)

@@ -5,7 +5,7 @@ worker and the scheduler) in vLLM's `KVConnectorStats`; vLLM merges the
 workers' stats with `aggregate` and logs `reduce()`. `KVFlowPromMetrics`
 turns each merged interval into Prometheus histograms (transfer time and
 size, per direction) and counters (lookup hit/miss tokens, failures,
-timeouts, lent requests).
+timeouts, lent requests, refused inputs, task restarts).
 """
 
 from __future__ import annotations
@@ -120,6 +120,13 @@ class KVFlowPromMetrics(KVConnectorPromMetrics):
             idx: {r: rejected.labels(*values, r) for r in REJECT_REASONS}
             for idx, values in self.per_engine_labelvalues.items()
         }
+        self.restarts = counter(
+            name="vllm:kvflow_task_restarts",
+            documentation="Restarts of kvflow's long-lived tasks after they failed, by "
+            "task (a peer transport's serve, the P/D claims); one that cannot be restarted "
+            "stops the engine",
+            labelnames=[*labelnames, "task"],
+        )
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for direction, nbytes, start, end in transfer_stats_data.get("transfers", []):
@@ -134,3 +141,7 @@ class KVFlowPromMetrics(KVConnectorPromMetrics):
         for reason, value in transfer_stats_data.get("rejected", {}).items():
             if reason in self.rejected[engine_idx]:
                 self.rejected[engine_idx][reason].inc(value)
+        values = self.per_engine_labelvalues[engine_idx]
+        for task, value in transfer_stats_data.get("task_restarts", {}).items():
+            if isinstance(task, str) and len(task) <= 64:  # kvflow's own task names
+                self.restarts.labels(*values, task).inc(value)

@@ -361,7 +361,7 @@ class NixlTransport(PeerTransport):  # ~265 lines: the producer's lease of a pul
             known = self.remotes.known(address)
             pull = wire.Pull(src.req, agent.name, known, lease_ms, list(src.block_ids))
             await sock.send_multipart([self.seal(wire.encode(pull))])
-            frames = await sock.recv_multipart()
+            frames = await self.receive(sock, address, src.req)
             if len(frames) != 1:
                 raise BadFrame(f"an answer of {len(frames)} frames")
             msg = self.answer_to(frames[0], wire.decode_to_consumer, src.req)

@@ -1,8 +1,9 @@
 """The `zmq` peer transport: a producer worker serves held blocks, a consumer pulls them.
 
 Host (CPU) KV moves as ZMQ frames, layer by layer: copies of the blocks, so the blocks
-go back to vLLM once sent, whatever a consumer does with its socket (zero-copy frames
-would let a consumer that stops reading keep them, or read what vLLM wrote there next).
+go back to vLLM once queued, whatever a consumer does with its socket, or whether it
+lives (zero-copy frames would let a consumer that stops reading keep them, or read what
+vLLM wrote there next). A consumer waits at most `progress_timeout_s` for each layer.
 CUDA KV on one host moves device to device over CUDA IPC (`_ipc`); ZMQ then carries
 only the control frames.
 """
@@ -116,13 +117,18 @@ class ZmqTransport(PeerTransport):
         held (it expired or closed while serve() waited)."""
         if o.req not in self.held:
             return False
+        outcome = "done"
         with self.held.reading(o.req):
             for layer in range(o.num_layers):
                 spans = [s for chunk in o.spans(layer) for s in chunk]
                 header = wire.encode(wire.Layer(o.req, layer, [len(s) for s in spans]))
                 if not self.send(ident, [self.seal(header), *spans], o.req):
+                    outcome = "the consumer went away or does not read"
                     break
                 await trio.lowlevel.checkpoint()
+        # Copies are queued (or the consumer is gone): nothing reads the blocks again, so
+        # they go back now, whatever becomes of the consumer
+        self.held.release(o.req, outcome, peer=ident)
         return True
 
     # -- consumer ----------------------------------------------------------
@@ -140,7 +146,7 @@ class ZmqTransport(PeerTransport):
             pull = wire.Pull(src.req, list(src.block_ids), geometries=layout.geometries)
             await sock.send_multipart([self.seal(wire.encode(pull))])
             for layer in range(job.num_layers):
-                frames: list[Any] = await sock.recv_multipart(copy=False)
+                frames: list[Any] = await self.receive(sock, address, src.req, copy=False)
                 msg = self.answer_to(frames[0].buffer, wire.decode_to_consumer, src.req)
                 if isinstance(msg, wire.Refused):
                     refused = True  # nothing held for us: nothing to answer
