@@ -448,3 +448,139 @@ async def test_a_pull_with_other_token_counts_than_offered_is_corrupt(
             with pytest.raises(ChunkCorrupt, match=r"chunks of \[4, 4, 1\] tokens"):
                 await consumer.load(_job(cons, producer.address))
             nursery.cancel_scope.cancel()
+
+
+class _Beating(NixlTransport):
+    """A producer that counts the heartbeats it answers, or (`hung`) answers none."""
+
+    hung = False
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.beats = 0
+        self.beaten = trio.Event()
+
+    def ended(self, msg: Any, ident: bytes) -> None:
+        if type(msg).__name__ == "Reading":
+            if self.hung:
+                return
+            self.beats += 1
+            if self.beats == 3:
+                self.beaten.set()
+        super().ended(msg, ident)
+
+
+async def _open_as(cls: type[NixlTransport], layout: KVLayout, progress_s: float = 2.0) -> Any:
+    t = cls(NixlOptions(), dataclasses.replace(_ctx(layout), progress_timeout_s=progress_s))
+    await t.open()
+    await t.register(layout)
+    return t
+
+
+async def test_a_read_longer_than_the_heartbeat_stays_held_by_it(
+    layouts: tuple[KVLayout, KVLayout],
+) -> None:
+    """Issue 28, item 2: the producer holds a pull's blocks only `progress_timeout_s` past
+    the consumer's latest heartbeat. A READ that outlasts several of them is held by
+    them, and lands the offered bytes."""
+    prod, cons = layouts
+    producer: _Beating = await _open_as(_Beating, prod)
+    consumer: GatedConsumer = await _open_as(GatedConsumer, cons, progress_s=0.2)
+    consumer.gate, consumer.at_gate = trio.Event(), trio.Event()
+    outcome: list[str] = []
+    ended = trio.Event()
+
+    async def hold() -> None:
+        outcome.append(await producer.offer(_offer(prod, "slow")))
+        ended.set()
+
+    try:
+        with trio.fail_after(20):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(producer.serve)
+                nursery.start_soon(hold)
+                await trio.testing.wait_all_tasks_blocked()
+                job = dataclasses.replace(_job(cons, producer.address, "slow"), req="c-slow")
+                nursery.start_soon(consumer.load, job)
+                await producer.beaten.wait()  # three heartbeats, 0.05 s apart, answered
+                consumer.gate.set()  # the READs start past the first hold of 0.2 s
+                await ended.wait()
+                nursery.cancel_scope.cancel()
+        assert _bytes(cons, [7, 8, 9], COUNTS) == _bytes(prod, [1, 2, 3], COUNTS)
+        assert outcome == ["done"]
+    finally:
+        await consumer.aclose()
+        await producer.aclose()
+
+
+async def test_a_consumer_that_dies_mid_pull_frees_the_blocks_within_its_heartbeat(
+    layouts: tuple[KVLayout, KVLayout],
+) -> None:
+    """Issue 28, item 2: a consumer that dies after the producer answered its pull sends
+    no heartbeat; the producer hands the blocks back `beat_ms` after the pull, not at
+    the end of the read lease (here: none given, so the 600 s cap)."""
+    from kvflow_nixl import _wire as wire
+
+    prod, _ = layouts
+    producer = await _open(prod)
+    outcome: list[str] = []
+    ended = trio.Event()
+
+    async def hold() -> None:
+        outcome.append(await producer.offer(_offer(prod)))
+        ended.set()
+
+    try:
+        with trio.fail_after(20):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(producer.serve)
+                nursery.start_soon(hold)
+                await trio.testing.wait_all_tasks_blocked()
+                sock = producer.connect(producer.address, wire.MAX_TO_CONSUMER_BYTES)
+                pull = wire.Pull("p-req", "a-consumer", "", 0, [1, 2, 3], beat_ms=300)
+                await sock.send_multipart([producer.seal(wire.encode(pull))])
+                (frame,) = await sock.recv_multipart()
+                blocks = wire.decode_to_consumer(producer.unseal(frame))
+                assert isinstance(blocks, wire.Blocks), blocks
+                sock.close()  # and it dies: nothing more comes
+                await ended.wait()  # at the producer's hold of 0.3 s (else: 600 s)
+                nursery.cancel_scope.cancel()
+    finally:
+        await producer.aclose()
+    assert outcome == ["consumer a-consumer silent past its read lease"], outcome
+    assert "p-req" not in producer.held
+
+
+async def test_a_producer_that_stops_answering_heartbeats_fails_the_read(
+    layouts: tuple[KVLayout, KVLayout],
+) -> None:
+    """Issue 28, item 2: a consumer whose heartbeats go unanswered (the producer hung, or
+    is partitioned away) cannot know the blocks are still held: its load fails (vLLM
+    recomputes) rather than keep what the READs bring."""
+    prod, cons = layouts
+    producer: _Beating = await _open_as(_Beating, prod)
+    producer.hung = True
+    consumer: GatedConsumer = await _open_as(GatedConsumer, cons, progress_s=0.2)
+    consumer.gate, consumer.at_gate = trio.Event(), trio.Event()
+    raised: list[BaseException] = []
+
+    async def load() -> None:
+        job = dataclasses.replace(_job(cons, producer.address, "slow"), req="c-slow")
+        try:
+            await consumer.load(job)
+        except TransportError as exc:
+            raised.append(exc)
+
+    try:
+        with trio.fail_after(20):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(producer.serve)
+                nursery.start_soon(producer.offer, _offer(prod, "slow"))
+                await trio.testing.wait_all_tasks_blocked()
+                await load()  # the gate stays shut: the heartbeat's failure ends the READs
+                nursery.cancel_scope.cancel()
+    finally:
+        await consumer.aclose()
+        await producer.aclose()
+    assert len(raised) == 1, raised
+    assert "sent nothing for 0.2s while slow was pulled" in str(raised[0]), raised[0]

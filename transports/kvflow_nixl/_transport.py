@@ -16,10 +16,14 @@ until one of
    READs is DONE) -> "done";
 2. the consumer's `Failed` arrived over the side channel (it sends it once each
    of its READs is DONE/ERR, or stuck past a drain wait) -> its reason;
-3. the read lease expired: the consumer's own deadline (it sends how long it may
-   still read) plus `DRAIN_TIMEOUT_S` plus a margin, capped at
-   `kvflow.peer.MAX_READ_LEASE_S`.
-   Past that a consumer has either ended its READs or is gone.
+3. the hold lapsed: `beat_ms` (the consumer's `progress_timeout_s`) past the pull or
+   past the consumer's latest heartbeat (`Reading`, every quarter of it, each answered
+   `Held`), and never past the read lease: the consumer's own deadline (it sends how
+   long it may still read) plus `DRAIN_TIMEOUT_S` plus a margin, capped at
+   `kvflow.peer.MAX_READ_LEASE_S`. A consumer that died frees the blocks within
+   `beat_ms`. The consumer counts the hold from when it sent each answered heartbeat,
+   and a load whose READs ended after it fails (vLLM recomputes): what they read may be
+   blocks vLLM reused.
 
 So the worker's hold timeout, which cancels `offer()`, never hands back blocks a
 READ may still be reading: `HeldOffers.offer` waits for the reading to end,
@@ -44,6 +48,7 @@ from __future__ import annotations
 import ctypes
 import importlib
 import logging
+import math
 import os
 import secrets
 from dataclasses import dataclass, field
@@ -125,13 +130,52 @@ class _Pull:
     ident: bytes
     """The consumer's side-channel identity: only its `Failed` counts."""
     lease_s: float
+    beat_s: float = 0.0
+    """Held this long past the pull and past each of the consumer's `Reading` (never past
+    `lease_s`); 0: for all of `lease_s`."""
     outcome: str = ""
     ended: trio.Event = field(default_factory=trio.Event)
+    hold: trio.CancelScope = field(default_factory=trio.CancelScope)
+    cap: float = math.inf
 
     def end(self, outcome: str) -> None:
         if not self.ended.is_set():
             self.outcome = outcome
             self.ended.set()
+
+    def start(self) -> None:
+        now = trio.current_time()
+        self.cap = now + self.lease_s
+        self.hold.deadline = min(self.cap, now + self.beat_s) if self.beat_s else self.cap
+
+    def beat(self) -> int:
+        """The consumer still reads: hold `beat_s` from now, at most to the cap. Returns
+        the ms granted; 0 if the hold already ended (or the pull has no beats)."""
+        if not self.beat_s or self.ended.is_set() or self.hold.cancel_called:
+            return 0
+        now = trio.current_time()
+        self.hold.deadline = min(self.cap, now + self.beat_s)
+        return max(0, int((self.hold.deadline - now) * 1000))
+
+
+@dataclass
+class _ReadLease:
+    """The consumer's view of how long the producer holds the blocks it READs: until
+    `until` (its clock). A READ that ended later may have read blocks vLLM reused."""
+
+    address: str
+    req: str
+    until: float
+    error: str = ""
+
+    def check(self) -> None:
+        if self.error:
+            raise TransportError(self.error)
+        if trio.current_time() > self.until:
+            raise TransportError(
+                f"the READs of {self.req} ended after producer {self.address}'s hold of its "
+                "blocks (no answer to a heartbeat in time): they may hold reused blocks"
+            )
 
 
 class NixlTransport(PeerTransport):  # ~265 lines: the producer's lease of a pull (held
@@ -236,9 +280,18 @@ class NixlTransport(PeerTransport):  # ~265 lines: the producer's lease of a pul
     def refusal(self, req: str, why: str) -> bytes:
         return wire.encode(wire.Refused(req, why))
 
-    def ended(self, msg: wire.Failed | wire.Read, ident: bytes) -> None:
+    def ended(self, msg: wire.Failed | wire.Read | wire.Reading, ident: bytes) -> None:
         pull = self._pulls.get(msg.req)
-        if pull is not None and pull.ident == ident:  # only the consumer that pulls may end it
+        mine = pull is not None and pull.ident == ident  # only the consumer that pulls counts
+        if isinstance(msg, wire.Reading):  # a heartbeat: answered, held or not
+            held_ms = pull.beat() if pull is not None and mine else 0
+            answer = (
+                wire.Held(msg.req, held_ms)
+                if held_ms
+                else wire.Refused(msg.req, "not held: its hold lapsed or the pull ended")
+            )
+            self.send(ident, [self.seal(wire.encode(answer))], msg.req)
+        elif pull is not None and mine:
             pull.end("done" if isinstance(msg, wire.Read) else msg.reason)
 
     async def answer(
@@ -259,13 +312,15 @@ class NixlTransport(PeerTransport):  # ~265 lines: the producer's lease of a pul
         if offer is None:
             task_status.started(None)
             return
-        pull = _Pull(msg.req, msg.agent, ident, read_lease(msg.lease_ms) + LEASE_MARGIN_S)
+        lease_s = read_lease(msg.lease_ms) + LEASE_MARGIN_S
+        pull = _Pull(msg.req, msg.agent, ident, lease_s, msg.beat_ms / 1000)
         self._pulls[msg.req] = pull
         try:
             with self.held.reading(msg.req):
+                pull.start()
                 task_status.started(pull)
                 self._reads_started.set()
-                with trio.move_on_after(pull.lease_s):
+                with pull.hold:
                     await pull.ended.wait()
                 if not pull.ended.is_set():
                     log.warning(
@@ -358,18 +413,27 @@ class NixlTransport(PeerTransport):  # ~265 lines: the producer's lease of a pul
         peer: Remote | None = None
         try:
             lease_ms = read_lease_ms(DRAIN_TIMEOUT_S)
+            beat_ms = max(1, int(self.context.progress_timeout_s * 1000))
             known = self.remotes.known(address)
-            pull = wire.Pull(src.req, agent.name, known, lease_ms, list(src.block_ids))
+            pull = wire.Pull(
+                src.req, agent.name, known, lease_ms, list(src.block_ids), beat_ms=beat_ms
+            )
+            sent = trio.current_time()  # the producer holds beat_ms past its arrival
             await sock.send_multipart([self.seal(wire.encode(pull))])
-            frames = await self.receive(sock, address, src.req)
-            if len(frames) != 1:
-                raise BadFrame(f"an answer of {len(frames)} frames")
-            msg = self.answer_to(frames[0], wire.decode_to_consumer, src.req)
+            msg = await self._answer(sock, address, src.req)
             if isinstance(msg, wire.Refused):
                 refused = True  # nothing is held for us: nothing to answer
                 raise self.refused(address, src.req, msg.reason)
+            if not isinstance(msg, wire.Blocks):
+                raise BadFrame(f"a {type(msg).__name__} before the blocks")
             peer = self.remotes.acquire(agent, address, msg, self._layout())
-            await self._read(agent, job, peer, msg, reads)
+            held = min(beat_ms, lease_ms or beat_ms) / 1000
+            lease = _ReadLease(address, src.req, sent + held)
+            try:
+                await self._read_held(sock, lease, agent, job, peer, msg, reads)
+            except BaseExceptionGroup as group:  # the READs' own error, as they raised it
+                raise group.exceptions[0] from None
+            lease.check()
             try:  # every READ is DONE: the producer may hand the blocks back
                 agent.send_notif(peer.name, self.seal(wire.encode(wire.Read(src.req))))
             except Exception as exc:  # the side channel's Read below still tells it
@@ -404,6 +468,50 @@ class NixlTransport(PeerTransport):  # ~265 lines: the producer's lease of a pul
         if self._local is None:
             raise TransportError("the nixl transport has no registered KV memory")
         return self._local
+
+    async def _answer(self, sock: Any, address: str, req: str) -> Any:
+        """The producer's next answer on this pull (within `progress_timeout_s`)."""
+        frames = await self.receive(sock, address, req)
+        if len(frames) != 1:
+            raise BadFrame(f"an answer of {len(frames)} frames")
+        return self.answer_to(frames[0], wire.decode_to_consumer, req)
+
+    async def _read_held(
+        self,
+        sock: Any,
+        lease: _ReadLease,
+        agent: Any,
+        job: LoadJob,
+        peer: Remote,
+        msg: wire.Blocks,
+        reads: Reads,
+    ) -> None:
+        """`_read`, while a heartbeat keeps the producer holding the blocks (`_beat`)."""
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._beat, sock, lease, nursery.cancel_scope)
+            try:
+                await self._read(agent, job, peer, msg, reads)
+            finally:
+                nursery.cancel_scope.cancel()
+
+    async def _beat(self, sock: Any, lease: _ReadLease, reads: trio.CancelScope) -> None:
+        """Every quarter of `progress_timeout_s`, ask the producer to hold the blocks that
+        long again; each answer moves `lease.until` (from when it was asked). A producer
+        that does not answer in time, or no longer holds them, stops the READs."""
+        beat_s = self.context.progress_timeout_s
+        try:
+            while True:
+                await trio.sleep(beat_s / 4)
+                asked = trio.current_time()
+                await sock.send_multipart([self.seal(wire.encode(wire.Reading(lease.req)))])
+                msg = await self._answer(sock, lease.address, lease.req)
+                if not isinstance(msg, wire.Held):
+                    why = getattr(msg, "reason", type(msg).__name__)
+                    raise TransportError(f"producer {lease.address} stopped holding: {why}")
+                lease.until = max(lease.until, asked + msg.held_ms / 1000)
+        except (TransportError, BadFrame) as exc:
+            lease.error = f"reading {lease.req}: {exc}"
+            reads.cancel()
 
     async def _read(
         self, agent: Any, job: LoadJob, peer: Remote, msg: wire.Blocks, reads: Reads

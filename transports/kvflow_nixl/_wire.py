@@ -3,12 +3,14 @@
 A pull is one DEALER->ROUTER conversation on the side channel, plus one NIXL
 notification for the data path:
 
-    consumer -> producer   Pull(req, agent, known, lease_ms, block_ids)
+    consumer -> producer   Pull(req, agent, known, lease_ms, block_ids, beat_ms)
     producer -> consumer   Blocks(req, agent, metadata, block_ids, token_counts, memory,
                            regions)
                            (or Refused(req, reason))
     consumer ==> producer  NIXL READs, one per layer (two for a layer whose last
                            chunk is a partial block of a token-granular cache)
+    consumer -> producer   Reading(req), every beat_ms / 4 while they run: the producer
+    producer -> consumer   Held(req, held_ms): held that long past it (or Refused)
     consumer ==> producer  the NIXL notification Read(req), once every READ is DONE,
     consumer -> producer   and the same Read(req) over the side channel (UCX may hold a
                            notification until the consumer's agent next progresses)
@@ -36,7 +38,7 @@ from kvflow.layout import LayerGeometry
 from kvflow.peer import OfferId, Renew
 from kvflow.zmqio import decode_frame
 
-WIRE_VERSION = 6
+WIRE_VERSION = 7
 MAX_TO_PRODUCER_BYTES = 64 << 10
 """Pull / Failed / notifications: small, fixed-shape frames."""
 MAX_TO_CONSUMER_BYTES = 64 << 20
@@ -59,6 +61,23 @@ class Pull(msgspec.Struct, tag=True, frozen=True):
     block_ids: BlockIds = []
     """The offered blocks this consumer wants (it may have a prefix already); [] all."""
     version: int = WIRE_VERSION
+    beat_ms: Annotated[int, Meta(ge=0, lt=1 << 40)] = 0
+    """The producer holds the blocks this long past the pull and past each `Reading`, and
+    no longer (a consumer that died frees them that soon); 0: for all of `lease_ms`."""
+
+
+class Reading(msgspec.Struct, tag=True, frozen=True):
+    """The consumer still reads `req`'s blocks: hold them `beat_ms` longer."""
+
+    req: OfferId
+
+
+class Held(msgspec.Struct, tag=True, frozen=True):
+    """The producer's answer to `Reading`: the blocks stay held `held_ms` past its arrival
+    (`beat_ms`, or less near the end of the pull's `lease_ms`)."""
+
+    req: str
+    held_ms: Annotated[int, Meta(ge=0, lt=1 << 40)]
 
 
 class Regions(msgspec.Struct, frozen=True):
@@ -101,8 +120,8 @@ class Read(msgspec.Struct, tag=True, frozen=True):
     req: OfferId
 
 
-ToProducer = Pull | Failed | Read | Renew
-ToConsumer = Blocks | Refused
+ToProducer = Pull | Failed | Read | Reading | Renew
+ToConsumer = Blocks | Refused | Held
 
 _encoder = msgspec.msgpack.Encoder()
 _to_producer = msgspec.msgpack.Decoder(ToProducer)
