@@ -44,6 +44,10 @@ __all__ = ["Claim", "Claims"]
 
 log = logging.getLogger("kvflow.claims")
 
+RELEASE_ROUNDS = 4
+"""Renewal rounds (`lease_s / 3` apart) a release is sent in while its producer does not
+answer: about a lease, after which the producer has let the blocks go by itself."""
+
 
 @dataclass
 class Claim:
@@ -101,6 +105,7 @@ class Claims:
         """How long one renewal waits for its answer (`progress_timeout_s`)."""
         self._claims: dict[str, Claim] = {}  # the loop thread's only
         self._releases: dict[str, list[str]] = {}  # address -> offers never to be pulled
+        self._release_tries: dict[str, int] = {}  # address -> rounds it did not answer
         self._due = trio.Event()
         self._started = False
         self._gave_up = gave_up
@@ -114,14 +119,14 @@ class Claims:
         self.runtime.submit(self._add, req, claim)
         return claim
 
-    def drop(self, req: str, *, unpulled: bool = False) -> None:
-        """`req` ended or no longer needs its producer's blocks; `unpulled`: it was never
-        pulled, and the producer is told to hand the blocks back now."""
-        self.runtime.submit(self._drop, req, unpulled)
+    def drop(self, req: str) -> None:
+        """`req` ended or no longer needs its producer's blocks."""
+        self.runtime.submit(self._claims.pop, req, None)
 
     def release(self, offer: str, addresses: Sequence[str]) -> None:
-        """Tell the producer at `addresses` that this consumer will never pull `offer` (a
-        request refused before it was claimed)."""
+        """Tell the producer at `addresses` that this consumer will never pull `offer` (its
+        request ended before its pull, or was refused), so it hands the blocks back now;
+        a producer that does not hear it holds them until its hold timeout or lease."""
         self._start()
         self.runtime.submit(self._let_go, offer, list(addresses))
 
@@ -138,11 +143,6 @@ class Claims:
     def _add(self, req: str, claim: Claim) -> None:
         self._claims[req] = claim
         self._due.set()
-
-    def _drop(self, req: str, unpulled: bool) -> None:
-        claim = self._claims.pop(req, None)
-        if unpulled and claim is not None and not claim.error:
-            self._let_go(claim.req, claim.addresses)
 
     def _let_go(self, offer: str, addresses: list[str]) -> None:
         for address in addresses:
@@ -171,13 +171,20 @@ class Claims:
                         nursery.start_soon(self._renew_at, waits, address, claims)
 
     async def _release_at(self, address: str, offers: list[str]) -> None:
-        """Tell `address` this consumer will not pull `offers` (best effort: a producer
-        that does not hear it holds them until its hold timeout)."""
+        """Tell `address` this consumer will not pull `offers`. A producer that does not
+        answer (hung, or gone) is told again in the next rounds, for about a lease; past
+        that it has let them go by itself (its hold timeout, or the lapsed claim)."""
         with trio.move_on_after(self.answer_s):
             try:
                 await self.transport.renew(address, [], self.lease_s, release=offers)
+                return
             except Exception as exc:
                 log.info("kvflow: releasing %d offer(s) at %s: %s", len(offers), address, exc)
+        tries = self._release_tries[address] = self._release_tries.get(address, 0) + 1
+        if tries < RELEASE_ROUNDS:
+            self._releases.setdefault(address, []).extend(offers)
+        else:
+            self._release_tries.pop(address, None)
 
     async def _renew_at(
         self, waits: trio.Nursery, address: str, claims: list[tuple[str, Claim]]

@@ -70,8 +70,8 @@ class _Request:
     saved_upto: int = 0
     load_planned: bool = False
     pulled: bool = False
-    """A pull of the producer's blocks was planned (P/D): the producer no longer holds
-    them for this consumer once it ends."""
+    """A pull of the producer's blocks was sent to the workers (P/D): it ends the
+    producer's hold (else the request's end releases it)."""
     saves_issued: bool = False
     pd: PdParams | None = None
     """Set when a producer prefilled this request: pull its prompt KV from there."""
@@ -273,7 +273,7 @@ class SchedulerEngine:  # ~340 lines: one request's life in the scheduler (looku
         chunks = self._real_blocks(st, first, last)
         source, error = None, st.claim.error if st.claim is not None else ""
         if st.pd is not None:
-            pd, st.pulled = st.pd, True
+            pd = st.pd
             source = PeerSource(
                 pd.engine_id, pd.addresses, pd.offer, [pd.block_ids[i] for i in chunks]
             )
@@ -282,6 +282,7 @@ class SchedulerEngine:  # ~340 lines: one request's life in the scheduler (looku
                     f"producer {pd.engine_id} no longer holds blocks this consumer needs "
                     "(its sliding window moved on)"
                 )
+            st.pulled = st.pulled or not error  # a load failed here never reached it
         spec = LoadSpec(
             req=req,
             keys=[st.keys[i] for i in chunks],
@@ -363,7 +364,9 @@ class SchedulerEngine:  # ~340 lines: one request's life in the scheduler (looku
         """
         st = self._reqs.pop(req, None)
         if st is not None and st.claim is not None and self._claims:
-            self._claims.drop(req, unpulled=not st.pulled)
+            self._claims.drop(req)
+            if not st.pulled:  # its producer holds the blocks for nobody: let them go
+                self._claims.release(st.claim.req, st.claim.addresses)
         if st is not None and st.saves_issued and not block_ids:
             # vLLM took the blocks back before this finish (preempted outside schedule(),
             # as reset_prefix_cache(reset_running_requests=True) does, then aborted): it

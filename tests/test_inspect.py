@@ -40,6 +40,7 @@ from kvflow.events import (
     Origin,
     RequestFinished,
     SaveStarted,
+    TaskFailed,
     TransferDone,
     TransferFailed,
 )
@@ -186,7 +187,7 @@ def test_filters_match_prefixes_and_event_kinds() -> None:
     assert not EventFilter(kinds={"LoadStarted"}).match(ev)
     with pytest.raises(ValueError, match=r"unknown event kind.*Nope.*valid: LookupRequested"):
         EventFilter(kinds={"Nope"})
-    assert "TransferDone" in EVENT_KINDS and len(EVENT_KINDS) == 15
+    assert "TransferDone" in EVENT_KINDS and len(EVENT_KINDS) == 16
 
 
 def test_render_shows_engines_transfers_and_errors() -> None:
@@ -479,3 +480,14 @@ def test_live_view_in_a_terminal_shows_a_real_engines_save_and_load(
     capture = engine_env["tmp"] / "inspect-screen.txt"
     capture.write_text(f"{shown}\n\n{gone}\n\n{final}\n")
     print(f"\n{shown}\n\nafter the engine exited:\n{gone}\n(saved to {capture})")
+
+
+def test_a_failed_task_is_an_error_row() -> None:
+    state = InspectState()
+    state.feed(at(A, TaskFailed(task="zmq:serve", error="OSError: gone")), 1.0)
+    state.feed(at(A, TaskFailed(task="zmq:serve", error="OSError: gone", given_up=True)), 2.0)
+    rows = state.errors(3.0)
+    assert [(r.what, r.reason) for r in rows] == [
+        ("zmq:serve", "OSError: gone (given up: the engine stops)"),
+        ("zmq:serve", "OSError: gone (started again)"),
+    ]

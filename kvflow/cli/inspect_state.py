@@ -17,6 +17,7 @@ from ..events import (
     LookupAnswered,
     RequestFinished,
     SaveStarted,
+    TaskFailed,
     TransferDone,
     TransferFailed,
 )
@@ -196,6 +197,9 @@ class InspectState:
                 tot.lent[ev.req] = ev.blocks
         elif isinstance(ev, BlocksReleased):
             tot.lent.pop(ev.req, None)
+        elif isinstance(ev, TaskFailed):  # a supervised task: restarted, or the engine stops
+            then = "given up: the engine stops" if ev.given_up else "started again"
+            self._errors.append(ErrorRow(now, o.engine, "", ev.task, f"{ev.error} ({then})"))
 
     def _end(self, tot: EngineTotals, ev: TransferDone | TransferFailed, now: float) -> None:
         o = ev.origin

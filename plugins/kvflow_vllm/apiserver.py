@@ -76,12 +76,15 @@ class ApiServer:
         model: str | None = None,
         cores: str | None = None,
         env: dict[str, str] | None = None,
+        port: int = 0,
     ) -> None:
         from .engine import tiny_model_dir
 
         self.name = name
         self.model = model or tiny_model_dir()
-        self.port = free_port()
+        self.port = port or free_port()
+        """Its HTTP port (`port`, or a free one): a server started again in its place
+        keeps the address a proxy knows."""
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tmp / f"{name}.log"
         environ = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", PYTHONUNBUFFERED="1")
