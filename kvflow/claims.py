@@ -44,10 +44,6 @@ __all__ = ["Claim", "Claims"]
 
 log = logging.getLogger("kvflow.claims")
 
-RELEASE_ROUNDS = 4
-"""Renewal rounds (`lease_s / 3` apart) a release is sent in while its producer does not
-answer: about a lease, after which the producer has let the blocks go by itself."""
-
 
 @dataclass
 class Claim:
@@ -105,7 +101,6 @@ class Claims:
         """How long one renewal waits for its answer (`progress_timeout_s`)."""
         self._claims: dict[str, Claim] = {}  # the loop thread's only
         self._releases: dict[str, list[str]] = {}  # address -> offers never to be pulled
-        self._release_tries: dict[str, int] = {}  # address -> rounds it did not answer
         self._due = trio.Event()
         self._started = False
         self._gave_up = gave_up
@@ -154,7 +149,7 @@ class Claims:
             claim.waiting.clear()  # of offers not made yet ended with the last run
         if self._claims or self._releases:  # and the round is due at once
             self._due.set()
-        async with trio.open_nursery() as waits:  # claims not offered yet, asked again
+        async with trio.open_nursery() as waits:  # asks of offers not made yet; releases
             while True:
                 with trio.move_on_after(self.lease_s / 3):
                     await self._due.wait()
@@ -164,27 +159,28 @@ class Claims:
                     for address in claim.addresses:
                         by_address.setdefault(address, []).append((req, claim))
                 releases, self._releases = self._releases, {}
+                for address, offers in releases.items():  # retried apart from the rounds
+                    waits.start_soon(self._release_at, address, offers)
                 async with trio.open_nursery() as nursery:
-                    for address, offers in releases.items():
-                        nursery.start_soon(self._release_at, address, offers)
                     for address, claims in by_address.items():
                         nursery.start_soon(self._renew_at, waits, address, claims)
 
     async def _release_at(self, address: str, offers: list[str]) -> None:
-        """Tell `address` this consumer will not pull `offers`. A producer that does not
-        answer (hung, or gone) is told again in the next rounds, for about a lease; past
+        """Tell `address` this consumer will not pull `offers`; a producer that does not
+        answer (hung, partitioned) is told again until it does, for at most a lease: past
         that it has let them go by itself (its hold timeout, or the lapsed claim)."""
-        with trio.move_on_after(self.answer_s):
-            try:
-                await self.transport.renew(address, [], self.lease_s, release=offers)
-                return
-            except Exception as exc:
-                log.info("kvflow: releasing %d offer(s) at %s: %s", len(offers), address, exc)
-        tries = self._release_tries[address] = self._release_tries.get(address, 0) + 1
-        if tries < RELEASE_ROUNDS:
-            self._releases.setdefault(address, []).extend(offers)
-        else:
-            self._release_tries.pop(address, None)
+        with trio.move_on_after(self.lease_s):
+            while True:
+                with trio.move_on_after(self.answer_s):
+                    try:
+                        await self.transport.renew(address, [], self.lease_s, release=offers)
+                        return
+                    except Exception as exc:
+                        why = f"{type(exc).__name__}: {exc}"
+                        log.info(
+                            "kvflow: releasing %d offer(s) at %s: %s", len(offers), address, why
+                        )
+                        await trio.sleep(self.answer_s)  # refused at once: not a spin
 
     async def _renew_at(
         self, waits: trio.Nursery, address: str, claims: list[tuple[str, Claim]]

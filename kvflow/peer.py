@@ -198,12 +198,13 @@ class HeldOffers:
         return Renewed(refused, pending)
 
     def release_unpulled(self, reqs: Sequence[str]) -> int:
-        """A consumer will not pull `reqs`: end each held offer no pull has claimed (a
-        pull ends by its own consumer's answer). Returns how many it ended."""
+        """A consumer will not pull `reqs` (its request ended, or its pull failed): end
+        each held offer that no read is in flight from (one that is ends by its own
+        consumer's answer or lease). Returns how many it ended."""
         ended = 0
         for req in reqs:
             held = self._open(req)
-            if held is not None and held.peer is None:
+            if held is not None and held.readers == 0:
                 ended += self.release(req, "released unpulled by its consumer")
         return ended
 

@@ -111,6 +111,9 @@ class PeerTransport(Transport):
             self.address = bind_loopback(sock, self.options.host, self.options.port)
         except (OSError, ValueError) as exc:
             sock.close(0)
+            if self._zap is not None:  # an open socket would hold the process at exit
+                self._zap.close()  # (its context's termination waits for it)
+                self._zap = None
             raise TransportError(f"kv_connector_extra_config['options']: {exc}") from None
         self._router = TrioSocket(sock)
 

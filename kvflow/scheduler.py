@@ -418,7 +418,8 @@ class SchedulerEngine:  # ~340 lines: one request's life in the scheduler (looku
                 st.hit_chunks = 0
                 st.stored_upto = 0
                 if st.claim is not None and self._claims:
-                    self._claims.drop(req)
+                    self._claims.drop(req)  # the producer may not know (it hung, or our
+                    self._claims.release(st.claim.req, st.claim.addresses)  # Failed was lost)
 
     def blocks_invalid(self, block_ids: Iterable[int]) -> None:
         """Loads into `block_ids` failed: vLLM recomputes every request's tokens from its

@@ -85,7 +85,10 @@ def body(server: ApiServer, prompt: list[int], **extra: Any) -> dict[str, Any]:
 
 def complete(server: ApiServer, prompt: list[int], **extra: Any) -> Result:
     t0 = time.monotonic()
-    out = post(server.url + "/v1/completions", body(server, prompt, **extra))
+    try:
+        out = post(server.url + "/v1/completions", body(server, prompt, **extra))
+    except OSError as exc:  # the server died with the request
+        out = {"error": f"{type(exc).__name__}: {exc}"}
     return out, time.monotonic() - t0
 
 

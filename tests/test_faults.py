@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 
 from kvflow.keys import chunk_keys
+from kvflow.security import keygen
 from kvflow_vllm.apiserver import ApiServer
 from kvflow_vllm.engine import EngineFailed, Scenario, spawn_engine
 
@@ -217,18 +218,23 @@ def test_a_store_deleted_mid_run_is_a_miss_and_is_made_again(servers: Servers) -
     assert chunks(store), "saves made the store again"
 
 
-def test_a_taken_side_channel_port_fails_at_start_naming_it(tmp_path: Path) -> None:
+@pytest.mark.parametrize("keyed", [False, True], ids=["keyless", "keyed"])
+def test_a_taken_side_channel_port_fails_at_start_naming_it(tmp_path: Path, keyed: bool) -> None:
+    """The engine stops at start naming the port. Keyed, the producer's handshake
+    socket was left open by the failed bind, and the worker process never exited (nor,
+    with it, vLLM's server): found by scripts/faults.py's port-taken row."""
+    extra: dict[str, Any] = {"transport": "zmq"}
+    if keyed:
+        extra["key_file"] = str(keygen(tmp_path / "key"))
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
         sc = Scenario(
-            batches=[],
-            kv_role="kv_producer",
-            extra_config={"transport": "zmq", "options": {"port": port}},
+            batches=[], kv_role="kv_producer", extra_config={**extra, "options": {"port": port}}
         )
         with pytest.raises(EngineFailed) as failed:
-            spawn_engine(tmp_path, "taken", sc)
+            spawn_engine(tmp_path, "taken", sc, timeout=240)
     assert f"cannot bind tcp://127.0.0.1:{port}" in failed.value.log
     assert "kv_connector_extra_config['options']" in failed.value.log
 

@@ -403,14 +403,14 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
             )
             namespaces.append(ctx.namespace)
             transport = transport_cls(options, ctx)
-            try:
+            self.runtime.add_closer(transport.aclose)  # also after a failed open: what it
+            try:  # opened (a socket, a context) would hold the process at exit
                 self.runtime.call(transport.open, timeout=60.0)
             except TransportError as exc:
                 self.runtime.shutdown()
                 raise ConfigError(
                     f"KVFlowConnector: transport {self.config.transport!r}: {exc}"
                 ) from None
-            self.runtime.add_closer(transport.aclose)
             self.transports.append(transport)
         self.transport = self.transports[0]
         consumes = kv_role in ("kv_both", "kv_consumer")
