@@ -21,9 +21,9 @@ answered) says so; the claim asks again, backing off, until the offer is there o
 go: nothing is left to hold), and so does a later renewal that fails or goes
 unanswered: a request not pulled yet then fails its load at once.
 
-A request that ends before its pull (aborted while it waits, refused for its shape)
-lets go of its offer: the next round tells the producer, which hands the blocks back
-at once instead of at its hold timeout.
+A request that ends before its pull (aborted while it waits, refused for its shape),
+or whose pull failed, lets go of its offer: the next round tells the producer, which
+hands the blocks back at once instead of at its hold timeout or when the claim lapses.
 """
 
 from __future__ import annotations
@@ -101,6 +101,7 @@ class Claims:
         """How long one renewal waits for its answer (`progress_timeout_s`)."""
         self._claims: dict[str, Claim] = {}  # the loop thread's only
         self._releases: dict[str, list[str]] = {}  # address -> offers never to be pulled
+        self._releasing: dict[str, list[str]] = {}  # address -> offers its task sends
         self._due = trio.Event()
         self._started = False
         self._gave_up = gave_up
@@ -159,28 +160,36 @@ class Claims:
                     for address in claim.addresses:
                         by_address.setdefault(address, []).append((req, claim))
                 releases, self._releases = self._releases, {}
-                for address, offers in releases.items():  # retried apart from the rounds
-                    waits.start_soon(self._release_at, address, offers)
+                for address, offers in releases.items():  # one task per producer, apart
+                    if address not in self._releasing:  # from the rounds (it retries)
+                        self._releasing[address] = []
+                        waits.start_soon(self._release_at, address)
+                    self._releasing[address] += offers
                 async with trio.open_nursery() as nursery:
                     for address, claims in by_address.items():
                         nursery.start_soon(self._renew_at, waits, address, claims)
 
-    async def _release_at(self, address: str, offers: list[str]) -> None:
-        """Tell `address` this consumer will not pull `offers`; a producer that does not
-        answer (hung, partitioned) is told again until it does, for at most a lease: past
-        that it has let them go by itself (its hold timeout, or the lapsed claim)."""
-        with trio.move_on_after(self.lease_s):
-            while True:
-                with trio.move_on_after(self.answer_s):
-                    try:
-                        await self.transport.renew(address, [], self.lease_s, release=offers)
-                        return
-                    except Exception as exc:
-                        why = f"{type(exc).__name__}: {exc}"
-                        log.info(
-                            "kvflow: releasing %d offer(s) at %s: %s", len(offers), address, why
-                        )
-                        await trio.sleep(self.answer_s)  # refused at once: not a spin
+    async def _release_at(self, address: str) -> None:
+        """Tell `address` this consumer will not pull the offers in `_releasing[address]`
+        (more may join while it runs); a producer that does not answer (hung,
+        partitioned) is told again until it does, for at most a lease: past that it has
+        let them go by itself (its hold timeout, or the lapsed claim)."""
+        offers = self._releasing[address]
+        try:
+            with trio.move_on_after(self.lease_s):
+                while offers:
+                    sent = list(offers)
+                    with trio.move_on_after(self.answer_s):
+                        try:
+                            await self.transport.renew(address, [], self.lease_s, release=sent)
+                            del offers[: len(sent)]
+                            continue
+                        except Exception as exc:
+                            why = f"{type(exc).__name__}: {exc}"
+                            log.info("kvflow: releasing offers at %s: %s", address, why)
+                            await trio.sleep(self.answer_s)  # refused at once: not a spin
+        finally:
+            del self._releasing[address]
 
     async def _renew_at(
         self, waits: trio.Nursery, address: str, claims: list[tuple[str, Claim]]

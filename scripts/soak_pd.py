@@ -89,8 +89,8 @@ class Soak:
         self.kill_epoch = 0
         """Bumped at each kill: a request that fails across one is the kill's."""
 
-    def one(self, i: int, prompt: list[int], want: str, abort: bool) -> None:
-        epoch = self.kill_epoch
+    def one(self, i: int, prompt: list[int], want: str, abort: bool, epoch: int) -> None:
+        """Request `i`, sent when `epoch` kills had been made."""
         t0 = time.monotonic()
         if abort:
             self.abort(prompt)
@@ -138,16 +138,17 @@ class Soak:
                     time.sleep(0.01)  # a free client slot
             k = rng.randrange(len(ps))
             abort = rng.random() < self.args.abort_rate
-            in_flight.append(pool.submit(self.one, i, ps[k], want[k], abort))
+            epoch = self.kill_epoch  # now: the thread may start it after the next kill
+            in_flight.append(pool.submit(self.one, i, ps[k], want[k], abort, epoch))
         for f in in_flight:
             f.result(timeout=HANG_S)
         pool.shutdown()
 
     def kill_producer(self) -> None:
-        signal_server(self.pair.prefill, signal.SIGKILL)
-        with self.lock:
+        with self.lock:  # first: a request that fails from here on may be the kill's
             self.kill_epoch += 1
             self.count["producer kills"] += 1
+        signal_server(self.pair.prefill, signal.SIGKILL)
         self.pair.restart("prefill")
 
 

@@ -460,3 +460,26 @@ def test_a_request_refused_for_its_shape_hands_the_producers_blocks_back_at_once
     failed = producer.worker_events.wait_for(TransferFailed, "p-req")
     assert "released unpulled by its consumer" in failed.reason, failed.reason
     producer.worker_events.wait_for(BlocksReleased, "p-req")
+
+
+def test_a_pull_that_failed_releases_the_producers_blocks_too(
+    start_engine: Callable[..., Engine], make_runtime: MakeRuntime
+) -> None:
+    """A consumer's failed pull tells the producer with `Failed` on the pull's socket,
+    which a hung producer never reads (scripts/faults.py, producer-stop-queued: its blocks
+    came back only when the claim lapsed, 27 s after SIGCONT). The consumer's scheduler
+    now releases the offer as well, so a producer that did not see the pull frees them
+    as soon as it hears."""
+    producer = start_engine(
+        "producer", config=KVFlowConfig(hold_timeout_s=600.0), worker_transport=_zmq
+    )
+    _offer(producer)
+    sched, rec = _consumer(make_runtime)
+    sched.add_request("d", PROMPT, pd=_pd([producer.worker_transport.address]))
+    held = rec.wait_for(LookupAnswered, "d")
+    assert held.hit_tokens == len(PROMPT) and not held.error, held
+    _planned_load(sched, "d")  # sent to the workers, whose pull never reached the producer
+    sched.loads_failed(["d"])
+    failed = producer.worker_events.wait_for(TransferFailed, "p-req")
+    assert "released unpulled by its consumer" in failed.reason, failed.reason
+    producer.worker_events.wait_for(BlocksReleased, "p-req")
