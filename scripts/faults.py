@@ -223,28 +223,19 @@ def run_row(name: str, pair: Pair, prompts: list[list[int]]) -> dict[str, Any]:
     row = Row(pair, prompts)
     params = row.prefill()
     p, d = pair.prefill, pair.decode
-    if name in ("producer-kill-before-claim", "producer-stop-before-claim"):
-        sig = signal.SIGKILL if "kill" in name else signal.SIGSTOP
-        row.fault(lambda: signal_server(p, sig))
-        out = row.judge(row.decode(params), [d])
-        if sig == signal.SIGSTOP:
-            signal_server(p, signal.SIGCONT)
-            idle = idle_after([p], time.monotonic())
-            out["producer's blocks back"] = (
-                "LEAKED" if idle is None else f"{idle:.2f} s after SIGCONT"
-            )
-        else:
-            pair.restart("prefill")
-        return out
-    if name in ("producer-kill-queued", "producer-stop-queued"):
-        sig = signal.SIGKILL if "kill" in name else signal.SIGSTOP
-        futures = row.queue(params)
+    if name.startswith("producer-"):
+        sig = signal.SIGKILL if "-kill-" in name else signal.SIGSTOP
+        if name.endswith("-queued"):  # claims held, 16 pulls start as the producer goes
+            futures = row.queue(params)
 
-        def kill_and_resume() -> None:
-            signal_server(p, sig)
-            post(d.url + "/resume", {})
+            def go() -> None:
+                signal_server(p, sig)
+                post(d.url + "/resume", {})
 
-        row.fault(kill_and_resume)
+            row.fault(go)
+        else:  # before the decode requests arrive: their claims go unanswered
+            row.fault(lambda: signal_server(p, sig))
+            futures = row.decode(params)
         out = row.judge(futures, [d])
         if sig == signal.SIGSTOP:
             signal_server(p, signal.SIGCONT)

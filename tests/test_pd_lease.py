@@ -422,12 +422,11 @@ def test_a_producer_that_hangs_mid_pull_fails_the_load_within_progress_timeout(
     producer.worker_events.wait_for(BlocksReleased, "p-req")  # awake again: handed back
 
 
-def test_a_request_that_ends_before_its_pull_hands_the_producers_blocks_back_at_once(
+def _claimed(
     start_engine: Callable[..., Engine], make_runtime: MakeRuntime
-) -> None:
-    """Issue 28, item 4: a consumer request aborted while it waited in the queue left the
-    producer holding its blocks until `hold_timeout_s` (here 600 s). Its end now tells
-    the producer, which hands them back at once."""
+) -> tuple[Engine, SchedulerEngine]:
+    """A producer holding an offer (its hold timeout 600 s) and a consumer's scheduler
+    whose claim on it is held."""
     producer = start_engine(
         "producer", config=KVFlowConfig(hold_timeout_s=600.0), worker_transport=_zmq
     )
@@ -436,11 +435,27 @@ def test_a_request_that_ends_before_its_pull_hands_the_producers_blocks_back_at_
     sched.add_request("d", PROMPT, pd=_pd([producer.worker_transport.address]))
     held = rec.wait_for(LookupAnswered, "d")
     assert held.hit_tokens == len(PROMPT) and not held.error, held
-    assert sched.finished("d") == (False, None)  # aborted before vLLM scheduled it
+    return producer, sched
+
+
+def _released(producer: Engine) -> TransferFailed:
+    """The producer's offer of p-req, ended by its consumer's release; its blocks back."""
     failed = producer.worker_events.wait_for(TransferFailed, "p-req")
-    assert failed.direction == "send" and not failed.timed_out, failed
     assert "released unpulled by its consumer" in failed.reason, failed.reason
     producer.worker_events.wait_for(BlocksReleased, "p-req")
+    return failed
+
+
+def test_a_request_that_ends_before_its_pull_hands_the_producers_blocks_back_at_once(
+    start_engine: Callable[..., Engine], make_runtime: MakeRuntime
+) -> None:
+    """Issue 28, item 4: a consumer request aborted while it waited in the queue left the
+    producer holding its blocks until `hold_timeout_s` (here 600 s). Its end now tells
+    the producer, which hands them back at once."""
+    producer, sched = _claimed(start_engine, make_runtime)
+    assert sched.finished("d") == (False, None)  # aborted before vLLM scheduled it
+    failed = _released(producer)
+    assert failed.direction == "send" and not failed.timed_out, failed
     assert producer.worker.take_results().finished_sending == {"p-req"}
 
 
@@ -457,9 +472,7 @@ def test_a_request_refused_for_its_shape_hands_the_producers_blocks_back_at_once
     sched, _rec = _consumer(make_runtime, shards=2)
     sched.add_request("d", PROMPT, pd=_pd([producer.worker_transport.address]))
     assert not sched.is_remote("d")
-    failed = producer.worker_events.wait_for(TransferFailed, "p-req")
-    assert "released unpulled by its consumer" in failed.reason, failed.reason
-    producer.worker_events.wait_for(BlocksReleased, "p-req")
+    _released(producer)
 
 
 def test_a_pull_that_failed_releases_the_producers_blocks_too(
@@ -470,16 +483,7 @@ def test_a_pull_that_failed_releases_the_producers_blocks_too(
     came back only when the claim lapsed, 27 s after SIGCONT). The consumer's scheduler
     now releases the offer as well, so a producer that did not see the pull frees them
     as soon as it hears."""
-    producer = start_engine(
-        "producer", config=KVFlowConfig(hold_timeout_s=600.0), worker_transport=_zmq
-    )
-    _offer(producer)
-    sched, rec = _consumer(make_runtime)
-    sched.add_request("d", PROMPT, pd=_pd([producer.worker_transport.address]))
-    held = rec.wait_for(LookupAnswered, "d")
-    assert held.hit_tokens == len(PROMPT) and not held.error, held
+    producer, sched = _claimed(start_engine, make_runtime)
     _planned_load(sched, "d")  # sent to the workers, whose pull never reached the producer
     sched.loads_failed(["d"])
-    failed = producer.worker_events.wait_for(TransferFailed, "p-req")
-    assert "released unpulled by its consumer" in failed.reason, failed.reason
-    producer.worker_events.wait_for(BlocksReleased, "p-req")
+    _released(producer)
