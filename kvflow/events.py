@@ -33,6 +33,7 @@ __all__ = [
     "SaveStarted",
     "StepBound",
     "StepPlanned",
+    "TaskFailed",
     "TransferDone",
     "TransferFailed",
     "decode_event",

@@ -1,8 +1,9 @@
 """Producer-side block lifetime for peer transports (prefill/decode disaggregation).
 
 A producer holds a finished request's blocks until one of these happens: the
-consumer confirms its pull, the consumer reports failure, or the hold deadline
-passes (the worker cancels `Transport.offer`). The deadline is `hold_timeout_s`
+consumer confirms its pull, the consumer reports failure, the consumer releases the
+offer it will not pull (`Renew.release`), or the hold deadline passes (the worker
+cancels `Transport.offer`). The deadline is `hold_timeout_s`
 until a consumer claims the request; from then on it is a lease the consumer
 renews (`Renew`, every `lease_s / 3` while the request waits in its queue), so a
 loaded decode instance keeps the KV however long it queues, and a consumer that
@@ -90,7 +91,8 @@ class Renew(msgspec.Struct, tag=True, frozen=True):
     """The producer holds each `lease_ms` from now, at most its own `lease_s`."""
     release: Annotated[list[OfferId], Meta(max_length=MAX_RENEW_REQS)] = []
     """Offers the consumer will never pull (its request ended or was refused before its
-    pull): the producer hands their blocks back at once, unless a pull claimed them."""
+    pull, or its pull failed): the producer hands their blocks back at once, unless a
+    read of them is in flight (`HeldOffers.release_unpulled`)."""
 
 
 _encoder = msgspec.msgpack.Encoder()

@@ -21,6 +21,13 @@ prefills returned, and injects its fault at its moment:
     consumer-abort-queued        the 16 claims held, then every client goes away
                                  (vLLM aborts the queued requests)
     port-taken                   a server whose side-channel port is taken
+    serve-broken                 a server whose side channel's serving task fails
+                                 every time it starts (injected by a sitecustomize)
+
+and, on one `fs` (or `redis`) server with vLLM's prefix cache off, 12 prompts run
+cold, then again after the fault: store-full (a 1.5 MiB tmpfs), store-read-only,
+store-deleted (as the batch starts), chunk-corrupt, chunk-truncated, redis-killed (as
+the batch starts; then started again).
 
 Per row: requests answered, wrong tokens (against the decode server computing each
 prompt alone), request errors, the worst extra wait (a request's latency less the same
@@ -44,6 +51,8 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -300,6 +309,58 @@ def port_taken(work: Path, key: str) -> dict[str, Any]:
     }
 
 
+BROKEN_SERVE = '''"""Injected by scripts/faults.py (serve-broken): the zmq transport's serving
+loop fails every time it starts, in every process of the server."""
+import kvflow_zmq._transport as _zmq
+
+
+async def _broken(self, nursery):
+    raise OSError("injected by scripts/faults.py: the side channel is gone")
+
+
+_zmq.ZmqTransport.serving = _broken
+'''
+
+
+def health(server: ApiServer) -> str:
+    try:
+        with urllib.request.urlopen(server.url + "/health", timeout=10) as r:
+            return str(r.status)
+    except urllib.error.HTTPError as exc:
+        return str(exc.code)
+    except OSError as exc:
+        return f"no answer ({type(exc).__name__})"
+
+
+def serve_broken(work: Path, key: str) -> dict[str, Any]:
+    """A server whose side channel's serving task fails every time it starts (injected
+    with a `sitecustomize` module): restarted, counted, then the engine stops at its
+    next step and `/health` fails, rather than serving with P/D off."""
+    inject = work / "inject"
+    inject.mkdir(exist_ok=True)
+    (inject / "sitecustomize.py").write_text(BROKEN_SERVE)
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(inject), os.environ.get("PYTHONPATH")]))}
+    server = ApiServer(work, "serve-broken", config(key), cores="0", env=env)
+    try:
+        server.wait_ready()
+        idle = health(server)
+        got, _ = complete(server, [7] * 40)
+        deadline = time.monotonic() + 60
+        while (after := health(server)) == "200" and time.monotonic() < deadline:
+            time.sleep(0.2)  # polls another process's health endpoint
+        log = server.log_text()
+    finally:
+        server.close()
+    said = [line for line in log.splitlines() if "KVFlowFatal" in line]
+    return {
+        "restarts logged": log.count("kvflow: starting zmq:serve again"),
+        "/health while idle": idle,
+        "the next request": "answered" if "choices" in got else f"error {str(got)[:120]}",
+        "/health after it": after,
+        "said": said[-1].strip()[-200:] if said else "(no KVFlowFatal in the log)",
+    }
+
+
 STORE_ROWS = (
     "store-full",
     "store-read-only",
@@ -455,6 +516,7 @@ ROWS = (
     "consumer-kill-queued",
     "consumer-abort-queued",
     "port-taken",
+    "serve-broken",
     *STORE_ROWS,
 )
 
@@ -470,7 +532,8 @@ def main() -> int:
     rng = random.Random(args.seed)
     work = Path(tempfile.mkdtemp(prefix="kvflow-faults-"))
     bad = False
-    pd_rows = [r for r in args.rows if r not in STORE_ROWS and r != "port-taken"]
+    alone = ("port-taken", "serve-broken")
+    pd_rows = [r for r in args.rows if r not in STORE_ROWS and r not in alone]
     pair = Pair(work) if pd_rows else None
     try:
         for name in [r for r in args.rows if r not in STORE_ROWS]:
@@ -478,6 +541,9 @@ def main() -> int:
             if name == "port-taken":
                 out = port_taken(work, str(keygen(work / "port-key")))
                 bad |= out["exit code"] == 0 or "nothing" in out["said"]
+            elif name == "serve-broken":
+                out = serve_broken(work, str(keygen(work / "broken-key")))
+                bad |= out["/health after it"] == "200" or "no KVFlowFatal" in out["said"]
             else:
                 assert pair is not None
                 ps = [

@@ -111,6 +111,7 @@ SAMPLES: list[Event] = [
     ev.TransferFailed(req="r", direction="load", reason="x", block_ids=[1, 2], timed_out=True),
     ev.BlocksReleased(req="r"),
     ev.Rejected(reason="prompt", detail="the params were made for another prompt"),
+    ev.TaskFailed(task="zmq:serve", error="OSError: the side channel is gone", given_up=True),
 ]
 
 
