@@ -30,11 +30,13 @@ from typing import Any, TypeVar
 import trio
 
 __all__ = [
+    "GAVE_UP_THEN",
     "GIVE_UP_AFTER",
     "Backoff",
     "KVFlowFatal",
     "Runtime",
     "RuntimeClosed",
+    "given_up",
     "poll_until",
     "supervised",
 ]
@@ -331,6 +333,15 @@ async def poll_until(done: Callable[[], bool], *, first: float = 2e-5, most: flo
 GIVE_UP_AFTER = 5
 """A supervised task that fails this many times in a row, no run lasting `most_s`, is
 broken for good: it is not started again, and its engine says it is unhealthy."""
+
+GAVE_UP_THEN = "Stopping the engine rather than serve with it off."
+"""What an engine does when a supervised task is given up (`given_up`)."""
+
+
+def given_up(task: str, error: str) -> str:
+    """Why an engine stops when `supervised` gave up `task` (its last `error`)."""
+    return f"{task} failed {GIVE_UP_AFTER} times in a row (last: {error})"
+
 
 Report = Callable[[str, str], None]
 """Told `(task name, "ErrorType: message")` (on the loop thread)."""

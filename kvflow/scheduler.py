@@ -32,7 +32,7 @@ from .keys import ChunkKey, chunk_keys, chunk_token_counts
 from .lending import lent_at_finish
 from .metadata import LoadSpec, OfferSpec, SaveSpec, WorkerPlan
 from .pd import PD_VERSION, PdParams, check_pd_params, consumer_params
-from .runtime import GIVE_UP_AFTER, KVFlowFatal, Runtime
+from .runtime import GAVE_UP_THEN, KVFlowFatal, Runtime, given_up
 from .security import Rejections, prompt_digest
 from .transport import PeerSource, Transport, shard_mismatch
 
@@ -158,10 +158,7 @@ class SchedulerEngine:  # ~340 lines: one request's life in the scheduler (looku
     def _task_gave_up(self, task: str, error: str) -> None:
         """The loop thread: `task` failed for good; vLLM's thread stops at its next step."""
         self.bus.emit(TaskFailed(task=task, error=error, given_up=True))
-        self._fatal = (
-            f"kvflow: {task} failed {GIVE_UP_AFTER} times in a row (last: {error}). Stopping "
-            "the engine rather than serve with it off."
-        )
+        self._fatal = f"kvflow: {given_up(task, error)}. {GAVE_UP_THEN}"
 
     # -- vLLM thread -------------------------------------------------------
     def add_request(

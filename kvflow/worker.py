@@ -33,7 +33,7 @@ from .keys import ChunkKey
 from .layout import KVLayout, LayoutError
 from .lending import Lending
 from .metadata import WorkerPlan
-from .runtime import GIVE_UP_AFTER, KVFlowFatal, Runtime, supervised
+from .runtime import GAVE_UP_THEN, KVFlowFatal, Runtime, given_up, supervised
 from .staging import mark
 from .transport import Transport
 
@@ -339,10 +339,7 @@ class WorkerEngine:  # ~270 lines: every call vLLM's thread makes, each bounded,
         """A long-lived task cannot be restarted: stop the engine (vLLM's health check
         then fails) rather than serve with it silently off."""
         self.bus.emit(TaskFailed(task=task, error=error, given_up=True))
-        self._reports.set_fatal(
-            f"{task} failed {GIVE_UP_AFTER} times in a row (last: {error})",
-            because="Stopping the engine rather than serve with it off.",
-        )
+        self._reports.set_fatal(given_up(task, error), because=GAVE_UP_THEN)
 
     def _check_fatal(self) -> None:
         if self._reports.fatal:
