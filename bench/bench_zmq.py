@@ -58,7 +58,7 @@ one warm-up transfer each; the ratio kvflow/plain is of throughputs (>1: kvflow 
 also given for the fastest transfer of each. Prints a table and writes
 bench/results/zmq.json.
 
-`--channels`: what securing the side channel (`kvflow.security.Channel`) costs a pull.
+`--channels`: what securing the side channel (`kvflow.pd.security.Channel`) costs a pull.
 kvflow producer/consumer pairs, one pair per channel, all with one deployment key, each
 producer in a process of its own (as in a deployment): `keyless` (no key),
 `authenticated` (each connection's handshake is ZMQ PLAIN with the derived password,
@@ -72,7 +72,7 @@ rotating order (k a e, a e k, e k a, ...), every byte checked after every pull, 
 of `--repeats` (31) after one warm-up round; ratios are of throughputs against keyless
 (1.00: as fast), of the medians, of the fastest pulls, and the median of each round's
 own ratio (paired). It also times, per call, median of 5 runs of many calls:
-`kvflow.pd.check_pd_params` (what a consumer does with every P/D request before it
+`kvflow.pd.params.check_pd_params` (what a consumer does with every P/D request before it
 pulls: addresses, the params' MAC, the prompt's digest) on a 2048-token prompt's params
 (128 blocks of 16), keyless and keyed, and its two parts; and one `Channel.seal` +
 `Channel.open` of each control frame of a pull (both sides' MAC work), with their sum
@@ -106,8 +106,8 @@ import trio.testing
 import zmq
 
 from kvflow.layout import KVLayout
-from kvflow.pd import PD_VERSION, PdParams, check_pd_params
-from kvflow.security import Channel, prompt_digest
+from kvflow.pd.params import PD_VERSION, PdParams, check_pd_params
+from kvflow.pd.security import Channel, prompt_digest
 from kvflow.testing.layouts import make_layout
 from kvflow.transport import LoadJob, Offer, PeerSource, TransportContext
 from kvflow_zmq import ZmqOptions, ZmqTransport

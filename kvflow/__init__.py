@@ -14,8 +14,8 @@ from .chunks import BadHeader, ChunkFailure, ChunkHeader, first_failure, layer_h
 from .config import ConfigError, KVFlowConfig
 from .keys import ChunkKey
 from .layout import KVLayout, LayerGeometry, LayoutError
-from .peer import HeldOffers, NotHeld, Renew, answer_renew, renew_at, select_blocks
-from .peer_transport import PeerOptions, PeerTransport
+from .pd.offers import HeldOffers, NotHeld, Renew, answer_renew, renew_at, select_blocks
+from .pd.peer_transport import PeerOptions, PeerTransport
 from .transport import (
     Capabilities,
     ChunkCorrupt,

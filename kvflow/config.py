@@ -24,7 +24,7 @@ __all__ = [
     "parse_options",
 ]
 
-from .security import Channel, ChannelMode, SecurityError, read_key
+from .pd.security import Channel, ChannelMode, SecurityError, read_key
 
 LoadMode = Literal["layer", "async"]
 Role = Literal["kv_both", "kv_producer", "kv_consumer"]

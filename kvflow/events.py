@@ -154,7 +154,7 @@ class BlocksReleased(_Base):
 # either side
 class Rejected(_Base):
     """Input from outside that kvflow refused: P/D params (scheduler) or a side-channel
-    frame (worker). `reason` is one of `kvflow.security.REJECT_REASONS`."""
+    frame (worker). `reason` is one of `kvflow.pd.security.REJECT_REASONS`."""
 
     reason: str
     detail: str = ""

@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 
 import trio
 
-from .claims import Claim, Claims
 from .config import KVFlowConfig
 from .events import (
     BlocksAllocated,
@@ -31,9 +30,10 @@ from .events import (
 from .keys import ChunkKey, chunk_keys, chunk_token_counts
 from .lending import lent_at_finish
 from .metadata import LoadSpec, OfferSpec, SaveSpec, WorkerPlan
-from .pd import PD_VERSION, PdParams, check_pd_params, consumer_params
+from .pd.claims import Claim, Claims
+from .pd.params import PD_VERSION, PdParams, check_pd_params, consumer_params
+from .pd.security import Rejections, prompt_digest
 from .runtime import GAVE_UP_THEN, KVFlowFatal, Runtime, given_up
-from .security import Rejections, prompt_digest
 from .transport import PeerSource, Transport, shard_mismatch
 
 __all__ = ["ScheduledRequest", "SchedulerEngine"]
@@ -140,7 +140,7 @@ class SchedulerEngine:  # ~340 lines: one request's life in the scheduler (looku
             "P/D params",
             lambda reason, detail: runtime.submit(bus.emit, Rejected(reason=reason, detail=detail)),
         )
-        """Count and log P/D params refused (`kvflow.security.REJECT_REASONS`)."""
+        """Count and log P/D params refused (`kvflow.pd.security.REJECT_REASONS`)."""
         self._claims = (  # for peer transports that hold on a lease
             Claims(
                 transport,

@@ -47,7 +47,7 @@ def empty() -> dict[str, Any]:
     """Stats of an interval in which nothing happened."""
     data: dict[str, Any] = {c: 0 for c in COUNTERS}
     data["transfers"] = []  # [direction, nbytes, start, end] per finished transfer
-    data["rejected"] = {}  # reason -> inputs from outside refused (kvflow.security)
+    data["rejected"] = {}  # reason -> inputs from outside refused (kvflow.pd.security)
     data["task_restarts"] = {}  # task -> restarts of a supervised task (kvflow.runtime)
     return data
 

@@ -24,7 +24,7 @@ import trio
 
 from .keys import ChunkKey
 from .layout import KVLayout
-from .security import Channel
+from .pd.security import Channel
 
 __all__ = [
     "Capabilities",
@@ -106,10 +106,10 @@ class TransportContext:
     extra: dict[str, Any] = field(default_factory=dict)
     channel: Channel = field(default_factory=Channel)
     """The deployment's side-channel security (peer transports seal every control
-    frame with it and refuse peers without the key; `kvflow.security`)."""
+    frame with it and refuse peers without the key; `kvflow.pd.security`)."""
     rejected: Callable[[str, str], None] | None = None
     """Set by kvflow's vLLM adapter: a peer transport calls it with a reason from
-    `kvflow.security.REJECT_REASONS` and a detail for each frame it refuses (the
+    `kvflow.pd.security.REJECT_REASONS` and a detail for each frame it refuses (the
     counter `vllm:kvflow_rejected_total`)."""
     progress_timeout_s: float = 2.0
     """Peer transports' consumers: the longest a pull waits for its producer's next
@@ -186,7 +186,7 @@ class LoadJob:
 
 
 class Renewed(msgspec.Struct, tag=True, frozen=True):
-    """Producer -> consumer: the answer to a `kvflow.peer.Renew` (what `Transport.renew`
+    """Producer -> consumer: the answer to a `kvflow.pd.offers.Renew` (what `Transport.renew`
     returns)."""
 
     refused: dict[str, str]
@@ -259,7 +259,7 @@ class Transport(ABC):
     ) -> Renewed:
         """Peer transports, on a consumer's scheduler: ask the producer worker at
         `address` to hold `reqs` (its offer ids) `lease_s` longer, and to hand back at once
-        the blocks of `release` (offers this consumer will never pull; see `kvflow.peer`).
+        the blocks of `release` (offers this consumer will never pull; see `kvflow.pd.offers`).
         Returns the producer's answer: why, for each request it offered and no longer
         holds (`refused`), and the requests it has not offered yet (`pending`: the
         caller asks again). The caller bounds the wait: a producer that is gone never

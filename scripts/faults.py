@@ -60,7 +60,7 @@ from typing import Any
 
 from kvflow.eventlog import read_event_log
 from kvflow.events import LookupAnswered
-from kvflow.security import keygen
+from kvflow.pd.security import keygen
 from kvflow_vllm.apiserver import ApiServer, free_port, post
 from kvflow_vllm.proxy import PREFILL_PARAMS
 

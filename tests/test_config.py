@@ -17,7 +17,7 @@ from kvflow.config import (
     parse_config,
     parse_options,
 )
-from kvflow.security import KEY_ENV, keygen
+from kvflow.pd.security import KEY_ENV, keygen
 from kvflow.transport import TransportNotFound, available_transports, load_transport
 from kvflow_fs import FsOptions, FsTransport
 

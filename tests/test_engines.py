@@ -37,10 +37,10 @@ from kvflow.events import (
 from kvflow.keys import ChunkKey, Fingerprint, chunk_keys
 from kvflow.layout import KVLayout, LayoutError
 from kvflow.metadata import LoadSpec, SaveSpec, WorkerPlan, decode_plan, encode_plan
-from kvflow.pd import PD_VERSION, PdParams
+from kvflow.pd.params import PD_VERSION, PdParams
+from kvflow.pd.security import prompt_digest
 from kvflow.runtime import Runtime
 from kvflow.scheduler import ScheduledRequest, SchedulerEngine
-from kvflow.security import prompt_digest
 from kvflow.testing.layouts import fill_blocks, make_layout
 from kvflow.transport import (
     Capabilities,

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from kvflow.keys import chunk_keys
-from kvflow.security import keygen
+from kvflow.pd.security import keygen
 from kvflow_vllm.apiserver import ApiServer
 from kvflow_vllm.engine import EngineFailed, Scenario, spawn_engine
 

@@ -26,10 +26,10 @@ from kvflow.events import (
     TransferFailed,
 )
 from kvflow.metadata import LoadSpec, OfferSpec, WorkerPlan
-from kvflow.pd import PD_VERSION, PdParams
+from kvflow.pd.params import PD_VERSION, PdParams
+from kvflow.pd.security import prompt_digest
 from kvflow.runtime import GIVE_UP_AFTER, KVFlowFatal, Runtime
 from kvflow.scheduler import ScheduledRequest, SchedulerEngine
-from kvflow.security import prompt_digest
 from kvflow.stats import StatsCollector
 from kvflow.transport import Renewed
 from kvflow_zmq import ZmqOptions, ZmqTransport

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import zmq
 
-from kvflow.security import keygen
+from kvflow.pd.security import keygen
 from kvflow_vllm.apiserver import ApiServer, post
 from kvflow_vllm.proxy import PREFILL_PARAMS, PdProxy
 

@@ -36,10 +36,10 @@ from zmq.utils.monitor import parse_monitor_message
 
 from kvflow import layout as kvlayout
 from kvflow.layout import KVLayout, LayerGeometry
-from kvflow.peer import MAX_REASON, MAX_RENEW_REQS, Renew
-from kvflow.peer_transport import FRAME_SLACK, PeerTransport
+from kvflow.pd.offers import MAX_REASON, MAX_RENEW_REQS, Renew
+from kvflow.pd.peer_transport import FRAME_SLACK, PeerTransport
+from kvflow.pd.security import MAC_BYTES, Channel
 from kvflow.runtime import Backoff
-from kvflow.security import MAC_BYTES, Channel
 from kvflow.testing.layouts import fill_blocks, make_layout
 from kvflow.transport import (
     ChunkCorrupt,

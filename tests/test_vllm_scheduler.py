@@ -35,8 +35,8 @@ from kvflow.events import Event, Rejected
 from kvflow.hidden_states import HiddenStatesRef
 from kvflow.keys import chunk_keys
 from kvflow.metadata import OfferSpec
-from kvflow.pd import PdParams, parse_pd_params
-from kvflow.security import Channel, keygen, read_key
+from kvflow.pd.params import PdParams, parse_pd_params
+from kvflow.pd.security import Channel, keygen, read_key
 from kvflow.transport import Offer, PeerSource
 from kvflow_vllm.connector import KVFlowHandshake
 

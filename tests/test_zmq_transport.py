@@ -12,7 +12,7 @@ import trio.testing
 import zmq
 
 from kvflow.layout import KVLayout
-from kvflow.security import Channel, keygen, read_key
+from kvflow.pd.security import Channel, keygen, read_key
 from kvflow.testing.layouts import fill_blocks, make_layout
 from kvflow.transport import (
     ChunkMissing,

@@ -63,8 +63,8 @@ from vllm.v1.structured_output import StructuredOutputManager
 from kvflow.config import parse_options
 from kvflow.events import Event, EventBus, LookupAnswered, Origin
 from kvflow.metadata import WorkerPlan
+from kvflow.pd.security import Channel
 from kvflow.runtime import Runtime
-from kvflow.security import Channel
 from kvflow.transport import Offer, TransportContext, load_transport
 from kvflow.worker import TransferResults, WorkerEngine
 from kvflow_vllm.connector import KVFlowConnector, KVFlowMetadata, layout_from_tensors

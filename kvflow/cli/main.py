@@ -52,7 +52,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_keygen(args: argparse.Namespace) -> int:
-    from ..security import keygen
+    from ..pd.security import keygen
 
     try:
         path = keygen(args.path)

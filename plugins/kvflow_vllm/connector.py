@@ -36,7 +36,7 @@ from kvflow.layout import KVLayout, LayoutError, block_geometry, view_extent, vi
 from kvflow.lending import lent_at_finish
 from kvflow.metadata import WorkerPlan, decode_plan, encode_plan
 from kvflow.neighbours import pinned_neighbours
-from kvflow.pd import PdParams, PdParamsError, join_groups, parse_pd_params
+from kvflow.pd.params import PdParams, PdParamsError, join_groups, parse_pd_params
 from kvflow.publish import start_publisher
 from kvflow.runtime import Runtime
 from kvflow.scheduler import ScheduledRequest, SchedulerEngine

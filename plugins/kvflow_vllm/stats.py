@@ -23,7 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from vllm.v1.metrics.utils import create_metric_per_engine
 
 from kvflow import stats
-from kvflow.security import REJECT_REASONS
+from kvflow.pd.security import REJECT_REASONS
 
 __all__ = ["KVFlowPromMetrics", "KVFlowStats"]
 

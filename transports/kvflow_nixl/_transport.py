@@ -20,7 +20,7 @@ until one of
    past the consumer's latest heartbeat (`Reading`, every quarter of it, each answered
    `Held`), and never past the read lease: the consumer's own deadline (it sends how
    long it may still read) plus `DRAIN_TIMEOUT_S` plus a margin, capped at
-   `kvflow.peer.MAX_READ_LEASE_S`. A consumer that died frees the blocks within
+   `kvflow.pd.offers.MAX_READ_LEASE_S`. A consumer that died frees the blocks within
    `beat_ms`. The consumer counts the hold from when it sent each answered heartbeat,
    and a load whose READs ended after it fails (vLLM recomputes): what they read may be
    blocks vLLM reused.
@@ -59,11 +59,11 @@ import trio
 import zmq
 
 from kvflow.layout import KVLayout
-from kvflow.peer import (
+from kvflow.pd.offers import (
     read_lease,
     read_lease_ms,
 )
-from kvflow.peer_transport import PeerOptions, PeerTransport
+from kvflow.pd.peer_transport import PeerOptions, PeerTransport
 from kvflow.runtime import Backoff
 from kvflow.transport import (
     Capabilities,

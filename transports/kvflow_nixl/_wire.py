@@ -16,7 +16,7 @@ notification for the data path:
                            notification until the consumer's agent next progresses)
     consumer -> producer   Failed(req, reason), only if it gave up (no READ in flight)
 
-and, from the consumer's scheduler while the request waits (`kvflow.peer`):
+and, from the consumer's scheduler while the request waits (`kvflow.pd.offers`):
 
     consumer -> producer   Renew(reqs, lease_ms)
     producer -> consumer   Renewed(refused, pending)
@@ -35,7 +35,7 @@ import msgspec
 from msgspec import Meta
 
 from kvflow.layout import LayerGeometry
-from kvflow.peer import OfferId, Renew
+from kvflow.pd.offers import OfferId, Renew
 from kvflow.zmqio import decode_frame
 
 WIRE_VERSION = 7

@@ -17,7 +17,7 @@ import trio
 import zmq
 
 from kvflow.layout import KVLayout, LayoutError, peer_layout_problem
-from kvflow.peer_transport import PeerOptions, PeerTransport
+from kvflow.pd.peer_transport import PeerOptions, PeerTransport
 from kvflow.transport import (
     Capabilities,
     ChunkCorrupt,

@@ -10,7 +10,7 @@ A pull is one DEALER->ROUTER conversation:
                            Refused(req, reason)
     consumer -> producer   Done(req) | Failed(req, reason)
 
-and, from the consumer's scheduler while the request waits (`kvflow.peer`):
+and, from the consumer's scheduler while the request waits (`kvflow.pd.offers`):
 
     consumer -> producer   Renew(reqs, lease_ms)
     producer -> consumer   Renewed(refused, pending)
@@ -24,7 +24,7 @@ import msgspec
 from msgspec import Meta
 
 from kvflow.layout import LayerGeometry
-from kvflow.peer import OfferId, Renew
+from kvflow.pd.offers import OfferId, Renew
 from kvflow.zmqio import decode_frame
 
 from ._ipc import IpcHandle

@@ -12,7 +12,7 @@ transport endpoints); anything malformed there is a `PdParamsError` naming the f
 The params come from a client (through a proxy), so nothing in them is believed: every
 field is bounded; the producer names its offer by a random id (`offer`), not by the
 request id a client chooses; and `check_pd_params` refuses, before any socket opens,
-params made for another prompt (`prompt`, a `kvflow.security.prompt_digest`), params a
+params made for another prompt (`prompt`, a `kvflow.pd.security.prompt_digest`), params a
 keyed deployment did not sign (`mac`) and addresses that are not `tcp://` IP literals.
 """
 

@@ -30,8 +30,18 @@ import trio
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from .keys import ChunkKey
-from .peer import (
+from ..keys import ChunkKey
+from ..transport import (
+    Capabilities,
+    ChunkMissing,
+    Offer,
+    SaveJob,
+    Transport,
+    TransportContext,
+    TransportError,
+)
+from ..zmqio import BadFrame, TrioSocket, bind_loopback
+from .offers import (
     FRAME_SLACK,
     MAX_REASON,
     HeldOffers,
@@ -43,20 +53,10 @@ from .peer import (
     select_blocks,
 )
 from .security import Rejections
-from .transport import (
-    Capabilities,
-    ChunkMissing,
-    Offer,
-    SaveJob,
-    Transport,
-    TransportContext,
-    TransportError,
-)
-from .zmqio import BadFrame, TrioSocket, bind_loopback
 
 __all__ = ["PeerOptions", "PeerTransport"]
 
-log = logging.getLogger("kvflow.peer")
+log = logging.getLogger("kvflow.pd.offers")
 
 CLOSE_TIMEOUT_S = 5.0
 """How long `aclose` waits for libzmq to close the transport's sockets and context."""
@@ -93,7 +93,7 @@ class PeerTransport(Transport):
         self.held = HeldOffers()
         self.channel = context.channel
         self.reject = Rejections(f"{self.name} side channel", context.rejected)
-        """Count and log a refused frame (a reason of `kvflow.security.REJECT_REASONS`)."""
+        """Count and log a refused frame (a reason of `kvflow.pd.security.REJECT_REASONS`)."""
 
     async def open(self) -> None:
         """Workers: bind the producer's endpoint (the scheduler's instance moves nothing).

@@ -36,13 +36,13 @@ from dataclasses import dataclass, field
 
 import trio
 
-from .events import EventBus, LookupAnswered, TaskFailed
-from .runtime import Backoff, Report, Runtime, supervised
-from .transport import Renewed, Transport
+from ..events import EventBus, LookupAnswered, TaskFailed
+from ..runtime import Backoff, Report, Runtime, supervised
+from ..transport import Renewed, Transport
 
 __all__ = ["Claim", "Claims"]
 
-log = logging.getLogger("kvflow.claims")
+log = logging.getLogger("kvflow.pd.claims")
 
 
 @dataclass

@@ -37,9 +37,9 @@ import trio
 import zmq
 from msgspec import Meta
 
+from ..transport import Offer, Renewed, TransportError
+from ..zmqio import BadFrame, TrioSocket, decode_frame
 from .security import MAC_BYTES, Channel
-from .transport import Offer, Renewed, TransportError
-from .zmqio import BadFrame, TrioSocket, decode_frame
 
 __all__ = [
     "MAX_READ_LEASE_S",
@@ -57,7 +57,7 @@ __all__ = [
     "select_blocks",
 ]
 
-log = logging.getLogger("kvflow.peer")
+log = logging.getLogger("kvflow.pd.offers")
 
 MAX_READ_LEASE_S = 600.0
 """The longest a producer keeps blocks for a pull whose consumer never reports back."""

@@ -12,7 +12,7 @@ request). From it `Channel` derives, with HMAC-SHA256 and a label per use:
 - the MAC of a producer's P/D params (`sign`), which binds the offer id, the
   producer's engine id, addresses and blocks to a digest of the prompt
   (`prompt_digest`: its tokens and salt, so LoRA and `cache_salt` too); a consumer
-  checks it against its own request before it opens any socket (`kvflow.pd`).
+  checks it against its own request before it opens any socket (`kvflow.pd.params`).
 
 Without a key a channel is keyless: loopback only (binding and pulling), unless
 `insecure` says otherwise. See docs/security.md for the threat model.
@@ -38,7 +38,7 @@ from urllib.parse import urlsplit
 import zmq
 from zmq.utils import z85
 
-from .zmqio import BadFrame, TrioSocket
+from ..zmqio import BadFrame, TrioSocket
 
 __all__ = [
     "KEY_ENV",
@@ -74,7 +74,7 @@ this deployment's MAC (`unauthenticated`) or that is malformed or out of bounds
 
 LOG_EVERY_S = 10.0
 
-log = logging.getLogger("kvflow.security")
+log = logging.getLogger("kvflow.pd.security")
 
 
 class SecurityError(ValueError):
