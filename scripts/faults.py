@@ -60,9 +60,9 @@ from typing import Any
 
 from kvflow.eventlog import read_event_log
 from kvflow.events import LookupAnswered
+from kvflow.pd.proxy import PREFILL_PARAMS
 from kvflow.pd.security import keygen
 from kvflow_vllm.apiserver import ApiServer, free_port, post
-from kvflow_vllm.proxy import PREFILL_PARAMS
 
 N = 16
 MAX_TOKENS = 8

@@ -14,8 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from kvflow.cli.main import build_parser
+from kvflow.pd.proxy import MAX_BODY_BYTES, PREFILL_PARAMS, PdProxy, prefill_request
 from kvflow_vllm.apiserver import free_port
-from kvflow_vllm.proxy import MAX_BODY_BYTES, PREFILL_PARAMS, PdProxy, prefill_request
 
 
 def test_the_prefill_copy_follows_vllms_convention() -> None:

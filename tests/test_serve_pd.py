@@ -21,9 +21,9 @@ from typing import Any
 import pytest
 import zmq
 
+from kvflow.pd.proxy import PREFILL_PARAMS, PdProxy
 from kvflow.pd.security import keygen
 from kvflow_vllm.apiserver import ApiServer, post
-from kvflow_vllm.proxy import PREFILL_PARAMS, PdProxy
 
 pytestmark = pytest.mark.engine
 

@@ -67,7 +67,7 @@ def _cmd_keygen(args: argparse.Namespace) -> int:
 
 
 def _cmd_proxy(args: argparse.Namespace) -> int:
-    from kvflow_vllm.proxy import run
+    from kvflow.pd.proxy import run
 
     return run(args)
 

@@ -7,6 +7,8 @@
 - `offers`: a producer's held blocks (`HeldOffers`) and the renew protocol.
 - `peer_transport`: `PeerTransport`, the base every peer transport's producer and
   consumer build on (the side channel's serve loop, pulls, releases).
+- `proxy`: `kvflow proxy`, a P/D proxy between OpenAI servers following vLLM's
+  convention (standard library only: it runs without vLLM).
 
 The names a transport author needs are re-exported by `kvflow`.
 """

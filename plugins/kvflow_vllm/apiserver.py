@@ -24,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .proxy import open_post
+from kvflow.pd.proxy import open_post
 
 __all__ = ["ApiServer", "free_port", "server_command"]
 

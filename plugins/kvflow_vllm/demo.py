@@ -22,10 +22,10 @@ from typing import Any
 from kvflow.config import default_cache_dir
 from kvflow.eventlog import read_event_log
 from kvflow.events import Event, LoadStarted, TransferDone, TransferFailed
+from kvflow.pd.proxy import PdProxy
 
 from .apiserver import ApiServer
 from .engine import EngineFailed, Scenario, spawn_engine
-from .proxy import PdProxy
 
 __all__ = ["run_demo", "run_pd_demo"]
 
