@@ -3,11 +3,11 @@
 vLLM's model-runner thread calls in through the connector adapter:
 `bind` (a step's plan), `wait_layer` (attention is about to read layer i),
 `layer_computed` (layer i's KV is final), `end_step`, `take_results`. Those
-calls hand work to the runtime's loop (`kvflow.flows`) and return; the only
+calls hand work to the runtime's loop (`kvflow.transfers`) and return; the only
 waits are the ones the contract demands (layer i's load before attention reads
 it, preemption before blocks are reused), each bounded by a timeout.
 
-The flows report through `kvflow.flows.Reports` (one lock); a failed load's
+The flows report through `kvflow.transfers.Reports` (one lock); a failed load's
 block ids are recorded before (or with) its completion, so vLLM always learns
 which blocks to recompute no later than it learns the load ended.
 
@@ -25,16 +25,23 @@ import functools
 import logging
 import time
 
-from . import flows
 from .config import KVFlowConfig
 from .events import BlocksReleased, CachesRegistered, EventBus, TaskFailed
-from .flows import ChunkOutcomes, Flows, LayerGate, LayerReady, Reports, TransferResults
 from .keys import ChunkKey
 from .layout import KVLayout, LayoutError
 from .lending import Lending
 from .metadata import WorkerPlan
 from .runtime import GAVE_UP_THEN, KVFlowFatal, Runtime, given_up, supervised
 from .staging import mark
+from .transfers import (
+    STOP_GRACE_S,
+    ChunkOutcomes,
+    Flows,
+    LayerGate,
+    LayerReady,
+    Reports,
+    TransferResults,
+)
 from .transport import Transport
 
 __all__ = ["KVFlowFatal", "TransferResults", "WorkerEngine"]
@@ -170,7 +177,7 @@ class WorkerEngine:  # ~270 lines: every call vLLM's thread makes, each bounded,
         """Block until this step's synchronous loads of `layer` have landed (or failed)."""
         gate = self._gate
         if layer < len(gate.events) and not gate.wait(
-            layer, self.config.load_timeout_s + flows.STOP_GRACE_S
+            layer, self.config.load_timeout_s + STOP_GRACE_S
         ):
             self._give_up_on_step_loads(f"layer {layer}'s load")
         self._check_fatal()
@@ -209,7 +216,7 @@ class WorkerEngine:  # ~270 lines: every call vLLM's thread makes, each bounded,
         errors are in the results (not just every layer's gate). vLLM reads them after
         `end_step` (V1 runner) or, when Model Runner V2 defers `end_step` past the
         speculator, before it: the adapter calls this before handing out results."""
-        if not self._gate.settled.wait(self.config.load_timeout_s + flows.STOP_GRACE_S):
+        if not self._gate.settled.wait(self.config.load_timeout_s + STOP_GRACE_S):
             self._give_up_on_step_loads("this step's loads")
         self._check_fatal()
 
@@ -327,7 +334,7 @@ class WorkerEngine:  # ~270 lines: every call vLLM's thread makes, each bounded,
     def _stop(self, what: str) -> None:
         """Record why the engine must stop and raise it in vLLM's thread."""
         self._reports.set_fatal(
-            f"{what} within load_timeout_s={self.config.load_timeout_s} + {flows.STOP_GRACE_S}s "
+            f"{what} within load_timeout_s={self.config.load_timeout_s} + {STOP_GRACE_S}s "
             "(a read stuck in the kernel, e.g. on a hung network filesystem?)"
         )
         self._check_fatal()
