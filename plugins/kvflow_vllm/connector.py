@@ -28,6 +28,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvflow.config import ConfigError, KVFlowConfig, channel_of, parse_config, parse_options
+from kvflow.cpu_pinning import pinned_neighbours
 from kvflow.eventlog import JsonlEventLog
 from kvflow.events import EventBus, Origin, Rejected
 from kvflow.hidden_states import hidden_context, hidden_layout
@@ -35,7 +36,6 @@ from kvflow.keys import Fingerprint
 from kvflow.layout import KVLayout, LayoutError, block_geometry, view_extent, view_geometry
 from kvflow.lending import lent_at_finish
 from kvflow.metadata import WorkerPlan, decode_plan, encode_plan
-from kvflow.neighbours import pinned_neighbours
 from kvflow.pd.params import PdParams, PdParamsError, join_groups, parse_pd_params
 from kvflow.publish import start_publisher
 from kvflow.runtime import Runtime
