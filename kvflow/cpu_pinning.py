@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 
 from .config import host_cpus
-from .publish import Registration, discover
+from .event_stream import Registration, discover
 
 __all__ = ["pinned_neighbours"]
 

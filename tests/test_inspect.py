@@ -29,6 +29,7 @@ from rich.console import Console
 
 from kvflow.cli.inspect import human_bytes, render
 from kvflow.cli.inspect_state import EVENT_KINDS, EventFilter, InspectState
+from kvflow.event_stream import discover, start_publisher
 from kvflow.events import (
     BlocksReleased,
     Event,
@@ -44,7 +45,6 @@ from kvflow.events import (
     TransferDone,
     TransferFailed,
 )
-from kvflow.publish import discover, start_publisher
 from kvflow.runtime import Runtime
 
 MakeRuntime = Callable[..., Runtime]

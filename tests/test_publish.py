@@ -1,4 +1,4 @@
-"""kvflow.publish against real runtimes: events reach a SUB, discovery, cleanup, stalled readers."""
+"""kvflow.event_stream on real runtimes: events reach a SUB, discovery, cleanup, stalled readers."""
 
 from __future__ import annotations
 
@@ -17,16 +17,7 @@ import pytest
 import trio
 import zmq
 
-from kvflow.events import (
-    Event,
-    EventBus,
-    LoadStarted,
-    LookupRequested,
-    Origin,
-    TransferDone,
-    TransferFailed,
-)
-from kvflow.publish import (
+from kvflow.event_stream import (
     Envelope,
     EventPublisher,
     Registration,
@@ -37,6 +28,15 @@ from kvflow.publish import (
     pid_alive,
     runtime_dir,
     start_publisher,
+)
+from kvflow.events import (
+    Event,
+    EventBus,
+    LoadStarted,
+    LookupRequested,
+    Origin,
+    TransferDone,
+    TransferFailed,
 )
 from kvflow.runtime import Runtime
 from kvflow.zmqio import TrioSocket
@@ -183,7 +183,7 @@ def test_a_dir_of_another_user_or_a_bad_path_disables_publishing_with_a_warning(
 ) -> None:
     rt = make_runtime("nopub")
     bus = EventBus(Origin("e", "scheduler"))
-    caplog.set_level(logging.WARNING, "kvflow.publish")
+    caplog.set_level(logging.WARNING, "kvflow.event_stream")
     too_long = rdir / ("d" * 120)  # longer than an ipc path may be
     assert start_publisher(rt, bus, directory=too_long) is None
     if os.getuid() == 0:  # only root can hand a directory to someone else

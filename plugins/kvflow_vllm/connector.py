@@ -29,6 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvflow.config import ConfigError, KVFlowConfig, channel_of, parse_config, parse_options
 from kvflow.cpu_pinning import pinned_neighbours
+from kvflow.event_stream import start_publisher
 from kvflow.eventlog import JsonlEventLog
 from kvflow.events import EventBus, Origin, Rejected
 from kvflow.hidden_states import hidden_context, hidden_layout
@@ -37,7 +38,6 @@ from kvflow.layout import KVLayout, LayoutError, block_geometry, view_extent, vi
 from kvflow.lending import lent_at_finish
 from kvflow.metadata import WorkerPlan, decode_plan, encode_plan
 from kvflow.pd.params import PdParams, PdParamsError, join_groups, parse_pd_params
-from kvflow.publish import start_publisher
 from kvflow.runtime import Runtime
 from kvflow.scheduler import ScheduledRequest, SchedulerEngine
 from kvflow.stats import StatsCollector

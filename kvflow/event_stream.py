@@ -47,7 +47,7 @@ __all__ = [
     "start_publisher",
 ]
 
-log = logging.getLogger("kvflow.publish")
+log = logging.getLogger("kvflow.event_stream")
 
 RUNTIME_DIR_ENV = "KVFLOW_RUNTIME_DIR"
 SNDHWM = 10_000
