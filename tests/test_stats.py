@@ -80,7 +80,7 @@ def test_throughput_of_overlapping_workers_is_bytes_over_wall_time() -> None:
 
 def test_vllm_stats_aggregate_like_vllm_does() -> None:
     from kvflow_vllm.connector import KVFlowConnector
-    from kvflow_vllm.stats import KVFlowStats
+    from kvflow_vllm.metrics import KVFlowStats
 
     a = KVFlowConnector.build_kv_connector_stats(
         {**stats.empty(), "hit_tokens": 5, "transfers": [["load", MB, 0.0, 1.0]]}

@@ -61,7 +61,7 @@ from .hidden_states import (
     hidden_layer,
 )
 from .kv_events import ChunkReport, KVEventTracker, KVFlowWorkerMeta, events_enabled
-from .stats import KVFlowPromMetrics, KVFlowStats
+from .metrics import KVFlowPromMetrics, KVFlowStats
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
