@@ -23,7 +23,7 @@ def test_metadata_pickles_as_its_msgspec_bytes_only() -> None:
         preempted=["r9"],
     )
     from kvflow.hidden_states import HiddenStatesRef
-    from kvflow_vllm.hidden_states import HiddenExport
+    from kvflow_vllm.extract_hidden_states import HiddenExport
 
     ref = HiddenStatesRef("fs", "ns", ["d" * 32], 32, [5, 6], 2, 8, "float32")
     exports = [HiddenExport("r3", [4], ref)]

@@ -15,7 +15,7 @@ import pytest
 import torch
 import trio
 
-hs = pytest.importorskip("kvflow_vllm.hidden_states", reason="needs vLLM installed")
+hs = pytest.importorskip("kvflow_vllm.extract_hidden_states", reason="needs vLLM installed")
 
 from vllm.model_executor.models.extract_hidden_states import basic_cache  # noqa: E402
 from vllm.v1.kv_cache_interface import (  # noqa: E402

@@ -52,14 +52,14 @@ from kvflow.transport import (
 from kvflow.worker import WorkerEngine
 
 from .compat import untested_version
-from .groups import Pending, transfer_groups
-from .hidden_states import (
+from .extract_hidden_states import (
     HiddenExport,
     HiddenStatesExporter,
     HiddenStatesPlanner,
     extracts_hidden_states,
     hidden_layer,
 )
+from .groups import Pending, transfer_groups
 from .kv_events import ChunkReport, KVEventTracker, KVFlowWorkerMeta, events_enabled
 from .metrics import KVFlowPromMetrics, KVFlowStats
 
