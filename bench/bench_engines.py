@@ -136,7 +136,7 @@ HIT_ENGINES = ("no connector", "ExampleConnector", "kvflow", "kvflow layer")
 
 
 def start_engines(tmp: Path, model: str) -> dict[str, Any]:
-    from kvflow_vllm.engine import generate, make_llm
+    from kvflow_vllm.engine_process import generate, make_llm
 
     llms = {}
     for name, cfg in engine_configs(tmp).items():
@@ -201,7 +201,7 @@ class Bench:
         return [self.rng.randrange(3, 1000) for _ in range(n)]
 
     def run(self, engine: str, prompts: list[list[int]], max_tokens: int) -> list[Any]:
-        from kvflow_vllm.engine import generate
+        from kvflow_vllm.engine_process import generate
 
         out = generate(self.llms[engine], prompts, max_tokens)
         time.sleep(SETTLE_S)  # untimed: this engine's worker stops spinning before the next
@@ -310,7 +310,7 @@ def main() -> int:
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB each: 16k tokens
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    from kvflow_vllm.engine import model_dir
+    from kvflow_vllm.engine_process import model_dir
 
     tmp = Path(tempfile.mkdtemp(prefix="kvflow-bench-engines-"))
     out = Path(__file__).parent / "results" / "engines.json"

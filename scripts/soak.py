@@ -41,7 +41,7 @@ def prompts(rng: random.Random, unique: int) -> list[list[int]]:
 
 
 def references(work: Path, ps: list[list[int]]) -> list[list[int]]:
-    from kvflow_vllm.engine import Scenario, spawn_engine
+    from kvflow_vllm.engine_process import Scenario, spawn_engine
 
     result = spawn_engine(work, "reference", Scenario(batches=[ps], connector=False))
     return [r.tokens for r in result.batches[0]]
@@ -76,7 +76,7 @@ def inject(rng: random.Random, store: Path) -> str:
 
 class Soak:
     def __init__(self, args: argparse.Namespace, store: Path) -> None:
-        from kvflow_vllm.engine import make_llm
+        from kvflow_vllm.engine_process import make_llm
 
         self.args = args
         self.rng = random.Random(args.seed)

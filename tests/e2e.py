@@ -7,7 +7,7 @@ from typing import Any
 
 from kvflow.eventlog import read_event_log
 from kvflow.events import Event
-from kvflow_vllm.engine import GenResult, Scenario, ScenarioResult, spawn_engine
+from kvflow_vllm.engine_process import GenResult, Scenario, ScenarioResult, spawn_engine
 from kvflow_vllm.serving import ServingEngine
 
 __all__ = ["ServingEngine", "assert_same_generation", "events_for", "run_engine"]

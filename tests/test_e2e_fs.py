@@ -22,7 +22,7 @@ from kvflow.events import (
     TransferFailed,
 )
 from kvflow.keys import chunk_keys
-from kvflow_vllm.engine import EngineFailed, GenResult, ScenarioResult
+from kvflow_vllm.engine_process import EngineFailed, GenResult, ScenarioResult
 
 from .e2e import assert_same_generation, events_for, run_engine
 

@@ -25,7 +25,7 @@ import pytest
 from kvflow.keys import chunk_keys
 from kvflow.pd.security import keygen
 from kvflow_vllm.apiserver import ApiServer
-from kvflow_vllm.engine import EngineFailed, Scenario, spawn_engine
+from kvflow_vllm.engine_process import EngineFailed, Scenario, spawn_engine
 
 from .test_serve_fs import _wait_idle
 from .test_serve_pd import assert_same

@@ -16,7 +16,7 @@ import torch
 
 from kvflow.events import TransferDone
 from kvflow.hidden_states import PARAM, HiddenStatesReader
-from kvflow_vllm.engine import tiny_model_dir
+from kvflow_vllm.engine_process import tiny_model_dir
 
 from .e2e import assert_same_generation, events_for, run_engine
 

@@ -26,7 +26,7 @@ from kvflow.events import (
     TransferDone,
     TransferFailed,
 )
-from kvflow_vllm.engine import GenResult, ScenarioResult, model_dir
+from kvflow_vllm.engine_process import GenResult, ScenarioResult, model_dir
 
 from .e2e import ServingEngine, assert_same_generation, events_for, run_engine
 

@@ -68,7 +68,7 @@ from kvflow.runtime import Runtime
 from kvflow.transport import Offer, TransportContext, load_transport
 from kvflow.worker import TransferResults, WorkerEngine
 from kvflow_vllm.connector import KVFlowConnector, KVFlowMetadata, layout_from_tensors
-from kvflow_vllm.engine import model_dir
+from kvflow_vllm.engine_process import model_dir
 from kvflow_vllm.plugin import CONNECTOR_NAME, register
 
 BLOCK_SIZE = 16

@@ -78,7 +78,7 @@ class ApiServer:
         env: dict[str, str] | None = None,
         port: int = 0,
     ) -> None:
-        from .engine import tiny_model_dir
+        from .engine_process import tiny_model_dir
 
         self.name = name
         self.model = model or tiny_model_dir()

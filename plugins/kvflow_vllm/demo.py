@@ -1,7 +1,7 @@
 """`kvflow demo`: real vLLM engines moving KV through kvflow.
 
 - `kvflow demo`: one engine cold, restarted, warm from kvflow's `fs` cache.
-  Each engine runs in its own process (`python -m kvflow_vllm.engine`), so the
+  Each engine runs in its own process (`python -m kvflow_vllm.engine_process`), so the
   warm run shares nothing with the cold one but the cache directory.
 - `kvflow demo --pd`: prefill/decode disaggregation as it is served: two
   OpenAI-compatible vLLM servers with the same kvflow configuration and
@@ -25,7 +25,7 @@ from kvflow.events import Event, LoadStarted, TransferDone, TransferFailed
 from kvflow.pd.proxy import PdProxy
 
 from .apiserver import ApiServer
-from .engine import EngineFailed, Scenario, spawn_engine
+from .engine_process import EngineFailed, Scenario, spawn_engine
 
 __all__ = ["run_demo", "run_pd_demo"]
 

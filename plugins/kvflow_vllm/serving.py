@@ -1,6 +1,6 @@
 """A live vLLM engine in its own process, answering one request at a time.
 
-`ServingEngine` runs `python -m kvflow_vllm.engine --serve SPEC` and talks JSON
+`ServingEngine` runs `python -m kvflow_vllm.engine_process --serve SPEC` and talks JSON
 lines over its stdin/stdout; the caller plays vLLM's disaggregation proxy
 between two of them (`kvflow demo --pd`, the P/D end-to-end tests).
 """
@@ -19,13 +19,13 @@ from typing import Any
 
 import msgspec
 
-from .engine import GenResult, Scenario
+from .engine_process import GenResult, Scenario
 
 __all__ = ["ServingEngine"]
 
 
 class ServingEngine:
-    """A live engine process answering one request at a time (`kvflow_vllm.engine --serve`)."""
+    """A live engine process answering one request at a time (`engine_process --serve`)."""
 
     def __init__(self, tmp: Path, name: str, **scenario: Any) -> None:
         spec = tmp / f"{name}.json"
@@ -33,7 +33,7 @@ class ServingEngine:
         self.log = tmp / f"{name}.log"
         self._log = open(self.log, "wb")  # noqa: SIM115 - closed in close()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvflow_vllm.engine", "--serve", str(spec)],
+            [sys.executable, "-m", "kvflow_vllm.engine_process", "--serve", str(spec)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._log,

@@ -16,11 +16,11 @@ import pytest
 
 from kvflow.eventlog import read_event_log
 from kvflow.events import BlocksAllocated, Event, LoadStarted, TransferDone, TransferFailed
-from kvflow_vllm.engine import GenResult, Scenario, ScenarioResult, spawn_engine
+from kvflow_vllm.engine_process import GenResult, Scenario, ScenarioResult, spawn_engine
 
 pytestmark = pytest.mark.engine
 
-BLOCK = 32  # kvflow_vllm.engine.Scenario's default block size
+BLOCK = 32  # kvflow_vllm.engine_process.Scenario's default block size
 _rng = random.Random(11)
 
 

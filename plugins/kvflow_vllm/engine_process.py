@@ -312,14 +312,14 @@ class EngineFailed(RuntimeError):
 
 
 def spawn_engine(tmp: Path, name: str, sc: Scenario, timeout: float = 600) -> ScenarioResult:
-    """Run `sc` in a fresh engine process (`python -m kvflow_vllm.engine`)."""
+    """Run `sc` in a fresh engine process (`python -m kvflow_vllm.engine_process`)."""
     import subprocess
 
     spec, out, log = tmp / f"{name}.json", tmp / f"{name}.out.json", tmp / f"{name}.log"
     spec.write_bytes(msgspec.json.encode(sc))
     with open(log, "wb") as f:
         rc = subprocess.run(
-            [sys.executable, "-m", "kvflow_vllm.engine", str(spec), str(out)],
+            [sys.executable, "-m", "kvflow_vllm.engine_process", str(spec), str(out)],
             stdout=f,
             stderr=subprocess.STDOUT,
             env=dict(os.environ, PYTHONUNBUFFERED="1"),
@@ -360,8 +360,8 @@ def serve(sc: Scenario) -> None:
 
 
 def main(argv: list[str]) -> int:
-    """`python -m kvflow_vllm.engine SCENARIO.json RESULT.json`: one engine process.
-    `python -m kvflow_vllm.engine --serve SCENARIO.json`: serve requests on stdin."""
+    """`python -m kvflow_vllm.engine_process SCENARIO.json RESULT.json`: one engine process.
+    `python -m kvflow_vllm.engine_process --serve SCENARIO.json`: serve requests on stdin."""
     if argv[0] == "--serve":
         with open(argv[1], "rb") as f:
             serve(msgspec.json.decode(f.read(), type=Scenario))
