@@ -1,10 +1,12 @@
-"""The `kvflow` command: `demo`, `proxy`, `transports`, `keygen`, `new-transport`,
-`inspect`."""
+"""The `kvflow` command: `proxy`, `transports`, `keygen`, `new-transport`, `inspect`,
+and what installed packages add through the `kvflow.commands` entry point (the vLLM
+adapter adds `demo`)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from importlib.metadata import entry_points
 
 __all__ = ["main"]
 
@@ -27,28 +29,6 @@ def _cmd_transports(args: argparse.Namespace) -> int:
             status = f"BROKEN: {exc}"
         print(f"{name:<10} {ep.value:<32} ({dist})  {status}")
     return 0
-
-
-def _cmd_demo(args: argparse.Namespace) -> int:
-    try:  # the demo drives vLLM, so it lives in the vLLM adapter package
-        from kvflow_vllm.demo import run_demo, run_pd_demo
-    except ImportError as exc:
-        print(f"kvflow demo needs vLLM and kvflow's vLLM adapter: {exc}", file=sys.stderr)
-        return 2
-
-    if args.pd:
-        return run_pd_demo(
-            transport=args.transport,
-            num_prompts=args.prompts,
-            prompt_len=args.prompt_len,
-            max_tokens=args.max_tokens,
-        )
-    return run_demo(
-        cache_dir=args.cache_dir,
-        num_prompts=args.prompts,
-        prompt_len=args.prompt_len,
-        max_tokens=args.max_tokens,
-    )
 
 
 def _cmd_keygen(args: argparse.Namespace) -> int:
@@ -82,21 +62,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     k.add_argument("path", help="file to create (refused if it exists)")
     k.set_defaults(fn=_cmd_keygen)
-    d = sub.add_parser(
-        "demo",
-        help="run a real vLLM engine cold, restart it, run it warm from kvflow's cache",
-    )
-    d.add_argument("--cache-dir", default="", help="fs cache directory (default: user cache)")
-    d.add_argument(
-        "--pd",
-        action="store_true",
-        help="prefill/decode disaggregation: a producer engine prefills, a consumer decodes",
-    )
-    d.add_argument("--transport", default="zmq", help="peer transport of --pd (default: zmq)")
-    d.add_argument("--prompts", type=int, default=4)
-    d.add_argument("--prompt-len", type=int, default=1000)
-    d.add_argument("--max-tokens", type=int, default=16)
-    d.set_defaults(fn=_cmd_demo)
     x = sub.add_parser(
         "proxy",
         help="a prefill/decode proxy following vLLM's convention, between OpenAI servers",
@@ -118,7 +83,25 @@ def build_parser() -> argparse.ArgumentParser:
     from .inspect import add_parser as add_inspect_parser
 
     add_inspect_parser(sub)
+    _add_entry_point_commands(sub)
     return p
+
+
+def _add_entry_point_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Each `kvflow.commands` entry point is a function that adds its subcommand; one
+    that fails to load still appears, and running it says why it cannot run."""
+    for ep in sorted(entry_points(group="kvflow.commands"), key=lambda ep: ep.name):
+        try:
+            ep.load()(sub)
+        except Exception as exc:  # a broken plugin must not break the other commands
+            why = f"kvflow {ep.name} ({ep.value}) could not load: {type(exc).__name__}: {exc}"
+            broken = sub.add_parser(ep.name, help=f"unavailable: {why}")
+            broken.set_defaults(fn=lambda _args, why=why: _unavailable(why))
+
+
+def _unavailable(why: str) -> int:
+    print(why, file=sys.stderr)
+    return 2
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,81 @@
+"""The core stands alone: nothing under `kvflow/` imports vLLM, the adapter or a
+transport, `kvflow proxy` serves with vLLM unimportable, and the adapter adds `kvflow
+demo` through the `kvflow.commands` entry point."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+NOT_CORE = ("vllm", "kvflow_vllm", "kvflow_fs", "kvflow_zmq", "kvflow_nixl", "kvflow_redis")
+
+# Run before the code under test: any import of vLLM or the adapter fails, as it
+# would on a machine that has only kvflow.
+BLOCK_VLLM = """
+import sys
+class _Blocker:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("vllm", "kvflow_vllm"):
+            raise ImportError(f"{name} is blocked by the test (no vLLM here)")
+        return None
+sys.meta_path.insert(0, _Blocker())
+from kvflow.cli.main import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def _imports(path: Path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.add(node.module.split(".")[0])
+    return found
+
+
+@pytest.mark.parametrize(
+    "path", sorted((ROOT / "kvflow").rglob("*.py")), ids=lambda p: str(p.relative_to(ROOT))
+)
+def test_the_core_imports_no_vllm_adapter_or_transport(path: Path) -> None:
+    assert sorted(_imports(path) & set(NOT_CORE)) == []
+
+
+def _kvflow(*args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-c", BLOCK_VLLM, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def test_kvflow_proxy_serves_without_vllm() -> None:
+    dead = "http://127.0.0.1:9"
+    proc = _kvflow("proxy", "--prefill", dead, "--decode", dead, "--port", "0")
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()  # "kvflow proxy on http://127.0.0.1:PORT: ..."
+        assert line.startswith("kvflow proxy on http://"), line + proc.stderr.read()
+        url = line.split()[3].rstrip(":")
+        with urllib.request.urlopen(f"{url}/health", timeout=30) as answer:
+            assert answer.status == 200
+    finally:
+        proc.kill()
+        proc.communicate()
+
+
+def test_the_adapter_adds_kvflow_demo_which_says_it_needs_vllm_when_vllm_is_missing() -> None:
+    listed = _kvflow("--help")
+    out, _ = listed.communicate(timeout=120)
+    assert "demo" in out and "proxy" in out
+    demo = _kvflow("demo")
+    _, err = demo.communicate(timeout=120)
+    assert demo.returncode == 2
+    assert "kvflow demo needs vLLM" in err and "blocked by the test" in err
