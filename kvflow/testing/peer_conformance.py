@@ -37,12 +37,11 @@ from .conformance import (
     Chunks,
     ConformanceSuite,
     Harness,
-    Promise,
     _all,
     _spans,
     open_nursery,
-    violated,
 )
+from .contract import Promise, violated
 
 __all__ = ["PeerConformance", "PeerPromise"]
 
