@@ -33,15 +33,9 @@ import trio.testing
 
 from ..layout import KVLayout
 from ..transport import ChunkMissing, Offer, PeerSource, Renewed, Transport, TransportError
-from .conformance import (
-    Chunks,
-    ConformanceSuite,
-    Harness,
-    _all,
-    _spans,
-    open_nursery,
-)
+from .conformance import ConformanceSuite
 from .contract import Promise, violated
+from .harness import Chunks, Harness, _all, _spans, open_nursery
 
 __all__ = ["PeerConformance", "PeerPromise"]
 
