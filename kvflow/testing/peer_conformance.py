@@ -33,9 +33,9 @@ import trio.testing
 
 from ..layout import KVLayout
 from ..transport import ChunkMissing, Offer, PeerSource, Renewed, Transport, TransportError
-from .conformance import ConformanceSuite
 from .contract import Promise, violated
 from .harness import Chunks, Harness, _all, _spans, open_nursery
+from .suite import ConformanceSuite
 
 __all__ = ["PeerConformance", "PeerPromise"]
 
