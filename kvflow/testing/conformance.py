@@ -42,7 +42,10 @@ capabilities lack `store` or the `cpu` memory kind are skipped.
 
 A test failure raises `ContractViolation`, an `AssertionError` whose text
 names the promise of the `Transport` contract that was broken and the
-chunk indexes, keys and block ids involved. Promises are listed in `Promise`.
+chunk indexes, keys and block ids involved. Promises are listed in `Promise`
+(both in `kvflow.testing.contract`). The tests speak through
+`kvflow.testing.harness.Harness` (the `kv` fixture of `kvflow.testing.suite`'s
+`ConformanceSuite`, which this suite and the peer suite share).
 Nothing here sleeps to synchronise: every ordering is forced with
 `trio.Event`s; a few waits for the transport's own progress are bounded by
 `TransportConformance.progress_timeout_s` (real time) so a hung transport
