@@ -193,7 +193,7 @@ def _explain(
 
 
 @dataclass
-class Harness:  # ~360 lines: every test's vocabulary (workers, chunks, jobs, checks) in
+class Harness:  # ~345 lines: every test's vocabulary (workers, chunks, jobs, checks) in
     # one place, so that each promise's test reads as the promise
     """One test's view of the transport under test: instances, memory, jobs, checks."""
 

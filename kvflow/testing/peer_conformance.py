@@ -84,7 +84,7 @@ class PeerPromise:
     )
 
 
-class PeerConformance(ConformanceSuite):  # ~340 lines: one test per promise of the peer
+class PeerConformance(ConformanceSuite):  # ~390 lines: one test per promise of the peer
     # contract; pytest collects them from this class
     """The peer suite. Subclass and provide a `make_transport` fixture."""
 
