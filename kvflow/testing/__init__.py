@@ -1,9 +1,17 @@
 """`kvflow.testing`: tools for testing kvflow and its transports.
 
-- `make_layout`, `fill_blocks`: synthetic paged KV memory over real buffers.
-- `TransportConformance` (from `kvflow.testing.conformance`): the pytest-trio
-  suite every transport must pass. It is imported lazily, so using the layouts
-  does not need pytest installed.
+- `make_layout`, `fill_blocks` (from `kvflow.testing.layouts`): synthetic paged KV
+  memory over real buffers.
+- `TransportConformance` (from `kvflow.testing.conformance`): the pytest-trio suite
+  every store transport must pass. Peer transports pass `PeerConformance`, from
+  `kvflow.testing.peer_conformance`.
+- `ContractViolation`, `Promise`, `violated` (from `kvflow.testing.contract`): how a
+  broken promise of the `Transport` contract fails a test.
+
+Both suites build on `kvflow.testing.suite` (`ConformanceSuite`: the `make_transport`
+seam, the test layouts, the `kv` fixture) and `kvflow.testing.harness` (`Harness`,
+`Chunks`, `GatedSave`: one test's instances, memory, jobs and checks). Everything but
+the layouts is imported lazily, so using the layouts does not need pytest installed.
 """
 
 from __future__ import annotations

@@ -33,16 +33,9 @@ import trio.testing
 
 from ..layout import KVLayout
 from ..transport import ChunkMissing, Offer, PeerSource, Renewed, Transport, TransportError
-from .conformance import (
-    Chunks,
-    ConformanceSuite,
-    Harness,
-    Promise,
-    _all,
-    _spans,
-    open_nursery,
-    violated,
-)
+from .contract import Promise, violated
+from .harness import Chunks, Harness, _all, _spans, open_nursery
+from .suite import ConformanceSuite
 
 __all__ = ["PeerConformance", "PeerPromise"]
 
@@ -91,7 +84,7 @@ class PeerPromise:
     )
 
 
-class PeerConformance(ConformanceSuite):  # ~340 lines: one test per promise of the peer
+class PeerConformance(ConformanceSuite):  # ~390 lines: one test per promise of the peer
     # contract; pytest collects them from this class
     """The peer suite. Subclass and provide a `make_transport` fixture."""
 
