@@ -85,7 +85,7 @@ class _Request:
         return sum(self.counts[: self.hit_chunks or 0])
 
 
-class SchedulerEngine:  # ~340 lines: one request's life in the scheduler (lookup, load,
+class SchedulerEngine:  # ~395 lines: one request's life in the scheduler (lookup, load,
     # save, offer) reads and writes one `_Request`; apart, each part would pass it around
     """Owns per-request connector state in the scheduler process."""
 

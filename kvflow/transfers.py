@@ -283,7 +283,7 @@ class _SaveSpans:
         ]
 
 
-class Flows:  # ~280 lines: a step's loads, saves and offers and how they affect each
+class Flows:  # ~295 lines: a step's loads, saves and offers and how they affect each
     # other (a failed load drops the saves computed over its blocks)
     """A worker's transfers, on its runtime's loop thread."""
 

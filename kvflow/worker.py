@@ -49,7 +49,7 @@ __all__ = ["KVFlowFatal", "TransferResults", "WorkerEngine"]
 log = logging.getLogger("kvflow.worker")
 
 
-class WorkerEngine:  # ~270 lines: every call vLLM's thread makes, each bounded, and
+class WorkerEngine:  # ~310 lines: every call vLLM's thread makes, each bounded, and
     # what becomes of them when the loop dies or a load cannot be stopped
     """Runs a worker's transfers on its runtime."""
 

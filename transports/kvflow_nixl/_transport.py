@@ -178,7 +178,7 @@ class _ReadLease:
             )
 
 
-class NixlTransport(PeerTransport):  # ~265 lines: the producer's lease of a pull (held
+class NixlTransport(PeerTransport):  # ~340 lines: the producer's lease of a pull (held
     # until the consumer's notification, failure or lease end) and the consumer's load
     name = "nixl"
     Options = NixlOptions

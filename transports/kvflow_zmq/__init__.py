@@ -1,4 +1,4 @@
-"""`zmq`: prefill/decode disaggregation over ZMQ (work in progress, see issue 3).
+"""`zmq`: prefill/decode disaggregation over ZMQ, and over CUDA IPC on one host.
 
 A producer worker holds a finished request's blocks and serves them from a
 ROUTER socket bound to loopback (or a configured host) on a free port it
