@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.engine
+# Slow (CI runs it): three engine processes and two servers; the same paths run in the
+# default set through test_e2e_fs and test_serve_pd.
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 DEMO = [sys.executable, "-m", "kvflow.cli.main", "demo"]
 

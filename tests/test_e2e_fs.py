@@ -139,6 +139,7 @@ def test_corrupt_and_truncated_files_recompute_identically(run: Run) -> None:
     assert len(f6.block_ids) == 2, "chunks 0-1 of P6 loaded; chunks 2-3 recomputed"
 
 
+@pytest.mark.slow  # an engine process of its own
 def test_policy_fail_reports_an_error_and_spares_other_requests(run: Run) -> None:
     f7 = run.chunk_file(P7, 0)
     data = bytearray(f7.read_bytes())
@@ -152,6 +153,7 @@ def test_policy_fail_reports_an_error_and_spares_other_requests(run: Run) -> Non
     assert_same_generation(p2, base(run, P2), "P2 beside a failed load")
 
 
+@pytest.mark.slow  # an engine process of its own
 def test_bad_config_fails_at_start_naming_key_and_choices(run: Run) -> None:
     with pytest.raises(EngineFailed) as err:
         run_engine(run.tmp, "badconfig", batches=[[P4]], extra_config={"transport": "ftp"})
@@ -161,6 +163,7 @@ def test_bad_config_fails_at_start_naming_key_and_choices(run: Run) -> None:
     assert "valid choices: fs" in err.value.log
 
 
+@pytest.mark.slow  # an engine process of its own
 def test_async_load_mode_loads_between_steps_with_identical_tokens(run: Run) -> None:
     res = run_engine(
         run.tmp, "async", batches=[[P1, P2]], extra_config=run.extra("async", load_mode="async")

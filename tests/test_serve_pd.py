@@ -70,7 +70,10 @@ class PD:
 
 @pytest.fixture(
     scope="module",
-    params=[("zmq", "kv_both", "kv_both", True), ("nixl", "kv_producer", "kv_consumer", False)],
+    params=[
+        ("zmq", "kv_both", "kv_both", True),
+        pytest.param(("nixl", "kv_producer", "kv_consumer", False), marks=pytest.mark.slow),
+    ],
     ids=["zmq-kv_both-keyed", "nixl-producer-consumer"],
 )
 def pd(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PD]:

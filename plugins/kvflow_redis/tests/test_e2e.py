@@ -18,7 +18,8 @@ from kvflow.eventlog import read_event_log
 from kvflow.events import BlocksAllocated, Event, LoadStarted, TransferDone, TransferFailed
 from kvflow_vllm.engine_process import GenResult, Scenario, ScenarioResult, spawn_engine
 
-pytestmark = pytest.mark.engine
+# Slow (CI runs it): two engine processes; the conformance suite covers the transport.
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 BLOCK = 32  # kvflow_vllm.engine_process.Scenario's default block size
 _rng = random.Random(11)
