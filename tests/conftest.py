@@ -1,13 +1,24 @@
-"""Shared fixtures: real runtimes that are always shut down after the test."""
+"""Shared fixtures: real runtimes that are always shut down after the test, and the
+engines of the SchedulerEngine + WorkerEngine tests (tests/engine_harness.py).
+
+The helpers behind a fixture are imported where it runs, so that a test module that
+uses none of them does not import them (torch, the transports)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from kvflow.runtime import Runtime
+
+# Helper modules with the asserts of tests: rewritten as the tests' own (before any imports them).
+pytest.register_assert_rewrite("tests.engine_harness")
+
+if TYPE_CHECKING:
+    from .engine_harness import Engine
 
 
 @pytest.fixture
@@ -23,3 +34,17 @@ def make_runtime() -> Iterator[Callable[..., Runtime]]:
     yield make
     stuck = [rt.name for rt in made if not rt.shutdown(timeout=10.0)]
     assert not stuck, f"runtimes did not stop: {stuck}"
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Path:
+    return tmp_path / "store"
+
+
+@pytest.fixture
+def start_engine(make_runtime: Callable[..., Runtime], store: Path) -> Callable[..., Engine]:
+    """`start_engine(name, **options)`: one vLLM instance's scheduler- and worker-side
+    engines over the `fs` store `store` (tests/engine_harness.py)."""
+    from .engine_harness import engine_starter
+
+    return engine_starter(make_runtime, store)
