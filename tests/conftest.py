@@ -15,7 +15,7 @@ import pytest
 from kvflow.runtime import Runtime
 
 # Helper modules with the asserts of tests: rewritten as the tests' own (before any imports them).
-pytest.register_assert_rewrite("tests.engine_harness")
+pytest.register_assert_rewrite("tests.engine_harness", "tests.servers")
 
 if TYPE_CHECKING:
     from .engine_harness import Engine
