@@ -1,4 +1,5 @@
-"""SchedulerEngine + WorkerEngine, driven the way the vLLM connector drives them.
+"""SchedulerEngine + WorkerEngine saving and loading prompts (lent blocks, hybrid KV cache
+groups among them), driven the way the vLLM connector drives them.
 
 Real runtimes (one per engine side, as in vLLM's processes), the real `fs`
 transport under tmp_path, real (numpy) paged KV memory. The test thread plays
