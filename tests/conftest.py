@@ -1,5 +1,6 @@
-"""Shared fixtures: real runtimes that are always shut down after the test, and the
-engines of the SchedulerEngine + WorkerEngine tests (tests/engine_harness.py).
+"""Shared fixtures: real runtimes that are always shut down after the test, the engines
+of the SchedulerEngine + WorkerEngine tests (tests/engine_harness.py), and vLLM's real
+Scheduler in both of the engine core's loops (tests/vllm_harness.py).
 
 The helpers behind a fixture are imported where it runs, so that a test module that
 uses none of them does not import them (torch, the transports)."""
@@ -15,10 +16,13 @@ import pytest
 from kvflow.runtime import Runtime
 
 # Helper modules with the asserts of tests: rewritten as the tests' own (before any imports them).
-pytest.register_assert_rewrite("tests.engine_harness", "tests.servers")
+pytest.register_assert_rewrite("tests.engine_harness", "tests.servers", "tests.vllm_harness")
 
 if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
     from .engine_harness import Engine
+    from .vllm_harness import Harness, Loop, MakeHarness
 
 
 @pytest.fixture
@@ -48,3 +52,28 @@ def start_engine(make_runtime: Callable[..., Runtime], store: Path) -> Callable[
     from .engine_harness import engine_starter
 
     return engine_starter(make_runtime, store)
+
+
+@pytest.fixture(params=["sync", "async"])
+def loop(request: pytest.FixtureRequest) -> Loop:
+    """The engine core loop the test's harnesses run (`Loop`: see `tests/vllm_harness.py`)."""
+    value: Loop = request.param
+    return value
+
+
+@pytest.fixture
+def harness(loop: Loop) -> Iterator[MakeHarness]:
+    """`harness(vllm_config, num_blocks)`: a scheduler driven in the test's `loop`, shut
+    down (kvflow's runtime with it) at teardown."""
+    from .vllm_harness import make_harness
+
+    made: list[Harness] = []
+
+    def make(vllm_config: VllmConfig, num_blocks: int) -> Harness:
+        h = make_harness(vllm_config, num_blocks, loop)
+        made.append(h)
+        return h
+
+    yield make
+    for h in made:
+        h.close()

@@ -16,7 +16,7 @@ offers name the request's blocks in vLLM, and never a block vLLM has taken back.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,6 @@ import trio
 
 pytest.importorskip("vllm.v1.core.sched.scheduler", reason="needs vLLM installed")
 
-from vllm.config import VllmConfig
 from vllm.v1.core.sched.interface import PauseState
 from vllm.v1.engine import FinishReason
 from vllm.v1.request import RequestStatus
@@ -42,43 +41,18 @@ from kvflow_vllm.connector import KVFlowHandshake
 
 from .vllm_harness import (
     BLOCK_SIZE,
-    LOOPS,
     SHARD,
     Harness,
     Loop,
+    MakeHarness,
     fs_config,
     held_offer,
-    make_harness,
     make_request,
     make_vllm_config,
     prompt_of,
     run_real_worker,
+    run_to_completion,
 )
-
-MakeHarness = Callable[..., Harness]
-
-
-@pytest.fixture(params=LOOPS)
-def loop(request: pytest.FixtureRequest) -> Loop:
-    """The engine core loop the test's harnesses run (see `tests/vllm_harness.py`)."""
-    value: Loop = request.param
-    return value
-
-
-@pytest.fixture
-def harness(loop: Loop) -> Iterator[MakeHarness]:
-    """`harness(vllm_config, num_blocks)`: a scheduler driven in the test's `loop`, shut
-    down (kvflow's runtime with it) at teardown."""
-    made: list[Harness] = []
-
-    def make(vllm_config: VllmConfig, num_blocks: int) -> Harness:
-        h = make_harness(vllm_config, num_blocks, loop)
-        made.append(h)
-        return h
-
-    yield make
-    for h in made:
-        h.close()
 
 
 def blocks_for(num_tokens: int) -> int:
@@ -118,18 +92,6 @@ def check_tables(h: Harness) -> None:
                     f"step {n}: kvflow plans {req} over blocks {step.kvflow_tables[req]}, "
                     f"vLLM's block table is {table}"
                 )
-
-
-def run_to_completion(h: Harness, *, max_steps: int = 200, send_lent: bool = True) -> None:
-    """Step until the engine core would go idle (vLLM holds no request, no step is in
-    flight); the worker releases lent requests at once."""
-    for _ in range(max_steps):
-        if not h.scheduler.has_requests():
-            h.drain(send_lent=send_lent)
-            assert h.idle and not h.scheduler.requests
-            return
-        h.step(send_lent=send_lent)
-    raise AssertionError(f"requests still held after {max_steps} steps: {h.scheduler.requests}")
 
 
 # --------------------------------------------------------------------------- 1. saves
