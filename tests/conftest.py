@@ -1,6 +1,7 @@
 """Shared fixtures: real runtimes that are always shut down after the test, the engines
-of the SchedulerEngine + WorkerEngine tests (tests/engine_harness.py), and vLLM's real
-Scheduler in both of the engine core's loops (tests/vllm_harness.py).
+of the SchedulerEngine + WorkerEngine tests (tests/engine_harness.py), vLLM's real
+Scheduler in both of the engine core's loops (tests/vllm_harness.py) and the side-channel
+attacker's ZMQ context (tests/side_channel.py).
 
 The helpers behind a fixture are imported where it runs, so that a test module that
 uses none of them does not import them (torch, the transports)."""
@@ -12,11 +13,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
+import zmq
 
 from kvflow.runtime import Runtime
 
 # Helper modules with the asserts of tests: rewritten as the tests' own (before any imports them).
-pytest.register_assert_rewrite("tests.engine_harness", "tests.servers", "tests.vllm_harness")
+pytest.register_assert_rewrite(
+    "tests.engine_harness", "tests.servers", "tests.side_channel", "tests.vllm_harness"
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -77,3 +81,15 @@ def harness(loop: Loop) -> Iterator[MakeHarness]:
     yield make
     for h in made:
         h.close()
+
+
+@pytest.fixture
+def zctx() -> Iterator[zmq.Context[Any]]:
+    """The attacker's (or hostile producer's) own ZMQ context."""
+    from .side_channel import AUTHENTICATORS
+
+    ctx: zmq.Context[Any] = zmq.Context()
+    yield ctx
+    for auth in AUTHENTICATORS.pop(id(ctx), []):
+        auth.stop()
+    ctx.destroy(linger=0)

@@ -13,15 +13,13 @@ socket monitors and answers in order on one connection say when something happen
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import random
 import secrets
 import sys
 import tracemalloc
-from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import asynccontextmanager, contextmanager
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import msgspec
@@ -30,315 +28,54 @@ import torch
 import trio
 import trio.testing
 import zmq
-import zmq.auth
-from zmq.auth.thread import ThreadAuthenticator
-from zmq.utils.monitor import parse_monitor_message
 
 from kvflow import layout as kvlayout
 from kvflow.layout import KVLayout, LayerGeometry
 from kvflow.peer import MAX_REASON, MAX_RENEW_REQS, Renew
-from kvflow.peer_transport import FRAME_SLACK, PeerTransport
+from kvflow.peer_transport import FRAME_SLACK
 from kvflow.runtime import Backoff
 from kvflow.security import MAC_BYTES, Channel
 from kvflow.testing.layouts import fill_blocks, make_layout
-from kvflow.transport import (
-    ChunkCorrupt,
-    ChunkMissing,
-    LoadJob,
-    Offer,
-    PeerSource,
-    Renewed,
-    TransportContext,
-    TransportError,
-)
+from kvflow.transport import ChunkCorrupt, ChunkMissing, Offer, Renewed, TransportError
 from kvflow.zmqio import BadFrame, TrioSocket
-from kvflow_nixl import NixlOptions, NixlTransport
 from kvflow_nixl import _wire as nwire
-from kvflow_zmq import ZmqOptions, ZmqTransport
+from kvflow_zmq import ZmqTransport
 from kvflow_zmq import _ipc as ipc
 from kvflow_zmq import _wire as zwire
 
-HAS_NIXL = any(importlib.util.find_spec(m) for m in ("nixl", "nixl_cu12"))
-KINDS = [
-    "zmq",
-    pytest.param(
-        "nixl",
-        marks=pytest.mark.skipif(not HAS_NIXL, reason="NIXL is not installed (nixl-cu12)"),
-    ),
-]
-
-BS = 4
-LAYERS = 3
-OFFERED = [1, 2, 3]
-COUNTS = [4, 4, 2]
-DEST = [7, 8, 9]
-POISON = 0xAB
-HANG_GUARD_S = 30.0
-"""Only a hang guard: every wait below ends on an event long before it."""
-
-HANDSHAKE_FAILED: set[int] = {
-    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL,
-    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
-    zmq.EVENT_HANDSHAKE_FAILED_AUTH,
-    zmq.EVENT_DISCONNECTED,
-}
-
-
-# -- the parties -------------------------------------------------------------------
-
-
-class Seen:
-    """A producer's `TransportContext.rejected`: every (reason, detail), awaitable."""
-
-    def __init__(self) -> None:
-        self.log: list[tuple[str, str]] = []
-        self._more = trio.Event()
-        self.on_call: Callable[[str, str], None] = lambda reason, detail: None
-
-    def __call__(self, reason: str, detail: str) -> None:
-        self.on_call(reason, detail)
-        self.log.append((reason, detail))
-        more, self._more = self._more, trio.Event()
-        more.set()
-
-    def count(self, reason: str) -> int:
-        return sum(r == reason for r, _ in self.log)
-
-    async def reach(self, reason: str, n: int) -> None:
-        while self.count(reason) < n:
-            await self._more.wait()
-
-
-def _ctx(
-    layout: KVLayout, channel: Channel, rejected: Callable[[str, str], None] | None = None
-) -> TransportContext:
-    return TransportContext(
-        "e",
-        "worker",
-        "ns",
-        "tp0of1pp0",
-        ["tp0of1pp0"],
-        layout,
-        channel=channel,
-        rejected=rejected,
-    )
-
-
-@asynccontextmanager
-async def _worker(
-    kind: str,
-    channel: Channel | None = None,
-    layout: KVLayout | None = None,
-    rejected: Callable[[str, str], None] | None = None,
-    cls: type[PeerTransport] | None = None,
-) -> AsyncIterator[tuple[Any, KVLayout]]:
-    """A registered worker-side transport of `kind` over `layout` (a fresh one if None)."""
-    layout = layout or make_layout(num_layers=LAYERS, block_size=BS)
-    context = _ctx(layout, channel or Channel(), rejected)
-    t: Any
-    if cls is not None:
-        t = cls(ZmqOptions(), context)
-    elif kind == "zmq":
-        t = ZmqTransport(ZmqOptions(), context)
-    else:
-        t = NixlTransport(NixlOptions(), context)
-    await t.open()
-    try:
-        await t.register(layout)
-        yield t, layout
-    finally:
-        await t.aclose()
-
-
-@dataclass
-class Peers:
-    kind: str
-    producer: Any
-    consumer: Any
-    prod: KVLayout
-    cons: KVLayout
-    seen: Seen
-    channel: Channel
-
-
-@asynccontextmanager
-async def _peers(kind: str, channel: Channel | None = None) -> AsyncIterator[Peers]:
-    """A producer (its blocks `OFFERED` filled, its refusals recorded) and a consumer,
-    both over `channel` (keyless if None)."""
-    channel = channel or Channel()
-    seen = Seen()
-    prod = make_layout(num_layers=LAYERS, block_size=BS)
-    fill_blocks(prod, OFFERED, seed=27)
-    async with (
-        _worker(kind, channel, prod, seen) as (producer, _),
-        _worker(kind, channel) as (consumer, cons),
-    ):
-        yield Peers(kind, producer, consumer, prod, cons, seen, channel)
-
-
-@pytest.fixture
-def zctx() -> Iterator[zmq.Context[Any]]:
-    """The attacker's (or hostile producer's) own ZMQ context."""
-    ctx: zmq.Context[Any] = zmq.Context()
-    yield ctx
-    for auth in _AUTHENTICATORS.pop(id(ctx), []):
-        auth.stop()
-    ctx.destroy(linger=0)
-
-
-_AUTHENTICATORS: dict[int, list[Any]] = {}
-"""The ZAP handlers hostile producers started, by context: stopped before it ends."""
-
-
-def _dealer(
-    zctx: zmq.Context[Any], address: str, *, channel: Channel | None = None, **opts: int
-) -> tuple[TrioSocket, TrioSocket]:
-    """An attacker's DEALER connected to `address` (the handshake credentials of
-    `channel` if given: its PLAIN password, or its CURVE keys) and a monitor of its
-    connection's events."""
-    sock = zctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    for name, value in opts.items():
-        sock.setsockopt(getattr(zmq, name), value)
-    if channel is not None:
-        channel.secure(sock, server=False)
-    monitor = sock.get_monitor_socket()
-    sock.connect(address)
-    return TrioSocket(sock), TrioSocket(monitor)
-
-
-def _router(zctx: zmq.Context[Any], channel: Channel | None = None) -> tuple[TrioSocket, str]:
-    """A hostile producer's ROUTER on loopback and its address; with a keyed `channel`, it
-    passes a keyed consumer's handshake (it learned the PLAIN password, as anyone a
-    consumer connects to does) without the key itself."""
-    sock = zctx.socket(zmq.ROUTER)
-    sock.setsockopt(zmq.LINGER, 0)
-    if channel is not None and channel.keyed:  # a ZAP handler that lets the consumer in
-        auth = ThreadAuthenticator(zctx)
-        auth.start()
-        auth.configure_plain("kvflow", {"kvflow": channel._password().decode()})
-        auth.configure_curve("kvflow", zmq.auth.CURVE_ALLOW_ANY)
-        _AUTHENTICATORS.setdefault(id(zctx), []).append(auth)
-        channel.secure(sock, server=True)
-    port = sock.bind_to_random_port("tcp://127.0.0.1")
-    return TrioSocket(sock), f"tcp://127.0.0.1:{port}"
-
-
-def _monitor(sock: TrioSocket) -> TrioSocket:
-    """A monitor of `sock`'s connection events (read it: unread, libzmq's I/O thread
-    blocks on it once its queue is full)."""
-    return TrioSocket(sock.sock.get_monitor_socket())
-
-
-async def _until_event(monitor: TrioSocket, wanted: set[int]) -> list[int]:
-    """The socket's events up to the first of `wanted`."""
-    events: list[int] = []
-    while not events or events[-1] not in wanted:
-        events.append(int(parse_monitor_message(await monitor.recv_multipart())["event"]))
-    return events
-
-
-# -- blocks ------------------------------------------------------------------------
-
-
-def _spans(layout: KVLayout, blocks: list[int], counts: list[int] = COUNTS) -> Any:
-    return lambda layer: [layout.spans(layer, b, n) for b, n in zip(blocks, counts, strict=True)]
-
-
-def _bytes(layout: KVLayout, blocks: list[int], counts: list[int] = COUNTS) -> list[bytes]:
-    f = _spans(layout, blocks, counts)
-    return [b"".join(bytes(s) for c in f(i) for s in c) for i in range(layout.num_layers)]
-
-
-def _poison(layout: KVLayout, blocks: list[int] = DEST) -> None:
-    for layer in range(layout.num_layers):
-        for chunk in _spans(layout, blocks)(layer):
-            for s in chunk:
-                s[:] = bytes([POISON]) * len(s)
-
-
-def _untouched(layout: KVLayout, blocks: list[int] = DEST) -> bool:
-    return all(set(b) == {POISON} for b in _bytes(layout, blocks))
-
-
-def _offer_id() -> str:
-    return secrets.token_hex(16)
-
-
-def _job(layout: KVLayout, address: str, offer: str, src_blocks: list[int] = OFFERED) -> LoadJob:
-    return LoadJob(
-        "c-req",
-        ["k"] * len(DEST),
-        COUNTS,
-        layout.num_layers,
-        _spans(layout, DEST),
-        lambda _: None,
-        PeerSource("e", [address], offer, list(src_blocks)),
-        list(DEST),
-    )
-
-
-@dataclass
-class Held:
-    offer: str
-    outcome: list[str] = field(default_factory=list)
-    released: trio.Event = field(default_factory=trio.Event)
-
-
-async def _hold(
-    p: Peers, nursery: trio.Nursery, renew: Callable[[float], None] = lambda lease_s: None
-) -> Held:
-    """The producer holds blocks `OFFERED` under a fresh random offer id."""
-    held = Held(_offer_id())
-    offer = Offer(held.offer, OFFERED, COUNTS, LAYERS, _spans(p.prod, OFFERED), renew)
-
-    async def run() -> None:
-        held.outcome.append(await p.producer.offer(offer))
-        held.released.set()
-
-    nursery.start_soon(run)
-    await trio.testing.wait_all_tasks_blocked()
-    return held
-
-
-async def _pull(p: Peers, held: Held) -> None:
-    """An honest consumer pulls `held`: identical bytes, and the producer hands the
-    blocks back on its word."""
-    _poison(p.cons)
-    await p.consumer.load(_job(p.cons, p.producer.address, held.offer))
-    await held.released.wait()
-    assert held.outcome == ["done"]
-    assert _bytes(p.cons, DEST) == _bytes(p.prod, OFFERED), "the honest pull got other bytes"
-
-
-def _pull_frame(kind: str, offer: str, **kw: Any) -> bytes:
-    if kind == "zmq":
-        return zwire.encode(zwire.Pull(offer, **kw))
-    return nwire.encode(nwire.Pull(offer, "attacker-agent", **kw))
-
-
-def _invalid_utf8(frame: bytes, text: str) -> bytes:
-    """`frame` with the last character of `text` (a string in it) replaced by a byte that
-    no UTF-8 string has."""
-    enc = text.encode()
-    assert frame.count(enc) == 1
-    return frame.replace(enc, enc[:-1] + b"\x88")
-
-
-def _renew_frame(reqs: list[str], lease_ms: int) -> bytes:
-    return msgspec.msgpack.encode(Renew(reqs, lease_ms))
-
-
-async def _probe(p: Peers, attacker: TrioSocket) -> None:
-    """Renew an unknown offer from `attacker`: its answer must be the first message the
-    socket gets (a ROUTER answers one connection in order), so nothing before it was
-    answered."""
-    probe = f"probe-{secrets.token_hex(4)}"
-    await attacker.send_multipart([p.channel.seal(_renew_frame([probe], 1000))])
-    frames = await attacker.recv_multipart()
-    answer = msgspec.msgpack.decode(p.channel.open(frames[0]), type=Renewed)
-    assert answer == Renewed({}, [probe]), f"an answer to an earlier frame: {answer}"
-
+from .side_channel import (
+    BS,
+    COUNTS,
+    HANDSHAKE_FAILED,
+    HANG_GUARD_S,
+    HAS_NIXL,
+    KINDS,
+    LAYERS,
+    OFFERED,
+    Answer,
+    against,
+    dealer,
+    hold,
+    honest_pull,
+    hostile_router,
+    invalid_utf8,
+    layer0,
+    layer_frame,
+    load_job,
+    minimal_geometry,
+    monitor_of,
+    new_offer_id,
+    one,
+    peers,
+    poison,
+    probe_in_order,
+    pull_frame,
+    renew_frame,
+    spans,
+    until_event,
+    untouched,
+    worker,
+)
 
 # -- 1. frames of any shape --------------------------------------------------------
 
@@ -365,7 +102,7 @@ def _malformed(pull: bytes, offer: str, rng: random.Random) -> list[list[bytes]]
         b"\x91" * 50_000 + b"\xc0",  # 50 000 nested arrays
         enc({str(i): i for i in range(2000)}),
         pull[:-1],
-        _invalid_utf8(pull, offer),  # msgspec raises UnicodeDecodeError, not DecodeError
+        invalid_utf8(pull, offer),  # msgspec raises UnicodeDecodeError, not DecodeError
     ]
     return [
         [b"a", b"b", b"c"],
@@ -388,29 +125,29 @@ async def test_malformed_messages_are_dropped_and_serve_goes_on(
     refused as a "frame" and left unanswered; a frame over the socket's bound is cut
     by libzmq before kvflow sees it; then an honest pull gets identical bytes."""
     rng = random.Random(27)
-    async with _peers(kind) as p:
-        offer = _offer_id()
-        bad = _malformed(_pull_frame(kind, offer), offer, rng)
+    async with peers(kind) as p:
+        offer = new_offer_id()
+        bad = _malformed(pull_frame(kind, offer), offer, rng)
         bound = p.producer.max_frame_bytes + FRAME_SLACK
         assert all(len(f) <= bound for m in bad for f in m)
         with trio.fail_after(HANG_GUARD_S):
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(p.producer.serve)
-                attacker, _ = _dealer(zctx, p.producer.address)
+                attacker, _ = dealer(zctx, p.producer.address)
                 for frames in bad:
                     await attacker.send_multipart(frames)
                 await p.seen.reach("frame", len(bad))
 
-                big, big_events = _dealer(zctx, p.producer.address)
+                big, big_events = dealer(zctx, p.producer.address)
                 await big.send_multipart([bytes(bound + 1)])
-                await _until_event(big_events, {zmq.EVENT_DISCONNECTED})
+                await until_event(big_events, {zmq.EVENT_DISCONNECTED})
 
                 # A message of the peer's identity alone: libzmq's ROUTER never delivers
                 # one (it drops a lone routing frame), so it goes to the handler directly.
                 await p.producer._handle(nursery, p.producer._router, [b"\x00ident"])
 
-                await _pull(p, await _hold(p, nursery))
-                await _probe(p, attacker)
+                await honest_pull(p, await hold(p, nursery))
+                await probe_in_order(p, attacker)
                 nursery.cancel_scope.cancel()
     assert [r for r, _ in p.seen.log] == ["frame"] * (len(bad) + 1)
     details = [d for _, d in p.seen.log]
@@ -422,16 +159,12 @@ async def test_malformed_messages_are_dropped_and_serve_goes_on(
 # -- 2. hostile layouts in a pull --------------------------------------------------
 
 
-def _minimal_geometry() -> dict[str, int]:
-    return {"num_blocks": 1, "block_size": BS, "block_stride": 64}
-
-
 async def test_hostile_geometries_are_refused_before_any_work(zctx: zmq.Context[Any]) -> None:
     """Issue 27, finding 1: a pull's layouts were used before anything was checked
     (kernel_blocks=0 ended serve; heads=block_size=4096 cost ~23 s and filled the
     `_runs` cache). Each hostile layout is refused at once naming why, nothing is
     computed for it, the offer stays unclaimed, and its honest pull follows."""
-    async with _peers("zmq") as p:
+    async with peers("zmq") as p:
         ours = list(p.prod.geometries)
         g0 = ours[0]
 
@@ -458,9 +191,9 @@ async def test_hostile_geometries_are_refused_before_any_work(zctx: zmq.Context[
         with trio.fail_after(HANG_GUARD_S):
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(p.producer.serve)
-                held = await _hold(p, nursery)
+                held = await hold(p, nursery)
                 runs_before = kvlayout._runs.cache_info()
-                attacker, _ = _dealer(zctx, p.producer.address)
+                attacker, _ = dealer(zctx, p.producer.address)
                 for geometries, why in cases:
                     pull = zwire.Pull(held.offer, geometries=geometries)
                     await attacker.send_multipart([zwire.encode(pull)])
@@ -472,20 +205,20 @@ async def test_hostile_geometries_are_refused_before_any_work(zctx: zmq.Context[
                 pull_10k = {
                     "type": "Pull",
                     "req": held.offer,
-                    "geometries": [_minimal_geometry()] * 10_000,
+                    "geometries": [minimal_geometry()] * 10_000,
                 }
                 await attacker.send_multipart([msgspec.msgpack.encode(pull_10k)])
                 await p.seen.reach("frame", 1)
 
                 # A consumer of another model, through the real consumer's load.
-                async with _worker("zmq", layout=make_layout(num_layers=4, block_size=BS)) as (
+                async with worker("zmq", layout=make_layout(num_layers=4, block_size=BS)) as (
                     other,
                     other_layout,
                 ):
                     with pytest.raises(
                         ChunkMissing, match="the producer has 3 KV layers, the consumer 4"
                     ):
-                        await other.load(_job(other_layout, p.producer.address, held.offer))
+                        await other.load(load_job(other_layout, p.producer.address, held.offer))
 
                 runs_after = kvlayout._runs.cache_info()
                 assert (runs_after.misses, runs_after.currsize) == (
@@ -493,8 +226,8 @@ async def test_hostile_geometries_are_refused_before_any_work(zctx: zmq.Context[
                     runs_before.currsize,
                 ), "the attacker's layouts were computed (kvflow.layout._runs)"
                 assert held.offer in p.producer.held and not held.released.is_set()
-                await _pull(p, held)
-                await _probe(p, attacker)
+                await honest_pull(p, held)
+                await probe_in_order(p, attacker)
                 nursery.cancel_scope.cancel()
     assert [r for r, _ in p.seen.log] == ["frame"]
 
@@ -509,13 +242,13 @@ async def test_renewals_out_of_bounds_are_dropped(kind: str, zctx: zmq.Context[A
     whole, unanswered, and never reaches the offer (`Offer.renew`); a renewal within the
     wire's bounds reaches it with the consumer's lease as sent (the worker clamps it to
     its own lease_s and max_hold_s: kvflow/flows.py, tests/test_pd_lease.py)."""
-    async with _peers(kind) as p:
+    async with peers(kind) as p:
         bound = p.producer.max_frame_bytes + FRAME_SLACK
         leases: list[float] = []
         with trio.fail_after(HANG_GUARD_S):
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(p.producer.serve)
-                held = await _hold(p, nursery, renew=leases.append)
+                held = await hold(p, nursery, renew=leases.append)
                 o = held.offer
                 bad = [
                     msgspec.msgpack.encode({"type": "Renew", "reqs": reqs, "lease_ms": lease})
@@ -534,23 +267,23 @@ async def test_renewals_out_of_bounds_are_dropped(kind: str, zctx: zmq.Context[A
                     ]
                 ]
                 fits = [f for f in bad if len(f) <= bound]
-                attacker, _ = _dealer(zctx, p.producer.address)
+                attacker, _ = dealer(zctx, p.producer.address)
                 for frame in fits:
                     await attacker.send_multipart([frame])
                 await p.seen.reach("frame", len(fits))
                 for frame in (f for f in bad if len(f) > bound):  # libzmq cuts these
-                    big, big_events = _dealer(zctx, p.producer.address)
+                    big, big_events = dealer(zctx, p.producer.address)
                     await big.send_multipart([frame])
-                    await _until_event(big_events, {zmq.EVENT_DISCONNECTED})
+                    await until_event(big_events, {zmq.EVENT_DISCONNECTED})
                 assert leases == [], "a renewal out of bounds reached the offer"
 
                 largest = (1 << 40) - 1  # the largest lease the wire admits
-                await attacker.send_multipart([_renew_frame([o, "never-offered"], largest)])
+                await attacker.send_multipart([renew_frame([o, "never-offered"], largest)])
                 answer = msgspec.msgpack.decode((await attacker.recv_multipart())[0], type=Renewed)
                 assert answer == Renewed({}, ["never-offered"])
                 assert leases == [largest / 1000]
 
-                await _pull(p, held)
+                await honest_pull(p, held)
                 nursery.cancel_scope.cancel()
     assert [r for r, _ in p.seen.log] == ["frame"] * len(fits)
 
@@ -561,21 +294,21 @@ async def test_a_pull_naming_a_block_twice_is_refused(kind: str, zctx: zmq.Conte
     it names: a pull naming one block 30 000 times (it fits nixl's 64 KiB bound) would
     have made one offer cost 30 000 blocks' copies. A block named twice, or one not
     offered, is refused with the reason and the offer stays held for its honest pull."""
-    async with _peers(kind) as p:
+    async with peers(kind) as p:
         decode = zwire.decode_to_consumer if kind == "zmq" else nwire.decode_to_consumer
         with trio.fail_after(HANG_GUARD_S):
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(p.producer.serve)
-                held = await _hold(p, nursery)
-                attacker, _ = _dealer(zctx, p.producer.address)
+                held = await hold(p, nursery)
+                attacker, _ = dealer(zctx, p.producer.address)
                 for block_ids in ([1] * 30_000, [1, 2, 3, 3], [1, 2, 3, 4], [3, 3]):
-                    pull = _pull_frame(kind, held.offer, block_ids=block_ids)
+                    pull = pull_frame(kind, held.offer, block_ids=block_ids)
                     await attacker.send_multipart([pull])
                     answer = decode((await attacker.recv_multipart())[0])
                     assert type(answer).__name__ == "Refused", answer
                     assert "not all offered, or repeat" in answer.reason, answer.reason
                 assert held.offer in p.producer.held and not held.released.is_set()
-                await _pull(p, held)
+                await honest_pull(p, held)
                 nursery.cancel_scope.cancel()
     assert p.seen.log == []
 
@@ -594,17 +327,17 @@ async def test_a_keyed_producer_answers_only_key_holders(kind: str, zctx: zmq.Co
     refused, never answered with KV. Nobody without the key gets bytes or ends the hold."""
     key, other = os.urandom(32), os.urandom(32)
     async with (
-        _peers(kind, Channel(key)) as p,
-        _worker(kind, Channel(other)) as (stranger, stranger_layout),
+        peers(kind, Channel(key)) as p,
+        worker(kind, Channel(other)) as (stranger, stranger_layout),
     ):
         with trio.fail_after(HANG_GUARD_S):
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(p.producer.serve)
-                held = await _hold(p, nursery)
-                pull = _pull_frame(kind, held.offer)
+                held = await hold(p, nursery)
+                pull = pull_frame(kind, held.offer)
                 sealed = p.channel.seal(pull)
 
-                plain, _ = _dealer(zctx, p.producer.address)  # no credentials at all
+                plain, _ = dealer(zctx, p.producer.address)  # no credentials at all
                 await plain.send_multipart([sealed])
                 await p.seen.reach("unauthenticated", 1)  # its handshake failed
 
@@ -621,19 +354,21 @@ async def test_a_keyed_producer_answers_only_key_holders(kind: str, zctx: zmq.Co
                     b"short",
                     b"",
                 ]
-                on_path, _ = _dealer(zctx, p.producer.address, channel=Channel(key))
+                on_path, _ = dealer(zctx, p.producer.address, channel=Channel(key))
                 before = p.seen.count("unauthenticated")
                 for frame in forged:
                     await on_path.send_multipart([frame])
                 await p.seen.reach("unauthenticated", before + len(forged))
 
-                _poison(stranger_layout)
+                poison(stranger_layout)
                 loading = trio.CancelScope()
                 stranger_ended = trio.Event()
 
                 async def stranger_pulls() -> None:
                     with loading:
-                        await stranger.load(_job(stranger_layout, p.producer.address, held.offer))
+                        await stranger.load(
+                            load_job(stranger_layout, p.producer.address, held.offer)
+                        )
                     stranger_ended.set()
 
                 before = p.seen.count("unauthenticated")
@@ -642,10 +377,10 @@ async def test_a_keyed_producer_answers_only_key_holders(kind: str, zctx: zmq.Co
                 loading.cancel()  # its load would wait until its deadline
                 await stranger_ended.wait()
                 assert loading.cancelled_caught, "the stranger's load ended by itself"
-                assert _untouched(stranger_layout), "a consumer with another key got bytes"
+                assert untouched(stranger_layout), "a consumer with another key got bytes"
                 assert held.offer in p.producer.held, "a stranger ended the hold"
 
-                await _pull(p, held)
+                await honest_pull(p, held)
                 await on_path.send_multipart([sealed])  # replayed, once pulled
                 frames = await on_path.recv_multipart()  # its first answer: the replay's
                 decode = zwire.decode_to_consumer if kind == "zmq" else nwire.decode_to_consumer
@@ -664,22 +399,22 @@ async def test_an_encrypted_channel_lets_no_stranger_in(kind: str, zctx: zmq.Con
     kvflow (only their failed handshakes are counted); a consumer with the key pulls
     identical bytes."""
     key = os.urandom(32)
-    async with _peers(kind, Channel(key, "encrypted")) as p:
+    async with peers(kind, Channel(key, "encrypted")) as p:
         with trio.fail_after(HANG_GUARD_S):
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(p.producer.serve)
-                held = await _hold(p, nursery)
-                pull = _pull_frame(kind, held.offer)
-                plain, plain_events = _dealer(zctx, p.producer.address)
+                held = await hold(p, nursery)
+                pull = pull_frame(kind, held.offer)
+                plain, plain_events = dealer(zctx, p.producer.address)
                 await plain.send_multipart([pull])
-                events = await _until_event(plain_events, HANDSHAKE_FAILED)
+                events = await until_event(plain_events, HANDSHAKE_FAILED)
                 wrong_key = Channel(os.urandom(32), "encrypted")
-                curve, curve_events = _dealer(zctx, p.producer.address, channel=wrong_key)
+                curve, curve_events = dealer(zctx, p.producer.address, channel=wrong_key)
                 await curve.send_multipart([wrong_key.seal(pull)])
-                events += await _until_event(curve_events, HANDSHAKE_FAILED)
+                events += await until_event(curve_events, HANDSHAKE_FAILED)
                 assert zmq.EVENT_HANDSHAKE_SUCCEEDED not in events
 
-                await _pull(p, held)
+                await honest_pull(p, held)
                 assert not plain.sock.poll(0) and not curve.sock.poll(0)
                 nursery.cancel_scope.cancel()
     assert p.seen.log, "the failed handshakes were not counted"
@@ -687,66 +422,6 @@ async def test_an_encrypted_channel_lets_no_stranger_in(kind: str, zctx: zmq.Con
 
 
 # -- 5. a hostile producer ---------------------------------------------------------
-
-
-Answer = Callable[[str], list[list[bytes]]]
-"""The hostile producer's messages (each a list of frames) for a pull of an offer id."""
-
-
-async def _against(
-    consumer: Any,
-    layout: KVLayout,
-    router: TrioSocket,
-    address: str,
-    answer: Answer,
-    *,
-    kind: str = "zmq",
-    channel: Channel | None = None,
-) -> BaseException | None:
-    """Run `consumer.load` against the hostile producer at `address` answering its pull
-    with `answer` (the consumer's pull sealed for `channel`); return what the load raised
-    (None if it returned)."""
-    channel = channel or Channel()
-    offer = _offer_id()
-    decode = zwire.decode_to_producer if kind == "zmq" else nwire.decode_to_producer
-
-    async def hostile() -> None:
-        while True:  # skip what earlier loads sent (their Failed)
-            ident, *rest = await router.recv_multipart()
-            try:
-                msg = decode(channel.open(rest[0]))
-            except BadFrame:
-                continue
-            if isinstance(msg, zwire.Pull | nwire.Pull) and msg.req == offer:
-                break
-        for frames in answer(offer):
-            await router.send_multipart([ident, *frames])
-
-    _poison(layout)
-    outcome: BaseException | None = None
-    with trio.fail_after(HANG_GUARD_S):
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(hostile)
-            try:
-                await consumer.load(_job(layout, address, offer))
-            except Exception as exc:
-                outcome = exc
-            nursery.cancel_scope.cancel()
-    return outcome
-
-
-def _one(*frames: bytes) -> list[list[bytes]]:
-    return [list(frames)]
-
-
-def _layer0(p: KVLayout) -> tuple[list[int], list[bytes]]:
-    """What an honest producer sends for layer 0 of blocks `OFFERED`: sizes and data."""
-    data = [bytes(s) for chunk in _spans(p, OFFERED)(0) for s in chunk]
-    return [len(d) for d in data], data
-
-
-def _layer(offer: str, sizes: list[int], layer: int = 0) -> bytes:
-    return zwire.encode(zwire.Layer(offer, layer, sizes))
 
 
 async def test_a_hostile_zmq_producer_gets_nothing_into_a_consumer(
@@ -758,66 +433,68 @@ async def test_a_hostile_zmq_producer_gets_nothing_into_a_consumer(
     key = os.urandom(32)
     prod = make_layout(num_layers=LAYERS, block_size=BS)
     fill_blocks(prod, OFFERED, seed=27)
-    sizes, data = _layer0(prod)
+    sizes, data = layer0(prod)
     refused = lambda o, why: zwire.encode(zwire.Refused(o, why))  # noqa: E731
     cases: list[tuple[Answer, type[Exception], str]] = [
-        (lambda o: _one(_layer(o, [s + 1 for s in sizes]), *data), ChunkCorrupt, "spans"),
-        (lambda o: _one(_layer(o, sizes), *data[:-1]), ChunkCorrupt, "spans"),
-        (lambda o: _one(_layer(o, sizes), *data, b"more"), ChunkCorrupt, "spans"),
-        (lambda o: _one(_layer(o, sizes, layer=2), *data), ChunkCorrupt, "layer 2"),
-        (lambda o: _one(_layer(o, [1] * 100_000), *data), ChunkCorrupt, "spans"),
-        (lambda o: _one(_layer(o, sizes, layer=-1), *data), ChunkCorrupt, "layer -1"),
-        (lambda o: _one(_layer("another-offer", sizes), *data), ChunkCorrupt, "an answer about"),
-        (lambda o: _one(refused("another-offer", "x")), ChunkCorrupt, "an answer about"),
-        (lambda o: _one(refused(o, "x" * (1 << 20))), ChunkCorrupt, "exceeds"),
-        (lambda o: _one(refused(o, "x" * 4097)), ChunkCorrupt, "length <= 4096"),
-        (lambda o: _one(os.urandom(100)), ChunkCorrupt, ""),
-        (lambda o: _one(msgspec.msgpack.encode(Renewed({}, [o]))), ChunkCorrupt, ""),
-        (lambda o: _one(msgspec.msgpack.encode({"type": "Layer", "req": o})), ChunkCorrupt, ""),
-        (lambda o: _one(b""), ChunkCorrupt, ""),
+        (lambda o: one(layer_frame(o, [s + 1 for s in sizes]), *data), ChunkCorrupt, "spans"),
+        (lambda o: one(layer_frame(o, sizes), *data[:-1]), ChunkCorrupt, "spans"),
+        (lambda o: one(layer_frame(o, sizes), *data, b"more"), ChunkCorrupt, "spans"),
+        (lambda o: one(layer_frame(o, sizes, layer=2), *data), ChunkCorrupt, "layer 2"),
+        (lambda o: one(layer_frame(o, [1] * 100_000), *data), ChunkCorrupt, "spans"),
+        (lambda o: one(layer_frame(o, sizes, layer=-1), *data), ChunkCorrupt, "layer -1"),
         (
-            lambda o: _one(zwire.encode(zwire.Ipc(o, ipc.host_id(), [], OFFERED, 30.0, []))),
+            lambda o: one(layer_frame("another-offer", sizes), *data),
+            ChunkCorrupt,
+            "an answer about",
+        ),
+        (lambda o: one(refused("another-offer", "x")), ChunkCorrupt, "an answer about"),
+        (lambda o: one(refused(o, "x" * (1 << 20))), ChunkCorrupt, "exceeds"),
+        (lambda o: one(refused(o, "x" * 4097)), ChunkCorrupt, "length <= 4096"),
+        (lambda o: one(os.urandom(100)), ChunkCorrupt, ""),
+        (lambda o: one(msgspec.msgpack.encode(Renewed({}, [o]))), ChunkCorrupt, ""),
+        (lambda o: one(msgspec.msgpack.encode({"type": "Layer", "req": o})), ChunkCorrupt, ""),
+        (lambda o: one(b""), ChunkCorrupt, ""),
+        (
+            lambda o: one(zwire.encode(zwire.Ipc(o, ipc.host_id(), [], OFFERED, 30.0, []))),
             TransportError,
             "offers CUDA memory",
         ),
     ]
-    router, address = _router(zctx)
-    async with _worker("zmq") as (consumer, cons):
+    router, address = hostile_router(zctx)
+    async with worker("zmq") as (consumer, cons):
         for answer, error, match in cases:
-            got = await _against(consumer, cons, router, address, answer)
+            got = await against(consumer, cons, router, address, answer)
             assert isinstance(got, error) and match in str(got), (match, got)
             assert len(str(got)) < 1000, "a producer's words are bounded in errors"
-            assert _untouched(cons), f"bytes landed before the answer was checked: {got}"
+            assert untouched(cons), f"bytes landed before the answer was checked: {got}"
 
         # A refusal's reason is kept to MAX_REASON characters.
-        got = await _against(
-            consumer, cons, router, address, lambda o: _one(refused(o, "y" * 4096))
-        )
+        got = await against(consumer, cons, router, address, lambda o: one(refused(o, "y" * 4096)))
         assert isinstance(got, ChunkMissing)
         assert "y" * MAX_REASON in str(got) and "y" * (MAX_REASON + 1) not in str(got)
 
     # A keyed consumer believes no frame without the deployment's MAC.
-    router, address = _router(zctx, Channel(key))
-    async with _worker("zmq", Channel(key)) as (consumer, cons):
+    router, address = hostile_router(zctx, Channel(key))
+    async with worker("zmq", Channel(key)) as (consumer, cons):
         for seal in (lambda f: f, Channel(os.urandom(32)).seal):
 
             def answer(o: str, seal: Callable[[bytes], bytes] = seal) -> list[list[bytes]]:
-                return _one(seal(_layer(o, sizes)), *data)
+                return one(seal(layer_frame(o, sizes)), *data)
 
-            got = await _against(consumer, cons, router, address, answer, channel=Channel(key))
+            got = await against(consumer, cons, router, address, answer, channel=Channel(key))
             assert isinstance(got, ChunkCorrupt) and "MAC" in str(got), got
-            assert _untouched(cons)
+            assert untouched(cons)
 
 
 async def test_a_frame_over_the_consumers_bound_is_cut_by_libzmq(zctx: zmq.Context[Any]) -> None:
     """`ZMQ_MAXMSGSIZE` on the consumer's socket: a hostile producer's 4 MiB frame cuts
     the connection before kvflow takes it in; the load gets nothing (it waits for its
     caller's deadline, as against a producer that is gone) and no byte lands."""
-    router, address = _router(zctx)
-    router_events = _monitor(router)
-    async with _worker("zmq") as (consumer, cons):
-        offer = _offer_id()
-        _poison(cons)
+    router, address = hostile_router(zctx)
+    router_events = monitor_of(router)
+    async with worker("zmq") as (consumer, cons):
+        offer = new_offer_id()
+        poison(cons)
         loading = trio.CancelScope()
         outcome: list[BaseException] = []
         with trio.fail_after(HANG_GUARD_S):
@@ -826,17 +503,17 @@ async def test_a_frame_over_the_consumers_bound_is_cut_by_libzmq(zctx: zmq.Conte
                 async def load() -> None:
                     with loading:
                         try:
-                            await consumer.load(_job(cons, address, offer))
+                            await consumer.load(load_job(cons, address, offer))
                         except Exception as exc:
                             outcome.append(exc)
 
                 nursery.start_soon(load)
                 ident, _ = await router.recv_multipart()
                 await router.send_multipart([ident, bytes(4 << 20)])
-                await _until_event(router_events, {zmq.EVENT_DISCONNECTED})
+                await until_event(router_events, {zmq.EVENT_DISCONNECTED})
                 loading.cancel()
         assert loading.cancelled_caught and outcome == [], outcome
-        assert _untouched(cons)
+        assert untouched(cons)
 
 
 class _NoOpenDevice(ipc.Device):
@@ -888,19 +565,19 @@ async def test_a_hostile_ipc_offer_is_refused_before_any_handle_opens(
     ) -> Answer:
         hs = handles(geometries) if hs is None else hs
         msg = zwire.Ipc("", host or ipc.host_id(), geometries, blocks, 30.0, hs)
-        return lambda o: _one(zwire.encode(msgspec.structs.replace(msg, req=o)))
+        return lambda o: one(zwire.encode(msgspec.structs.replace(msg, req=o)))
 
     def raw_10k(o: str) -> list[list[bytes]]:
         msg = {
             "type": "Ipc",
             "req": o,
             "host": ipc.host_id(),
-            "geometries": [_minimal_geometry()] * 10_000,
+            "geometries": [minimal_geometry()] * 10_000,
             "block_ids": OFFERED,
             "lease_s": 30.0,
             "handles": [],
         }
-        return _one(msgspec.msgpack.encode(msg))
+        return one(msgspec.msgpack.encode(msg))
 
     cases: list[tuple[Answer, type[Exception], str]] = [
         (offer_of(each(heads=4096, block_size=4096)), ChunkCorrupt, "KV layouts differ"),
@@ -914,12 +591,12 @@ async def test_a_hostile_ipc_offer_is_refused_before_any_handle_opens(
         (offer_of(each(num_blocks=2)), ChunkCorrupt, "outside"),
         (offer_of(ours, host="elsewhere/boot"), TransportError, "one host"),
     ]
-    router, address = _router(zctx)
-    async with _worker("zmq", layout=cons, cls=_IpcZmq) as (consumer, _):
+    router, address = hostile_router(zctx)
+    async with worker("zmq", layout=cons, cls=_IpcZmq) as (consumer, _):
         for answer, error, match in cases:
-            got = await _against(consumer, cons, router, address, answer)
+            got = await against(consumer, cons, router, address, answer)
             assert isinstance(got, error) and match in str(got), (match, got)
-            assert _untouched(cons)
+            assert untouched(cons)
     assert _NoOpenDevice.opened == 0
 
 
@@ -944,7 +621,7 @@ async def test_a_hostile_nixl_producer_gets_nothing_into_a_consumer(
         if geometries is not None:
             regions = nwire.Regions(bases or [(4096, 0)] * len(geometries), geometries)
         msg = nwire.Blocks("", "evil-agent", metadata, OFFERED, COUNTS, "DRAM", regions)
-        return lambda o: _one(nwire.encode(msgspec.structs.replace(msg, req=o)))
+        return lambda o: one(nwire.encode(msgspec.structs.replace(msg, req=o)))
 
     def raw_10k(o: str) -> list[list[bytes]]:
         msg = {
@@ -956,10 +633,10 @@ async def test_a_hostile_nixl_producer_gets_nothing_into_a_consumer(
             "token_counts": COUNTS,
             "regions": {
                 "bases": [[4096, 0]] * 10_000,
-                "geometries": [_minimal_geometry()] * 10_000,
+                "geometries": [minimal_geometry()] * 10_000,
             },
         }
-        return _one(msgspec.msgpack.encode(msg))
+        return one(msgspec.msgpack.encode(msg))
 
     refused = lambda o, why: nwire.encode(nwire.Refused(o, why))  # noqa: E731
     cases: list[tuple[Answer, type[Exception], str]] = [
@@ -971,32 +648,32 @@ async def test_a_hostile_nixl_producer_gets_nothing_into_a_consumer(
         (blocks(bases=[(4096, 0)]), ChunkCorrupt, "bad regions"),
         (blocks(None, b""), TransportError, "no NIXL metadata"),
         (blocks(metadata=os.urandom(64)), TransportError, "NIXL rejected the metadata"),
-        (lambda o: _one(refused("another-offer", "x")), ChunkCorrupt, "an answer about"),
-        (lambda o: _one(refused(o, "x" * (1 << 20))), ChunkCorrupt, "length <= 4096"),
-        (lambda o: _one(refused(o, "x"), b"more"), ChunkCorrupt, "an answer of 2 frames"),
-        (lambda o: _one(os.urandom(100)), ChunkCorrupt, ""),
-        (lambda o: _one(msgspec.msgpack.encode(Renewed({}, [o]))), ChunkCorrupt, ""),
+        (lambda o: one(refused("another-offer", "x")), ChunkCorrupt, "an answer about"),
+        (lambda o: one(refused(o, "x" * (1 << 20))), ChunkCorrupt, "length <= 4096"),
+        (lambda o: one(refused(o, "x"), b"more"), ChunkCorrupt, "an answer of 2 frames"),
+        (lambda o: one(os.urandom(100)), ChunkCorrupt, ""),
+        (lambda o: one(msgspec.msgpack.encode(Renewed({}, [o]))), ChunkCorrupt, ""),
     ]
-    router, address = _router(zctx)
-    async with _worker("nixl") as (consumer, cons):
+    router, address = hostile_router(zctx)
+    async with worker("nixl") as (consumer, cons):
         for answer, error, match in cases:
-            got = await _against(consumer, cons, router, address, answer, kind="nixl")
+            got = await against(consumer, cons, router, address, answer, kind="nixl")
             assert isinstance(got, error) and match in str(got), (match, got)
-            assert _untouched(cons)
+            assert untouched(cons)
             assert not consumer.remotes.by_address, "a hostile producer's agent was added"
-        got = await _against(
-            consumer, cons, router, address, lambda o: _one(refused(o, "y" * 4096)), kind="nixl"
+        got = await against(
+            consumer, cons, router, address, lambda o: one(refused(o, "y" * 4096)), kind="nixl"
         )
         assert isinstance(got, ChunkMissing)
         assert "y" * MAX_REASON in str(got) and "y" * (MAX_REASON + 1) not in str(got)
 
-    router, address = _router(zctx, Channel(key))
-    async with _worker("nixl", Channel(key)) as (consumer, cons):
-        got = await _against(
+    router, address = hostile_router(zctx, Channel(key))
+    async with worker("nixl", Channel(key)) as (consumer, cons):
+        got = await against(
             consumer, cons, router, address, blocks(), kind="nixl", channel=Channel(key)
         )
         assert isinstance(got, ChunkCorrupt) and "MAC" in str(got), got
-        assert _untouched(cons) and not consumer.remotes.by_address
+        assert untouched(cons) and not consumer.remotes.by_address
 
 
 # -- 6. seeded fuzzing -------------------------------------------------------------
@@ -1138,7 +815,7 @@ async def test_fuzzing_a_keyed_producer(zctx: zmq.Context[Any]) -> None:
     rng = random.Random(FUZZ_SEED)
     key = os.urandom(32)
     other = Channel(os.urandom(32))
-    async with _peers("zmq", Channel(key)) as p:
+    async with peers("zmq", Channel(key)) as p:
         decoy = f"{rng.getrandbits(128):032x}"  # the offer the fuzzer knows (and may pull)
         ours = list(p.prod.geometries)
         templates = [
@@ -1159,12 +836,12 @@ async def test_fuzzing_a_keyed_producer(zctx: zmq.Context[Any]) -> None:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(p.producer.serve)
                 decoy_offer = Offer(
-                    decoy, OFFERED, COUNTS, LAYERS, _spans(p.prod, OFFERED), leases.append
+                    decoy, OFFERED, COUNTS, LAYERS, spans(p.prod, OFFERED), leases.append
                 )
                 nursery.start_soon(p.producer.offer, decoy_offer)
                 await trio.testing.wait_all_tasks_blocked()
                 # it has the handshake credentials (an on-path attacker), not the key
-                attacker, _ = _dealer(zctx, p.producer.address, channel=p.channel)
+                attacker, _ = dealer(zctx, p.producer.address, channel=p.channel)
                 for i in range(FUZZ_TO_PRODUCER):
                     frames = _frames(rng, _fuzz_payload(rng, templates))
                     seal = rng.random()
@@ -1175,7 +852,7 @@ async def test_fuzzing_a_keyed_producer(zctx: zmq.Context[Any]) -> None:
                     await attacker.send_multipart(frames)
                     if i % 100 == 99:  # read what it answered, as a consumer does
                         _drain(attacker, answers)
-                await attacker.send_multipart([p.channel.seal(_renew_frame([sentinel], 1000))])
+                await attacker.send_multipart([p.channel.seal(renew_frame([sentinel], 1000))])
                 while True:  # every frame before it was handled once its answer is here
                     answers.append(await attacker.recv_multipart())
                     try:
@@ -1184,7 +861,7 @@ async def test_fuzzing_a_keyed_producer(zctx: zmq.Context[Any]) -> None:
                         continue
                     if last.pending == [sentinel]:
                         break
-                await _pull(p, await _hold(p, nursery))
+                await honest_pull(p, await hold(p, nursery))
                 nursery.cancel_scope.cancel()
             used = peak()
     assert used < MEMORY_BOUND, f"the fuzz run allocated {used >> 20} MiB at its peak"
@@ -1208,11 +885,11 @@ async def test_fuzzing_a_consumer(zctx: zmq.Context[Any]) -> None:
     rng = random.Random(FUZZ_SEED + 1)
     prod = make_layout(num_layers=LAYERS, block_size=BS)
     fill_blocks(prod, OFFERED, seed=27)
-    sizes, data = _layer0(prod)
-    router, address = _router(zctx)
+    sizes, data = layer0(prod)
+    router, address = hostile_router(zctx)
     failures: list[str] = []
     kinds: dict[str, int] = {}
-    async with _peers("zmq") as p:
+    async with peers("zmq") as p:
         ours = list(p.cons.geometries)
         handle = ipc.IpcHandle(0, b"h", 1 << 20, 0, b"", 0, b"", False, 0, 1 << 20)
 
@@ -1242,14 +919,14 @@ async def test_fuzzing_a_consumer(zctx: zmq.Context[Any]) -> None:
 
         with _traced() as peak:
             for _ in range(FUZZ_TO_CONSUMER):
-                got = await _against(p.consumer, p.cons, router, address, answer)
+                got = await against(p.consumer, p.cons, router, address, answer)
                 kinds[type(got).__name__] = kinds.get(type(got).__name__, 0) + 1
                 if not isinstance(got, TransportError):
                     failures.append(repr(got))
             with trio.fail_after(HANG_GUARD_S):
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(p.producer.serve)
-                    await _pull(p, await _hold(p, nursery))
+                    await honest_pull(p, await hold(p, nursery))
                     nursery.cancel_scope.cancel()
             used = peak()
     assert not failures, f"loads that ended otherwise than with a transport error: {failures[:5]}"
@@ -1267,29 +944,29 @@ async def test_data_frames_of_other_lengths_than_announced_are_corrupt(
     short: the load must raise ChunkCorrupt before copying anything."""
     prod = make_layout(num_layers=LAYERS, block_size=BS)
     fill_blocks(prod, OFFERED, seed=27)
-    sizes, data = _layer0(prod)
+    sizes, data = layer0(prod)
     assert len(data) > 1
     short = [data[0], data[1][:-1], *data[2:]]
-    router, address = _router(zctx)
-    async with _worker("zmq") as (consumer, cons):
-        got = await _against(
-            consumer, cons, router, address, lambda o: _one(_layer(o, sizes), *short)
+    router, address = hostile_router(zctx)
+    async with worker("zmq") as (consumer, cons):
+        got = await against(
+            consumer, cons, router, address, lambda o: one(layer_frame(o, sizes), *short)
         )
         assert isinstance(got, ChunkCorrupt), repr(got)
-        assert _untouched(cons), "the frames before the short one were copied"
+        assert untouched(cons), "the frames before the short one were copied"
 
 
 @pytest.mark.parametrize("kind", KINDS)
 async def test_a_refusal_naming_many_blocks_is_still_a_refusal(kind: str) -> None:
     """A consumer asks a held offer for 2000 blocks it does not hold (a long prompt
     with another prefix): the producer refuses; the consumer must see ChunkMissing."""
-    async with _peers(kind) as p:
+    async with peers(kind) as p:
         with trio.fail_after(HANG_GUARD_S):
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(p.producer.serve)
-                held = await _hold(p, nursery)
+                held = await hold(p, nursery)
                 asked = list(range(100_000, 102_000))
-                job = _job(p.cons, p.producer.address, held.offer, src_blocks=asked)
+                job = load_job(p.cons, p.producer.address, held.offer, src_blocks=asked)
                 with pytest.raises(ChunkMissing, match="not all offered"):
                     await p.consumer.load(job)
                 nursery.cancel_scope.cancel()
@@ -1303,17 +980,17 @@ async def test_invalid_utf8_from_a_producer_is_a_bad_frame(
     UTF-8: the consumer must raise a transport error (ChunkCorrupt for a load)."""
     if path == "nixl load" and not HAS_NIXL:
         pytest.skip("NIXL is not installed (nixl-cu12)")
-    router, address = _router(zctx)
+    router, address = hostile_router(zctx)
     kind = "nixl" if path == "nixl load" else "zmq"
     wire: Any = nwire if kind == "nixl" else zwire
-    async with _worker(kind) as (consumer, cons):
+    async with worker(kind) as (consumer, cons):
         if path != "renewal":
-            got = await _against(
+            got = await against(
                 consumer,
                 cons,
                 router,
                 address,
-                lambda o: _one(_invalid_utf8(wire.encode(wire.Refused(o, "x")), o)),
+                lambda o: one(invalid_utf8(wire.encode(wire.Refused(o, "x")), o)),
                 kind=kind,
             )
             assert isinstance(got, ChunkCorrupt), repr(got)
@@ -1331,7 +1008,7 @@ async def test_invalid_utf8_from_a_producer_is_a_bad_frame(
                 nursery.start_soon(renew)
                 ident, _ = await router.recv_multipart()
                 answer = msgspec.msgpack.encode(Renewed({}, ["abc"]))
-                await router.send_multipart([ident, _invalid_utf8(answer, "abc")])
+                await router.send_multipart([ident, invalid_utf8(answer, "abc")])
         assert len(renewed) == 1 and isinstance(renewed[0], TransportError), renewed
 
 
@@ -1345,15 +1022,15 @@ async def test_a_nixl_notification_of_invalid_utf8_does_not_end_serve(
     and serve() go on to answer an honest pull."""
     from kvflow_nixl._transport import import_nixl
 
-    async with _peers("nixl") as p:
+    async with peers("nixl") as p:
         api = import_nixl()
         config = api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
         agent = api.nixl_agent(f"attacker-{secrets.token_hex(4)}", config)
         with trio.fail_after(HANG_GUARD_S):
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(p.producer.serve)
-                held = await _hold(p, nursery)
-                attacker, _ = _dealer(zctx, p.producer.address)
+                held = await hold(p, nursery)
+                attacker, _ = dealer(zctx, p.producer.address)
                 pull = nwire.Pull(held.offer, agent.name)
                 await attacker.send_multipart([nwire.encode(pull)])
                 blocks = nwire.decode_to_consumer((await attacker.recv_multipart())[0])
@@ -1361,7 +1038,7 @@ async def test_a_nixl_notification_of_invalid_utf8_does_not_end_serve(
                 name = agent.add_remote_agent(blocks.metadata)
                 name = name.decode() if isinstance(name, bytes) else str(name)
                 read = nwire.encode(nwire.Read(held.offer))
-                agent.send_notif(name, _invalid_utf8(read, held.offer))
+                agent.send_notif(name, invalid_utf8(read, held.offer))
                 agent.send_notif(name, read)
                 progress = Backoff(1e-4, 5e-3)  # the attacker's agent has no progress thread
                 while not held.released.is_set():
@@ -1369,7 +1046,7 @@ async def test_a_nixl_notification_of_invalid_utf8_does_not_end_serve(
                     await progress.wait()
                 assert held.outcome == ["done"]
                 await p.seen.reach("frame", 1)
-                await _pull(p, await _hold(p, nursery))
+                await honest_pull(p, await hold(p, nursery))
                 nursery.cancel_scope.cancel()
 
 
@@ -1379,22 +1056,22 @@ async def test_a_peer_that_never_reads_stalls_no_one_else(zctx: zmq.Context[Any]
     buffers hold), its last frame a renewal of a held offer. Honest pulls go on meanwhile:
     each must be answered, until one that starts after the producer reached the flood's
     last frame, which proves it got through all of it."""
-    async with _peers("zmq") as p, trio.open_nursery() as nursery:
+    async with peers("zmq") as p, trio.open_nursery() as nursery:
         nursery.start_soon(p.producer.serve)
         through = trio.Event()
-        marker = (await _hold(p, nursery, renew=lambda lease_s: through.set())).offer
-        flooder, _ = _dealer(zctx, p.producer.address, RCVHWM=1, RCVBUF=4096)
-        renew = _renew_frame([f"{i:0128d}" for i in range(MAX_RENEW_REQS)], 1000)
+        marker = (await hold(p, nursery, renew=lambda lease_s: through.set())).offer
+        flooder, _ = dealer(zctx, p.producer.address, RCVHWM=1, RCVBUF=4096)
+        renew = renew_frame([f"{i:0128d}" for i in range(MAX_RENEW_REQS)], 1000)
         for _ in range(200):  # each answered by a Renewed of ~130 KiB
             await flooder.send_multipart([renew], copy=False)
         for i in range(3000):
             await flooder.send_multipart([zwire.encode(zwire.Pull(f"{i:0128d}"))])
-        await flooder.send_multipart([_renew_frame([marker], 1000)])
+        await flooder.send_multipart([renew_frame([marker], 1000)])
         pulls = 0
         while True:
             after_the_flood = through.is_set()
             with trio.move_on_after(5) as hang_guard:  # a hang guard: a pull takes ms
-                await _pull(p, await _hold(p, nursery))
+                await honest_pull(p, await hold(p, nursery))
             pulls += 1
             if hang_guard.cancelled_caught or after_the_flood:
                 break
@@ -1421,7 +1098,7 @@ async def test_a_stranger_cannot_make_a_keyed_producer_take_in_a_huge_message(
             return int(f.read().split()[1]) * page
 
     grown: list[int] = []
-    async with _peers("zmq", Channel(os.urandom(32))) as p:
+    async with peers("zmq", Channel(os.urandom(32))) as p:
         part = bytes(p.producer.max_frame_bytes)
         with trio.fail_after(HANG_GUARD_S):
             async with trio.open_nursery() as nursery:
@@ -1429,7 +1106,7 @@ async def test_a_stranger_cannot_make_a_keyed_producer_take_in_a_huge_message(
                 await trio.testing.wait_all_tasks_blocked()
                 before = rss()
                 p.seen.on_call = lambda reason, detail: grown.append(rss() - before)
-                stranger, events = _dealer(zctx, p.producer.address)
+                stranger, events = dealer(zctx, p.producer.address)
                 refused = trio.Event()
 
                 async def refusal() -> None:
@@ -1437,7 +1114,7 @@ async def test_a_stranger_cannot_make_a_keyed_producer_take_in_a_huge_message(
                     refused.set()
 
                 async def handshake_failed() -> None:
-                    await _until_event(events, HANDSHAKE_FAILED)
+                    await until_event(events, HANDSHAKE_FAILED)
                     grown.append(rss() - before)
                     refused.set()
 
