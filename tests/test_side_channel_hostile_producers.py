@@ -1,14 +1,10 @@
-"""Issue 27's attacks on the P/D side channel, tried as an attacker would: a second party
-with pyzmq on real sockets against a real producer (`zmq` and `nixl` workers serving
-held blocks) and, as a hostile producer, against a real consumer.
-
-Every attack on a producer ends with an honest pull that must return identical bytes:
-the proof that the producer still serves after what it was sent. Every attack on a
-consumer checks that its load raised a transport error and that its destination blocks
-hold what they held. Nothing waits on time: events, `trio.testing.wait_all_tasks_blocked`,
-socket monitors and answers in order on one connection say when something happened;
-`trio.fail_after` (and `move_on_after` where a pull must not hang) is a hang guard only.
-
+"""Issue 27's attacks on a consumer by a hostile producer, a ROUTER of pyzmq on a real
+socket answering the consumer's pull: answers of the wrong sizes, counts, layers or
+offer, refusals of any length, CUDA IPC offers and NIXL regions of hostile layouts or
+another host, a frame over the consumer's bound, data frames of other lengths than
+announced, ids that are not UTF-8, frames without a keyed channel's MAC. Each makes the
+load raise a transport error (or, cut by libzmq, get nothing) before a byte lands in its
+destination blocks (tests/side_channel.py).
 """
 
 from __future__ import annotations
