@@ -58,7 +58,7 @@ class Fingerprint(msgspec.Struct, frozen=True, kw_only=True):
         return hashlib.blake2b(raw, digest_size=_DIGEST).hexdigest()
 
     def pd_scope(self) -> str:
-        """What P/D params are bound to besides the prompt (`kvflow.security.
+        """What P/D params are bound to besides the prompt (`kvflow.pd.security.
         prompt_digest`): the model, its dtype and which KV cache group; not the parallel
         shape, block size or layout, whose mismatch a consumer or producer refuses with
         a message of its own."""

@@ -1,13 +1,32 @@
-"""Shared fixtures: real runtimes that are always shut down after the test."""
+"""Shared fixtures: real runtimes that are always shut down after the test, the engines
+of the SchedulerEngine + WorkerEngine tests (tests/engine_harness.py), vLLM's real
+Scheduler in both of the engine core's loops (tests/vllm_harness.py) and the side-channel
+attacker's ZMQ context (tests/side_channel.py).
+
+The helpers behind a fixture are imported where it runs, so that a test module that
+uses none of them does not import them (torch, the transports)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import pytest
+import zmq
 
 from kvflow.runtime import Runtime
+
+# Helper modules with the asserts of tests: rewritten as the tests' own (before any imports them).
+pytest.register_assert_rewrite(
+    "tests.engine_harness", "tests.servers", "tests.side_channel", "tests.vllm_harness"
+)
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+    from .engine_harness import Engine
+    from .vllm_harness import Harness, Loop, MakeHarness
 
 
 @pytest.fixture
@@ -23,3 +42,54 @@ def make_runtime() -> Iterator[Callable[..., Runtime]]:
     yield make
     stuck = [rt.name for rt in made if not rt.shutdown(timeout=10.0)]
     assert not stuck, f"runtimes did not stop: {stuck}"
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Path:
+    return tmp_path / "store"
+
+
+@pytest.fixture
+def start_engine(make_runtime: Callable[..., Runtime], store: Path) -> Callable[..., Engine]:
+    """`start_engine(name, **options)`: one vLLM instance's scheduler- and worker-side
+    engines over the `fs` store `store` (tests/engine_harness.py)."""
+    from .engine_harness import engine_starter
+
+    return engine_starter(make_runtime, store)
+
+
+@pytest.fixture(params=["sync", "async"])
+def loop(request: pytest.FixtureRequest) -> Loop:
+    """The engine core loop the test's harnesses run (`Loop`: see `tests/vllm_harness.py`)."""
+    value: Loop = request.param
+    return value
+
+
+@pytest.fixture
+def harness(loop: Loop) -> Iterator[MakeHarness]:
+    """`harness(vllm_config, num_blocks)`: a scheduler driven in the test's `loop`, shut
+    down (kvflow's runtime with it) at teardown."""
+    from .vllm_harness import make_harness
+
+    made: list[Harness] = []
+
+    def make(vllm_config: VllmConfig, num_blocks: int) -> Harness:
+        h = make_harness(vllm_config, num_blocks, loop)
+        made.append(h)
+        return h
+
+    yield make
+    for h in made:
+        h.close()
+
+
+@pytest.fixture
+def zctx() -> Iterator[zmq.Context[Any]]:
+    """The attacker's (or hostile producer's) own ZMQ context."""
+    from .side_channel import AUTHENTICATORS
+
+    ctx: zmq.Context[Any] = zmq.Context()
+    yield ctx
+    for auth in AUTHENTICATORS.pop(id(ctx), []):
+        auth.stop()
+    ctx.destroy(linger=0)

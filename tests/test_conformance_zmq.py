@@ -4,13 +4,11 @@ itself: each deliberately broken variant fails the test guarding the promise it 
 from __future__ import annotations
 
 import dataclasses
-import uuid
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any
 
 import msgspec
 import pytest
-import torch
 import trio
 import trio.testing
 import zmq
@@ -30,7 +28,8 @@ from kvflow.transport import (
 from kvflow.zmqio import TrioSocket
 from kvflow_zmq import ZmqOptions, ZmqTransport
 from kvflow_zmq import _wire as wire
-from kvflow_zmq._ipc import Device, IpcHandle
+
+from .zmq_standins import InProcessDevice, StandInIpcZmq, as_device
 
 
 class TestZmqConformance(PeerConformance):
@@ -100,44 +99,16 @@ async def test_suite_catches_broken_peer_transport(
 # -- the CUDA IPC path, with an in-process stand-in for the GPU -----------------------
 
 
-class InProcessDevice(Device):
-    """Stands in for CUDA IPC where there is no GPU: a "handle" names a tensor of this
-    process. Everything else on the IPC path (the control frames, the lease, the
-    per-peer cache, the block copies) runs as it does on a GPU."""
-
-    exported: ClassVar[dict[bytes, torch.Tensor]] = {}
-    opened = 0
-
-    def export(self, layer: torch.Tensor) -> IpcHandle:
-        handle = uuid.uuid4().bytes
-        self.exported[handle] = layer
-        return IpcHandle(0, handle, layer.numel(), 0, b"", 0, b"", False, 0, layer.numel())
-
-    def open(self, handle: IpcHandle) -> torch.Tensor:
-        InProcessDevice.opened += 1
-        return self.exported[handle.handle]
-
-
-class StandInIpcZmq(ZmqTransport):
-    device_type = InProcessDevice
-
-
 class TestZmqIpcConformance(PeerConformance):
     """The IPC path: layouts labelled `cuda` (host tensors, and host views for the suite's
     own checks), so the transport copies blocks with torch instead of sending frames."""
 
     def build_layout(self, block_granular: bool, **kw: Any) -> KVLayout:
-        return _as_device(super().build_layout(block_granular, **kw))
+        return as_device(super().build_layout(block_granular, **kw))
 
     @pytest.fixture
     def make_transport(self) -> Callable[[TransportContext], ZmqTransport]:
         return lambda context: StandInIpcZmq(ZmqOptions(), context)
-
-
-def _as_device(layout: KVLayout) -> KVLayout:
-    layout.memory = "cuda"
-    layout.tensors = [torch.frombuffer(b, dtype=torch.uint8) for b in layout.buffers]
-    return layout
 
 
 async def test_ipc_handles_are_opened_once_per_producer() -> None:
@@ -153,7 +124,7 @@ async def test_ipc_handles_are_opened_once_per_producer() -> None:
 
 async def test_ipc_consumer_refuses_a_host_memory_producer() -> None:
     suite = PeerConformance()
-    host, device = suite.build_layout(True), _as_device(suite.build_layout(True))
+    host, device = suite.build_layout(True), as_device(suite.build_layout(True))
     async with suite.harness(lambda c: StandInIpcZmq(ZmqOptions(), c), host) as kv:
         producer = await kv.worker(layout=host)
         consumer = await kv.worker(layout=device)
@@ -170,7 +141,7 @@ async def test_ipc_consumer_refuses_a_host_memory_producer() -> None:
 async def test_ipc_lease_hands_blocks_back_if_the_consumer_never_answers() -> None:
     """A consumer that got the handles and vanished: the producer lets go after
     ipc_lease_s, not never."""
-    layout = _as_device(PeerConformance().build_layout(True))
+    layout = as_device(PeerConformance().build_layout(True))
     ctx = TransportContext("e", "worker", "ns", "tp0of1pp0", ["tp0of1pp0"])
     producer = StandInIpcZmq(ZmqOptions(ipc_lease_s=5.0), ctx)
     await producer.open()
@@ -208,8 +179,8 @@ async def test_ipc_consumer_with_more_blocks_than_the_producer(kind: str) -> Non
     """Prefill and decode instances size their caches differently; in NHD/HND the V half
     starts after all K blocks, so only the blocks' shape must match, not the offsets."""
     suite = PeerConformance()
-    prod = _as_device(suite.build_layout(False, num_blocks=16, hnd=kind == "hnd"))
-    cons = _as_device(suite.build_layout(False, num_blocks=23, hnd=kind == "hnd"))
+    prod = as_device(suite.build_layout(False, num_blocks=16, hnd=kind == "hnd"))
+    cons = as_device(suite.build_layout(False, num_blocks=23, hnd=kind == "hnd"))
     fill_blocks(prod, [2, 5], seed=3)
     ctx = lambda layout: TransportContext(  # noqa: E731
         "e", "worker", "ns", "tp0of1pp0", ["tp0of1pp0"], layout

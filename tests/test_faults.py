@@ -27,8 +27,7 @@ from kvflow.pd.security import keygen
 from kvflow_vllm.apiserver import ApiServer
 from kvflow_vllm.engine_process import EngineFailed, Scenario, spawn_engine
 
-from .test_serve_fs import _wait_idle
-from .test_serve_pd import assert_same
+from .servers import assert_same, wait_idle
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -91,7 +90,7 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
         s.strict.wait_ready()
         # the reference: each prompt computed alone (kvflow's store was empty)
         s.want = [s.strict.completion(p, 8) for p in PROMPTS]
-        _wait_idle(s.strict)
+        wait_idle(s.strict)
         yield s
     finally:
         s.close()
@@ -102,7 +101,7 @@ def chunks(store: Path) -> list[Path]:
 
 
 def _idle(server: ApiServer) -> None:
-    m = _wait_idle(server)
+    m = wait_idle(server)
     assert m.get("vllm:num_requests_running", 0) == 0
     assert m.get("vllm:kv_cache_usage_perc") == 0, "blocks still held when idle"
 

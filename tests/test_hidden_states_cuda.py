@@ -19,7 +19,7 @@ from kvflow.runtime import Runtime
 from kvflow.transport import load_transport
 from kvflow_vllm import hidden_states as hs
 
-from .test_hidden_states_io import (
+from .hidden_states_cache import (
     HIDDEN,
     LAYERS,
     NUM_BLOCKS,

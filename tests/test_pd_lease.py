@@ -34,19 +34,17 @@ from kvflow.stats import StatsCollector
 from kvflow.transport import Renewed
 from kvflow_zmq import ZmqOptions, ZmqTransport
 
-from .test_engines import (  # noqa: F401 - fixtures too
+from .engine_harness import (
     BS,
     PROMPT,
     WAIT,
     Engine,
     MakeRuntime,
     Recorder,
-    _context,
-    _open,
     loop_held,
+    open_transport,
     run_step,
-    start_engine,
-    store,
+    transport_context,
 )
 
 
@@ -168,8 +166,8 @@ def _consumer(
 ) -> tuple[SchedulerEngine, Recorder]:
     """A P/D consumer's scheduler side with its real zmq transport (it sends the claims)."""
     rt: Runtime = make_runtime("consumer-sched")
-    transport = ZmqTransport(ZmqOptions(), _context("scheduler", "ns", None))
-    _open(rt, transport)
+    transport = ZmqTransport(ZmqOptions(), transport_context("scheduler", "ns", None))
+    open_transport(rt, transport)
     bus, rec = EventBus(Origin("consumer", "scheduler")), Recorder()
     bus.subscribe(rec)
     sched = SchedulerEngine(

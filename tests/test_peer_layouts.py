@@ -25,7 +25,7 @@ from kvflow_zmq import ZmqOptions, ZmqTransport
 pytest.importorskip("nixl_cu12", reason="NIXL is an optional extra: kvflow[nixl]")
 from kvflow_nixl import NixlOptions, NixlTransport
 
-from .test_conformance_zmq import InProcessDevice, StandInIpcZmq, _as_device
+from .zmq_standins import InProcessDevice, StandInIpcZmq, as_device
 
 BS = 8
 SRC, DST, COUNTS = [1, 4, 6], [7, 2, 5], [BS, BS, 5]
@@ -74,7 +74,7 @@ async def pull(kind: str, prod: KVLayout, cons: KVLayout) -> None:
     """Offer SRC on `prod`'s producer; pull it into DST of `cons` (raises what load raises)."""
     cls, options = PEERS[kind]
     if kind == "zmq-ipc":
-        prod, cons = _as_device(prod), _as_device(cons)
+        prod, cons = as_device(prod), as_device(cons)
     producer, consumer = cls(options(), ctx(prod)), cls(options(), ctx(cons))
     for t, kv in ((producer, prod), (consumer, cons)):
         await t.open()
@@ -199,7 +199,7 @@ class NeverDoneIpcZmq(ZmqTransport):
 async def test_a_cancelled_cuda_ipc_copy_waits_for_its_queued_copies() -> None:
     """The load's deadline fires while the first layer's copies are queued: the load
     waits for the stream before it returns (and the blocks go back to vLLM)."""
-    prod, cons = _as_device(layout()), _as_device(layout())
+    prod, cons = as_device(layout()), as_device(layout())
     producer, consumer = (
         NeverDoneIpcZmq(ZmqOptions(), ctx(prod)),
         NeverDoneIpcZmq(ZmqOptions(), ctx(cons)),

@@ -23,7 +23,7 @@ import pytest
 
 from kvflow_vllm.apiserver import ApiServer
 
-from .test_serve_pd import assert_same
+from .servers import assert_same, wait_idle
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -48,7 +48,7 @@ def restarted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ApiSer
     try:
         first.wait_ready()
         want = [first.completion(p, 16) for p in PROMPTS]
-        _wait_idle(first)  # every save written, every lent block back
+        wait_idle(first)  # every save written, every lent block back
     finally:
         first.close()
     second = ApiServer(tmp, "second", _config(tmp / "kv"), *SMALL_CACHE, cores="0")
@@ -59,16 +59,6 @@ def restarted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ApiSer
         second.close()
 
 
-def _wait_idle(server: ApiServer, timeout: float = 60) -> dict[str, float]:
-    """Metrics once vLLM runs nothing and holds no block, or after `timeout` as they are."""
-    return server.metrics_once(
-        lambda m: (
-            m.get("vllm:num_requests_running", 0) == 0 and m.get("vllm:kv_cache_usage_perc", 1) == 0
-        ),
-        timeout,
-    )
-
-
 def test_a_restarted_server_serves_the_prompts_from_the_store(
     restarted: tuple[ApiServer, list[Any]],
 ) -> None:
@@ -76,7 +66,7 @@ def test_a_restarted_server_serves_the_prompts_from_the_store(
     m0 = server.metrics()
     for i in (0, 5, 15):
         assert_same(server.completion(PROMPTS[i], 16), want[i], f"prompt {i} after a restart")
-    m1 = _wait_idle(server)
+    m1 = wait_idle(server)
     key = 'vllm:prompt_tokens_by_source_total{source="external_kv_transfer"}'
     external = m1.get(key, 0) - m0.get(key, 0)
     loaded = m1.get('vllm:kvflow_tokens_total{direction="load"}', 0) - m0.get(
@@ -100,7 +90,7 @@ def test_concurrent_requests_in_a_small_cache_are_preempted_and_still_right(
         # the first 16 tokens are the ones the first server produced alone
         text = g["choices"][0]["logprobs"]["tokens"][:16]
         assert text == want[i]["choices"][0]["logprobs"]["tokens"], f"request {i}"
-    m = _wait_idle(server)
+    m = wait_idle(server)
     assert m.get("vllm:num_preemptions_total", 0) > before, "the small cache preempted none"
     assert m.get("vllm:kv_cache_usage_perc") == 0, "blocks still held when idle"
 
@@ -134,6 +124,6 @@ def test_clients_that_leave_mid_stream_leave_no_block_behind(
         got = list(ex.map(lambda i: _stream(server, PROMPTS[i], i % 2 == 1), range(16)))
     for i in range(0, 16, 2):  # those that stayed got the whole answer, right
         assert got[i].startswith(want[i]["choices"][0]["text"]), f"request {i}"
-    m = _wait_idle(server)
+    m = wait_idle(server)
     assert m.get("vllm:num_requests_running", 0) == 0
     assert m.get("vllm:kv_cache_usage_perc") == 0, "blocks still held when idle"

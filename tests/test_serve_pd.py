@@ -25,6 +25,8 @@ from kvflow.pd.proxy import PREFILL_PARAMS, PdProxy
 from kvflow.pd.security import keygen
 from kvflow_vllm.apiserver import ApiServer, post
 
+from .servers import assert_same
+
 pytestmark = pytest.mark.engine
 
 _rng = random.Random(23)
@@ -97,15 +99,6 @@ def pd(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory)
             proxy.close()
         prefill.close()
         decode.close()
-
-
-def assert_same(got: dict[str, Any], want: dict[str, Any], what: str) -> None:
-    assert "choices" in got, f"{what}: the request failed: {got}"
-    g, w = got["choices"][0], want["choices"][0]
-    assert g["text"] == w["text"], f"{what}: {g['text']!r} != one server's {w['text']!r}"
-    lg, lw = g["logprobs"]["token_logprobs"], w["logprobs"]["token_logprobs"]
-    worst = max(abs(a - b) for a, b in zip(lg, lw, strict=True))
-    assert worst <= 2e-3, f"{what}: log-probabilities differ by {worst:.2e}"
 
 
 def _loaded(m: dict[str, float]) -> tuple[float, float, float]:

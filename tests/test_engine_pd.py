@@ -1,0 +1,128 @@
+"""SchedulerEngine + WorkerEngine in prefill/decode: a producer's held blocks when no
+consumer comes, peer transports and device caches, and the P/D params a consumer takes
+(a cached prefix, another parallel shape or block size refused naming both).
+
+Driven the way the vLLM connector drives them, with the harness of tests/engine_harness.py;
+the claims and leases between a consumer and a producer are in tests/test_pd_lease.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import trio
+import trio.testing
+
+from kvflow.config import KVFlowConfig
+from kvflow.events import TransferFailed
+from kvflow.layout import LayoutError
+from kvflow.metadata import WorkerPlan
+from kvflow.pd.params import PD_VERSION, PdParams
+from kvflow.pd.security import prompt_digest
+from kvflow.scheduler import SchedulerEngine
+from kvflow.transport import Capabilities, PeerSource, TransportContext, TransportError
+from kvflow_fs import FsTransport
+
+from .engine_harness import BS, COUNTS, PROMPT, Engine, run_step
+
+
+def test_a_producer_hands_blocks_back_when_no_consumer_comes(
+    start_engine: Callable[..., Engine],
+) -> None:
+    """P/D: held blocks go back to vLLM after hold_timeout_s (trio's MockClock: instantly)."""
+    from kvflow.events import BlocksReleased
+    from kvflow.metadata import OfferSpec
+    from kvflow_zmq import ZmqOptions, ZmqTransport
+
+    e = start_engine(
+        "producer",
+        config=KVFlowConfig(hold_timeout_s=30.0),
+        worker_transport=lambda _o, ctx: ZmqTransport(ZmqOptions(), ctx),
+        worker_clock=trio.testing.MockClock(autojump_threshold=0),
+    )
+    run_step(e, WorkerPlan(step=1, offers=[OfferSpec("r", [1, 2], [4, 4])], lent=["r"]))
+    failed = e.worker_events.wait_for(TransferFailed, "r")  # waits WAIT < 30 s at most
+    assert failed.direction == "send" and failed.timed_out, failed
+    assert "hold_timeout_s=30.0" in failed.reason
+    e.worker_events.wait_for(BlocksReleased, "r")
+    assert e.worker.take_results().finished_sending == {"r"}
+
+
+class HostOnlyPeer(FsTransport):
+    """A peer transport that moves host memory only."""
+
+    capabilities = Capabilities(store=True, peer=True, memory=frozenset({"cpu"}))
+
+
+def test_a_device_cache_is_refused_by_a_host_only_peer_transport(
+    start_engine: Callable[..., Engine],
+) -> None:
+    with pytest.raises(LayoutError, match="moves cpu memory only \\(peer transports are not"):
+        start_engine("a", device=True, worker_transport=HostOnlyPeer)
+
+
+def _pd_consumer(e: Engine, num_shards: int = 1) -> SchedulerEngine:
+    """A P/D consumer's scheduler side on `e`'s runtime and transport."""
+    return SchedulerEngine(
+        config=KVFlowConfig(),
+        transport=e.sched.transport,
+        runtime=e.sched.runtime,
+        bus=e.sched.bus,
+        namespace=e.namespace,
+        block_size=BS,
+        can_pull=True,
+        num_shards=num_shards,
+    )
+
+
+def _pd(sched: SchedulerEngine, block_size: int = BS) -> PdParams:
+    """Params of PROMPT for the consumer `sched` (its namespace in the digest)."""
+    blocks, n, digest = [10, 11, 12], len(PROMPT), prompt_digest(PROMPT, scope=sched.pd_scope)
+    address, offer = "tcp://127.0.0.1:1", "0" * 32
+    return PdParams(PD_VERSION, "producer", [address], offer, blocks, n, block_size, digest)
+
+
+def test_a_pd_consumer_with_a_cached_prefix_pulls_only_the_rest(
+    start_engine: Callable[..., Engine],
+) -> None:
+    """vLLM's prefix cache already computed the first block: the load (and the pull it
+    asks the producer for) covers the other blocks only."""
+    sched = _pd_consumer(start_engine("pd"))
+    sched.add_request("r", PROMPT, pd=_pd(sched))
+    assert sched.lookup("r", BS) == len(PROMPT) - BS
+    sched.allocated("r", [5, 6, 7], len(PROMPT) - BS)
+    (load,) = sched.plan([]).loads
+    assert (load.block_ids, load.token_counts) == ([6, 7], COUNTS[1:])
+    assert load.source is not None and load.source.block_ids == [11, 12]
+
+
+def test_a_pd_producer_with_another_parallel_shape_is_refused_naming_both(
+    start_engine: Callable[..., Engine], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A TP=1 producer and a TP=2 consumer: the prompt is computed here, never pulled
+    shard-crossed (each rank holds other heads)."""
+    sched = _pd_consumer(start_engine("tp"), num_shards=2)
+    sched.add_request("r", PROMPT, pd=_pd(sched))
+    assert not sched.is_remote("r")
+    assert "runs 1 worker shard(s), this consumer 2" in caplog.text
+
+
+def test_a_pd_producer_with_other_block_sizes_is_refused_naming_both(
+    start_engine: Callable[..., Engine], caplog: pytest.LogCaptureFixture
+) -> None:
+    """P with blocks of 16 tokens and D with 4: computed here, never copied block for
+    block into blocks that hold other tokens."""
+    sched = _pd_consumer(start_engine("blocks"))
+    sched.add_request("r", PROMPT, pd=_pd(sched, 4 * BS))
+    assert not sched.is_remote("r")
+    assert f"producer producer has blocks of {4 * BS} tokens, this consumer {BS}" in caplog.text
+
+
+def test_a_worker_refuses_a_pull_from_another_number_of_shards() -> None:
+    ctx = TransportContext("e", "worker", "ns", "tp1of2pp0", ["tp0of2pp0", "tp1of2pp0"])
+    assert ctx.peer_address(PeerSource("p", ["a", "b"], "r", [1])) == "b"
+    with pytest.raises(
+        TransportError, match=r"producer p runs 1 worker shard\(s\), this consumer 2"
+    ):
+        ctx.peer_address(PeerSource("p", ["a"], "r", [1]))

@@ -1,0 +1,213 @@
+"""kvflow's prefill/decode inside vLLM's real `Scheduler` (no engine, no model forward):
+a producer offers a request's blocks and a consumer pulls them; the P/D params a consumer
+believes (its prompt's, its deployment's, from loopback without a key) and the offer id
+a reused request id gets.
+
+Driven by hand as in tests/test_vllm_scheduler.py (see `tests/vllm_harness.py`), in both
+of the engine core's loops (the `loop` fixture).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import trio
+
+pytest.importorskip("vllm.v1.core.sched.scheduler", reason="needs vLLM installed")
+
+from kvflow.events import Event, Rejected
+from kvflow.metadata import OfferSpec
+from kvflow.pd.params import PdParams, parse_pd_params
+from kvflow.pd.security import Channel, keygen, read_key
+from kvflow.transport import Offer, PeerSource
+from kvflow_vllm.connector import KVFlowHandshake
+
+from .vllm_harness import (
+    BLOCK_SIZE,
+    Harness,
+    MakeHarness,
+    held_offer,
+    make_request,
+    make_vllm_config,
+    prompt_of,
+    run_to_completion,
+)
+
+
+def test_pd_producer_offers_blocks_and_consumer_pulls_them(harness: MakeHarness) -> None:
+    producer = harness(make_vllm_config(transport="zmq", kv_role="kv_producer"), 16)
+    address = "tcp://127.0.0.1:45555"  # never dialled: no worker runs
+    producer.connector.set_xfer_handshake_metadata({0: KVFlowHandshake([address])})
+    start = producer.free_blocks
+    prompt = prompt_of(3, 40)
+    producer.add(
+        make_request("pd", prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True}),
+        make_request("plain", prompt_of(4, 20), max_tokens=1),
+    )
+    prefill = producer.collect(producer.step())
+    outputs = {o.request_id: o for o in prefill.finished}
+    assert set(outputs) == {"pd", "plain"}
+    assert outputs["plain"].kv_transfer_params is None
+    params = outputs["pd"].kv_transfer_params
+    assert params is not None and params["do_remote_prefill"] is True
+    (pd,) = parse_pd_params(params) or []
+    table = prefill.block_ids["pd"]
+    assert pd.block_ids == table and pd.num_tokens == 40 and pd.block_size == BLOCK_SIZE
+    assert pd.addresses == [address] and pd.engine_id == producer.connector.engine_id
+    assert set(producer.scheduler.requests) == {"pd"}, "plain's blocks are free already"
+    assert producer.free_blocks == start - 3
+
+    offer = producer.step()
+    assert offer.plan.offers == [OfferSpec("pd", table, [16, 16, 8], pd.offer)]
+    assert offer.plan.lent == ["pd"]
+    producer.step()  # the consumer has not pulled yet
+    assert producer.free_blocks == start - 3, "held for the consumer"
+    producer.step(finished_sending={"pd"})
+    assert producer.free_blocks == start
+    assert not producer.scheduler.requests and not producer.kvflow_requests
+
+    consumer = harness(make_vllm_config(transport="zmq", kv_role="kv_consumer"), 16)
+    c_start = consumer.free_blocks
+    with held_offer(Offer(pd.offer, table, [16, 16, 8], 0, lambda _layer: [])) as live:
+        address = live  # a producer that answers the consumer's claim
+        params["kvflow"]["addresses"] = [address]
+        consumer.add(make_request("d", prompt, max_tokens=3, kv_transfer_params=params))
+    pull = consumer.step()
+    assert not pull.output.num_scheduled_tokens
+    (load,) = pull.plan.loads
+    assert load.asynchronous and load.token_counts == [16, 16, 8]
+    assert load.block_ids == consumer.block_table("d")
+    assert load.source == PeerSource(pd.engine_id, [address], pd.offer, table)
+    consumer.step(finished_recving={"d"})
+    decode = consumer.step()
+    assert decode.output.num_scheduled_tokens == {"d": 1}, "only the last token recomputed"
+    assert decode.block_ids["d"] == load.block_ids
+    run_to_completion(consumer)
+    assert all(not s.plan.saves and not s.plan.lent for s in consumer.steps)
+    assert consumer.free_blocks == c_start
+    assert not consumer.kvflow_requests
+
+
+def _offered(harness: MakeHarness, prompt: list[int], **extra: object) -> dict[str, Any]:
+    """The `kv_transfer_params` vLLM's real Scheduler returns for a P/D prefill of
+    `prompt` (a producer with kvflow's keys `extra`), its offer still held."""
+    producer = harness(make_vllm_config(transport="zmq", kv_role="kv_producer", extra=extra), 16)
+    producer.connector.set_xfer_handshake_metadata({0: KVFlowHandshake(["tcp://127.0.0.1:45555"])})
+    producer.add(
+        make_request("pd", prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+    )
+    (out,) = producer.collect(producer.step()).finished
+    assert out.kv_transfer_params is not None
+    return out.kv_transfer_params
+
+
+def _rejections(h: Harness) -> Callable[[], dict[str, int]]:
+    """Record the rejections `h`'s kvflow counts (what `vllm:kvflow_rejected_total`
+    gets); the returned call says how many, by reason, so far."""
+    seen: dict[str, int] = {}
+
+    def count(event: Event) -> None:
+        if isinstance(event, Rejected):
+            seen[event.reason] = seen.get(event.reason, 0) + 1
+
+    h.connector.bus.subscribe(count)
+
+    def counted() -> dict[str, int]:
+        h.connector.runtime.call(trio.lowlevel.checkpoint, timeout=10.0)  # after its submits
+        return dict(seen)
+
+    return counted
+
+
+def test_pd_params_are_believed_only_for_their_prompt_and_deployment(
+    harness: MakeHarness, tmp_path: Path
+) -> None:
+    """Issue 27, finding 4, with vLLM's real Scheduler on both sides: a consumer pulls
+    only with params its deployment's key signed for this very prompt; anything else it
+    computes itself (never connecting), counted by reason."""
+    key = str(keygen(tmp_path / "key"))
+    prompt, other = prompt_of(3, 40), prompt_of(4, 40)
+    params = _offered(harness, prompt, key_file=key)
+    (pd,) = parse_pd_params(params) or []
+    assert len(pd.offer) == 32 and pd.mac, "a random offer id, signed"
+
+    def tampered(**fields: object) -> dict[str, Any]:
+        return {**params, "kvflow": {**params["kvflow"], **fields}}
+
+    cfg = make_vllm_config(  # no prefix cache: every request here computes all it asks
+        transport="zmq", kv_role="kv_consumer", extra={"key_file": key}, enable_prefix_caching=False
+    )
+    consumer = harness(cfg, 32)
+    rejected = _rejections(consumer)
+    other_key = tmp_path / "other"
+    keygen(other_key)
+    forged = PdParams(**{**params["kvflow"], "mac": ""}).signed(  # type: ignore[arg-type]
+        Channel(read_key(str(other_key)))
+    )
+    cases = {
+        "another prompt": (other, params),
+        "other blocks": (prompt, tampered(block_ids=[7, 8, 9])),
+        "another producer": (prompt, tampered(addresses=["tcp://127.0.0.1:1"])),
+        "unsigned": (prompt, tampered(mac="")),
+        "another key": (prompt, {**params, "kvflow": msgspec.to_builtins(forged)}),
+        "not an offer id": (prompt, tampered(offer="../../x")),
+    }
+    for i, (tokens, p) in enumerate(cases.values()):
+        consumer.add(make_request(f"d{i}", tokens, max_tokens=1, kv_transfer_params=p))
+    step = consumer.step()
+    assert not step.plan.loads, "nothing pulled"
+    assert step.output.num_scheduled_tokens == {f"d{i}": 40 for i in range(len(cases))}
+    assert rejected() == {"prompt": 1, "signature": 4, "malformed": 1}
+
+    with held_offer(
+        Offer(pd.offer, pd.block_ids, [16, 16, 8], 0, lambda _: []), Channel(read_key(key))
+    ) as address:  # the genuine params, pulled from a producer of this deployment
+        consumer.add(make_request("real", prompt, max_tokens=1, kv_transfer_params=params))
+    (load,) = consumer.step().plan.loads
+    assert load.source is not None and load.source.req == pd.offer
+    del address
+
+
+def test_a_keyless_consumer_pulls_from_loopback_only_and_never_from_a_keyed_producer(
+    harness: MakeHarness, tmp_path: Path
+) -> None:
+    """Without a key, P/D params may name loopback producers only (a client must not make
+    the consumer dial any host, or probe ports), and a keyed producer's params are
+    refused (this consumer could not speak to it)."""
+    prompt = prompt_of(3, 40)
+    keyless = _offered(harness, prompt)
+    keyed = _offered(harness, prompt, key_file=str(keygen(tmp_path / "key")))
+    consumer = harness(make_vllm_config(transport="zmq", kv_role="kv_consumer"), 16)
+    rejected = _rejections(consumer)
+    far = {**keyless, "kvflow": {**keyless["kvflow"], "addresses": ["tcp://10.9.8.7:5555"]}}
+    named = {**keyless, "kvflow": {**keyless["kvflow"], "addresses": ["tcp://localhost:5"]}}
+    tail = {**keyless, "kvflow": {**keyless["kvflow"], "addresses": ["tcp://127.0.0.1:5#;x:1"]}}
+    for i, p in enumerate((far, named, tail, keyed)):
+        consumer.add(make_request(f"d{i}", prompt, max_tokens=1, kv_transfer_params=p))
+    assert not consumer.step().plan.loads
+    assert rejected() == {"address": 3, "signature": 1}
+
+
+def test_a_repeated_request_id_gets_an_offer_of_its_own(harness: MakeHarness) -> None:
+    """Issue 27, finding 5: clients choose request ids. A request that reuses the id of
+    an earlier one is offered under a new random offer id: params of the earlier request
+    (still in some consumer's hands) never name the later request's blocks."""
+    producer = harness(make_vllm_config(transport="zmq", kv_role="kv_producer"), 16)
+    producer.connector.set_xfer_handshake_metadata({0: KVFlowHandshake(["tcp://127.0.0.1:45555"])})
+    offers = []
+    for seed in (3, 4):
+        remote = {"do_remote_decode": True}
+        req = make_request("same", prompt_of(seed, 40), max_tokens=1, kv_transfer_params=remote)
+        producer.add(req)
+        (out,) = producer.collect(producer.step()).finished
+        (pd,) = parse_pd_params(out.kv_transfer_params) or []
+        (spec,) = producer.step().plan.offers
+        assert spec.offer == pd.offer and spec.req == "same"
+        producer.step(finished_sending={"same"})  # pulled: vLLM frees the id
+        offers.append(pd)
+    assert offers[0].offer != offers[1].offer
+    assert offers[0].prompt != offers[1].prompt
