@@ -79,3 +79,58 @@ def test_the_adapter_adds_kvflow_demo_which_says_it_needs_vllm_when_vllm_is_miss
     _, err = demo.communicate(timeout=120)
     assert demo.returncode == 2
     assert "kvflow demo needs vLLM" in err and "blocked by the test" in err
+
+
+# -- the house's shape (issue 29): sizes a reader can take in, and tests that stand alone
+
+SOURCES = [p for d in ("kvflow", "transports", "plugins") for p in sorted((ROOT / d).rglob("*.py"))]
+TESTS = sorted((ROOT / "tests").glob("*.py")) + sorted(
+    (ROOT / "plugins" / "kvflow_redis" / "tests").glob("*.py")
+)
+
+
+def _rel(path: Path) -> str:
+    return str(path.relative_to(ROOT))
+
+
+def test_no_function_is_over_80_lines() -> None:
+    long = [
+        f"{_rel(path)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)"
+        for path in SOURCES
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+        and (node.end_lineno or 0) - node.lineno + 1 > 80
+    ]
+    assert long == []
+
+
+def test_class_size_notes_match_their_classes() -> None:
+    """A `# ~N lines` note on a class (decision 43) is within 10% of the class."""
+    wrong = []
+    for path in SOURCES:
+        lines = path.read_text().splitlines()
+        for node in ast.walk(ast.parse("\n".join(lines))):
+            if isinstance(node, ast.ClassDef) and "# ~" in lines[node.lineno - 1]:
+                noted = int(lines[node.lineno - 1].split("# ~")[1].split()[0])
+                actual = (node.end_lineno or 0) - node.lineno + 1
+                if abs(actual - noted) > noted / 10:
+                    wrong.append(f"{_rel(path)} {node.name}: ~{noted} noted, {actual} lines")
+    assert wrong == []
+
+
+def test_the_testing_modules_are_under_600_lines_and_test_files_under_800() -> None:
+    testing = [p for p in sorted((ROOT / "kvflow" / "testing").glob("*.py"))]
+    over = [_rel(p) for p in testing if len(p.read_text().splitlines()) > 600]
+    over += [_rel(p) for p in TESTS if len(p.read_text().splitlines()) > 800]
+    assert over == []
+
+
+def test_no_test_module_imports_another() -> None:
+    crossing = []
+    for path in TESTS:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or "", *(a.name for a in node.names)]
+                if any(n.rsplit(".", 1)[-1].startswith("test_") for n in names):
+                    crossing.append(f"{_rel(path)}:{node.lineno}")
+    assert crossing == []

@@ -104,95 +104,98 @@ class PdProxy:
             return next(self._prefill), next(self._decode)
 
     def _handler(self) -> type[BaseHTTPRequestHandler]:
-        proxy = self
+        return type("Handler", (_Handler,), {"proxy": self})
 
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
 
-            def log_message(self, format: str, *args: Any) -> None:
-                log.debug(format, *args)
+class _Handler(BaseHTTPRequestHandler):
+    """One client connection: a completion request goes to a prefill server, then to a
+    decode server with the prefill's `kv_transfer_params`, streamed back."""
 
-            def do_POST(self) -> None:
-                if self.path not in PATHS:
-                    self._reply(404, {"error": f"the proxy serves {', '.join(PATHS)}"})
-                    return
-                body = self._body()
-                if body is None:
-                    return
-                prefill, decode = proxy._servers()
-                answer = self._upstream("prefill", prefill, prefill_request(body))
-                if answer is None:
-                    return
-                with answer:
-                    body["kv_transfer_params"] = json.loads(answer.read()).get("kv_transfer_params")
-                upstream = self._upstream("decode", decode, body)
-                if upstream is None:
-                    return
-                with upstream:  # closing it early (client gone) makes vLLM abort the request
-                    self.send_response(upstream.status)
-                    self.send_header("Content-Type", upstream.headers.get("Content-Type", ""))
-                    self.send_header("Transfer-Encoding", "chunked")
-                    self.end_headers()
-                    try:
-                        for chunk in _chunks(upstream):
-                            self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
-                            self.wfile.flush()
-                        self.wfile.write(b"0\r\n\r\n")
-                    except (BrokenPipeError, ConnectionResetError):
-                        log.info("kvflow proxy: client went away; aborting the decode request")
+    proxy: PdProxy
+    protocol_version = "HTTP/1.1"
 
-            def _body(self) -> dict[str, Any] | None:
-                """The request's JSON object, read only if its declared length is within
-                bounds; None once the client was answered (400, 413)."""
-                declared = self.headers.get("Content-Length", "0")
-                try:
-                    size = int(declared)
-                except ValueError:
-                    size = -1
-                if size < 0:
-                    error = f"Content-Length {declared[:40]!r} is not a byte count"
-                    self._reply(400, {"error": error}, close=True)
-                    return None
-                if size > proxy.max_body_bytes:
-                    limit = f"at most {proxy.max_body_bytes} (--max-body-bytes)"
-                    error = f"a body of {size} bytes: this proxy reads {limit}"
-                    self._reply(413, {"error": error}, close=True)
-                    return None
-                try:
-                    body = json.loads(self.rfile.read(size))
-                except ValueError:
-                    body = None
-                if not isinstance(body, dict):
-                    self._reply(400, {"error": "the body is not a JSON object"})
-                    return None
-                return body
+    def log_message(self, format: str, *args: Any) -> None:
+        log.debug(format, *args)
 
-            def _upstream(self, which: str, base: str, body: dict[str, Any]) -> Any:
-                """POST `body` to a server; on failure answer the client and return None."""
-                try:
-                    return open_post(base + self.path, body, proxy.timeout_s)
-                except urllib.error.HTTPError as exc:
-                    self._reply(exc.code, _error_body(exc, which))
-                except OSError as exc:
-                    self._reply(502, {"error": f"{which} server {base}: {exc}"})
-                return None
+    def do_POST(self) -> None:
+        if self.path not in PATHS:
+            self._reply(404, {"error": f"the proxy serves {', '.join(PATHS)}"})
+            return
+        body = self._body()
+        if body is None:
+            return
+        prefill, decode = self.proxy._servers()
+        answer = self._upstream("prefill", prefill, prefill_request(body))
+        if answer is None:
+            return
+        with answer:
+            body["kv_transfer_params"] = json.loads(answer.read()).get("kv_transfer_params")
+        upstream = self._upstream("decode", decode, body)
+        if upstream is None:
+            return
+        with upstream:  # closing it early (client gone) makes vLLM abort the request
+            self.send_response(upstream.status)
+            self.send_header("Content-Type", upstream.headers.get("Content-Type", ""))
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            try:
+                for chunk in _chunks(upstream):
+                    self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                    self.wfile.flush()
+                self.wfile.write(b"0\r\n\r\n")
+            except (BrokenPipeError, ConnectionResetError):
+                log.info("kvflow proxy: client went away; aborting the decode request")
 
-            def do_GET(self) -> None:
-                self._reply(200 if self.path == "/health" else 404, {})
+    def _body(self) -> dict[str, Any] | None:
+        """The request's JSON object, read only if its declared length is within
+        bounds; None once the client was answered (400, 413)."""
+        declared = self.headers.get("Content-Length", "0")
+        try:
+            size = int(declared)
+        except ValueError:
+            size = -1
+        if size < 0:
+            error = f"Content-Length {declared[:40]!r} is not a byte count"
+            self._reply(400, {"error": error}, close=True)
+            return None
+        if size > self.proxy.max_body_bytes:
+            limit = f"at most {self.proxy.max_body_bytes} (--max-body-bytes)"
+            error = f"a body of {size} bytes: this proxy reads {limit}"
+            self._reply(413, {"error": error}, close=True)
+            return None
+        try:
+            body = json.loads(self.rfile.read(size))
+        except ValueError:
+            body = None
+        if not isinstance(body, dict):
+            self._reply(400, {"error": "the body is not a JSON object"})
+            return None
+        return body
 
-            def _reply(self, code: int, payload: dict[str, Any], close: bool = False) -> None:
-                """Answer `payload`; `close`: and close the connection (a body left unread)."""
-                data = json.dumps(payload).encode()
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                if close:
-                    self.send_header("Connection", "close")
-                    self.close_connection = True
-                self.end_headers()
-                self.wfile.write(data)
+    def _upstream(self, which: str, base: str, body: dict[str, Any]) -> Any:
+        """POST `body` to a server; on failure answer the client and return None."""
+        try:
+            return open_post(base + self.path, body, self.proxy.timeout_s)
+        except urllib.error.HTTPError as exc:
+            self._reply(exc.code, _error_body(exc, which))
+        except OSError as exc:
+            self._reply(502, {"error": f"{which} server {base}: {exc}"})
+        return None
 
-        return Handler
+    def do_GET(self) -> None:
+        self._reply(200 if self.path == "/health" else 404, {})
+
+    def _reply(self, code: int, payload: dict[str, Any], close: bool = False) -> None:
+        """Answer `payload`; `close`: and close the connection (a body left unread)."""
+        data = json.dumps(payload).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        if close:
+            self.send_header("Connection", "close")
+            self.close_connection = True
+        self.end_headers()
+        self.wfile.write(data)
 
 
 class _Server(ThreadingHTTPServer):
