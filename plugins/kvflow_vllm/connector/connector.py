@@ -51,17 +51,17 @@ from kvflow.transport import (
 )
 from kvflow.worker import WorkerEngine
 
-from .compat import untested_version
-from .groups import Pending, transfer_groups
-from .hidden_states import (
+from ..compat import untested_version
+from ..groups import Pending, transfer_groups
+from ..hidden_states import (
     HiddenExport,
     HiddenStatesExporter,
     HiddenStatesPlanner,
     extracts_hidden_states,
     hidden_layer,
 )
-from .kv_events import ChunkReport, KVEventTracker, KVFlowWorkerMeta, events_enabled
-from .stats import KVFlowPromMetrics, KVFlowStats
+from ..kv_events import ChunkReport, KVEventTracker, KVFlowWorkerMeta, events_enabled
+from ..stats import KVFlowPromMetrics, KVFlowStats
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -1,0 +1,27 @@
+"""kvflow's vLLM KV connector, `KVFlowConnector` (registered by this module path in
+`kvflow_vllm.plugin`); `connector.py` holds it."""
+
+from .connector import (
+    KVFlowConnector,
+    KVFlowHandshake,
+    KVFlowMetadata,
+    check_spec,
+    fingerprint,
+    layer_specs,
+    layout_from_tensors,
+    request_salt,
+)
+from .connector import (
+    _metadata_from_bytes as _metadata_from_bytes,
+)
+
+__all__ = [
+    "KVFlowConnector",
+    "KVFlowHandshake",
+    "KVFlowMetadata",
+    "check_spec",
+    "fingerprint",
+    "layer_specs",
+    "layout_from_tensors",
+    "request_salt",
+]
