@@ -23,6 +23,7 @@ def test_metadata_pickles_as_its_msgspec_bytes_only() -> None:
         preempted=["r9"],
     )
     from kvflow.hidden_states import HiddenStatesRef
+    from kvflow_vllm.connector.metadata import _metadata_from_bytes
     from kvflow_vllm.hidden_states import HiddenExport
 
     ref = HiddenStatesRef("fs", "ns", ["d" * 32], 32, [5, 6], 2, 8, "float32")
@@ -32,7 +33,7 @@ def test_metadata_pickles_as_its_msgspec_bytes_only() -> None:
     assert args == ([encode_plan(plan)], msgspec.msgpack.encode(exports)), (
         "the only state pickle carries is msgspec bytes"
     )
-    assert fn is connector._metadata_from_bytes
+    assert fn is _metadata_from_bytes
     again = pickle.loads(pickle.dumps(meta))
     assert again.plan == plan
     assert again.exports == exports

@@ -3,17 +3,13 @@
 
 from .connector import (
     KVFlowConnector,
-    KVFlowHandshake,
-    KVFlowMetadata,
     check_spec,
     fingerprint,
     layer_specs,
     layout_from_tensors,
     request_salt,
 )
-from .connector import (
-    _metadata_from_bytes as _metadata_from_bytes,
-)
+from .metadata import KVFlowHandshake, KVFlowMetadata
 
 __all__ = [
     "KVFlowConnector",

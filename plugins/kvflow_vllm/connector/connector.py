@@ -34,7 +34,7 @@ from kvflow.hidden_states import hidden_context, hidden_layout
 from kvflow.keys import Fingerprint
 from kvflow.layout import KVLayout, LayoutError, block_geometry, view_extent, view_geometry
 from kvflow.lending import lent_at_finish
-from kvflow.metadata import WorkerPlan, decode_plan, encode_plan
+from kvflow.metadata import WorkerPlan
 from kvflow.neighbours import pinned_neighbours
 from kvflow.pd import PdParams, PdParamsError, join_groups, parse_pd_params
 from kvflow.publish import start_publisher
@@ -54,7 +54,6 @@ from kvflow.worker import WorkerEngine
 from ..compat import untested_version
 from ..groups import Pending, transfer_groups
 from ..hidden_states import (
-    HiddenExport,
     HiddenStatesExporter,
     HiddenStatesPlanner,
     extracts_hidden_states,
@@ -62,6 +61,7 @@ from ..hidden_states import (
 )
 from ..kv_events import ChunkReport, KVEventTracker, KVFlowWorkerMeta, events_enabled
 from ..stats import KVFlowPromMetrics, KVFlowStats
+from .metadata import KVFlowHandshake, KVFlowMetadata
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -82,8 +82,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "KVFlowConnector",
-    "KVFlowHandshake",
-    "KVFlowMetadata",
     "check_spec",
     "fingerprint",
     "layer_specs",
@@ -94,47 +92,12 @@ __all__ = [
 log = logging.getLogger("kvflow.vllm")
 
 
-class KVFlowMetadata(KVConnectorMetadata):
-    """Carries a `WorkerPlan` per KV cache group, and the hidden-state exports; pickles as
-    their msgspec bytes, nothing else."""
-
-    def __init__(self, plans: list[WorkerPlan], exports: list[HiddenExport] | None = None) -> None:
-        self.plans = plans
-        self.exports = exports or []
-
-    @property
-    def plan(self) -> WorkerPlan:
-        """The first (for most models the only) group's plan."""
-        return self.plans[0]
-
-    def __reduce__(self) -> tuple[Any, tuple[list[bytes], bytes]]:
-        plans = [encode_plan(p) for p in self.plans]
-        return (_metadata_from_bytes, (plans, msgspec.msgpack.encode(self.exports)))
-
-
-def _metadata_from_bytes(data: list[bytes], exports: bytes) -> KVFlowMetadata:
-    return KVFlowMetadata(
-        [decode_plan(d) for d in data], msgspec.msgpack.decode(exports, type=list[HiddenExport])
-    )
-
-
 _HIDDEN = -1
 """`Pending`'s group for a request's hidden-state export (next to its KV groups')."""
 
 _NULL_BLOCK = 0
 """vLLM's null block (the first its pool hands out): what a sliding window's block table
 holds before the window."""
-
-
-class KVFlowHandshake(KVConnectorHandshakeMetadata):
-    """A worker's peer endpoints, one per KV cache group, sent to its scheduler once at
-    start (as plain strings)."""
-
-    def __init__(self, addresses: list[str]) -> None:
-        self.addresses = addresses
-
-    def __reduce__(self) -> tuple[Any, tuple[list[str]]]:
-        return (KVFlowHandshake, (list(self.addresses),))
 
 
 def request_salt(request: Request) -> str:
