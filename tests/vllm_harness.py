@@ -67,7 +67,8 @@ from kvflow.runtime import Runtime
 from kvflow.security import Channel
 from kvflow.transport import Offer, TransportContext, load_transport
 from kvflow.worker import TransferResults, WorkerEngine
-from kvflow_vllm.connector import KVFlowConnector, KVFlowMetadata, layout_from_tensors
+from kvflow_vllm.connector import KVFlowConnector, KVFlowMetadata
+from kvflow_vllm.connector.cache_spec import layout_from_tensors
 from kvflow_vllm.engine import model_dir
 from kvflow_vllm.plugin import CONNECTOR_NAME, register
 

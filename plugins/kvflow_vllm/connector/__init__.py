@@ -1,23 +1,11 @@
-"""kvflow's vLLM KV connector, `KVFlowConnector` (registered by this module path in
-`kvflow_vllm.plugin`); `connector.py` holds it."""
+"""kvflow's vLLM KV connector.
 
-from .connector import (
-    KVFlowConnector,
-    check_spec,
-    fingerprint,
-    layer_specs,
-    layout_from_tensors,
-    request_salt,
-)
+`KVFlowConnector` (`connector.py`) is registered by this package's path in
+`kvflow_vllm.plugin`; `metadata.py` holds what its instances send each other, and
+`cache_spec.py` what vLLM's cache spec and requests say about the bytes it moves.
+"""
+
+from .connector import KVFlowConnector
 from .metadata import KVFlowHandshake, KVFlowMetadata
 
-__all__ = [
-    "KVFlowConnector",
-    "KVFlowHandshake",
-    "KVFlowMetadata",
-    "check_spec",
-    "fingerprint",
-    "layer_specs",
-    "layout_from_tensors",
-    "request_salt",
-]
+__all__ = ["KVFlowConnector", "KVFlowHandshake", "KVFlowMetadata"]
