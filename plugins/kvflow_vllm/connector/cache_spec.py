@@ -1,17 +1,22 @@
-"""What vLLM's cache spec and requests say about the KV bytes kvflow moves: the
-fingerprint that keys them, the layers it can move, the byte layout of vLLM's KV views,
-and the per-request inputs that salt their keys."""
+"""What vLLM's cache spec, settings and requests say about the KV bytes kvflow moves:
+the fingerprint that keys them, the layers and KV cache groups it can move, the byte
+layout of vLLM's KV views, the per-request inputs that salt their keys, and what
+kvflow's configuration gives up under vLLM's settings (checked once, at start)."""
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 import torch
 
-from kvflow.config import KVFlowConfig
+from kvflow.config import ConfigError, KVFlowConfig
 from kvflow.keys import Fingerprint
 from kvflow.layout import KVLayout, LayoutError, block_geometry, view_extent, view_geometry
+
+from ..hidden_states import extracts_hidden_states
+from ..kv_events import events_enabled
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -19,13 +24,18 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 __all__ = [
+    "check_groups",
     "check_spec",
     "fingerprint",
+    "fit_config",
+    "kv_events_on",
     "layer_loads_unsafe",
     "layer_specs",
     "layout_from_tensors",
     "request_salt",
 ]
+
+log = logging.getLogger("kvflow.vllm")
 
 
 def request_salt(request: Request) -> str:
@@ -102,6 +112,67 @@ def check_spec(name: str, spec: Any) -> None:
             f"kvflow: layer {name}'s {kind} stores a state per {spec.tokens_per_state} "
             "tokens; kvflow moves caches of one state per token"
         )
+
+
+def fit_config(
+    config: KVFlowConfig,
+    vllm_config: VllmConfig,
+    kv_cache_config: KVCacheConfig,
+    groups: list[int],
+    store: bool,
+) -> KVFlowConfig:
+    """`config` as this vLLM allows it, for the KV cache `groups` kvflow moves through a
+    transport (a `store` one or not): refused where kvflow cannot serve vLLM's setup,
+    loading between steps where loads within the step would be unsafe."""
+    if why := layer_loads_unsafe(vllm_config, config):
+        log.warning("kvflow: load_mode 'layer' -> 'async': %s", why)
+        config = msgspec.structs.replace(config, load_mode="async")
+    if extracts_hidden_states(vllm_config) and not store:
+        raise ConfigError(
+            "KVFlowConnector: extract_hidden_states: kvflow stores hidden states through a "
+            f"store transport (fs, redis, ...); {config.transport!r} is not one"
+        )
+    if len(groups) > 1:
+        config = check_groups(kv_cache_config, groups, config)
+    return config
+
+
+def check_groups(
+    kv_cache_config: KVCacheConfig, groups: list[int], config: KVFlowConfig
+) -> KVFlowConfig:
+    """Several KV cache groups (vLLM's hybrid manager): refuse what kvflow cannot move
+    per group, and load between steps (vLLM recovers from a failed load of several
+    groups only when it is asynchronous); returns `config`, so changed."""
+    kv_groups = kv_cache_config.kv_cache_groups
+    specs = ", ".join(f"{type(kv_groups[g].kv_cache_spec).__name__}" for g in groups)
+    sizes = {kv_groups[g].kv_cache_spec.block_size for g in groups}
+    if len(sizes) > 1:
+        raise ConfigError(
+            f"KVFlowConnector: this model's KV cache groups ({specs}) have blocks of "
+            f"{sorted(sizes)} tokens; kvflow moves groups of one block size. Start vLLM "
+            "with --disable-hybrid-kv-cache-manager."
+        )
+    if config.load_mode == "layer":
+        log.warning(
+            "kvflow: load_mode 'layer' -> 'async': vLLM recovers from a failed load of "
+            "several KV cache groups only between steps"
+        )
+        config = msgspec.structs.replace(config, load_mode="async")
+    return config
+
+
+def kv_events_on(vllm_config: VllmConfig, block_size: int, hash_block: int) -> bool:
+    """Whether kvflow reports its blocks in vLLM's KV events: they are on, and vLLM hashes
+    blocks of `hash_block` tokens, a divisor of kvflow's `block_size`."""
+    events = events_enabled(vllm_config)
+    if events and block_size % hash_block:  # decode context parallelism
+        log.warning(
+            "kvflow: no KV events: vLLM hashes blocks of %d tokens, kvflow stores blocks of %d",
+            hash_block,
+            block_size,
+        )
+        events = False
+    return events
 
 
 def _stored_layout(kv_cache_config: KVCacheConfig) -> str:

@@ -57,13 +57,14 @@ from ..hidden_states import (
     extracts_hidden_states,
     hidden_layer,
 )
-from ..kv_events import ChunkReport, KVEventTracker, KVFlowWorkerMeta, events_enabled
+from ..kv_events import ChunkReport, KVEventTracker, KVFlowWorkerMeta
 from ..stats import KVFlowPromMetrics, KVFlowStats
 from .cache_spec import (
     _shard,
     check_spec,
     fingerprint,
-    layer_loads_unsafe,
+    fit_config,
+    kv_events_on,
     layer_specs,
     layout_from_tensors,
     request_salt,
@@ -125,38 +126,22 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
             channel = channel_of(self.config)
         except (ConfigError, TransportNotFound) as exc:
             raise ConfigError(f"KVFlowConnector: {exc}") from None
-        if why := layer_loads_unsafe(vllm_config, self.config):
-            log.warning("kvflow: load_mode 'layer' -> 'async': %s", why)
-            self.config = msgspec.structs.replace(self.config, load_mode="async")
         kv_role = ktc.kv_role or "kv_both"
         self.engine_id = str(ktc.engine_id)
         transport_cls = load_transport(self.config.transport)
         caps = transport_cls.capabilities
         hidden = extracts_hidden_states(vllm_config)
-        if hidden and not caps.store:
-            raise ConfigError(
-                "KVFlowConnector: extract_hidden_states: kvflow stores hidden states through a "
-                f"store transport (fs, redis, ...); {self.config.transport!r} is not one"
-            )
         self.groups = transfer_groups(kv_cache_config)
         """vLLM's KV cache groups kvflow moves, each with its own keys, transport and
         engine (see kvflow_vllm.groups)."""
         self._group_layers = [
             set(kv_cache_config.kv_cache_groups[g].layer_names) for g in self.groups
         ]
-        if len(self.groups) > 1:
-            self._check_groups(kv_cache_config)
+        self.config = fit_config(self.config, vllm_config, kv_cache_config, self.groups, caps.store)
         self.block_size = kv_cache_config.kv_cache_groups[self.groups[0]].kv_cache_spec.block_size
         self._hash_block = getattr(kv_cache_config, "hash_block_size", None) or self.block_size
         """Tokens of each of vLLM's `request.block_hashes` (a divisor of the block size)."""
-        events = events_enabled(vllm_config)
-        if events and self.block_size % self._hash_block:  # decode context parallelism
-            log.warning(
-                "kvflow: no KV events: vLLM hashes blocks of %d tokens, kvflow stores blocks of %d",
-                self._hash_block,
-                self.block_size,
-            )
-            events = False
+        events = kv_events_on(vllm_config, self.block_size, self._hash_block)
         pc = vllm_config.parallel_config
         is_scheduler = role == KVConnectorRole.SCHEDULER
         if is_scheduler:
@@ -307,26 +292,6 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
             ",".join(namespaces),
             self.config.load_mode,
         )
-
-    def _check_groups(self, kv_cache_config: KVCacheConfig) -> None:
-        """Several KV cache groups (vLLM's hybrid manager): refuse what kvflow cannot move
-        per group, and load between steps (vLLM recovers from a failed load of several
-        groups only when it is asynchronous)."""
-        groups = kv_cache_config.kv_cache_groups
-        specs = ", ".join(f"{type(groups[g].kv_cache_spec).__name__}" for g in self.groups)
-        sizes = {groups[g].kv_cache_spec.block_size for g in self.groups}
-        if len(sizes) > 1:
-            raise ConfigError(
-                f"KVFlowConnector: this model's KV cache groups ({specs}) have blocks of "
-                f"{sorted(sizes)} tokens; kvflow moves groups of one block size. Start vLLM "
-                "with --disable-hybrid-kv-cache-manager."
-            )
-        if self.config.load_mode == "layer":
-            log.warning(
-                "kvflow: load_mode 'layer' -> 'async': vLLM recovers from a failed load of "
-                "several KV cache groups only between steps"
-            )
-            self.config = msgspec.structs.replace(self.config, load_mode="async")
 
     # ---------------------------------------------------------------- stats
     def _rejected(self, reason: str, detail: str) -> None:
