@@ -1,9 +1,9 @@
 """`KVFlowConnector`: vLLM's `KVConnectorBase_V1`, translated into kvflow's engines.
 
-Each instance (the scheduler's, and one per worker) builds a `Runtime`, an
-`EventBus`, the configured transport and the role's engine, then forwards
-every vLLM call as plain kvflow data. Nothing here blocks on I/O except where
-vLLM's contract requires an answer now.
+Each instance (the scheduler's, and one per worker) builds what both roles share (the
+configuration, a `Runtime`, an `EventBus`, stats, a transport per KV cache group), then
+its role's side (`KVFlowScheduler`, `KVFlowWorker`, below), and forwards every vLLM call
+to it.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any, Literal
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import msgspec
 import torch
@@ -74,12 +74,7 @@ from .metadata import KVFlowHandshake, KVFlowMetadata
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.distributed.kv_events import KVCacheEvent
-    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
-        KVConnectorPromMetrics,
-        KVConnectorStats,
-        PromMetric,
-        PromMetricT,
-    )
+    from vllm.distributed.kv_transfer.kv_connector.v1 import metrics
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -88,105 +83,90 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
+    from kvflow.security import Channel
+
 __all__ = ["KVFlowConnector"]
 
 log = logging.getLogger("kvflow.vllm")
 
 
-_HIDDEN = -1
-"""`Pending`'s group for a request's hidden-state export (next to its KV groups')."""
-
-_NULL_BLOCK = 0
-"""vLLM's null block (the first its pool hands out): what a sliding window's block table
-holds before the window."""
-
-
 class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
-    """kvflow as a vLLM KV connector (both roles)."""
+    """kvflow as a vLLM KV connector (both roles): what they share (set by `_configure`
+    and `_start`, read by the sides), and the role's side, which vLLM's calls go to."""
 
     def __init__(
-        self,
-        vllm_config: VllmConfig,
-        role: KVConnectorRole,
-        kv_cache_config: KVCacheConfig,
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
         if warning := untested_version(vllm.__version__):
             log.warning(warning)
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        side = KVFlowScheduler if role == KVConnectorRole.SCHEDULER else KVFlowWorker
+        self._start(side, self._configure(vllm_config, kv_cache_config))
+        built = side(self, vllm_config, kv_cache_config)
+        self.scheduler_side = built if isinstance(built, KVFlowScheduler) else None
+        self.worker_side = built if isinstance(built, KVFlowWorker) else None
+        log.info(
+            "kvflow %s ready: transport=%s namespace=%s load_mode=%s",
+            side.role,
+            self.config.transport,
+            ",".join(self.namespaces),
+            self.config.load_mode,
+        )
+
+    def _configure(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Channel:
+        """kvflow's configuration, fitted to vLLM's; returns the side channel's."""
         ktc = self._kv_transfer_config
         try:
             self.config: KVFlowConfig = parse_config(
                 ktc.kv_connector_extra_config, transports=list(available_transports())
             )
-            options = parse_options(
-                self.config.options,
-                load_transport(self.config.transport).Options,
-                self.config.transport,
-            )
+            name = self.config.transport
+            self.transport_cls = load_transport(name)
+            self.options = parse_options(self.config.options, self.transport_cls.Options, name)
             channel = channel_of(self.config)
         except (ConfigError, TransportNotFound) as exc:
             raise ConfigError(f"KVFlowConnector: {exc}") from None
-        kv_role = ktc.kv_role or "kv_both"
         self.engine_id = str(ktc.engine_id)
-        transport_cls = load_transport(self.config.transport)
-        caps = transport_cls.capabilities
-        hidden = extracts_hidden_states(vllm_config)
-        self.groups = transfer_groups(kv_cache_config)
-        """vLLM's KV cache groups kvflow moves, each with its own keys, transport and
-        engine (see kvflow_vllm.groups)."""
-        self._group_layers = [
-            set(kv_cache_config.kv_cache_groups[g].layer_names) for g in self.groups
-        ]
-        self.config = fit_config(self.config, vllm_config, kv_cache_config, self.groups, caps.store)
+        self.groups = transfer_groups(kv_cache_config)  # each its keys, transport, engine
+        store = self.transport_cls.capabilities.store
+        self.config = fit_config(self.config, vllm_config, kv_cache_config, self.groups, store)
         self.block_size = kv_cache_config.kv_cache_groups[self.groups[0]].kv_cache_spec.block_size
-        self._hash_block = getattr(kv_cache_config, "hash_block_size", None) or self.block_size
-        """Tokens of each of vLLM's `request.block_hashes` (a divisor of the block size)."""
-        events = kv_events_on(vllm_config, self.block_size, self._hash_block)
-        pc = vllm_config.parallel_config
-        is_scheduler = role == KVConnectorRole.SCHEDULER
-        if is_scheduler:
-            tp_rank, pp_rank = 0, 0
-        else:
-            from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+        self.hash_block = getattr(kv_cache_config, "hash_block_size", None) or self.block_size
+        self.events = kv_events_on(vllm_config, self.block_size, self.hash_block)
+        return channel
 
-            tp_rank, pp_rank = get_tp_group().rank_in_group, get_pp_group().rank_in_group
-        side: Literal["scheduler", "worker"] = "scheduler" if is_scheduler else "worker"
-        # vLLM's CPU workers are pinned to their compute cores, and every thread they
-        # start with them: `worker_cpus` moves kvflow's elsewhere (decision 36)
-        cpus = None if is_scheduler else self.config.cpus() or None
-        if cpus:
-            log.info("kvflow: worker threads on cores %s", sorted(cpus))
-        name = f"{self.engine_id[:8]}-{side}{'' if is_scheduler else tp_rank}"
-        self.runtime = Runtime(name, cpus=cpus)
-        self.bus = EventBus(Origin(self.engine_id, side, tp_rank))
+    def _start(self, side: type[KVFlowScheduler | KVFlowWorker], channel: Channel) -> None:
+        """The runtime, bus and stats, and one open transport per KV cache group."""
+        self.tp_rank, pp_rank, cpus, name = side.placement(self.config)
+        self.runtime = Runtime(f"{self.engine_id[:8]}-{name}", cpus=cpus)
+        self.bus = EventBus(Origin(self.engine_id, side.role, self.tp_rank))
         self.stats = StatsCollector()
         self.bus.subscribe(self.stats)
         if self.config.event_log:
             self.bus.subscribe(JsonlEventLog(self.config.event_log))
         if self.config.inspect:
             start_publisher(self.runtime, self.bus)
-        shards = [
-            _shard(r, pc.tensor_parallel_size, p)
-            for p in range(pc.pipeline_parallel_size)
-            for r in range(pc.tensor_parallel_size)
-        ]
-        self.transports: list[Transport] = []
-        namespaces, scopes = [], []
-        for g in self.groups:
-            fp = fingerprint(vllm_config, kv_cache_config, g)
-            scopes.append(fp.pd_scope())
+        pc = self._vllm_config.parallel_config
+        tp, pp = pc.tensor_parallel_size, pc.pipeline_parallel_size
+        self.shards = [_shard(r, tp, p) for p in range(pp) for r in range(tp)]
+        shard = _shard(self.tp_rank, tp, pp_rank)
+        self.rank = self.shards.index(shard)
+        fps = [fingerprint(self._vllm_config, self._kv_cache_config, g) for g in self.groups]
+        self.namespaces = [fp.namespace() for fp in fps]
+        self.scopes = [fp.pd_scope() for fp in fps]
+        self.transports: list[Transport] = []  # per KV cache group, as namespaces, scopes
+        for namespace in self.namespaces:
             ctx = TransportContext(
                 engine_id=self.engine_id,
-                role=side,
-                namespace=fp.namespace(),
-                shard=_shard(tp_rank, pc.tensor_parallel_size, pp_rank),
-                shards=shards,
+                role=side.role,
+                namespace=namespace,
+                shard=shard,
+                shards=self.shards,
                 channel=channel,
                 rejected=self._rejected,
                 progress_timeout_s=self.config.progress_timeout_s,
             )
-            namespaces.append(ctx.namespace)
-            transport = transport_cls(options, ctx)
+            transport = self.transport_cls(self.options, ctx)
             self.runtime.add_closer(transport.aclose)  # also after a failed open: what it
             try:  # opened (a socket, a context) would hold the process at exit
                 self.runtime.call(transport.open, timeout=60.0)
@@ -197,123 +177,35 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
                 ) from None
             self.transports.append(transport)
         self.transport = self.transports[0]
-        consumes = kv_role in ("kv_both", "kv_consumer")
-        produces = kv_role in ("kv_both", "kv_producer")
-        self._schedulers: list[SchedulerEngine] = []
-        self._workers: list[WorkerEngine] = []
-        for transport, namespace, scope in zip(self.transports, namespaces, scopes, strict=True):
-            if is_scheduler:
-                self._schedulers.append(
-                    SchedulerEngine(
-                        config=self.config,
-                        transport=transport,
-                        runtime=self.runtime,
-                        bus=self.bus,
-                        namespace=namespace,
-                        block_size=self.block_size,
-                        can_load=consumes and caps.store,
-                        can_save=produces and caps.store,
-                        can_pull=consumes and caps.peer,
-                        can_offer=produces and caps.peer,
-                        engine_id=self.engine_id,
-                        num_shards=len(shards),
-                        null_block=_NULL_BLOCK if len(self.groups) > 1 else None,
-                        pd_scope=scope,
-                    )
-                )
-            else:
-                self._workers.append(
-                    WorkerEngine(
-                        config=self.config,
-                        transport=transport,
-                        runtime=self.runtime,
-                        bus=self.bus,
-                        report_chunks=events,
-                    )
-                )
-        self._sliding = len(self.groups) > 1 and any(
-            getattr(kv_cache_config.kv_cache_groups[g].kv_cache_spec, "sliding_window", None)
-            for g in self.groups
-        )
-        self._layer_index: dict[str, tuple[WorkerEngine, int]] = {}
-        """A layer's engine and index in its group's layout (set at registration)."""
-        self._trackers = (
-            [
-                KVEventTracker(
-                    medium=f"kvflow:{self.config.transport}",
-                    block_size=self.block_size,
-                    workers=len(shards),
-                    group=g,
-                )
-                for g in self.groups
-            ]
-            if is_scheduler and events
-            else []
-        )
-        """vLLM's KV events for what kvflow stored and its store evicted (scheduler)."""
-        self._requests: dict[str, Request] = {}
-        """Running requests, while their saves are planned (with KV events only)."""
-        self._rank = shards.index(_shard(tp_rank, pc.tensor_parallel_size, pp_rank))
-        if self._workers and events:
-            by_namespace = dict(zip(namespaces, self._workers, strict=True))
 
-            def evicted(namespace: str, keys: list[str]) -> None:
-                if (worker := by_namespace.get(namespace)) is not None:
-                    worker.chunks_evicted(keys)
-
-            for transport in self.transports:
-                transport.context.evicted = evicted
-        self._sending = Pending()
-        self._receiving = Pending()
-        self._planner: HiddenStatesPlanner | None = None
-        """Scheduler, under extract_hidden_states: the requests whose hidden states to store."""
-        self._exporter: HiddenStatesExporter | None = None
-        """Worker, under extract_hidden_states: copies them out and stores them."""
-        self._loading: set[str] = set()
-        """Scheduler, under extract_hidden_states: requests whose asynchronous load has
-        not landed (their hidden states are not in their blocks yet)."""
-        if hidden:
-            planner = HiddenStatesPlanner(vllm_config, kv_cache_config, self.config.transport)
-            if is_scheduler:
-                self._planner = planner
-            else:
-                self._exporter = HiddenStatesExporter(
-                    self.runtime, self.bus, self.config.save_timeout_s
-                )
-                self._hidden_writer = tp_rank == 0
-                self._hidden_transport = lambda: transport_cls(
-                    options, hidden_context(self.engine_id, "worker", planner.namespace)
-                )
-        self._num_blocks = kv_cache_config.num_blocks
-        log.info(
-            "kvflow %s ready: transport=%s namespace=%s load_mode=%s",
-            side,
-            self.config.transport,
-            ",".join(namespaces),
-            self.config.load_mode,
-        )
+    def shutdown(self) -> None:
+        end = time.monotonic() + self.config.shutdown_drain_s
+        if self.worker_side is not None:
+            self.worker_side.drain(end)
+        self.runtime.shutdown()
 
     # ---------------------------------------------------------------- stats
     def _rejected(self, reason: str, detail: str) -> None:
         """An input from outside refused (any thread): counted, and in the event log."""
         self.runtime.submit(self.bus.emit, Rejected(reason=reason, detail=detail))
 
-    def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        data = self.stats.take()
-        return None if data is None else KVFlowStats(data=data)
+    def get_kv_connector_stats(self) -> metrics.KVConnectorStats | None:
+        return None if (data := self.stats.take()) is None else KVFlowStats(data=data)
 
     @classmethod
-    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> metrics.KVConnectorStats:
         return KVFlowStats(data=data) if data else KVFlowStats()
 
     @classmethod
     def build_prom_metrics(
         cls,
         vllm_config: VllmConfig,
-        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        metric_types: dict[type[metrics.PromMetric], type[metrics.PromMetricT]],
         labelnames: list[str],
         per_engine_labelvalues: dict[int, list[object]],
-    ) -> KVConnectorPromMetrics:
+    ) -> metrics.KVConnectorPromMetrics:
         return KVFlowPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     @classmethod
@@ -330,27 +222,193 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
     def requires_kv_delivery(self) -> bool:
         return False  # a store is a cache: a dropped save is a later miss, never an error
 
+    # ------------------------------------------------------------ scheduler
     @property
-    def scheds(self) -> list[SchedulerEngine]:
-        """The scheduler engines, one per KV cache group kvflow moves."""
-        assert self._schedulers, "scheduler-side call on a worker connector"
-        return self._schedulers
+    def _to_scheduler(self) -> KVFlowScheduler:
+        assert self.scheduler_side is not None, "scheduler-side call on a worker connector"
+        return self.scheduler_side
 
     @property
-    def workers(self) -> list[WorkerEngine]:
-        """The worker engines, one per KV cache group kvflow moves."""
-        assert self._workers, "worker-side call on a scheduler connector"
-        return self._workers
+    def sched(self) -> SchedulerEngine:
+        """The first (for most models the only) KV cache group's scheduler engine."""
+        return self._to_scheduler.sched
+
+    def on_new_request(self, request: Request) -> None:
+        self._to_scheduler.on_new_request(request)
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return self._to_scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        self._to_scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self._to_scheduler.build_connector_meta(scheduler_output)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self._to_scheduler.request_finished_all_groups(request, block_ids)
+
+    def set_xfer_handshake_metadata(
+        self, metadata: dict[int, KVConnectorHandshakeMetadata]
+    ) -> None:
+        self._to_scheduler.set_xfer_handshake_metadata(metadata)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self._to_scheduler.update_connector_output(connector_output)
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        side = self.scheduler_side  # a worker's: none
+        return [] if side is None else side.take_events()
+
+    # --------------------------------------------------------------- worker
+    @property
+    def _to_worker(self) -> KVFlowWorker:
+        assert self.worker_side is not None, "worker-side call on a scheduler connector"
+        return self.worker_side
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        return self._to_worker.build_connector_worker_meta()
+
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        side = self.worker_side  # the scheduler's transports have no address
+        return None if side is None else side.get_handshake_metadata()
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._to_worker.register_kv_caches(kv_caches)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        self._to_worker.bind_connector_metadata(connector_metadata)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        self._to_worker.handle_preemptions(kv_connector_metadata)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        self._to_worker.start_load_kv(forward_context, **kwargs)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if (side := self.worker_side) is not None:  # the scheduler's: no layers
+            side.wait_for_layer_load(layer_name)
+
+    def save_kv_layer(
+        self,
+        layer_name: str,
+        kv_layer: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        **kwargs: Any,
+    ) -> None:
+        if (side := self.worker_side) is not None:  # the scheduler's: no layers
+            side.save_kv_layer(layer_name, kv_layer, attn_metadata, **kwargs)
+
+    def wait_for_save(self) -> None:
+        self._to_worker.wait_for_save()
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        return self._to_worker.get_transfer_results(finished_req_ids)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return self._to_worker.get_finished(finished_req_ids)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._to_worker.get_block_ids_with_load_errors()
+
+
+_NULL_BLOCK = 0
+"""vLLM's null block (the first its pool hands out): what a sliding window's block table
+holds before the window."""
+
+
+class KVFlowScheduler:
+    """The scheduler's connector calls, on kvflow's scheduler engines."""
+
+    role: ClassVar[Literal["scheduler", "worker"]] = "scheduler"
+
+    @staticmethod
+    def placement(config: KVFlowConfig) -> tuple[int, int, set[int] | None, str]:
+        """Tensor and pipeline parallel ranks, the cores for kvflow's threads (None: any)
+        and the runtime's name."""
+        return 0, 0, None, "scheduler"
+
+    def __init__(
+        self, conn: KVFlowConnector, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
+    ) -> None:
+        self.config = conn.config
+        self.groups = conn.groups
+        self._hash_block = conn.hash_block
+        """Tokens of each of vLLM's `request.block_hashes` (a divisor of the block size)."""
+        caps = conn.transport_cls.capabilities
+        ktc = vllm_config.kv_transfer_config
+        assert ktc is not None  # vLLM's connector base refuses to start without one
+        kv_role = ktc.kv_role or "kv_both"
+        consumes = kv_role in ("kv_both", "kv_consumer")
+        produces = kv_role in ("kv_both", "kv_producer")
+        self.scheds = [
+            SchedulerEngine(
+                config=self.config,
+                transport=transport,
+                runtime=conn.runtime,
+                bus=conn.bus,
+                namespace=namespace,
+                block_size=conn.block_size,
+                can_load=consumes and caps.store,
+                can_save=produces and caps.store,
+                can_pull=consumes and caps.peer,
+                can_offer=produces and caps.peer,
+                engine_id=conn.engine_id,
+                num_shards=len(conn.shards),
+                null_block=_NULL_BLOCK if len(self.groups) > 1 else None,
+                pd_scope=scope,
+            )
+            for transport, namespace, scope in zip(
+                conn.transports, conn.namespaces, conn.scopes, strict=True
+            )
+        ]
+        """The scheduler engines, one per KV cache group kvflow moves."""
+        kv_cache_groups = kv_cache_config.kv_cache_groups
+        self._sliding = len(self.groups) > 1 and any(
+            getattr(kv_cache_groups[g].kv_cache_spec, "sliding_window", None) for g in self.groups
+        )
+        self._trackers = (
+            [
+                KVEventTracker(
+                    medium=f"kvflow:{self.config.transport}",
+                    block_size=conn.block_size,
+                    workers=len(conn.shards),
+                    group=g,
+                )
+                for g in self.groups
+            ]
+            if conn.events
+            else []
+        )
+        """vLLM's KV events for what kvflow stored and its store evicted."""
+        self._requests: dict[str, Request] = {}
+        """Running requests, while their saves are planned (with KV events only)."""
+        self._planner = (
+            HiddenStatesPlanner(vllm_config, kv_cache_config, self.config.transport)
+            if extracts_hidden_states(vllm_config)
+            else None
+        )
+        """Under extract_hidden_states: the requests whose hidden states to store."""
+        self._loading: set[str] = set()
+        """Under extract_hidden_states: requests whose asynchronous load has not landed
+        (their hidden states are not in their blocks yet)."""
 
     @property
     def sched(self) -> SchedulerEngine:
         return self.scheds[0]
 
-    @property
-    def worker(self) -> WorkerEngine:
-        return self.workers[0]
-
-    # ------------------------------------------------------------ scheduler
     def on_new_request(self, request: Request) -> None:
         if self.sched.knows(request.request_id):
             return
@@ -446,11 +504,6 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
                 chunks = sched.chunk_keys(spec.req)
                 tracker.planned(request, spec.keys, spec.token_counts, chunks, self._hash_block)
 
-    def request_finished(
-        self, request: Request, block_ids: list[int]
-    ) -> tuple[bool, dict[str, Any] | None]:
-        return self.request_finished_all_groups(request, (block_ids,))
-
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
@@ -511,7 +564,86 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
     def take_events(self) -> Iterable[KVCacheEvent]:
         return [event for tracker in self._trackers for event in tracker.take()]
 
-    # --------------------------------------------------------------- worker
+
+_HIDDEN = -1
+"""`Pending`'s group for a request's hidden-state export (next to its KV groups')."""
+
+
+class KVFlowWorker:
+    """A worker's connector calls, on kvflow's worker engines."""
+
+    role: ClassVar[Literal["scheduler", "worker"]] = "worker"
+
+    @staticmethod
+    def placement(config: KVFlowConfig) -> tuple[int, int, set[int] | None, str]:
+        """Tensor and pipeline parallel ranks, the cores for kvflow's threads (None: any)
+        and the runtime's name."""
+        from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+        tp_rank, pp_rank = get_tp_group().rank_in_group, get_pp_group().rank_in_group
+        # vLLM's CPU workers are pinned to their compute cores, and every thread they
+        # start with them: `worker_cpus` moves kvflow's elsewhere (decision 36)
+        cpus = config.cpus() or None
+        if cpus:
+            log.info("kvflow: worker threads on cores %s", sorted(cpus))
+        return tp_rank, pp_rank, cpus, f"worker{tp_rank}"
+
+    def __init__(
+        self, conn: KVFlowConnector, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
+    ) -> None:
+        self.config = conn.config
+        self.runtime = conn.runtime
+        self.engine_id = conn.engine_id
+        self.block_size = conn.block_size
+        self.transports = conn.transports
+        self._kv_cache_config = kv_cache_config
+        self._num_blocks = kv_cache_config.num_blocks
+        kv_cache_groups = kv_cache_config.kv_cache_groups
+        self._group_layers = [set(kv_cache_groups[g].layer_names) for g in conn.groups]
+        self.workers = [
+            WorkerEngine(
+                config=self.config,
+                transport=transport,
+                runtime=self.runtime,
+                bus=conn.bus,
+                report_chunks=conn.events,
+            )
+            for transport in conn.transports
+        ]
+        """The worker engines, one per KV cache group kvflow moves."""
+        self._layer_index: dict[str, tuple[WorkerEngine, int]] = {}
+        """A layer's engine and index in its group's layout (set at registration)."""
+        self._rank = conn.rank
+        """This worker's index in vLLM's shards (its KV events' reports say it)."""
+        if conn.events:
+            self._report_evictions(conn.namespaces)
+        self._sending = Pending()
+        self._receiving = Pending()
+        self._exporter: HiddenStatesExporter | None = None
+        """Under extract_hidden_states: copies them out and stores them."""
+        if extracts_hidden_states(vllm_config):
+            planner = HiddenStatesPlanner(vllm_config, kv_cache_config, self.config.transport)
+            self._exporter = HiddenStatesExporter(
+                self.runtime, conn.bus, self.config.save_timeout_s
+            )
+            self._hidden_writer = conn.tp_rank == 0
+            transport_cls, options = conn.transport_cls, conn.options
+            self._hidden_transport: Callable[[], Transport] = lambda: transport_cls(
+                options, hidden_context(self.engine_id, "worker", planner.namespace)
+            )
+
+    def _report_evictions(self, namespaces: list[str]) -> None:
+        """Hand what a transport's store evicted to the engine of its namespace (for
+        vLLM's KV events)."""
+        by_namespace = dict(zip(namespaces, self.workers, strict=True))
+
+        def evicted(namespace: str, keys: list[str]) -> None:
+            if (worker := by_namespace.get(namespace)) is not None:
+                worker.chunks_evicted(keys)
+
+        for transport in self.transports:
+            transport.context.evicted = evicted
+
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         reports = [ChunkReport.of(w.take_chunk_outcomes(), self._rank) for w in self.workers]
         if all(r.is_empty() for r in reports):
@@ -549,7 +681,7 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
     def _register_hidden(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Under extract_hidden_states: the worker holding the cache-only layer on tensor
         parallel rank 0 stores the hidden states, through a transport of their own."""
-        assert self._exporter is not None and self._planner is None
+        assert self._exporter is not None
         name = hidden_layer(self._kv_cache_config)
         if name is None or name not in kv_caches or not self._hidden_writer:
             return
@@ -567,7 +699,6 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
         log.info("kvflow: storing hidden states of %s (%s)", name, layout.describe())
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
-        super().bind_connector_metadata(connector_metadata)
         assert isinstance(connector_metadata, KVFlowMetadata)
         for g, (worker, plan) in enumerate(
             zip(self.workers, connector_metadata.plans, strict=True)
@@ -588,7 +719,7 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
         # loads started in bind_connector_metadata; the layer gates' protocol is the
         # worker's (WorkerEngine.forward_started). Several KV cache groups load between
         # steps only: their gates are open.
-        self.worker.forward_started()
+        self.workers[0].forward_started()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if (at := self._layer_index.get(layer_name)) is not None:
@@ -642,10 +773,9 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
             blocks |= worker.take_error_blocks()
         return blocks
 
-    def shutdown(self) -> None:
-        end = time.monotonic() + self.config.shutdown_drain_s
-        for worker in self._workers:
+    def drain(self, end: float) -> None:
+        """Give saves and hidden-state exports in flight until `end` (`time.monotonic()`)."""
+        for worker in self.workers:
             worker.drain(max(0.0, end - time.monotonic()))
         if self._exporter is not None:
             self._exporter.drain(max(0.0, end - time.monotonic()))
-        self.runtime.shutdown()
