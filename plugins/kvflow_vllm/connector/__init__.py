@@ -1,8 +1,12 @@
-"""kvflow's vLLM KV connector.
+"""kvflow's vLLM KV connector, laid out as vLLM's NixlConnector package is.
 
-`KVFlowConnector` (`connector.py`) is registered by this package's path in
-`kvflow_vllm.plugin`; `metadata.py` holds what its instances send each other, and
-`cache_spec.py` what vLLM's cache spec and requests say about the bytes it moves.
+- `connector.py`: `KVFlowConnector`, registered by this package's path in
+  `kvflow_vllm.plugin`: builds what both roles share and forwards each vLLM call to
+  its role's side;
+- `scheduler.py`: `KVFlowScheduler`, the scheduler's side;
+- `worker.py`: `KVFlowWorker`, a worker's side;
+- `metadata.py`: what the scheduler and the workers send each other;
+- `cache_spec.py`: what vLLM's cache spec and settings mean for the KV kvflow moves.
 """
 
 from .connector import KVFlowConnector
