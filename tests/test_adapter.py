@@ -13,6 +13,8 @@ from kvflow.metadata import LoadSpec, SaveSpec, WorkerPlan, encode_plan
 
 connector = pytest.importorskip("kvflow_vllm.connector", reason="needs vLLM installed")
 
+from kvflow_vllm.connector.cache_spec import layout_from_tensors  # noqa: E402
+
 
 def test_metadata_pickles_as_its_msgspec_bytes_only() -> None:
     plan = WorkerPlan(
@@ -23,6 +25,7 @@ def test_metadata_pickles_as_its_msgspec_bytes_only() -> None:
         preempted=["r9"],
     )
     from kvflow.hidden_states import HiddenStatesRef
+    from kvflow_vllm.connector.metadata import _metadata_from_bytes
     from kvflow_vllm.extract_hidden_states import HiddenExport
 
     ref = HiddenStatesRef("fs", "ns", ["d" * 32], 32, [5, 6], 2, 8, "float32")
@@ -32,7 +35,7 @@ def test_metadata_pickles_as_its_msgspec_bytes_only() -> None:
     assert args == ([encode_plan(plan)], msgspec.msgpack.encode(exports)), (
         "the only state pickle carries is msgspec bytes"
     )
-    assert fn is connector._metadata_from_bytes
+    assert fn is _metadata_from_bytes
     again = pickle.loads(pickle.dumps(meta))
     assert again.plan == plan
     assert again.exports == exports
@@ -67,7 +70,7 @@ def test_layout_of_vllm_cpu_cache_addresses_each_block() -> None:
         .view(blocks, heads, bs, 2 * hd)
         for i in range(2)
     }
-    layout = connector.layout_from_tensors(layers, blocks, bs)
+    layout = layout_from_tensors(layers, blocks, bs)
     assert layout.describe() == f"cpu;layers=2;block_bytes={page}"
     layers["l1"][4].fill_(3.5)
     (span,) = layout.spans(1, 4, 5)  # a partial chunk still moves its whole block
@@ -80,7 +83,7 @@ def test_layout_of_vllm_cpu_cache_addresses_each_block() -> None:
 def test_layout_refuses_a_tensor_without_blocks_first() -> None:
     t = torch.zeros(2, 6, 32, 4)
     with pytest.raises(ValueError, match="expected 6 blocks first"):
-        connector.layout_from_tensors({"l0": t}, 6, 32)
+        layout_from_tensors({"l0": t}, 6, 32)
 
 
 def test_transports_command_lists_fs() -> None:
@@ -101,7 +104,7 @@ def test_a_crafted_cache_salt_never_passes_for_a_lora_or_a_multimodal_input() ->
     could spell another request's LoRA and multimodal parts and share its chunk keys."""
     from types import SimpleNamespace
 
-    from kvflow_vllm.connector import request_salt
+    from kvflow_vllm.connector.cache_spec import request_salt
 
     mm = SimpleNamespace(identifier="img", mm_position=SimpleNamespace(offset=0))
     honest = SimpleNamespace(cache_salt="t1", mm_features=[mm], lora_request=None)

@@ -23,6 +23,7 @@ from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 
 from kvflow.layout import LayoutError  # noqa: E402
 from kvflow.testing.layouts import LAYOUTS  # noqa: E402
+from kvflow_vllm.connector.cache_spec import check_spec, layout_from_tensors  # noqa: E402
 
 NUM_BLOCKS, NUM_LAYERS = 5, 3
 FP8 = torch.float8_e4m3fn
@@ -54,7 +55,7 @@ def check_every_chunk(layers: list[torch.Tensor], block_size: int) -> None:
     """Mark the first n tokens of block b through vLLM's view; kvflow's spans for them must
     hold every marked byte and nothing else."""
     kv = {f"l{i}": v for i, v in enumerate(layers)}
-    layout = connector.layout_from_tensors(kv, NUM_BLOCKS, block_size, opaque_blocks=False)
+    layout = layout_from_tensors(kv, NUM_BLOCKS, block_size, opaque_blocks=False)
     raw = torch.empty(0, dtype=torch.uint8).set_(layers[0].untyped_storage())
     kernel_tokens = layers[0].shape[2]
     counts = sorted({1, kernel_tokens - 1, kernel_tokens, block_size // 2 + 1, block_size} - {0})
@@ -100,7 +101,7 @@ def test_mla_latent_and_sliding_window_layers(layout: KVCacheLayout) -> None:
     )
     check_every_chunk(views(swa, layout), 16)
     for spec in (mla, swa):
-        connector.check_spec("l0", spec)
+        check_spec("l0", spec)
 
 
 def test_specs_kvflow_cannot_move_are_refused_by_name() -> None:
@@ -108,19 +109,19 @@ def test_specs_kvflow_cannot_move_are_refused_by_name() -> None:
 
     mamba = MambaSpec(block_size=16, shapes=((4, 8),), dtypes=(torch.float32,))
     with pytest.raises(LayoutError, match="layer m0 has a MambaSpec cache"):
-        connector.check_spec("m0", mamba)
+        check_spec("m0", mamba)
     sparse = MLAAttentionSpec(
         block_size=64, num_kv_heads=1, head_size=576, dtype=torch.bfloat16, tokens_per_state=4
     )
     with pytest.raises(LayoutError, match="MLAAttentionSpec stores a state per 4 tokens"):
-        connector.check_spec("s0", sparse)
+        check_spec("s0", sparse)
 
 
 def test_a_view_of_another_block_size_is_refused() -> None:
     spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.float16)
     kv = {f"l{i}": v for i, v in enumerate(views(spec, KVCacheLayout.LBNHC))}
     with pytest.raises(LayoutError, match="layer l0: 16 tokens a block, not 32"):
-        connector.layout_from_tensors(kv, NUM_BLOCKS, 32, opaque_blocks=False)
+        layout_from_tensors(kv, NUM_BLOCKS, 32, opaque_blocks=False)
 
 
 def test_kvflow_requires_no_layout() -> None:

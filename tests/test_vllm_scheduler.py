@@ -546,7 +546,7 @@ def test_vllm_keeps_blocks_computed_over_a_failed_load_in_the_same_step(
     request with "b"'s prompt reaches it as soon as the shared blocks are cached again.
     kvflow stores none of it (the worker drops saves computed over a failed load). If
     this test fails, vLLM evicts such blocks now and decision 33 can be revisited."""
-    from kvflow_vllm import connector as connector_module
+    from kvflow_vllm.connector import cache_spec as connector_module
 
     monkeypatch.setattr(connector_module, "layer_loads_unsafe", lambda *_: "")
     prompt = prompt_of(1, 40)

@@ -67,7 +67,8 @@ from kvflow.pd.security import Channel
 from kvflow.runtime import Runtime
 from kvflow.transport import Offer, TransportContext, load_transport
 from kvflow.worker import TransferResults, WorkerEngine
-from kvflow_vllm.connector import KVFlowConnector, KVFlowMetadata, layout_from_tensors
+from kvflow_vllm.connector import KVFlowConnector, KVFlowMetadata
+from kvflow_vllm.connector.cache_spec import layout_from_tensors
 from kvflow_vllm.engine_process import model_dir
 from kvflow_vllm.plugin import CONNECTOR_NAME, register
 
@@ -78,6 +79,7 @@ SHARD = "tp0of1pp0"
 """The one worker shard of a TP=1, PP=1 engine (kvflow's `_shard(0, 1, 0)`)."""
 
 Loop = Literal["sync", "async"]
+LOOPS: tuple[Loop, ...] = ("sync", "async")
 BATCH_QUEUE_SIZE = 2
 """`VllmConfig.max_concurrent_batches` with async scheduling at PP=1: the engine core
 holds at most this many scheduled steps whose output it has not processed."""
@@ -526,10 +528,6 @@ class Harness:
             )
 
 
-MakeHarness = Callable[..., Harness]
-"""The `harness` fixture (tests/conftest.py): `harness(vllm_config, num_blocks)`."""
-
-
 def make_harness(vllm_config: VllmConfig, num_blocks: int, loop: Loop = "sync") -> Harness:
     """A real scheduler with `KVFlowConnector` over `num_blocks` blocks (one is null):
     vLLM's `Scheduler`, or its `AsyncScheduler` for the async loop (the class the
@@ -551,18 +549,6 @@ def make_harness(vllm_config: VllmConfig, num_blocks: int, loop: Loop = "sync") 
     harness = Harness(scheduler=scheduler, lookups=LookupWaiter(), loop=loop)
     harness.connector.bus.subscribe(harness.lookups)
     return harness
-
-
-def run_to_completion(h: Harness, *, max_steps: int = 200, send_lent: bool = True) -> None:
-    """Step until the engine core would go idle (vLLM holds no request, no step is in
-    flight); the worker releases lent requests at once."""
-    for _ in range(max_steps):
-        if not h.scheduler.has_requests():
-            h.drain(send_lent=send_lent)
-            assert h.idle and not h.scheduler.requests
-            return
-        h.step(send_lent=send_lent)
-    raise AssertionError(f"requests still held after {max_steps} steps: {h.scheduler.requests}")
 
 
 def run_real_worker(harness: Harness, plans: Sequence[WorkerPlan]) -> TransferResults:

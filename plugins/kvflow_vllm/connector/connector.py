@@ -1,0 +1,300 @@
+"""`KVFlowConnector`: vLLM's `KVConnectorBase_V1`, translated into kvflow's engines.
+
+Each instance (the scheduler's, and one per worker) builds what both roles share (the
+configuration, a `Runtime`, an `EventBus`, stats, a transport per KV cache group), then
+its role's side (`KVFlowScheduler`, `KVFlowWorker`), and forwards every vLLM call to it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import vllm
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
+    SupportsHMA,
+)
+
+from kvflow.config import ConfigError, KVFlowConfig, channel_of, parse_config, parse_options
+from kvflow.event_stream import start_publisher
+from kvflow.eventlog import JsonlEventLog
+from kvflow.events import EventBus, Origin, Rejected
+from kvflow.runtime import Runtime
+from kvflow.stats import StatsCollector
+from kvflow.transport import (
+    Transport,
+    TransportContext,
+    TransportError,
+    TransportNotFound,
+    available_transports,
+    load_transport,
+)
+
+from ..compat import untested_version
+from ..groups import transfer_groups
+from ..metrics import KVFlowPromMetrics, KVFlowStats
+from .cache_spec import _shard, fingerprint, fit_config, kv_events_on
+from .scheduler import KVFlowScheduler
+from .worker import KVFlowWorker
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
+    from vllm.distributed.kv_transfer.kv_connector.v1 import metrics
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+    from kvflow.pd.security import Channel
+    from kvflow.scheduler import SchedulerEngine
+
+__all__ = ["KVFlowConnector"]
+
+log = logging.getLogger("kvflow.vllm")
+
+
+class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
+    """kvflow as a vLLM KV connector (both roles): what they share (set by `_configure`
+    and `_start`, read by the sides), and the role's side, which vLLM's calls go to."""
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
+        if warning := untested_version(vllm.__version__):
+            log.warning(warning)
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        side = KVFlowScheduler if role == KVConnectorRole.SCHEDULER else KVFlowWorker
+        self._start(side, self._configure(vllm_config, kv_cache_config))
+        built = side(self, vllm_config, kv_cache_config)
+        self.scheduler_side = built if isinstance(built, KVFlowScheduler) else None
+        self.worker_side = built if isinstance(built, KVFlowWorker) else None
+        log.info(
+            "kvflow %s ready: transport=%s namespace=%s load_mode=%s",
+            side.role,
+            self.config.transport,
+            ",".join(self.namespaces),
+            self.config.load_mode,
+        )
+
+    def _configure(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Channel:
+        """kvflow's configuration, fitted to vLLM's; returns the side channel's."""
+        ktc = self._kv_transfer_config
+        try:
+            self.config: KVFlowConfig = parse_config(
+                ktc.kv_connector_extra_config, transports=list(available_transports())
+            )
+            name = self.config.transport
+            self.transport_cls = load_transport(name)
+            self.options = parse_options(self.config.options, self.transport_cls.Options, name)
+            channel = channel_of(self.config)
+        except (ConfigError, TransportNotFound) as exc:
+            raise ConfigError(f"KVFlowConnector: {exc}") from None
+        self.engine_id = str(ktc.engine_id)
+        self.groups = transfer_groups(kv_cache_config)  # each its keys, transport, engine
+        store = self.transport_cls.capabilities.store
+        self.config = fit_config(self.config, vllm_config, kv_cache_config, self.groups, store)
+        self.block_size = kv_cache_config.kv_cache_groups[self.groups[0]].kv_cache_spec.block_size
+        self.hash_block = getattr(kv_cache_config, "hash_block_size", None) or self.block_size
+        self.events = kv_events_on(vllm_config, self.block_size, self.hash_block)
+        return channel
+
+    def _start(self, side: type[KVFlowScheduler | KVFlowWorker], channel: Channel) -> None:
+        """The runtime, bus and stats, and one open transport per KV cache group."""
+        self.tp_rank, pp_rank, cpus, name = side.placement(self.config)
+        self.runtime = Runtime(f"{self.engine_id[:8]}-{name}", cpus=cpus)
+        self.bus = EventBus(Origin(self.engine_id, side.role, self.tp_rank))
+        self.stats = StatsCollector()
+        self.bus.subscribe(self.stats)
+        if self.config.event_log:
+            self.bus.subscribe(JsonlEventLog(self.config.event_log))
+        if self.config.inspect:
+            start_publisher(self.runtime, self.bus)
+        pc = self._vllm_config.parallel_config
+        tp, pp = pc.tensor_parallel_size, pc.pipeline_parallel_size
+        self.shards = [_shard(r, tp, p) for p in range(pp) for r in range(tp)]
+        shard = _shard(self.tp_rank, tp, pp_rank)
+        self.rank = self.shards.index(shard)
+        fps = [fingerprint(self._vllm_config, self._kv_cache_config, g) for g in self.groups]
+        self.namespaces = [fp.namespace() for fp in fps]
+        self.scopes = [fp.pd_scope() for fp in fps]
+        self.transports: list[Transport] = []  # per KV cache group, as namespaces, scopes
+        for namespace in self.namespaces:
+            ctx = TransportContext(
+                engine_id=self.engine_id,
+                role=side.role,
+                namespace=namespace,
+                shard=shard,
+                shards=self.shards,
+                channel=channel,
+                rejected=self._rejected,
+                progress_timeout_s=self.config.progress_timeout_s,
+            )
+            transport = self.transport_cls(self.options, ctx)
+            self.runtime.add_closer(transport.aclose)  # also after a failed open: what it
+            try:  # opened (a socket, a context) would hold the process at exit
+                self.runtime.call(transport.open, timeout=60.0)
+            except TransportError as exc:
+                self.runtime.shutdown()
+                raise ConfigError(
+                    f"KVFlowConnector: transport {self.config.transport!r}: {exc}"
+                ) from None
+            self.transports.append(transport)
+        self.transport = self.transports[0]
+
+    def shutdown(self) -> None:
+        end = time.monotonic() + self.config.shutdown_drain_s
+        if self.worker_side is not None:
+            self.worker_side.drain(end)
+        self.runtime.shutdown()
+
+    # ---------------------------------------------------------------- stats
+    def _rejected(self, reason: str, detail: str) -> None:
+        """An input from outside refused (any thread): counted, and in the event log."""
+        self.runtime.submit(self.bus.emit, Rejected(reason=reason, detail=detail))
+
+    def get_kv_connector_stats(self) -> metrics.KVConnectorStats | None:
+        return None if (data := self.stats.take()) is None else KVFlowStats(data=data)
+
+    @classmethod
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> metrics.KVConnectorStats:
+        return KVFlowStats(data=data) if data else KVFlowStats()
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[metrics.PromMetric], type[metrics.PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> metrics.KVConnectorPromMetrics:
+        return KVFlowPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any = None) -> bool:
+        """No (vLLM 0.33+ asks): registered memory and CUDA IPC handles would point at
+        memory that sleep released and wake remapped. vLLM refuses the combination."""
+        return False
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        return True  # wait_for_layer_load / save_kv_layer run between layers
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a store is a cache: a dropped save is a later miss, never an error
+
+    # ------------------------------------------------------------ scheduler
+    @property
+    def _to_scheduler(self) -> KVFlowScheduler:
+        assert self.scheduler_side is not None, "scheduler-side call on a worker connector"
+        return self.scheduler_side
+
+    @property
+    def sched(self) -> SchedulerEngine:
+        """The first (for most models the only) KV cache group's scheduler engine."""
+        return self._to_scheduler.sched
+
+    def on_new_request(self, request: Request) -> None:
+        self._to_scheduler.on_new_request(request)
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return self._to_scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        self._to_scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self._to_scheduler.build_connector_meta(scheduler_output)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self._to_scheduler.request_finished_all_groups(request, block_ids)
+
+    def set_xfer_handshake_metadata(
+        self, metadata: dict[int, KVConnectorHandshakeMetadata]
+    ) -> None:
+        self._to_scheduler.set_xfer_handshake_metadata(metadata)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self._to_scheduler.update_connector_output(connector_output)
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        side = self.scheduler_side  # a worker's: none
+        return [] if side is None else side.take_events()
+
+    # --------------------------------------------------------------- worker
+    @property
+    def _to_worker(self) -> KVFlowWorker:
+        assert self.worker_side is not None, "worker-side call on a scheduler connector"
+        return self.worker_side
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        return self._to_worker.build_connector_worker_meta()
+
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        side = self.worker_side  # the scheduler's transports have no address
+        return None if side is None else side.get_handshake_metadata()
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._to_worker.register_kv_caches(kv_caches)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        self._to_worker.bind_connector_metadata(connector_metadata)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        self._to_worker.handle_preemptions(kv_connector_metadata)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        self._to_worker.start_load_kv(forward_context, **kwargs)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if (side := self.worker_side) is not None:  # the scheduler's: no layers
+            side.wait_for_layer_load(layer_name)
+
+    def save_kv_layer(
+        self,
+        layer_name: str,
+        kv_layer: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        **kwargs: Any,
+    ) -> None:
+        if (side := self.worker_side) is not None:  # the scheduler's: no layers
+            side.save_kv_layer(layer_name, kv_layer, attn_metadata, **kwargs)
+
+    def wait_for_save(self) -> None:
+        self._to_worker.wait_for_save()
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        return self._to_worker.get_transfer_results(finished_req_ids)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return self._to_worker.get_finished(finished_req_ids)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._to_worker.get_block_ids_with_load_errors()

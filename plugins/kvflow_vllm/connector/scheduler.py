@@ -1,0 +1,282 @@
+"""The scheduler's side of kvflow's connector: a `SchedulerEngine` per KV cache group
+kvflow moves, fed vLLM's scheduler calls (lookups, allocations, each step's plan,
+finished requests, the workers' reports), vLLM's KV events for what kvflow stored, and
+the hidden-state exports to plan."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
+
+import msgspec
+
+from kvflow.config import KVFlowConfig
+from kvflow.lending import lent_at_finish
+from kvflow.metadata import WorkerPlan
+from kvflow.pd.params import PdParams, PdParamsError, join_groups, parse_pd_params
+from kvflow.scheduler import ScheduledRequest, SchedulerEngine
+
+from ..extract_hidden_states import HiddenStatesPlanner, extracts_hidden_states
+from ..kv_events import KVEventTracker, KVFlowWorkerMeta
+from .cache_spec import request_salt
+from .metadata import KVFlowHandshake, KVFlowMetadata
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorHandshakeMetadata,
+        KVConnectorMetadata,
+    )
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+    from .connector import KVFlowConnector
+
+__all__ = ["KVFlowScheduler"]
+
+log = logging.getLogger("kvflow.vllm")
+
+_NULL_BLOCK = 0
+"""vLLM's null block (the first its pool hands out): what a sliding window's block table
+holds before the window."""
+
+
+class KVFlowScheduler:
+    """The scheduler's connector calls, on kvflow's scheduler engines."""
+
+    role: ClassVar[Literal["scheduler", "worker"]] = "scheduler"
+
+    @staticmethod
+    def placement(config: KVFlowConfig) -> tuple[int, int, set[int] | None, str]:
+        """Tensor and pipeline parallel ranks, the cores for kvflow's threads (None: any)
+        and the runtime's name."""
+        return 0, 0, None, "scheduler"
+
+    def __init__(
+        self, conn: KVFlowConnector, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
+    ) -> None:
+        self.config = conn.config
+        self.groups = conn.groups
+        self._hash_block = conn.hash_block
+        """Tokens of each of vLLM's `request.block_hashes` (a divisor of the block size)."""
+        caps = conn.transport_cls.capabilities
+        ktc = vllm_config.kv_transfer_config
+        assert ktc is not None  # vLLM's connector base refuses to start without one
+        kv_role = ktc.kv_role or "kv_both"
+        consumes = kv_role in ("kv_both", "kv_consumer")
+        produces = kv_role in ("kv_both", "kv_producer")
+        self.scheds = [
+            SchedulerEngine(
+                config=self.config,
+                transport=transport,
+                runtime=conn.runtime,
+                bus=conn.bus,
+                namespace=namespace,
+                block_size=conn.block_size,
+                can_load=consumes and caps.store,
+                can_save=produces and caps.store,
+                can_pull=consumes and caps.peer,
+                can_offer=produces and caps.peer,
+                engine_id=conn.engine_id,
+                num_shards=len(conn.shards),
+                null_block=_NULL_BLOCK if len(self.groups) > 1 else None,
+                pd_scope=scope,
+            )
+            for transport, namespace, scope in zip(
+                conn.transports, conn.namespaces, conn.scopes, strict=True
+            )
+        ]
+        """The scheduler engines, one per KV cache group kvflow moves."""
+        kv_cache_groups = kv_cache_config.kv_cache_groups
+        self._sliding = len(self.groups) > 1 and any(
+            getattr(kv_cache_groups[g].kv_cache_spec, "sliding_window", None) for g in self.groups
+        )
+        self._trackers = (
+            [
+                KVEventTracker(
+                    medium=f"kvflow:{self.config.transport}",
+                    block_size=conn.block_size,
+                    workers=len(conn.shards),
+                    group=g,
+                )
+                for g in self.groups
+            ]
+            if conn.events
+            else []
+        )
+        """vLLM's KV events for what kvflow stored and its store evicted."""
+        self._requests: dict[str, Request] = {}
+        """Running requests, while their saves are planned (with KV events only)."""
+        self._planner = (
+            HiddenStatesPlanner(vllm_config, kv_cache_config, self.config.transport)
+            if extracts_hidden_states(vllm_config)
+            else None
+        )
+        """Under extract_hidden_states: the requests whose hidden states to store."""
+        self._loading: set[str] = set()
+        """Under extract_hidden_states: requests whose asynchronous load has not landed
+        (their hidden states are not in their blocks yet)."""
+
+    @property
+    def sched(self) -> SchedulerEngine:
+        return self.scheds[0]
+
+    def on_new_request(self, request: Request) -> None:
+        if self.sched.knows(request.request_id):
+            return
+        pds: list[PdParams | None] = [None] * len(self.scheds)
+        try:
+            if (parsed := parse_pd_params(request.kv_transfer_params)) is not None:
+                if len(parsed) != len(self.scheds):
+                    raise PdParamsError(
+                        f"the producer sent {len(parsed)} KV cache group(s), this engine has "
+                        f"{len(self.scheds)}: start both with the same model and "
+                        "--disable-hybrid-kv-cache-manager setting"
+                    )
+                pds = list(parsed)
+        except PdParamsError as exc:  # computed locally instead: slower, never wrong
+            rid = request.request_id[:100]
+            self.sched.reject("malformed", f"request {rid}: {exc}; computing its prompt here")
+        for sched, pd in zip(self.scheds, pds, strict=True):
+            sched.add_request(
+                request.request_id, request.prompt_token_ids or [], request_salt(request), pd
+            )
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        self.on_new_request(request)  # no-op when already known
+        req = request.request_id
+        if self._trackers:
+            self._requests[req] = request
+        answers = [sched.lookup(req, num_computed_tokens) for sched in self.scheds]
+        if any(n is None for n in answers):
+            return None, False
+        n = min(n for n in answers if n is not None)  # what every group can supply
+        if len(answers) > 1:
+            for sched in self.scheds:
+                sched.limit_hit(req, num_computed_tokens + n)
+        remote = self.sched.is_remote(req)
+        asynchronous = n > 0 and (remote or self.config.load_mode == "async")
+        if asynchronous and self._planner is not None:
+            self._loading.add(req)
+        return n, asynchronous
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        block_ids = blocks.get_block_ids()
+        for g, sched in zip(self.groups, self.scheds, strict=True):
+            sched.allocated(request.request_id, block_ids[g], num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        so = scheduler_output
+        cached = so.scheduled_cached_reqs
+        reused: list[int] = []
+        if self._sliding:  # blocks a sliding window gave back may be handed out again now
+            reused = [b for r in so.scheduled_new_reqs for ids in r.block_ids for b in ids]
+            reused += [b for new in cached.new_block_ids if new for ids in new for b in ids]
+        plans: list[WorkerPlan] = []
+        for n, (g, sched) in enumerate(zip(self.groups, self.scheds, strict=True)):
+            scheduled = [
+                ScheduledRequest(
+                    req=r.req_id,
+                    num_computed=r.num_computed_tokens,
+                    num_scheduled=so.num_scheduled_tokens.get(r.req_id, 0),
+                    new_block_ids=list(r.block_ids[g]),
+                    replace_blocks=True,
+                    token_ids=r.prompt_token_ids,
+                )
+                for r in so.scheduled_new_reqs
+            ]
+            for i, req in enumerate(cached.req_ids):
+                new_blocks = cached.new_block_ids[i]
+                scheduled.append(
+                    ScheduledRequest(
+                        req=req,
+                        num_computed=cached.num_computed_tokens[i],
+                        num_scheduled=so.num_scheduled_tokens.get(req, 0),
+                        new_block_ids=list(new_blocks[g]) if new_blocks else [],
+                        replace_blocks=req in cached.resumed_req_ids,
+                    )
+                )
+            plan = sched.plan(scheduled, preempted=so.preempted_req_ids or ())
+            if self._trackers:
+                self._saves_planned(self._trackers[n], sched, plan)
+            if reused:
+                plan = msgspec.structs.replace(plan, reused=reused)
+            plans.append(plan)
+        return KVFlowMetadata(plans, self._planner.take() if self._planner else None)
+
+    def _saves_planned(
+        self, tracker: KVEventTracker, sched: SchedulerEngine, plan: WorkerPlan
+    ) -> None:
+        for spec in plan.saves:
+            if (request := self._requests.get(spec.req)) is not None:
+                chunks = sched.chunk_keys(spec.req)
+                tracker.planned(request, spec.keys, spec.token_counts, chunks, self._hash_block)
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        self._requests.pop(request.request_id, None)
+        remote_decode = bool((request.kv_transfer_params or {}).get("do_remote_decode"))
+        lend, params = False, []
+        for i, sched in enumerate(self.scheds):
+            ids = block_ids[self.groups[i]] if len(block_ids) > 1 else block_ids[0]
+            lent, p = sched.finished(request.request_id, ids, remote_decode=remote_decode)
+            lend = lend or lent
+            if p is not None:
+                params.append(p)
+        if not lend:  # no save of it is in flight
+            for tracker in self._trackers:
+                tracker.forget(request.request_id)
+        if params and len(params) != len(self.scheds):  # some group has nothing to offer
+            log.error(
+                "kvflow: request %s: not every KV cache group offered its blocks; "
+                "the consumer computes its prompt",
+                request.request_id,
+            )
+            params = []
+        out = join_groups(params) if params else {}
+        # its blocks stay lent until the rows are copied out; not a request whose load is
+        # still landing (aborted meanwhile): its rows are not there, its blocks not free
+        if not any(block_ids):  # never allocated: no load of it will land
+            self._loading.discard(request.request_id)
+        if self._planner is not None and request.request_id not in self._loading:
+            ids = block_ids[self._planner.group] if len(block_ids) > 1 else block_ids[0]
+            if ref := self._planner.finished(request, ids, request_salt(request)):
+                lend = lent_at_finish(saving=lend, exporting=True)
+                out = {**out, **ref.to_params()}
+        return lend, out or None
+
+    def set_xfer_handshake_metadata(
+        self, metadata: dict[int, KVConnectorHandshakeMetadata]
+    ) -> None:
+        shards = [m for _, m in sorted(metadata.items()) if isinstance(m, KVFlowHandshake)]
+        for g, sched in enumerate(self.scheds):
+            sched.peer_addresses = [m.addresses[g] for m in shards]
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self._loading -= connector_output.finished_recving or set()
+        self._loading -= connector_output.failed_recving or set()
+        meta = connector_output.kv_connector_worker_meta
+        if isinstance(meta, KVFlowWorkerMeta):
+            for tracker, report in zip(self._trackers, meta.reports, strict=False):
+                tracker.report(report)
+        for tracker in self._trackers:  # every worker reported its saves before these
+            for req in connector_output.finished_sending or ():
+                tracker.forget(req)
+        for sched in self.scheds:
+            if connector_output.failed_recving:
+                sched.loads_failed(connector_output.failed_recving)
+            if connector_output.invalid_block_ids:
+                sched.blocks_invalid(connector_output.invalid_block_ids)
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        return [event for tracker in self._trackers for event in tracker.take()]
