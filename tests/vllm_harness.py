@@ -79,7 +79,6 @@ SHARD = "tp0of1pp0"
 """The one worker shard of a TP=1, PP=1 engine (kvflow's `_shard(0, 1, 0)`)."""
 
 Loop = Literal["sync", "async"]
-LOOPS: tuple[Loop, ...] = ("sync", "async")
 BATCH_QUEUE_SIZE = 2
 """`VllmConfig.max_concurrent_batches` with async scheduling at PP=1: the engine core
 holds at most this many scheduled steps whose output it has not processed."""
@@ -528,6 +527,10 @@ class Harness:
             )
 
 
+MakeHarness = Callable[..., Harness]
+"""The `harness` fixture (tests/conftest.py): `harness(vllm_config, num_blocks)`."""
+
+
 def make_harness(vllm_config: VllmConfig, num_blocks: int, loop: Loop = "sync") -> Harness:
     """A real scheduler with `KVFlowConnector` over `num_blocks` blocks (one is null):
     vLLM's `Scheduler`, or its `AsyncScheduler` for the async loop (the class the
@@ -549,6 +552,18 @@ def make_harness(vllm_config: VllmConfig, num_blocks: int, loop: Loop = "sync") 
     harness = Harness(scheduler=scheduler, lookups=LookupWaiter(), loop=loop)
     harness.connector.bus.subscribe(harness.lookups)
     return harness
+
+
+def run_to_completion(h: Harness, *, max_steps: int = 200, send_lent: bool = True) -> None:
+    """Step until the engine core would go idle (vLLM holds no request, no step is in
+    flight); the worker releases lent requests at once."""
+    for _ in range(max_steps):
+        if not h.scheduler.has_requests():
+            h.drain(send_lent=send_lent)
+            assert h.idle and not h.scheduler.requests
+            return
+        h.step(send_lent=send_lent)
+    raise AssertionError(f"requests still held after {max_steps} steps: {h.scheduler.requests}")
 
 
 def run_real_worker(harness: Harness, plans: Sequence[WorkerPlan]) -> TransferResults:
