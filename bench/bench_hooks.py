@@ -32,6 +32,8 @@ def hot_path_us(iterations: int = 200_000) -> dict[str, float]:
     from kvflow.worker import WorkerEngine
     from kvflow_fs import FsOptions, FsTransport
     from kvflow_vllm.connector import KVFlowConnector
+    from kvflow_vllm.connector.worker import KVFlowWorker
+    from kvflow_vllm.groups import Pending
 
     tmp = tempfile.mkdtemp(prefix="kvflow-hot-")
     layout = make_layout(num_layers=4, num_blocks=64, block_size=BLOCK)
@@ -44,8 +46,13 @@ def hot_path_us(iterations: int = 200_000) -> dict[str, float]:
         config=cfg, transport=transport, runtime=rt, bus=EventBus(Origin("b", "worker"))
     )
     worker.register(layout)
-    conn = KVFlowConnector.__new__(KVFlowConnector)  # the adapter's methods, no vLLM engine
-    conn._worker, conn._scheduler, conn.config = worker, None, cfg
+    # the adapter's front and worker side, on this engine; no vLLM engine runs
+    side = KVFlowWorker.__new__(KVFlowWorker)
+    side.config, side.workers, side._exporter = cfg, [worker], None
+    side._layer_index = {n: (worker, i) for i, n in enumerate(layout.names)}
+    side._sending, side._receiving = Pending(), Pending()
+    conn = KVFlowConnector.__new__(KVFlowConnector)
+    conn.worker_side, conn.scheduler_side, conn.config = side, None, cfg
     kv = torch.zeros(1)
     name = layout.names[1]
 
@@ -67,7 +74,7 @@ def hot_path_us(iterations: int = 200_000) -> dict[str, float]:
     )
     out["get_finished (nothing new)"] = per_call(lambda: conn.get_finished(set()))
     # a step with a save: save_kv_layer hands one event to the trio loop
-    worker.bind(WorkerPlan(step=2, saves=[SaveSpec("r", ["k" * 32], [1], [BLOCK])]))
+    worker.bind(WorkerPlan(step=2, saves=[SaveSpec("r", ["ab" * 16], [1], [BLOCK])]))
     out["save_kv_layer (step with saves)"] = per_call(
         lambda: conn.save_kv_layer(name, kv, None), 20_000
     )
