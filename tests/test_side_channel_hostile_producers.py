@@ -21,7 +21,7 @@ import trio
 import trio.testing
 import zmq
 
-from kvflow.layout import KVLayout, LayerGeometry
+from kvflow.layout import LayerGeometry
 from kvflow.pd.offers import MAX_REASON
 from kvflow.pd.security import Channel
 from kvflow.testing.layouts import fill_blocks, make_layout
@@ -57,6 +57,7 @@ from .side_channel import (
     untouched,
     worker,
 )
+from .zmq_standins import as_device
 
 # -- 5. a hostile producer ---------------------------------------------------------
 
@@ -172,19 +173,13 @@ class _IpcZmq(ZmqTransport):
     device_type = _NoOpenDevice
 
 
-def _as_device(layout: KVLayout) -> KVLayout:
-    layout.memory = "cuda"
-    layout.tensors = [torch.frombuffer(b, dtype=torch.uint8) for b in layout.buffers]
-    return layout
-
-
 async def test_a_hostile_ipc_offer_is_refused_before_any_handle_opens(
     zctx: zmq.Context[Any],
 ) -> None:
     """The consumer side of issue 27, finding 1 for CUDA IPC: an `Ipc` answer with
     hostile layouts, handles that do not cover its layers, other blocks or another host
     is refused before a handle is opened; no byte lands."""
-    cons = _as_device(make_layout(num_layers=LAYERS, block_size=BS))
+    cons = as_device(make_layout(num_layers=LAYERS, block_size=BS))
     ours = list(cons.geometries)
 
     def each(**kw: int) -> list[LayerGeometry]:
