@@ -1,6 +1,6 @@
 """The live event stream: every runtime publishes its events for `kvflow inspect`.
 
-Each runtime binds a ZMQ PUB socket on `ipc://<runtime dir>/<engine>-<role>-<rank>-<pid>.sock`
+Each runtime binds a ZMQ XPUB socket on `ipc://<runtime dir>/<engine>-<role>-<rank>-<pid>.sock`
 and writes a discovery record (`.json`) next to it; both go on clean shutdown, and
 `discover` ignores (and removes) records whose process is gone.
 

@@ -1,9 +1,10 @@
 """The event vocabulary and the bus that carries it.
 
-Every vLLM call a connector receives becomes one of these msgspec Structs
+What a connector sees and does (vLLM's calls, the transfers they start, input
+it refuses, tasks that fail) becomes one of these msgspec Structs
 (a tagged union, so a stream of them decodes without pickle). Events are
-emitted on the runtime's trio thread only; subscribers (flow bookkeeping,
-stats, the live `kvflow inspect` stream) are called in order and must not
+emitted on the runtime's trio thread only; subscribers (stats, the event log,
+the live `kvflow inspect` stream) are called in order and must not
 block.
 """
 

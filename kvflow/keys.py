@@ -5,7 +5,8 @@ so they cannot name bytes that outlive the process. kvflow keys are a chained
 BLAKE2b of the token ids of each chunk (one chunk per KV block), rooted in a
 *namespace*: a fingerprint of everything that makes KV bytes incompatible.
 The same tokens under the same configuration give the same key in any process;
-a different model, dtype, block size, layout or rank gives a different one.
+a different model, dtype, block size, layout or tensor-parallel size gives a
+different one.
 
 A trailing partial chunk (fewer tokens than a block) gets its own key, which
 differs from any full chunk's because the token count is hashed in.

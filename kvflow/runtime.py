@@ -3,9 +3,10 @@
 vLLM calls connectors synchronously from its own threads. Those threads never
 run trio code: they hand work in with `submit` / `spawn` (a non-blocking
 `TrioToken.run_sync_soon`, a few microseconds) and read completions the flows
-publish. Only where vLLM's contract needs an answer now (shutdown, preemption)
-does a thread block, and then always with a timeout (`call`), so no caller
-ever waits on a loop that died.
+publish. Only where vLLM's contract needs an answer now (opening transports and
+registering memory, preemption, a reused block a save still reads, shutdown) does
+a thread block, and then always with a timeout (`call`), so no caller ever waits
+on a loop that died.
 
 The loop starts lazily in the process that uses it. After `fork` the child
 has no loop thread, so the runtime resets itself and starts afresh on first

@@ -98,7 +98,7 @@ class TransportContext:
     namespace: str
     """Fingerprint of the KV configuration; written into and checked against stored bytes."""
     shard: str
-    """This worker's slice of each chunk (its TP/PP rank), e.g. `tp0of1`."""
+    """This worker's slice of each chunk (its TP/PP rank), e.g. `tp0of1pp0`."""
     shards: list[str]
     """Every slice a chunk has; a lookup hit needs all of them."""
     layout: KVLayout | None = None

@@ -1,9 +1,9 @@
 """A prefill/decode proxy that follows vLLM's convention (`kvflow proxy`).
 
-What vLLM's own disaggregation proxies do, in a few dozen lines of the standard
-library: each completion request goes first to a prefill server with
-`max_tokens=1` and `kv_transfer_params={"do_remote_decode": true, ...}` (the other
-fields vLLM's proxies send as null), then to a decode server with the
+What vLLM's own disaggregation proxies do, with the standard library alone: each
+completion request goes first to a prefill server with `max_tokens=1` and
+`kv_transfer_params={"do_remote_decode": true, ...}` (the other fields vLLM's
+proxies send as null), then to a decode server with the
 `kv_transfer_params` the prefill returned, as they came. The decode server's
 answer (streamed or not) is passed through; a client that disconnects closes the
 decode request, which vLLM aborts. Servers are used round robin. A request body

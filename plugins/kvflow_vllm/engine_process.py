@@ -37,7 +37,7 @@ def tiny_model_dir() -> str:
 
 
 def model_dir(name: str) -> str:
-    """A shipped Llama config (`tiny-llama`, `bench-llama`) with seeded random weights,
+    """A shipped Llama config (`tiny-llama`, `tiny-swa`, `bench-llama`) with seeded random weights,
     materialised once per user.
 
     vLLM's `load_format="dummy"` weights are uniform in +-1e-3, which makes every
@@ -341,7 +341,7 @@ class ServeRequest(msgspec.Struct, forbid_unknown_fields=True):
 def serve(sc: Scenario) -> None:
     """Answer `ServeRequest` JSON lines on stdin with `GenResult` lines on stdout, until EOF.
 
-    A long-running engine for tests and demos that need two live engines at once
+    A long-running engine for tests that need two live engines at once
     (prefill/decode): the caller plays the proxy. Prints `READY` once started.
     """
     llm = _start(sc)

@@ -2,7 +2,8 @@
 
 `ServingEngine` runs `python -m kvflow_vllm.engine_process --serve SPEC` and talks JSON
 lines over its stdin/stdout; the caller plays vLLM's disaggregation proxy
-between two of them (`kvflow demo --pd`, the P/D end-to-end tests).
+between two of them (the P/D end-to-end tests; `kvflow demo --pd` runs OpenAI
+servers and `kvflow proxy` instead).
 """
 
 from __future__ import annotations

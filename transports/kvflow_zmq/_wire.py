@@ -5,7 +5,7 @@ A pull is one DEALER->ROUTER conversation:
     consumer -> producer   Pull(req, block_ids, geometries)
     producer -> consumer   Layer(req, layer, sizes) + one raw frame per span, per layer
                            (host memory), or
-                           Ipc(req, host, geometries, block_ids, handles) (CUDA memory:
+                           Ipc(req, host, geometries, block_ids, lease_s, handles) (CUDA memory:
                            the consumer copies device to device), or
                            Refused(req, reason)
     consumer -> producer   Done(req) | Failed(req, reason)
