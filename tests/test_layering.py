@@ -15,13 +15,12 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 NOT_CORE = ("vllm", "kvflow_vllm", "kvflow_fs", "kvflow_zmq", "kvflow_nixl", "kvflow_redis")
 
-# Run before the code under test: any import of vLLM or the adapter fails, as it
-# would on a machine that has only kvflow.
+# Run before the code under test: any import of vLLM fails, as on a machine without it.
 BLOCK_VLLM = """
 import sys
 class _Blocker:
     def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in ("vllm", "kvflow_vllm"):
+        if name.split(".")[0] == "vllm":
             raise ImportError(f"{name} is blocked by the test (no vLLM here)")
         return None
 sys.meta_path.insert(0, _Blocker())

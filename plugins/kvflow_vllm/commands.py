@@ -33,6 +33,8 @@ def add_demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 def _run_demo(args: argparse.Namespace) -> int:
     try:
+        import vllm  # noqa: F401 - the demo's engines run in processes of their own
+
         from .demo import run_demo, run_pd_demo
     except ImportError as exc:
         print(f"kvflow demo needs vLLM: {exc}", file=sys.stderr)
