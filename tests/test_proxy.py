@@ -137,3 +137,37 @@ def test_the_proxy_command_takes_max_body_bytes() -> None:
     base = ["proxy", "--prefill", "http://p", "--decode", "http://d"]
     assert build_parser().parse_args(base).max_body_bytes is None  # run(): MAX_BODY_BYTES
     assert build_parser().parse_args([*base, "--max-body-bytes", "1024"]).max_body_bytes == 1024
+
+
+def test_a_client_that_stops_sending_is_answered_408_and_let_go() -> None:
+    """A client declares a body and sends part of it (a slow-loris): the proxy waits at
+    most `client_timeout_s`, answers 408 naming the bound, and closes; its thread is free
+    again (it used to wait on the socket for as long as the client held it open)."""
+    dead = f"http://127.0.0.1:{free_port()}"
+    proxy = PdProxy([dead], [dead], client_timeout_s=0.5).start()
+    try:
+        status, error, closes = raw_post(proxy, "100", b'{"prompt": ')
+        assert (status, closes) == (408, True)
+        assert error == "the body did not arrive within 0.5 s (--client-timeout-s)"
+        with pytest.raises(ValueError, match="client_timeout_s must be above 0"):
+            PdProxy([dead], [dead], client_timeout_s=0)
+    finally:
+        proxy.close()
+
+
+def test_a_connection_left_idle_is_closed_by_the_proxy() -> None:
+    """A client that connects and sends nothing holds no thread past `client_timeout_s`."""
+    dead = f"http://127.0.0.1:{free_port()}"
+    proxy = PdProxy([dead], [dead], client_timeout_s=0.5).start()
+    host, port = proxy.httpd.server_address[:2]
+    try:
+        with socket.create_connection((str(host), int(port)), timeout=60) as sock:
+            assert sock.recv(1) == b""  # the proxy closed it (recv would wait 60 s, then raise)
+    finally:
+        proxy.close()
+
+
+def test_the_proxy_command_takes_client_timeout_s() -> None:
+    base = ["proxy", "--prefill", "http://p", "--decode", "http://d"]
+    assert build_parser().parse_args(base).client_timeout_s is None  # run(): CLIENT_TIMEOUT_S
+    assert build_parser().parse_args([*base, "--client-timeout-s", "5"]).client_timeout_s == 5.0

@@ -76,6 +76,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="answer 413 to a request body longer than this (default 32 MiB)",
     )
+    x.add_argument(
+        "--client-timeout-s",
+        type=float,
+        default=None,
+        help="let go of a client silent this long while the proxy waits on it; a body that "
+        "stops arriving is answered 408 (default 60)",
+    )
     x.set_defaults(fn=_cmd_proxy)
     from .scaffold import add_parser as add_scaffold_parser
 

@@ -8,7 +8,9 @@ proxies send as null), then to a decode server with the
 answer (streamed or not) is passed through; a client that disconnects closes the
 decode request, which vLLM aborts. Servers are used round robin. A request body
 longer than `max_body_bytes` (`--max-body-bytes`, 32 MiB by default) is answered
-413 unread.
+413 unread; a client silent for `client_timeout_s` (`--client-timeout-s`, 60 s) while
+the proxy waits on it (a request line, a body, a read of the answer) is let go, a body
+that stops arriving answered 408.
 
 Nothing here is kvflow-specific: it drives any connector that follows the
 convention. It imports no vLLM.
@@ -28,7 +30,14 @@ from collections.abc import Iterator, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-__all__ = ["MAX_BODY_BYTES", "PREFILL_PARAMS", "PdProxy", "open_post", "prefill_request"]
+__all__ = [
+    "CLIENT_TIMEOUT_S",
+    "MAX_BODY_BYTES",
+    "PREFILL_PARAMS",
+    "PdProxy",
+    "open_post",
+    "prefill_request",
+]
 
 log = logging.getLogger("kvflow.proxy")
 
@@ -46,6 +55,8 @@ PATHS = ("/v1/completions", "/v1/chat/completions")
 MAX_BODY_BYTES = 32 << 20
 """The longest request body the proxy reads by default (a long prompt as token ids in
 JSON is a few MiB); a longer one is answered 413 before any of it is read."""
+CLIENT_TIMEOUT_S = 60.0
+"""How long the proxy waits on a silent client by default (`--client-timeout-s`)."""
 
 
 def prefill_request(body: dict[str, Any]) -> dict[str, Any]:
@@ -68,11 +79,15 @@ class PdProxy:
         port: int = 0,
         timeout_s: float = 600.0,
         max_body_bytes: int = MAX_BODY_BYTES,
+        client_timeout_s: float = CLIENT_TIMEOUT_S,
     ) -> None:
         if not prefill or not decode:
             raise ValueError("a P/D proxy needs at least one prefill and one decode server")
         if max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be at least 1, not {max_body_bytes}")
+        if not client_timeout_s > 0:
+            raise ValueError(f"client_timeout_s must be above 0, not {client_timeout_s}")
+        self.client_timeout_s = client_timeout_s
         self.timeout_s = timeout_s
         self.max_body_bytes = max_body_bytes
         self._prefill = itertools.cycle([u.rstrip("/") for u in prefill])
@@ -104,7 +119,8 @@ class PdProxy:
             return next(self._prefill), next(self._decode)
 
     def _handler(self) -> type[BaseHTTPRequestHandler]:
-        return type("Handler", (_Handler,), {"proxy": self})
+        # `timeout`: every wait on the client's socket (StreamRequestHandler's)
+        return type("Handler", (_Handler,), {"proxy": self, "timeout": self.client_timeout_s})
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -143,12 +159,13 @@ class _Handler(BaseHTTPRequestHandler):
                     self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
                     self.wfile.flush()
                 self.wfile.write(b"0\r\n\r\n")
-            except (BrokenPipeError, ConnectionResetError):
+            except (BrokenPipeError, ConnectionResetError, TimeoutError):
                 log.info("kvflow proxy: client went away; aborting the decode request")
 
     def _body(self) -> dict[str, Any] | None:
         """The request's JSON object, read only if its declared length is within
-        bounds; None once the client was answered (400, 413)."""
+        bounds and within `client_timeout_s`; None once the client was answered (400,
+        408, 413)."""
         declared = self.headers.get("Content-Length", "0")
         try:
             size = int(declared)
@@ -165,6 +182,10 @@ class _Handler(BaseHTTPRequestHandler):
             return None
         try:
             body = json.loads(self.rfile.read(size))
+        except TimeoutError:
+            limit = f"{self.proxy.client_timeout_s:g} s (--client-timeout-s)"
+            self._reply(408, {"error": f"the body did not arrive within {limit}"}, close=True)
+            return None
         except ValueError:
             body = None
         if not isinstance(body, dict):
@@ -229,8 +250,16 @@ def _error_body(exc: urllib.error.HTTPError, which: str) -> dict[str, Any]:
 
 def run(args: Any) -> int:
     max_body = MAX_BODY_BYTES if args.max_body_bytes is None else args.max_body_bytes
+    wait = CLIENT_TIMEOUT_S if args.client_timeout_s is None else args.client_timeout_s
     try:
-        proxy = PdProxy(args.prefill, args.decode, args.host, args.port, max_body_bytes=max_body)
+        proxy = PdProxy(
+            args.prefill,
+            args.decode,
+            args.host,
+            args.port,
+            max_body_bytes=max_body,
+            client_timeout_s=wait,
+        )
     except ValueError as exc:
         print(f"kvflow proxy: {exc}", file=sys.stderr)
         return 2
