@@ -25,6 +25,7 @@ import functools
 import logging
 import time
 
+from . import transfers
 from .config import KVFlowConfig
 from .events import BlocksReleased, CachesRegistered, EventBus, TaskFailed
 from .keys import ChunkKey
@@ -34,7 +35,6 @@ from .metadata import WorkerPlan
 from .runtime import GAVE_UP_THEN, KVFlowFatal, Runtime, given_up, supervised
 from .staging import mark
 from .transfers import (
-    STOP_GRACE_S,
     ChunkOutcomes,
     Flows,
     LayerGate,
@@ -177,7 +177,7 @@ class WorkerEngine:  # ~310 lines: every call vLLM's thread makes, each bounded,
         """Block until this step's synchronous loads of `layer` have landed (or failed)."""
         gate = self._gate
         if layer < len(gate.events) and not gate.wait(
-            layer, self.config.load_timeout_s + STOP_GRACE_S
+            layer, self.config.load_timeout_s + transfers.STOP_GRACE_S
         ):
             self._give_up_on_step_loads(f"layer {layer}'s load")
         self._check_fatal()
@@ -216,7 +216,7 @@ class WorkerEngine:  # ~310 lines: every call vLLM's thread makes, each bounded,
         errors are in the results (not just every layer's gate). vLLM reads them after
         `end_step` (V1 runner) or, when Model Runner V2 defers `end_step` past the
         speculator, before it: the adapter calls this before handing out results."""
-        if not self._gate.settled.wait(self.config.load_timeout_s + STOP_GRACE_S):
+        if not self._gate.settled.wait(self.config.load_timeout_s + transfers.STOP_GRACE_S):
             self._give_up_on_step_loads("this step's loads")
         self._check_fatal()
 
@@ -333,9 +333,10 @@ class WorkerEngine:  # ~310 lines: every call vLLM's thread makes, each bounded,
 
     def _stop(self, what: str) -> None:
         """Record why the engine must stop and raise it in vLLM's thread."""
+        grace = f"load_timeout_s={self.config.load_timeout_s} + {transfers.STOP_GRACE_S}s"
         self._reports.set_fatal(
-            f"{what} within load_timeout_s={self.config.load_timeout_s} + {STOP_GRACE_S}s "
-            "(a read stuck in the kernel, e.g. on a hung network filesystem?)"
+            f"{what} within {grace} (a read stuck in the kernel, e.g. on a hung network "
+            "filesystem?)"
         )
         self._check_fatal()
 

@@ -17,7 +17,7 @@ from kvflow.events import EventBus, Origin
 from kvflow.hidden_states import HiddenStatesReader, hidden_context, hidden_layout
 from kvflow.runtime import Runtime
 from kvflow.transport import load_transport
-from kvflow_vllm import hidden_states as hs
+from kvflow_vllm import extract_hidden_states as hs
 
 from .hidden_states_cache import (
     HIDDEN,
