@@ -76,7 +76,7 @@ BLOCK_SIZE = 16
 MAX_MODEL_LEN = 512
 LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
 SHARD = "tp0of1pp0"
-"""The one worker shard of a TP=1, PP=1 engine (kvflow's `_shard(0, 1, 0)`)."""
+"""The one worker shard of a TP=1, PP=1 engine (kvflow's `shard_name(0, 1, 0)`)."""
 
 Loop = Literal["sync", "async"]
 BATCH_QUEUE_SIZE = 2

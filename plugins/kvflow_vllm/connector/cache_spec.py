@@ -33,6 +33,7 @@ __all__ = [
     "layer_specs",
     "layout_from_tensors",
     "request_salt",
+    "shard_name",
 ]
 
 log = logging.getLogger("kvflow.vllm")
@@ -186,7 +187,8 @@ def _stored_layout(kv_cache_config: KVCacheConfig) -> str:
     return "token-major"
 
 
-def _shard(tp_rank: int, tp_size: int, pp_rank: int) -> str:
+def shard_name(tp_rank: int, tp_size: int, pp_rank: int) -> str:
+    """A worker's shard, as stores name its part of a chunk (`tp0of2pp0`)."""
     return f"tp{tp_rank}of{tp_size}pp{pp_rank}"
 
 

@@ -41,7 +41,7 @@ from kvflow.transport import (
 from ..compat import untested_version
 from ..groups import transfer_groups
 from ..metrics import KVFlowPromMetrics, KVFlowStats
-from .cache_spec import _shard, fingerprint, fit_config, kv_events_on
+from .cache_spec import fingerprint, fit_config, kv_events_on, shard_name
 from .scheduler import KVFlowScheduler
 from .worker import KVFlowWorker
 
@@ -124,8 +124,8 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
             start_publisher(self.runtime, self.bus)
         pc = self._vllm_config.parallel_config
         tp, pp = pc.tensor_parallel_size, pc.pipeline_parallel_size
-        self.shards = [_shard(r, tp, p) for p in range(pp) for r in range(tp)]
-        shard = _shard(self.tp_rank, tp, pp_rank)
+        self.shards = [shard_name(r, tp, p) for p in range(pp) for r in range(tp)]
+        shard = shard_name(self.tp_rank, tp, pp_rank)
         self.rank = self.shards.index(shard)
         fps = [fingerprint(self._vllm_config, self._kv_cache_config, g) for g in self.groups]
         self.namespaces = [fp.namespace() for fp in fps]
