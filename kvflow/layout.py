@@ -159,6 +159,27 @@ class LayerGeometry(msgspec.Struct, frozen=True, kw_only=True):
         )
         return last + inner + self.cell_bytes
 
+    def head_runs(self, first: int, count: int, num_tokens: int) -> tuple[tuple[int, int], ...]:
+        """(offset within a block, length) of the runs holding heads `[first, first +
+        count)` of its first `num_tokens` tokens, in memory order (what a rank of another
+        tensor-parallel size reads or writes of this block). A block-granular block splits
+        by head only when each head is one dense run of it (vLLM's CPU cache)."""
+        if not 0 <= first < first + count <= self.heads:
+            raise LayoutError(f"heads {first}..{first + count - 1} out of range ({self.heads})")
+        if count == self.heads:
+            return _runs(self, num_tokens)
+        if self.block_bytes:
+            if self.head_stride * self.heads != self.block_bytes:
+                raise LayoutError(f"blocks of {self.describe()} do not split by head")
+            return ((first * self.head_stride, count * self.head_stride),)
+        return _runs(self, num_tokens, first, count)
+
+    def head_shape(self, count: int) -> tuple[Any, ...]:
+        """What must match for `count` heads of a block of one cache to be copied run by
+        run into `count` heads of a block of another (`block_shape` of a head slice)."""
+        runs = tuple(n for _, n in self.head_runs(0, count, self.block_size or 1))
+        return (self.block_size, self.cell_bytes, self.kernel_blocks, bool(self.block_bytes), runs)
+
     def block_runs(self) -> list[tuple[int, int]]:
         """(offset within a block, length) of the runs of one whole block: what moves a
         full block with the fewest descriptors."""
@@ -166,7 +187,10 @@ class LayerGeometry(msgspec.Struct, frozen=True, kw_only=True):
 
 
 @functools.lru_cache(maxsize=4096)
-def _runs(g: LayerGeometry, num_tokens: int) -> tuple[tuple[int, int], ...]:
+def _runs(
+    g: LayerGeometry, num_tokens: int, first_head: int = 0, heads: int = 0
+) -> tuple[tuple[int, int], ...]:
+    """`LayerGeometry.runs`, of heads `[first_head, first_head + heads)` (all if 0)."""
     if g.block_bytes:
         return ((0, g.block_bytes),)
     if not 0 < num_tokens <= g.block_size:
@@ -175,9 +199,9 @@ def _runs(g: LayerGeometry, num_tokens: int) -> tuple[tuple[int, int], ...]:
     pieces: list[tuple[int, int]] = []
     for k in range(-(-num_tokens // per_kernel)):
         m = min(per_kernel, num_tokens - k * per_kernel)
-        base = k * g.kernel_stride
+        base = k * g.kernel_stride + first_head * g.head_stride
         (outer, n_outer), (inner, n_inner) = sorted(
-            [(g.head_stride, g.heads), (g.token_stride, m)], reverse=True
+            [(g.head_stride, heads or g.heads), (g.token_stride, m)], reverse=True
         )
         if n_inner == 1 or inner == cell:  # the inner dimension's cells touch
             pieces += [(base + i * outer, n_inner * cell) for i in range(n_outer)]
@@ -330,11 +354,15 @@ def block_geometry(
     ratio = shape[0] // num_blocks
     if ratio > 1 and strides[0] * itemsize != expect:
         raise LayoutError(f"kernel blocks of a block are not adjacent in shape {tuple(shape)}")
-    return LayerGeometry(
+    heads = shape[1] if len(shape) == 4 and ratio == 1 else 1
+    head_major = heads > 1 and strides[1] * itemsize * heads == expect
+    return LayerGeometry(  # heads recorded when each is one run of the block (head-major)
         num_blocks=num_blocks,
         block_size=0,
         block_stride=strides[0] * itemsize * ratio,
         block_bytes=expect * ratio,
+        heads=heads if head_major else 1,
+        head_stride=strides[1] * itemsize if head_major else 0,
     )
 
 
