@@ -106,7 +106,7 @@ import trio.testing
 import zmq
 
 from kvflow.layout import KVLayout
-from kvflow.pd.params import PD_VERSION, PdParams, check_pd_params
+from kvflow.pd.params import PD_VERSION, UNSET_SHAPE, PdParams, check_pd_params
 from kvflow.pd.security import Channel, prompt_digest
 from kvflow.testing.layouts import make_layout
 from kvflow.transport import LoadJob, Offer, PeerSource, TransportContext
@@ -549,6 +549,9 @@ def micro_us(layout: KVLayout, n: int = 2000) -> dict[str, float]:
             len(tokens),
             16,
             prompt_digest(tokens, salt),
+            UNSET_SHAPE,
+            1,
+            1,
         )
         return p.signed(channel)
 

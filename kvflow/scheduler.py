@@ -31,10 +31,19 @@ from .keys import ChunkKey, chunk_keys, chunk_token_counts
 from .lending import lent_at_finish
 from .metadata import LoadSpec, OfferSpec, SaveSpec, WorkerPlan
 from .pd.claims import Claim, Claims
-from .pd.params import PD_VERSION, PdParams, check_pd_params, consumer_params
+from .pd.params import (
+    PD_VERSION,
+    ModelShape,
+    UNSET_SHAPE,
+    PdParams,
+    check_pd_params,
+    consumer_params,
+    pull_refusal,
+)
 from .pd.security import Rejections, prompt_digest
+from .pd.topology import readers
 from .runtime import GAVE_UP_THEN, KVFlowFatal, Runtime, given_up
-from .transport import PeerSource, Transport, shard_mismatch
+from .transport import PeerSource, Transport
 
 __all__ = ["ScheduledRequest", "SchedulerEngine"]
 
@@ -103,7 +112,9 @@ class SchedulerEngine:  # ~395 lines: one request's life in the scheduler (looku
         can_pull: bool = False,
         can_offer: bool = False,
         engine_id: str = "",
-        num_shards: int = 1,
+        tp_size: int = 1,
+        pp_size: int = 1,
+        shape: ModelShape | None = None,
         null_block: int | None = None,
         pd_scope: str | None = None,
     ) -> None:
@@ -121,8 +132,10 @@ class SchedulerEngine:  # ~395 lines: one request's life in the scheduler (looku
         self.can_pull = can_pull
         self.can_offer = can_offer
         self.engine_id = engine_id
-        self.num_shards = num_shards
-        """This engine's worker shards (tensor x pipeline parallel ranks)."""
+        self.tp_size, self.pp_size = tp_size, pp_size
+        """This engine's tensor and pipeline parallel sizes (a worker shard per rank)."""
+        self.shape = shape or UNSET_SHAPE
+        """This engine's model and KV cache, as P/D params carry it (`ModelShape`)."""
         self.peer_addresses: list[str] = []
         """This engine's worker endpoints by shard, learned from the workers' handshake."""
         self.null_block = null_block
@@ -171,25 +184,31 @@ class SchedulerEngine:  # ~395 lines: one request's life in the scheduler (looku
             reason, why = check_pd_params(
                 pd, self.transport.context.channel, token_ids, salt, self.pd_scope
             )
-            if reason:
-                self.reject(reason, f"request {req[:100]}: {why}; computing its prompt here")
-                pd = None
-            elif why := self._refuse_pull(pd):
-                log.error("kvflow: request %s: %s: computing its prompt here", req, why)
+            # params this deployment signed say truly what differs (another model's
+            # params also fail the prompt's digest: name the field instead)
+            refusal = self._refuse_pull(pd) if reason in ("", "prompt") else ""
+            if refusal:
+                log.error("kvflow: request %s: %s: computing its prompt here", req, refusal)
                 if self._claims:  # signed for this consumer: its producer hands them back
                     self._claims.release(pd.offer, pd.addresses)
+                pd = None
+            elif reason:
+                self.reject(reason, f"request {req[:100]}: {why}; computing its prompt here")
                 pd = None
         if pd is not None and self.can_pull:
             n = min(pd.num_tokens, len(token_ids))
             counts = chunk_token_counts(n, self.block_size)[: len(pd.block_ids)]
             claims = self._claims
+            read, unread = self._read_addresses(pd)
+            if claims and unread:  # replicas no rank of ours reads: let them go now
+                claims.release(pd.offer, unread)
             st = self._reqs[req] = _Request(
                 keys=[""] * len(counts),
                 counts=counts,
                 prompt_len=len(token_ids),
                 hit_chunks=len(counts),
                 pd=pd,
-                claim=claims.add(req, pd.offer, sum(counts), pd.addresses) if claims else None,
+                claim=claims.add(req, pd.offer, sum(counts), read) if claims else None,
             )
         else:
             keys = chunk_keys(
@@ -272,7 +291,12 @@ class SchedulerEngine:  # ~395 lines: one request's life in the scheduler (looku
         if st.pd is not None:
             pd = st.pd
             source = PeerSource(
-                pd.engine_id, pd.addresses, pd.offer, [pd.block_ids[i] for i in chunks]
+                pd.engine_id,
+                pd.addresses,
+                pd.offer,
+                [pd.block_ids[i] for i in chunks],
+                tp_size=pd.tp_size,
+                kv_heads=pd.shape.kv_heads,
             )
             if any(pd.block_ids[i] == self.null_block for i in chunks):
                 error = error or (  # the same window on both sides: not expected
@@ -384,6 +408,9 @@ class SchedulerEngine:  # ~395 lines: one request's life in the scheduler (looku
                 block_ids=list(block_ids[: len(counts)]),
                 num_tokens=sum(counts),
                 block_size=self.block_size,
+                shape=self.shape,
+                tp_size=self.tp_size,
+                pp_size=self.pp_size,
                 prompt=prompt_digest(st.tokens[: sum(counts)], st.salt, self.pd_scope),
             )
             params = consumer_params(pd.signed(self.transport.context.channel))
@@ -397,15 +424,18 @@ class SchedulerEngine:  # ~395 lines: one request's life in the scheduler (looku
         return lend, params
 
     def _refuse_pull(self, pd: PdParams) -> str:
-        """Why this consumer cannot copy `pd`'s blocks as they are ("" if it can)."""
-        if len(pd.addresses) != self.num_shards:
-            return shard_mismatch(pd.engine_id, len(pd.addresses), self.num_shards)
-        if pd.block_size != self.block_size:
-            return (
-                f"producer {pd.engine_id} has blocks of {pd.block_size} tokens, this consumer "
-                f"{self.block_size}; give both instances the same --block-size"
-            )
-        return ""
+        """Why this consumer cannot load `pd`'s blocks ("" if it can)."""
+        hetero = self.transport.capabilities.hetero_tp
+        return pull_refusal(pd, self.shape, self.tp_size, self.pp_size, self.block_size, hetero)
+
+    def _read_addresses(self, pd: PdParams) -> tuple[list[str], list[str]]:
+        """The producer endpoints some rank of this consumer pulls from, and the others
+        (replicated heads no rank needs; every endpoint when the sizes are equal)."""
+        if pd.tp_size == self.tp_size:
+            return pd.addresses, []
+        count = readers(pd.shape.kv_heads, pd.tp_size, self.tp_size) * pd.pp_size
+        read = [a for a, n in zip(pd.addresses, count, strict=True) if n]
+        return read, [a for a, n in zip(pd.addresses, count, strict=True) if not n]
 
     def loads_failed(self, reqs: Iterable[str]) -> None:
         """Asynchronous loads of `reqs` failed: never offer the same hit again."""

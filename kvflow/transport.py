@@ -25,6 +25,7 @@ import trio
 from .keys import ChunkKey
 from .layout import KVLayout
 from .pd.security import Channel
+from .pd.topology import HeadRead, TopologyError, plan_reads, readers
 
 __all__ = [
     "Capabilities",
@@ -86,6 +87,9 @@ class Capabilities(msgspec.Struct, frozen=True):
     store: bool = True
     peer: bool = False
     memory: frozenset[str] = frozenset({"cpu"})
+    hetero_tp: bool = False
+    """A peer transport whose consumers pull from producers of another tensor-parallel
+    size, each rank its own heads (`PeerSource.tp_size`, `kvflow.pd.topology`)."""
 
 
 @dataclass
@@ -118,22 +122,49 @@ class TransportContext:
     """Set by kvflow's vLLM adapter when vLLM publishes KV events: a store transport that
     deletes chunks to make room calls it with their namespace and keys (any thread)."""
 
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    """This worker's place in the engine's parallel shape (`shard` names it too)."""
+
     def peer_address(self, src: PeerSource) -> str:
         """The producer endpoint serving this worker's shard; a `TransportError` if the
         producer has another number of shards (another tensor/pipeline parallel shape)."""
         if len(src.addresses) != len(self.shards):
             raise TransportError(
-                shard_mismatch(src.engine_id, len(src.addresses), len(self.shards)), chunk=0
+                f"producer {src.engine_id} runs {len(src.addresses)} worker shard(s), this "
+                f"consumer {len(self.shards)}; this pull needs equal parallel shapes",
+                chunk=0,
             )
         return src.addresses[self.shards.index(self.shard)]
 
+    def peer_reads(self, src: PeerSource) -> list[PeerRead]:
+        """Where this worker pulls its part of `src` from: its own shard's endpoint, whole
+        blocks, when the producer has this engine's tensor parallel size; else the heads
+        this rank holds from the producer ranks that hold them (`kvflow.pd.topology`)."""
+        if src.tp_size == self.tp_size:
+            return [PeerRead(self.peer_address(src))]
+        stage = src.addresses[self.pp_rank * src.tp_size : (self.pp_rank + 1) * src.tp_size]
+        try:
+            count = readers(src.kv_heads, src.tp_size, self.tp_size)
+            reads = plan_reads(src.kv_heads, src.tp_size, self.tp_size, self.tp_rank)
+        except TopologyError as exc:
+            raise TransportError(f"producer {src.engine_id}: {exc}", chunk=0) from None
+        if len(stage) != src.tp_size:
+            raise TransportError(f"producer {src.engine_id}: too few addresses", chunk=0)
+        return [PeerRead(stage[r.rank], r, count[r.rank]) for r in reads]
 
-def shard_mismatch(producer: str, theirs: int, ours: int) -> str:
-    """Why a consumer does not pull from a producer of another parallel shape."""
-    return (
-        f"producer {producer} runs {theirs} worker shard(s), this consumer {ours}; kvflow "
-        "pulls between equal tensor x pipeline parallel shapes only"
-    )
+
+@dataclass(frozen=True)
+class PeerRead:
+    """One producer endpoint a consumer worker reads (`TransportContext.peer_reads`)."""
+
+    address: str
+    heads: HeadRead | None = None
+    """Which heads, from which into which; None: every head, as they lie."""
+    readers: int = 1
+    """How many of the consumer's ranks read this producer rank (it holds the blocks until
+    all are done)."""
 
 
 @dataclass
@@ -161,6 +192,10 @@ class PeerSource(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """The request id on the producer."""
     block_ids: list[int]
     """The producer's blocks, one per chunk."""
+    tp_size: int = 1
+    """The producer's tensor parallel size: `addresses` holds as many per pipeline stage."""
+    kv_heads: int = 1
+    """The model's KV heads over all ranks (which of them each rank holds)."""
 
 
 @dataclass

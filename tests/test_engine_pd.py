@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import msgspec
 import pytest
 import trio
 import trio.testing
@@ -18,7 +19,7 @@ from kvflow.config import KVFlowConfig
 from kvflow.events import TransferFailed
 from kvflow.layout import LayoutError
 from kvflow.metadata import WorkerPlan
-from kvflow.pd.params import PD_VERSION, PdParams
+from kvflow.pd.params import PD_VERSION, UNSET_SHAPE, ModelShape, PdParams
 from kvflow.pd.security import prompt_digest
 from kvflow.scheduler import SchedulerEngine
 from kvflow.transport import Capabilities, PeerSource, TransportContext, TransportError
@@ -62,7 +63,7 @@ def test_a_device_cache_is_refused_by_a_host_only_peer_transport(
         start_engine("a", device=True, worker_transport=HostOnlyPeer)
 
 
-def _pd_consumer(e: Engine, num_shards: int = 1) -> SchedulerEngine:
+def _pd_consumer(e: Engine, tp_size: int = 1) -> SchedulerEngine:
     """A P/D consumer's scheduler side on `e`'s runtime and transport."""
     return SchedulerEngine(
         config=KVFlowConfig(),
@@ -72,15 +73,24 @@ def _pd_consumer(e: Engine, num_shards: int = 1) -> SchedulerEngine:
         namespace=e.namespace,
         block_size=BS,
         can_pull=True,
-        num_shards=num_shards,
+        tp_size=tp_size,
     )
 
 
-def _pd(sched: SchedulerEngine, block_size: int = BS) -> PdParams:
-    """Params of PROMPT for the consumer `sched` (its namespace in the digest)."""
+def _pd(
+    sched: SchedulerEngine,
+    block_size: int = BS,
+    *,
+    shape: ModelShape = UNSET_SHAPE,
+    pp_size: int = 1,
+) -> PdParams:
+    """Params of PROMPT for the consumer `sched` (its namespace in the digest) from a
+    producer of `shape`, one tensor-parallel rank per pipeline stage."""
     blocks, n, digest = [10, 11, 12], len(PROMPT), prompt_digest(PROMPT, scope=sched.pd_scope)
-    address, offer = "tcp://127.0.0.1:1", "0" * 32
-    return PdParams(PD_VERSION, "producer", [address], offer, blocks, n, block_size, digest)
+    addresses, offer = [f"tcp://127.0.0.1:{i + 1}" for i in range(pp_size)], "0" * 32
+    return PdParams(
+        PD_VERSION, "producer", addresses, offer, blocks, n, block_size, digest, shape, 1, pp_size
+    )
 
 
 def test_a_pd_consumer_with_a_cached_prefix_pulls_only_the_rest(
@@ -100,12 +110,47 @@ def test_a_pd_consumer_with_a_cached_prefix_pulls_only_the_rest(
 def test_a_pd_producer_with_another_parallel_shape_is_refused_naming_both(
     start_engine: Callable[..., Engine], caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A TP=1 producer and a TP=2 consumer: the prompt is computed here, never pulled
-    shard-crossed (each rank holds other heads)."""
-    sched = _pd_consumer(start_engine("tp"), num_shards=2)
+    """A TP=1 producer and a TP=2 consumer whose transport pulls between equal sizes only
+    (here `fs`; zmq reads each rank's heads: tests/test_tp.py), and another pipeline
+    parallel size (no transport pulls across it): the prompt is computed here, never pulled
+    shard-crossed (each rank holds other heads, each stage other layers)."""
+    sched = _pd_consumer(start_engine("tp"), tp_size=2)
     sched.add_request("r", PROMPT, pd=_pd(sched))
     assert not sched.is_remote("r")
-    assert "runs 1 worker shard(s), this consumer 2" in caplog.text
+    assert "runs tensor parallel size 1, this consumer 2; this transport pulls" in caplog.text
+    sched = _pd_consumer(start_engine("pp"))
+    sched.add_request("r", PROMPT, pd=_pd(sched, pp_size=2))
+    assert not sched.is_remote("r")
+    assert "runs pipeline parallel size 2, this consumer 1; kvflow pulls" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("model", "other-model"),
+        ("layers", 7),
+        ("kv_heads", 8),
+        ("head_size", 256),
+        ("dtype", "torch.bfloat16"),
+        ("cache_dtype", "fp8"),
+    ],
+)
+def test_a_pd_producer_of_another_model_or_cache_is_refused_naming_the_field(
+    start_engine: Callable[..., Engine],
+    caplog: pytest.LogCaptureFixture,
+    field: str,
+    value: object,
+) -> None:
+    """Issue 30, item 4: params a producer of another model, number of layers, KV heads,
+    head size, dtype or cache dtype signed are never loaded (their bytes could be of the
+    right size and the wrong meaning); the log names the field and both values."""
+    sched = _pd_consumer(start_engine(field))
+    sched.shape = ModelShape("tiny", 4, 2, 64, "torch.float32", "auto")
+    pd = _pd(sched, shape=msgspec.structs.replace(sched.shape, **{field: value}))
+    sched.add_request("r", PROMPT, pd=pd)
+    assert not sched.is_remote("r")
+    ours = getattr(sched.shape, field)
+    assert f"has {field}={value!r}, this consumer {field}={ours!r}" in caplog.text
 
 
 def test_a_pd_producer_with_other_block_sizes_is_refused_naming_both(

@@ -26,7 +26,7 @@ from kvflow.events import (
     TransferFailed,
 )
 from kvflow.metadata import LoadSpec, OfferSpec, WorkerPlan
-from kvflow.pd.params import PD_VERSION, PdParams
+from kvflow.pd.params import PD_VERSION, UNSET_SHAPE, PdParams
 from kvflow.pd.security import prompt_digest
 from kvflow.runtime import GIVE_UP_AFTER, KVFlowFatal, Runtime
 from kvflow.scheduler import ScheduledRequest, SchedulerEngine
@@ -157,7 +157,17 @@ def test_a_renewal_holds_no_longer_than_the_producers_lease_nor_max_hold_s(
 def _pd(addresses: list[str], req: str = "p-req") -> PdParams:
     digest = prompt_digest(PROMPT, scope="ns")  # the consumer's namespace, below
     return PdParams(
-        PD_VERSION, "producer", addresses, _oid(req), [1, 2, 3], len(PROMPT), BS, digest
+        PD_VERSION,
+        "producer",
+        addresses,
+        _oid(req),
+        [1, 2, 3],
+        len(PROMPT),
+        BS,
+        digest,
+        UNSET_SHAPE,
+        tp_size=len(addresses),
+        pp_size=1,
     )
 
 
@@ -178,7 +188,7 @@ def _consumer(
         namespace="ns",
         block_size=BS,
         can_pull=True,
-        num_shards=shards,
+        tp_size=shards,
     )
     return sched, rec
 
@@ -460,14 +470,15 @@ def test_a_request_that_ends_before_its_pull_hands_the_producers_blocks_back_at_
 def test_a_request_refused_for_its_shape_hands_the_producers_blocks_back_at_once(
     start_engine: Callable[..., Engine], make_runtime: MakeRuntime
 ) -> None:
-    """Issue 28, item 4: a consumer that refuses signed P/D params for its shape (here two
-    worker shards against the producer's one) computes the prompt itself and tells the
-    producer it will not pull."""
+    """Issue 28, item 4: a consumer that refuses signed P/D params for its shape (here
+    another pipeline parallel size) computes the prompt itself and tells the producer it
+    will not pull."""
     producer = start_engine(
         "producer", config=KVFlowConfig(hold_timeout_s=600.0), worker_transport=_zmq
     )
     _offer(producer)
-    sched, _rec = _consumer(make_runtime, shards=2)
+    sched, _rec = _consumer(make_runtime)
+    sched.pp_size = 2
     sched.add_request("d", PROMPT, pd=_pd([producer.worker_transport.address]))
     assert not sched.is_remote("d")
     _released(producer)

@@ -81,7 +81,9 @@ def test_pd_producer_offers_blocks_and_consumer_pulls_them(harness: MakeHarness)
     (load,) = pull.plan.loads
     assert load.asynchronous and load.token_counts == [16, 16, 8]
     assert load.block_ids == consumer.block_table("d")
-    assert load.source == PeerSource(pd.engine_id, [address], pd.offer, table)
+    want = PeerSource(pd.engine_id, [address], pd.offer, table, 1, pd.shape.kv_heads)
+    assert load.source == want
+    assert pd.shape.kv_heads == 2 and pd.shape.layers == 2, pd.shape  # vLLM's model config
     consumer.step(finished_recving={"d"})
     decode = consumer.step()
     assert decode.output.num_scheduled_tokens == {"d": 1}, "only the last token recomputed"

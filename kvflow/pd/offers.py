@@ -145,8 +145,13 @@ class _Held:
     outcome: str = ""
     closed: bool = False
     """Set when `offer()` ends: no new pull or read may start."""
-    peer: object = None
-    """The consumer that claimed the pull (a socket identity, an agent name)."""
+    peers: set[object] = field(default_factory=set)
+    """The consumers that claimed the pull (socket identities, agent names)."""
+    expected: int = 1
+    """How many consumers pull it (a consumer of a larger tensor-parallel size reads one
+    producer rank from several of its ranks, each its own heads)."""
+    done: set[object] = field(default_factory=set)
+    """The claimers that answered done."""
     readers: int = 0
     idle: trio.Event = field(default_factory=trio.Event)
 
@@ -210,16 +215,22 @@ class HeldOffers:
                 ended += self.release(req, "released unpulled by its consumer")
         return ended
 
-    def claim(self, req: str, peer: object) -> str:
-        """Reserve `req` for the consumer `peer`: "" if it may pull, else why not. One
-        consumer pulls a request; a second is refused, and only the claimer's answer
-        counts (`release(..., peer=)`)."""
+    def claim(self, req: str, peer: object, readers: int = 1) -> str:
+        """Reserve `req` for the consumer `peer`, one of `readers` that pull it: "" if it
+        may pull, else why not. The first claim fixes how many consumers pull a request
+        (the ranks of one consumer engine); one more, or one that counts otherwise, is
+        refused, and only the claimers' answers count (`release(..., peer=)`)."""
         held = self._open(req)
         if held is None:
             return self.why_not(req)
-        if held.peer is not None and held.peer != peer:
+        if peer in held.peers:
+            return ""
+        if held.peers and readers != held.expected:
+            return f"claimed by {held.expected} reader(s), not {readers}"
+        if len(held.peers) >= readers:
             return "already being pulled by another consumer"
-        held.peer = peer
+        held.peers.add(peer)
+        held.expected = readers
         return ""
 
     async def offer(self, offer: Offer) -> str:
@@ -242,12 +253,18 @@ class HeldOffers:
 
     def release(self, req: str, outcome: str, peer: object = None) -> bool:
         """The consumer is done with `req` ("done") or failed (its reason). With `peer`,
-        only the consumer that claimed the pull may release it. Returns whether it did."""
+        only a consumer that claimed the pull may release it, and "done" releases once
+        every claimer is done. Returns whether it released."""
         held = self._held.get(req)
         if held is None or held.released.is_set():
             return False
-        if peer is not None and peer != held.peer:
-            return False
+        if peer is not None:
+            if peer not in held.peers:
+                return False
+            if outcome == "done":
+                held.done.add(peer)
+                if len(held.done) < held.expected:
+                    return False
         held.outcome = outcome[:MAX_REASON]
         held.released.set()
         self._end(req, "already pulled" if outcome == "done" else f"released: {held.outcome}")

@@ -25,18 +25,22 @@ import msgspec
 from msgspec import Meta
 
 from .security import Channel, prompt_digest
+from .topology import TopologyError, plan_reads
 
 __all__ = [
     "PD_VERSION",
+    "ModelShape",
     "PdParams",
     "PdParamsError",
+    "UNSET_SHAPE",
     "check_pd_params",
     "consumer_params",
     "join_groups",
     "parse_pd_params",
+    "pull_refusal",
 ]
 
-PD_VERSION = 3
+PD_VERSION = 4
 KEY = "kvflow"
 MAX_BLOCKS = 1 << 20
 MAX_SHARDS = 1024
@@ -47,6 +51,39 @@ Hex = Annotated[str, Meta(pattern=r"^[0-9a-f]*\Z", max_length=128)]
 
 class PdParamsError(ValueError):
     """`kv_transfer_params` that claim a remote prefill but do not describe one."""
+
+
+Size = Annotated[int, Meta(ge=0, le=1 << 20)]
+
+
+class ModelShape(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What a producer's and a consumer's KV caches must agree on, whatever their parallel
+    shapes, block sizes and layouts: a consumer refuses a pull naming the first field
+    that differs (it would otherwise load KV of the right size and the wrong meaning)."""
+
+    model: Text
+    layers: Size
+    """KV cache layers of the group (all pipeline stages)."""
+    kv_heads: Size
+    """The model's KV heads, over all tensor-parallel ranks (1 for MLA's latent)."""
+    head_size: Size
+    dtype: Text
+    cache_dtype: Text
+
+    def mismatch(self, theirs: ModelShape, producer: str) -> str:
+        """Why KV of `theirs` (producer `producer`'s) cannot be loaded here; "" if it can."""
+        for name in self.__struct_fields__:
+            ours, other = getattr(self, name), getattr(theirs, name)
+            if ours != other:
+                return (
+                    f"producer {producer} has {name}={other!r}, this consumer {name}={ours!r}; "
+                    "producer and consumer must serve the same model with the same KV cache"
+                )
+        return ""
+
+
+UNSET_SHAPE = ModelShape(model="", layers=0, kv_heads=1, head_size=0, dtype="", cache_dtype="")
+"""The shape of an engine that states none (engines driven without vLLM: tests)."""
 
 
 class PdParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -68,6 +105,12 @@ class PdParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     prompt: Hex
     """`prompt_digest` of the prompt's first `num_tokens` tokens, its salt and the KV
     cache group's `Fingerprint.pd_scope`."""
+    shape: ModelShape
+    """The producer's model and KV cache (checked before anything is pulled)."""
+    tp_size: Annotated[int, Meta(ge=1, le=MAX_SHARDS)]
+    pp_size: Annotated[int, Meta(ge=1, le=MAX_SHARDS)]
+    """The producer's tensor and pipeline parallel sizes (`addresses` holds one endpoint
+    per rank, pipeline stage by stage)."""
     mac: Hex = ""
     """The deployment's MAC over every other field ("" for a keyless deployment)."""
 
@@ -123,6 +166,11 @@ def _parse_one(entry: Any) -> PdParams:
         p = msgspec.convert(entry, PdParams)
     except msgspec.ValidationError as exc:
         raise PdParamsError(f"kv_transfer_params['kvflow']: {exc}"[:500]) from None
+    if len(p.addresses) != p.tp_size * p.pp_size:
+        raise PdParamsError(
+            f"kv_transfer_params['kvflow']: {len(p.addresses)} addresses for tp_size "
+            f"{p.tp_size} x pp_size {p.pp_size}"
+        )
     return p
 
 
@@ -150,3 +198,37 @@ def check_pd_params(
             "another model or KV cache group"
         )
     return "", ""
+
+
+def pull_refusal(
+    p: PdParams, shape: ModelShape, tp_size: int, pp_size: int, block_size: int, hetero_tp: bool
+) -> str:
+    """Why a consumer of `shape`, `tp_size` x `pp_size` ranks and blocks of `block_size`
+    tokens cannot pull `p` ("" if it can), naming what differs. `hetero_tp`: its transport
+    pulls between tensor-parallel sizes (`kvflow.pd.topology`)."""
+    if why := shape.mismatch(p.shape, p.engine_id):
+        return why
+    if len(p.addresses) != p.tp_size * p.pp_size:
+        return f"producer {p.engine_id} sent {len(p.addresses)} addresses for its ranks"
+    if p.pp_size != pp_size:
+        return (
+            f"producer {p.engine_id} runs pipeline parallel size {p.pp_size}, this consumer "
+            f"{pp_size}; kvflow pulls between equal pipeline parallel sizes only"
+        )
+    if p.tp_size != tp_size:
+        if not hetero_tp:
+            return (
+                f"producer {p.engine_id} runs tensor parallel size {p.tp_size}, this consumer "
+                f"{tp_size}; this transport pulls between equal tensor parallel sizes only"
+            )
+        try:
+            for rank in range(tp_size):
+                plan_reads(shape.kv_heads, p.tp_size, tp_size, rank)
+        except TopologyError as exc:
+            return f"producer {p.engine_id} (tensor parallel size {p.tp_size}): {exc}"
+    if p.block_size != block_size:
+        return (
+            f"producer {p.engine_id} has blocks of {p.block_size} tokens, this consumer "
+            f"{block_size}; give both instances the same --block-size"
+        )
+    return ""

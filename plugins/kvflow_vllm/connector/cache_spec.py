@@ -13,6 +13,7 @@ import torch
 
 from kvflow.config import ConfigError, KVFlowConfig
 from kvflow.keys import Fingerprint
+from kvflow.pd.params import ModelShape
 from kvflow.layout import KVLayout, LayoutError, block_geometry, view_extent, view_geometry
 
 from ..extract_hidden_states import extracts_hidden_states
@@ -32,6 +33,7 @@ __all__ = [
     "layer_loads_unsafe",
     "layer_specs",
     "layout_from_tensors",
+    "model_shape",
     "request_salt",
     "shard_name",
 ]
@@ -62,12 +64,7 @@ def fingerprint(
     with another's."""
     mc = vllm_config.model_config
     groups = kv_cache_config.kv_cache_groups
-    spec = groups[group].kv_cache_spec
-    if per_layer := getattr(spec, "kv_cache_specs", None):
-        # a group of layers with different specs (extract_hidden_states' cache-only layer
-        # next to attention): workers see each layer's spec, the scheduler one merged
-        # spec; the first layer's is what both agree on (the layer count says the rest)
-        spec = per_layer[groups[group].layer_names[0]]
+    spec = _group_spec(kv_cache_config, group)  # the layer count says the rest
     extra = type(spec).__name__
     if len(groups) > 1:  # which layers, which window (one group: as before groups)
         window = getattr(spec, "sliding_window", None)
@@ -85,6 +82,33 @@ def fingerprint(
         tp_size=vllm_config.parallel_config.tensor_parallel_size,
         extra=extra,
     )
+
+
+def model_shape(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, group: int = 0
+) -> ModelShape:
+    """What a P/D peer's KV cache group `group` must agree on with this engine's."""
+    mc = vllm_config.model_config
+    spec = _group_spec(kv_cache_config, group)
+    return ModelShape(
+        model=f"{mc.model}@{mc.revision or ''}",
+        layers=len(kv_cache_config.kv_cache_groups[group].layer_names),
+        kv_heads=1 if mc.use_mla else mc.get_total_num_kv_heads(),
+        head_size=spec.head_size,
+        dtype=str(mc.dtype),
+        cache_dtype=str(vllm_config.cache_config.cache_dtype),
+    )
+
+
+def _group_spec(kv_cache_config: KVCacheConfig, group: int) -> Any:
+    """Group `group`'s spec: for a group of layers with different specs
+    (extract_hidden_states' cache-only layer next to attention) workers see each layer's
+    spec, the scheduler one merged spec; the first layer's is what both agree on."""
+    groups = kv_cache_config.kv_cache_groups
+    spec = groups[group].kv_cache_spec
+    if per_layer := getattr(spec, "kv_cache_specs", None):
+        spec = per_layer[groups[group].layer_names[0]]
+    return spec
 
 
 def layer_specs(kv_cache_config: KVCacheConfig) -> dict[str, Any]:

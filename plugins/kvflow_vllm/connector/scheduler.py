@@ -19,7 +19,7 @@ from kvflow.scheduler import ScheduledRequest, SchedulerEngine
 
 from ..extract_hidden_states import HiddenStatesPlanner, extracts_hidden_states
 from ..kv_events import KVEventTracker, KVFlowWorkerMeta
-from .cache_spec import request_salt
+from .cache_spec import model_shape, request_salt
 from .metadata import KVFlowHandshake, KVFlowMetadata
 
 if TYPE_CHECKING:
@@ -69,6 +69,7 @@ class KVFlowScheduler:
         assert ktc is not None  # vLLM's connector base refuses to start without one
         kv_role = ktc.kv_role or "kv_both"
         consumes = kv_role in ("kv_both", "kv_consumer")
+        pc = vllm_config.parallel_config
         produces = kv_role in ("kv_both", "kv_producer")
         self.scheds = [
             SchedulerEngine(
@@ -83,12 +84,14 @@ class KVFlowScheduler:
                 can_pull=consumes and caps.peer,
                 can_offer=produces and caps.peer,
                 engine_id=conn.engine_id,
-                num_shards=len(conn.shards),
+                tp_size=pc.tensor_parallel_size,
+                pp_size=pc.pipeline_parallel_size,
+                shape=model_shape(vllm_config, kv_cache_config, group),
                 null_block=_NULL_BLOCK if len(self.groups) > 1 else None,
                 pd_scope=scope,
             )
-            for transport, namespace, scope in zip(
-                conn.transports, conn.namespaces, conn.scopes, strict=True
+            for transport, namespace, scope, group in zip(
+                conn.transports, conn.namespaces, conn.scopes, self.groups, strict=True
             )
         ]
         """The scheduler engines, one per KV cache group kvflow moves."""
