@@ -37,6 +37,7 @@ __all__ = [
     "LayoutError",
     "block_geometry",
     "layout_mismatch",
+    "peer_head_problem",
     "peer_layout_problem",
     "view_extent",
     "view_geometry",
@@ -273,6 +274,32 @@ def peer_layout_problem(
     return layout_mismatch(*pair, cells=cells)
 
 
+def peer_head_problem(
+    theirs: Sequence[LayerGeometry], ours: Sequence[LayerGeometry], first: int, count: int
+) -> str:
+    """Why a producer of geometries `ours` cannot send heads `[first, first + count)` of
+    its blocks run by run into `count` heads of a consumer's blocks of geometries `theirs`
+    (a peer's: checked for bounds first); "" when it can."""
+    if len(theirs) != len(ours):
+        return f"the producer has {len(ours)} KV layers, the consumer {len(theirs)}"
+    for i, (t, o) in enumerate(zip(theirs, ours, strict=True)):
+        if not _in_bounds(t):
+            return f"the peer's layer {i} has sizes or strides out of bounds"
+        if not (first >= 0 and 0 < count <= t.heads and first + count <= o.heads):
+            return f"heads {first}..{first + count - 1} of layer {i} are not held here"
+        try:
+            same = t.head_shape(count) == o.head_shape(count)
+        except LayoutError as exc:
+            return f"layer {i}: {exc}"
+        if not same:
+            return (
+                f"KV layouts differ (layer {i}): producer {o.describe()}, consumer "
+                f"{t.describe()}, in {count} head(s); give both instances the same "
+                "--block-size and VLLM_KV_CACHE_LAYOUT"
+            )
+    return ""
+
+
 def _in_bounds(g: LayerGeometry) -> bool:
     """Whether a peer's `g` can be described and compared without dividing by zero or
     spanning more than `MAX_LAYER_BYTES` / `MAX_PEER_BLOCKS`."""
@@ -438,6 +465,27 @@ class KVLayout:
         if not 0 < num_tokens <= self.block_size:  # the geometry checks the block id
             raise LayoutError(f"block {block_id} / {num_tokens} tokens out of range")
         return self.geometries[layer].ranges(block_id, num_tokens)
+
+    def head_spans(
+        self,
+        layer: int,
+        block_ids: Sequence[int],
+        token_counts: Sequence[int],
+        first: int,
+        count: int,
+    ) -> list[list[memoryview]]:
+        """`chunk_spans` of heads `[first, first + count)` only (a peer of another
+        tensor-parallel size holds those: `LayerGeometry.head_runs`)."""
+        g = self.geometries[layer]
+        if not self.buffers:
+            raise LayoutError(f"{self.memory} memory has no host spans; use `tensors`")
+        buf = self.buffers[layer]
+        g.check_blocks(block_ids, "the")
+        out = []
+        for b, n in zip(block_ids, token_counts, strict=True):
+            base = b * g.block_stride
+            out.append([buf[base + o : base + o + k] for o, k in g.head_runs(first, count, n)])
+        return out
 
     def spans(self, layer: int, block_id: int, num_tokens: int) -> list[memoryview]:
         """The runs holding the first `num_tokens` tokens of `block_id` in `layer`."""

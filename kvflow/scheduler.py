@@ -33,8 +33,8 @@ from .metadata import LoadSpec, OfferSpec, SaveSpec, WorkerPlan
 from .pd.claims import Claim, Claims
 from .pd.params import (
     PD_VERSION,
-    ModelShape,
     UNSET_SHAPE,
+    ModelShape,
     PdParams,
     check_pd_params,
     consumer_params,

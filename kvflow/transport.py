@@ -34,6 +34,7 @@ __all__ = [
     "LoadJob",
     "NoOptions",
     "Offer",
+    "PeerRead",
     "PeerSource",
     "Renewed",
     "SaveJob",
@@ -44,7 +45,6 @@ __all__ = [
     "TransportNotFound",
     "available_transports",
     "load_transport",
-    "shard_mismatch",
 ]
 
 ENTRY_POINT_GROUP = "kvflow.transports"

@@ -14,7 +14,7 @@ SIZES = (1, 2, 4, 8)
 SHAPES = [
     (h, p, c)
     for h, p, c in itertools.product((1, 2, 4, 8), SIZES, SIZES)
-    if all(t <= h and h % t == 0 or t > h and t % h == 0 for t in (p, c))
+    if all((t <= h and h % t == 0) or (t > h and t % h == 0) for t in (p, c))
 ]
 
 

@@ -29,10 +29,10 @@ from .topology import TopologyError, plan_reads
 
 __all__ = [
     "PD_VERSION",
+    "UNSET_SHAPE",
     "ModelShape",
     "PdParams",
     "PdParamsError",
-    "UNSET_SHAPE",
     "check_pd_params",
     "consumer_params",
     "join_groups",

@@ -222,7 +222,8 @@ class PeerTransport(Transport):
         if offer is not None and not (why := self.check_pull(msg)):
             offer = select_blocks(offer, msg.block_ids)
             why = "" if offer else "the blocks asked for are not all offered, or repeat"
-        why = why or self.held.claim(msg.req, ident)  # not held: why_not(req), never ""
+        readers = getattr(msg, "readers", 1)  # the ranks of a consumer of another TP size
+        why = why or self.held.claim(msg.req, ident, readers)  # not held: why_not(req)
         return offer if offer is not None and not why else why
 
     async def reply(self, ident: bytes, req: str, frame: bytes) -> bool:

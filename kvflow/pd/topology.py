@@ -55,7 +55,9 @@ def held_heads(heads: int, tp_size: int, tp_rank: int) -> range:
     return range(head, head + 1)
 
 
-def plan_reads(heads: int, producer_tp: int, consumer_tp: int, consumer_rank: int) -> list[HeadRead]:
+def plan_reads(
+    heads: int, producer_tp: int, consumer_tp: int, consumer_rank: int
+) -> list[HeadRead]:
     """The reads that fill consumer rank `consumer_rank`'s heads, fewest first: each
     distinct head once, consecutive heads of one producer rank in one read. `heads` is
     the model's number of KV heads (1 for MLA: every rank holds the latent)."""

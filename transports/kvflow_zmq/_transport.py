@@ -11,18 +11,20 @@ only the control frames.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import trio
 import zmq
 
-from kvflow.layout import KVLayout, LayoutError, peer_layout_problem
+from kvflow.layout import KVLayout, LayoutError, peer_head_problem, peer_layout_problem
 from kvflow.pd.peer_transport import PeerOptions, PeerTransport
 from kvflow.transport import (
     Capabilities,
     ChunkCorrupt,
     LoadJob,
     Offer,
+    PeerRead,
     PeerSource,
     TransportContext,
     TransportError,
@@ -46,7 +48,9 @@ class ZmqOptions(PeerOptions, forbid_unknown_fields=True, kw_only=True):
 class ZmqTransport(PeerTransport):
     name = "zmq"
     Options = ZmqOptions
-    capabilities = Capabilities(store=False, peer=True, memory=frozenset({"cpu", "cuda"}))
+    capabilities = Capabilities(
+        store=False, peer=True, memory=frozenset({"cpu", "cuda"}), hetero_tp=True
+    )
     Pull = wire.Pull
     wire_version = wire.WIRE_VERSION
     max_frame_bytes = wire.MAX_CONTROL_BYTES
@@ -78,9 +82,14 @@ class ZmqTransport(PeerTransport):
         return wire.encode(wire.Refused(req, why))
 
     def check_pull(self, msg: wire.Pull) -> str:
+        ours = self._layout().geometries
+        if msg.heads is not None:  # a consumer rank of another tensor-parallel size
+            if self._handles:
+                return "CUDA IPC pulls between tensor parallel sizes are not supported yet"
+            return peer_head_problem(msg.geometries, ours, msg.heads.first, msg.heads.count)
         if not msg.geometries:
             return ""
-        ours = self._layout().geometries  # over CUDA IPC, layouts are converted
+        # over CUDA IPC, layouts are converted
         return peer_layout_problem(msg.geometries, ours, cells=bool(self._handles), producer=False)
 
     def ended(self, msg: wire.Done | wire.Failed, ident: bytes) -> None:
@@ -95,7 +104,7 @@ class ZmqTransport(PeerTransport):
             reply = self._ipc_reply(offer) if lent else wire.Refused(msg.req, "expired")
             if not await self.reply(ident, msg.req, wire.encode(reply)):
                 self.held.release(msg.req, "the consumer went away", peer=ident)
-        elif not await self._send(ident, offer):
+        elif not await self._send(ident, offer, msg.heads):
             await self.reply(ident, msg.req, self.refusal(msg.req, "expired"))
 
     def _ipc_reply(self, offer: Offer) -> wire.Ipc:
@@ -109,25 +118,34 @@ class ZmqTransport(PeerTransport):
             self._handles,
         )
 
-    async def _send(self, ident: bytes, o: Offer) -> bool:
-        """Answer one host-memory pull: queue copies of `o`'s layers for `ident` (serve()
-        waits, letting other tasks run between layers: the socket keeps one user at a
-        time), never waiting on the consumer: one that does not read gets no more. Once
-        queued, nothing reads the blocks. False, sending nothing, if `o` is no longer
-        held (it expired or closed while serve() waited)."""
+    async def _send(self, ident: bytes, o: Offer, heads: wire.Heads | None) -> bool:
+        """Answer one host-memory pull: queue copies of `o`'s layers (of `heads` only, if
+        given) for `ident` (serve() waits, letting other tasks run between layers: the
+        socket keeps one user at a time), never waiting on the consumer: one that does not
+        read gets no more. Once queued, nothing reads the blocks for this consumer. False,
+        sending nothing, if `o` is no longer held (it expired or closed while serve()
+        waited)."""
         if o.req not in self.held:
             return False
         outcome = "done"
+        layout = self._layout()
         with self.held.reading(o.req):
             for layer in range(o.num_layers):
-                spans = [s for chunk in o.spans(layer) for s in chunk]
+                chunks = (
+                    o.spans(layer)
+                    if heads is None
+                    else layout.head_spans(
+                        layer, o.block_ids, o.token_counts, heads.first, heads.count
+                    )
+                )
+                spans = [s for chunk in chunks for s in chunk]
                 header = wire.encode(wire.Layer(o.req, layer, [len(s) for s in spans]))
                 if not self.send(ident, [self.seal(header), *spans], o.req):
                     outcome = "the consumer went away or does not read"
                     break
                 await trio.lowlevel.checkpoint()
-        # Copies are queued (or the consumer is gone): nothing reads the blocks again, so
-        # they go back now, whatever becomes of the consumer
+        # Copies are queued (or the consumer is gone): nothing reads the blocks for it
+        # again, so they go back now (once every reader's are), whatever becomes of it
         self.held.release(o.req, outcome, peer=ident)
         return True
 
@@ -136,14 +154,64 @@ class ZmqTransport(PeerTransport):
         src = job.source
         if src is None:
             raise TransportError("a zmq load needs a PeerSource (kv_transfer_params)")
-        address = self.context.peer_address(src)
+        reads = self.context.peer_reads(src)
+        if len(reads) == 1:
+            await self._pull(job, src, reads[0], job.layer_loaded)
+            return
+        # several producer ranks (a producer of a larger tensor-parallel size): a layer is
+        # loaded once every read delivered it
+        delivered = [0] * job.num_layers
+        signalled = 0
+
+        def landed(layer: int) -> None:
+            nonlocal signalled
+            delivered[layer] += 1
+            while signalled < job.num_layers and delivered[signalled] == len(reads):
+                job.layer_loaded(signalled)
+                signalled += 1
+
+        failed: list[TransportError] = []
+
+        async def pull(read: PeerRead) -> None:
+            try:
+                await self._pull(job, src, read, landed)
+            except TransportError as exc:  # the load fails as one (the first error)
+                failed.append(exc)
+                nursery.cancel_scope.cancel()
+
+        async with trio.open_nursery() as nursery:
+            for read in reads:
+                nursery.start_soon(pull, read)
+        if failed:
+            raise failed[0]
+
+    async def _pull(
+        self, job: LoadJob, src: PeerSource, read: PeerRead, landed: Callable[[int], None]
+    ) -> None:
+        """Pull `read` (one producer rank's blocks, or some of their heads) into `job`'s
+        blocks, calling `landed(i)` as layer i arrives."""
+        address = read.address
         layout = self._layout()
+        if read.heads is not None and layout.memory != "cpu":
+            raise TransportError(
+                f"producer {src.engine_id} runs tensor parallel size {src.tp_size}, this "
+                f"consumer {self.context.tp_size}: pulls between tensor parallel sizes move "
+                "host memory only (not yet CUDA IPC)",
+                chunk=0,
+            )
         largest = max(g.chunk_nbytes(g.block_size) for g in layout.geometries)
         sock = self.connect(address, max(wire.MAX_CONTROL_BYTES, largest))
         ok = refused = False
+        h = read.heads
         try:
             pulled = trio.current_time()  # a lease can start no earlier than this
-            pull = wire.Pull(src.req, list(src.block_ids), geometries=layout.geometries)
+            pull = wire.Pull(
+                src.req,
+                list(src.block_ids),
+                geometries=layout.geometries,
+                heads=None if h is None else wire.Heads(h.first, h.count),
+                readers=read.readers,
+            )
             await sock.send_multipart([self.seal(wire.encode(pull))])
             for layer in range(job.num_layers):
                 frames: list[Any] = await self.receive(sock, address, src.req, copy=False)
@@ -152,6 +220,8 @@ class ZmqTransport(PeerTransport):
                     refused = True  # nothing held for us: nothing to answer
                     raise self.refused(address, src.req, msg.reason)
                 if isinstance(msg, wire.Ipc):
+                    if h is not None:
+                        raise ChunkCorrupt(f"producer {address} offers CUDA IPC for heads")
                     await self._copy_ipc(job, src, msg, address, pulled)
                     break
                 if layout.memory != "cpu":
@@ -159,7 +229,12 @@ class ZmqTransport(PeerTransport):
                         f"producer {address} sends host memory; this consumer's KV cache is "
                         f"in {layout.memory} memory (both sides need the same kind)"
                     )
-                dest = [s for chunk in job.spans(layer) for s in chunk]
+                chunks = (
+                    job.spans(layer)
+                    if h is None
+                    else layout.head_spans(layer, job.block_ids, job.token_counts, h.into, h.count)
+                )
+                dest = [s for chunk in chunks for s in chunk]
                 sizes = [len(d) for d in dest]
                 got = [len(f.buffer) for f in frames[1:]]
                 if msg.layer != layer or msg.sizes != sizes or got != sizes:
@@ -170,7 +245,7 @@ class ZmqTransport(PeerTransport):
                     )
                 for d, f in zip(dest, frames[1:], strict=True):
                     d[:] = f.buffer
-                job.layer_loaded(layer)
+                landed(layer)
             ok = True
         except BadFrame as exc:
             raise ChunkCorrupt(f"producer {address}: {exc}") from None

@@ -2,7 +2,7 @@
 
 A pull is one DEALER->ROUTER conversation:
 
-    consumer -> producer   Pull(req, block_ids, geometries)
+    consumer -> producer   Pull(req, block_ids, geometries, heads, readers)
     producer -> consumer   Layer(req, layer, sizes) + one raw frame per span, per layer
                            (host memory), or
                            Ipc(req, host, geometries, block_ids, lease_s, handles) (CUDA memory:
@@ -25,17 +25,29 @@ from msgspec import Meta
 
 from kvflow.layout import LayerGeometry
 from kvflow.pd.offers import OfferId, Renew
+from kvflow.pd.params import MAX_SHARDS
 from kvflow.zmqio import decode_frame
 
 from ._ipc import IpcHandle
 
-WIRE_VERSION = 5
+WIRE_VERSION = 6
 MAX_CONTROL_BYTES = 1 << 20
 MAX_BLOCKS = 1 << 20
 MAX_LAYERS = 1 << 12
+MAX_HEADS = 1 << 12
 
 BlockIds = Annotated[list[Annotated[int, Meta(ge=0, lt=1 << 31)]], Meta(max_length=MAX_BLOCKS)]
 Reason = Annotated[str, Meta(max_length=4096)]
+
+
+Count = Annotated[int, Meta(ge=0, le=MAX_HEADS)]
+
+
+class Heads(msgspec.Struct, frozen=True):
+    """Heads `[first, first + count)` of the producer's blocks (`kvflow.pd.topology`)."""
+
+    first: Count
+    count: Count
 
 
 class Pull(msgspec.Struct, tag=True, frozen=True):
@@ -45,6 +57,11 @@ class Pull(msgspec.Struct, tag=True, frozen=True):
     version: int = WIRE_VERSION
     geometries: Annotated[list[LayerGeometry], Meta(max_length=MAX_LAYERS)] = []
     """The consumer's layers: a producer refuses a pull into blocks of another layout."""
+    heads: Heads | None = None
+    """A consumer rank of another tensor-parallel size: only these heads; None: all."""
+    readers: Annotated[int, Meta(ge=1, le=MAX_SHARDS)] = 1
+    """How many of the consumer's ranks pull this offer (the producer holds it until every
+    one of them is done)."""
 
 
 class Layer(msgspec.Struct, tag=True, frozen=True):

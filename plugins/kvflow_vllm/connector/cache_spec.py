@@ -13,8 +13,8 @@ import torch
 
 from kvflow.config import ConfigError, KVFlowConfig
 from kvflow.keys import Fingerprint
-from kvflow.pd.params import ModelShape
 from kvflow.layout import KVLayout, LayoutError, block_geometry, view_extent, view_geometry
+from kvflow.pd.params import ModelShape
 
 from ..extract_hidden_states import extracts_hidden_states
 from ..kv_events import events_enabled

@@ -141,6 +141,9 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
                 channel=channel,
                 rejected=self._rejected,
                 progress_timeout_s=self.config.progress_timeout_s,
+                tp_rank=self.tp_rank,
+                tp_size=tp,
+                pp_rank=pp_rank,
             )
             transport = self.transport_cls(self.options, ctx)
             self.runtime.add_closer(transport.aclose)  # also after a failed open: what it

@@ -1,0 +1,186 @@
+"""P/D between tensor-parallel sizes on the `zmq` transport's host frames, on real
+sockets: each consumer rank reads exactly its heads from the producer ranks that hold
+them (`kvflow.pd.topology`), and a producer rank read by several consumer ranks holds
+its blocks until every one of them is done."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+
+import pytest
+import trio
+import trio.testing
+
+from kvflow.layout import KVLayout
+from kvflow.testing.layouts import fill_blocks, make_layout
+from kvflow.transport import LoadJob, Offer, PeerSource, TransportContext, TransportError
+from kvflow_zmq import ZmqOptions, ZmqTransport
+
+BS, HEADS = 4, 4
+COUNTS = [4, 4, 2]
+SRC, DST = [1, 2, 3], [7, 8, 9]
+
+
+def _layout(heads: int, kind: str) -> KVLayout:
+    return make_layout(
+        num_layers=3,
+        block_size=BS,
+        heads=heads,
+        block_granular=kind == "block-granular",
+        hnd=kind == "hnd",
+    )
+
+
+def _ctx(layout: KVLayout, rank: int, size: int) -> TransportContext:
+    shards = [f"tp{r}of{size}pp0" for r in range(size)]
+    return TransportContext(
+        "e", "worker", "ns", shards[rank], shards, layout, tp_rank=rank, tp_size=size
+    )
+
+
+Make = Callable[[KVLayout, int, int], trio.lowlevel.Task]
+
+
+@pytest.fixture
+async def make() -> AsyncIterator[Callable[[KVLayout, int, int], ZmqTransport]]:
+    opened: list[ZmqTransport] = []
+
+    def factory(layout: KVLayout, rank: int, size: int) -> ZmqTransport:
+        t = ZmqTransport(ZmqOptions(), _ctx(layout, rank, size))
+        opened.append(t)
+        return t
+
+    yield factory
+    for t in opened:
+        await t.aclose()
+
+
+async def _open(t: ZmqTransport) -> ZmqTransport:
+    await t.open()
+    assert t.context.layout is not None
+    await t.register(t.context.layout)
+    return t
+
+
+def _offer(layout: KVLayout) -> Offer:
+    def spans(layer: int) -> list[list[memoryview]]:
+        return [layout.spans(layer, b, n) for b, n in zip(SRC, COUNTS, strict=True)]
+
+    return Offer("p-req", SRC, COUNTS, layout.num_layers, spans)
+
+
+def _job(layout: KVLayout, source: PeerSource, signalled: list[int]) -> LoadJob:
+    def spans(layer: int) -> list[list[memoryview]]:
+        return [layout.spans(layer, b, n) for b, n in zip(DST, COUNTS, strict=True)]
+
+    return LoadJob("c-req", ["k"] * 3, COUNTS, layout.num_layers, spans, signalled.append,
+                   source, DST)
+
+
+def _heads(layout: KVLayout, blocks: list[int], first: int, count: int) -> list[bytes]:
+    return [
+        b"".join(
+            bytes(s)
+            for chunk in layout.head_spans(layer, blocks, COUNTS, first, count)
+            for s in chunk
+        )
+        for layer in range(layout.num_layers)
+    ]
+
+
+KINDS = ["block-granular", "hnd"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_tp1_producer_to_tp2_consumer(
+    make: Callable[[KVLayout, int, int], ZmqTransport], kind: str
+) -> None:
+    prod = _layout(HEADS, kind)
+    fill_blocks(prod, SRC, seed=3)
+    producer = await _open(make(prod, 0, 1))
+    ranks = [await _open(make(_layout(HEADS // 2, kind), r, 2)) for r in range(2)]
+    source = PeerSource("p", [producer.address], "p-req", SRC, tp_size=1, kv_heads=HEADS)
+    outcome: list[str] = []
+    released = trio.Event()
+
+    async def hold() -> None:
+        outcome.append(await producer.offer(_offer(prod)))
+        released.set()
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(producer.serve)
+            nursery.start_soon(hold)
+            await trio.testing.wait_all_tasks_blocked()
+            signalled: list[int] = []
+            assert ranks[0].context.layout is not None
+            await ranks[0].load(_job(ranks[0].context.layout, source, signalled))
+            await trio.testing.wait_all_tasks_blocked()
+            assert not outcome, "one of the offer's two readers is done: still held"
+            assert ranks[1].context.layout is not None
+            await ranks[1].load(_job(ranks[1].context.layout, source, signalled))
+            await released.wait()
+            nursery.cancel_scope.cancel()
+    assert outcome == ["done"] and signalled == [0, 1, 2, 0, 1, 2]
+    for r, rank in enumerate(ranks):
+        cons = rank.context.layout
+        assert cons is not None
+        got = _heads(cons, DST, 0, HEADS // 2)
+        assert got == _heads(prod, SRC, r * HEADS // 2, HEADS // 2), f"rank {r}'s heads"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_tp2_producer_to_tp1_consumer(
+    make: Callable[[KVLayout, int, int], ZmqTransport], kind: str
+) -> None:
+    prods = [_layout(HEADS // 2, kind) for _ in range(2)]
+    for seed, p in enumerate(prods):
+        fill_blocks(p, SRC, seed=seed + 10)
+    producers = [await _open(make(p, r, 2)) for r, p in enumerate(prods)]
+    consumer = await _open(make(_layout(HEADS, kind), 0, 1))
+    addresses = [p.address for p in producers]
+    source = PeerSource("p", addresses, "p-req", SRC, tp_size=2, kv_heads=HEADS)
+    outcomes: list[str] = []
+    signalled: list[int] = []
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            for producer, prod in zip(producers, prods, strict=True):
+                nursery.start_soon(producer.serve)
+
+                async def hold(producer: ZmqTransport = producer, prod: KVLayout = prod) -> None:
+                    outcomes.append(await producer.offer(_offer(prod)))
+
+                nursery.start_soon(hold)
+            await trio.testing.wait_all_tasks_blocked()
+            assert consumer.context.layout is not None
+            await consumer.load(_job(consumer.context.layout, source, signalled))
+            while len(outcomes) < 2:
+                await trio.sleep(0.01)
+            nursery.cancel_scope.cancel()
+    assert outcomes == ["done", "done"] and signalled == [0, 1, 2]
+    cons = consumer.context.layout
+    for r, prod in enumerate(prods):
+        want = _heads(prod, SRC, 0, HEADS // 2)
+        assert _heads(cons, DST, r * HEADS // 2, HEADS // 2) == want, f"producer rank {r}"
+
+
+async def test_a_layout_that_does_not_split_by_head_is_refused_naming_both(
+    make: Callable[[KVLayout, int, int], ZmqTransport],
+) -> None:
+    """NHD blocks of 2 heads hold each token's heads side by side, NHD blocks of 4 hold
+    them in a quarter of each token: the runs differ, and the producer refuses naming
+    both layouts (the consumer recomputes)."""
+    prods = [_layout(HEADS // 2, "nhd") for _ in range(2)]
+    producers = [await _open(make(p, r, 2)) for r, p in enumerate(prods)]
+    consumer = await _open(make(_layout(HEADS, "nhd"), 0, 1))
+    source = PeerSource("p", [p.address for p in producers], "p-req", SRC, 2, HEADS)
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            for producer, prod in zip(producers, prods, strict=True):
+                nursery.start_soon(producer.serve)
+                nursery.start_soon(producer.offer, _offer(prod))
+            await trio.testing.wait_all_tasks_blocked()
+            assert consumer.context.layout is not None
+            with pytest.raises(TransportError, match="KV layouts differ .*NHD"):
+                await consumer.load(_job(consumer.context.layout, source, []))
+            nursery.cancel_scope.cancel()
