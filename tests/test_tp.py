@@ -3,8 +3,9 @@
 `fs` keeps each rank's slice of a chunk in its own file; a fresh TP=2 engine loads
 both. P/D from a TP=2 producer to a TP=2 consumer pulls per rank; between TP=1 and TP=2
 (both ways) each consumer rank reads the heads it holds from the producer ranks that
-hold them (`kvflow.pd.topology`), and decodes the same text as the consumer alone. The engines run in this test's session (two TP=2 engines need all four
-workers on two cores: see docs/transports.md on sharing cores).
+hold them (`kvflow.pd.topology`), and decodes the same text as the consumer alone. The
+engines run in this test's session (two TP=2 engines need all four workers on two
+cores: see docs/transports.md on sharing cores).
 """
 
 from __future__ import annotations

@@ -38,9 +38,6 @@ def _ctx(layout: KVLayout, rank: int, size: int) -> TransportContext:
     )
 
 
-Make = Callable[[KVLayout, int, int], trio.lowlevel.Task]
-
-
 @pytest.fixture
 async def make() -> AsyncIterator[Callable[[KVLayout, int, int], ZmqTransport]]:
     opened: list[ZmqTransport] = []
@@ -73,8 +70,9 @@ def _job(layout: KVLayout, source: PeerSource, signalled: list[int]) -> LoadJob:
     def spans(layer: int) -> list[list[memoryview]]:
         return [layout.spans(layer, b, n) for b, n in zip(DST, COUNTS, strict=True)]
 
-    return LoadJob("c-req", ["k"] * 3, COUNTS, layout.num_layers, spans, signalled.append,
-                   source, DST)
+    return LoadJob(
+        "c-req", ["k"] * 3, COUNTS, layout.num_layers, spans, signalled.append, source, DST
+    )
 
 
 def _heads(layout: KVLayout, blocks: list[int], first: int, count: int) -> list[bytes]:
@@ -181,6 +179,6 @@ async def test_a_layout_that_does_not_split_by_head_is_refused_naming_both(
                 nursery.start_soon(producer.offer, _offer(prod))
             await trio.testing.wait_all_tasks_blocked()
             assert consumer.context.layout is not None
-            with pytest.raises(TransportError, match="KV layouts differ .*NHD"):
+            with pytest.raises(TransportError, match=r"KV layouts differ .*NHD"):
                 await consumer.load(_job(consumer.context.layout, source, []))
             nursery.cancel_scope.cancel()
