@@ -25,7 +25,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, TypeVar
 
 import trio
@@ -37,6 +37,7 @@ __all__ = [
     "KVFlowFatal",
     "Runtime",
     "RuntimeClosed",
+    "all_or_first_error",
     "given_up",
     "poll_until",
     "supervised",
@@ -414,3 +415,24 @@ def _shutdown_all() -> None:
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
 atexit.register(_shutdown_all)
+
+
+async def all_or_first_error(
+    calls: Iterable[Callable[[], Awaitable[Any]]], catch: type[BaseException]
+) -> None:
+    """Run the calls concurrently; the first to raise `catch` cancels the others and is
+    re-raised as itself (not wrapped in an exception group)."""
+    errors: list[BaseException] = []
+
+    async def run(call: Callable[[], Awaitable[Any]]) -> None:
+        try:
+            await call()
+        except catch as exc:
+            errors.append(exc)
+            nursery.cancel_scope.cancel()
+
+    async with trio.open_nursery() as nursery:
+        for call in calls:
+            nursery.start_soon(run, call)
+    if errors:
+        raise errors[0]

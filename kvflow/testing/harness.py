@@ -26,6 +26,7 @@ import trio
 
 from ..keys import ChunkKey, chunk_keys
 from ..layout import KVLayout
+from ..runtime import all_or_first_error
 from ..transport import LoadJob, PeerSource, SaveJob, Transport, TransportContext, TransportError
 from .contract import ContractViolation, Promise, violated
 
@@ -123,20 +124,7 @@ def _as_array(buf: memoryview | bytes) -> np.ndarray:
 async def _all(calls: Iterable[Callable[[], Awaitable[Any]]]) -> None:
     """Run the calls concurrently; the first `ContractViolation` cancels the others and is
     re-raised as itself (not wrapped in an exception group)."""
-    violations: list[ContractViolation] = []
-
-    async def run(call: Callable[[], Awaitable[Any]]) -> None:
-        try:
-            await call()
-        except ContractViolation as exc:
-            violations.append(exc)
-            nursery.cancel_scope.cancel()
-
-    async with trio.open_nursery() as nursery:
-        for call in calls:
-            nursery.start_soon(run, call)
-    if violations:
-        raise violations[0]
+    await all_or_first_error(calls, ContractViolation)
 
 
 @contextlib.contextmanager

@@ -10,6 +10,7 @@ only the control frames.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -19,6 +20,7 @@ import zmq
 
 from kvflow.layout import KVLayout, LayoutError, peer_head_problem, peer_layout_problem
 from kvflow.pd.peer_transport import PeerOptions, PeerTransport
+from kvflow.runtime import all_or_first_error
 from kvflow.transport import (
     Capabilities,
     ChunkCorrupt,
@@ -170,20 +172,8 @@ class ZmqTransport(PeerTransport):
                 job.layer_loaded(signalled)
                 signalled += 1
 
-        failed: list[TransportError] = []
-
-        async def pull(read: PeerRead) -> None:
-            try:
-                await self._pull(job, src, read, landed)
-            except TransportError as exc:  # the load fails as one (the first error)
-                failed.append(exc)
-                nursery.cancel_scope.cancel()
-
-        async with trio.open_nursery() as nursery:
-            for read in reads:
-                nursery.start_soon(pull, read)
-        if failed:
-            raise failed[0]
+        pulls = [functools.partial(self._pull, job, src, read, landed) for read in reads]
+        await all_or_first_error(pulls, TransportError)  # the load fails as one
 
     async def _pull(
         self, job: LoadJob, src: PeerSource, read: PeerRead, landed: Callable[[int], None]
