@@ -287,10 +287,14 @@ def peer_head_problem(
             return f"the peer's layer {i} has sizes or strides out of bounds"
         if not (first >= 0 and 0 < count <= t.heads and first + count <= o.heads):
             return f"heads {first}..{first + count - 1} of layer {i} are not held here"
-        try:
-            same = t.head_shape(count) == o.head_shape(count)
-        except LayoutError as exc:
-            return f"layer {i}: {exc}"
+        sizes = (t.block_size, t.cell_bytes, t.kernel_blocks, bool(t.block_bytes))
+        if sizes != (o.block_size, o.cell_bytes, o.kernel_blocks, bool(o.block_bytes)):
+            same = False  # compared before anything costs more than our own layout does
+        else:
+            try:
+                same = t.head_shape(count) == o.head_shape(count)
+            except LayoutError as exc:
+                return f"layer {i}: {exc}"
         if not same:
             return (
                 f"KV layouts differ (layer {i}): producer {o.describe()}, consumer "

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
 
+import msgspec
 import pytest
 import trio
 import trio.testing
 
-from kvflow.layout import KVLayout
+from kvflow.layout import KVLayout, peer_head_problem
 from kvflow.testing.layouts import fill_blocks, make_layout
 from kvflow.transport import LoadJob, Offer, PeerSource, TransportContext, TransportError
 from kvflow_zmq import ZmqOptions, ZmqTransport
@@ -182,3 +183,14 @@ async def test_a_layout_that_does_not_split_by_head_is_refused_naming_both(
             with pytest.raises(TransportError, match=r"KV layouts differ .*NHD"):
                 await consumer.load(_job(consumer.context.layout, source, []))
             nursery.cancel_scope.cancel()
+
+
+def test_a_peers_geometry_costs_no_more_than_our_own_to_check() -> None:
+    """A consumer's `Pull` names its geometry: one of 2^40 tokens a block with no token
+    stride is within the byte bounds, and comparing its head runs would loop over every
+    token; it is refused on its sizes first."""
+    ours = _layout(HEADS, "hnd").geometries
+    hostile = msgspec.structs.replace(ours[0], block_size=1 << 40, token_stride=0)
+    why = peer_head_problem([hostile] * len(ours), ours, 0, 2)
+    assert why.startswith("KV layouts differ (layer 0)"), why
+    assert peer_head_problem(_layout(2, "hnd").geometries, ours, 2, 2) == ""
