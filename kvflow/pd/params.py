@@ -25,7 +25,7 @@ import msgspec
 from msgspec import Meta
 
 from .security import Channel, prompt_digest
-from .topology import TopologyError, plan_reads
+from .topology import TopologyError, readers
 
 __all__ = [
     "PD_VERSION",
@@ -222,8 +222,7 @@ def pull_refusal(
                 f"{tp_size}; this transport pulls between equal tensor parallel sizes only"
             )
         try:
-            for rank in range(tp_size):
-                plan_reads(shape.kv_heads, p.tp_size, tp_size, rank)
+            readers(shape.kv_heads, p.tp_size, tp_size)  # every rank's reads can be planned
         except TopologyError as exc:
             return f"producer {p.engine_id} (tensor parallel size {p.tp_size}): {exc}"
     if p.block_size != block_size:

@@ -84,14 +84,14 @@ class ZmqTransport(PeerTransport):
         return wire.encode(wire.Refused(req, why))
 
     def check_pull(self, msg: wire.Pull) -> str:
-        ours = self._layout().geometries
         if msg.heads is not None:  # a consumer rank of another tensor-parallel size
             if self._handles:
                 return "CUDA IPC pulls between tensor parallel sizes are not supported yet"
+            ours = self._layout().geometries
             return peer_head_problem(msg.geometries, ours, msg.heads.first, msg.heads.count)
         if not msg.geometries:
             return ""
-        # over CUDA IPC, layouts are converted
+        ours = self._layout().geometries  # over CUDA IPC, layouts are converted
         return peer_layout_problem(msg.geometries, ours, cells=bool(self._handles), producer=False)
 
     def ended(self, msg: wire.Done | wire.Failed, ident: bytes) -> None:
@@ -209,9 +209,7 @@ class ZmqTransport(PeerTransport):
                 if isinstance(msg, wire.Refused):
                     refused = True  # nothing held for us: nothing to answer
                     raise self.refused(address, src.req, msg.reason)
-                if isinstance(msg, wire.Ipc):
-                    if h is not None:
-                        raise ChunkCorrupt(f"producer {address} offers CUDA IPC for heads")
+                if isinstance(msg, wire.Ipc):  # refused there for a host consumer (heads)
                     await self._copy_ipc(job, src, msg, address, pulled)
                     break
                 if layout.memory != "cpu":
