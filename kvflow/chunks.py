@@ -20,7 +20,7 @@ import msgspec
 import xxhash
 
 from .keys import ChunkKey
-from .transport import TransportContext, TransportError
+from .transport import LoadJob, TransportContext, TransportError
 
 __all__ = ["BadHeader", "ChunkFailure", "ChunkHeader", "first_failure", "layer_hash"]
 
@@ -73,11 +73,19 @@ class ChunkHeader(msgspec.Struct, frozen=True, array_like=True):
         except msgspec.DecodeError as exc:
             raise BadHeader(f"undecodable header: {exc}") from None
 
-    def problem(self, context: TransportContext, key: ChunkKey, num_tokens: int) -> str:
+    def problem(
+        self,
+        context: TransportContext,
+        key: ChunkKey,
+        num_tokens: int,
+        job: LoadJob | None = None,
+    ) -> str:
         """Why this chunk is not the one `context` asked for under `key` with `num_tokens`
         tokens ("" when it is): another key, configuration, shard, token count, layer
-        sizes or byte order."""
-        layout = context.layout
+        sizes or byte order. A `job` that names another shard and layout (a chunk saved
+        at another tensor-parallel size: `kvflow.reshape`) is checked against those."""
+        layout = job.layout if job is not None and job.layout is not None else context.layout
+        shard = job.shard if job is not None and job.shard else context.shard
         assert layout is not None, "a store reads chunks into registered KV caches"
         expect = [layout.chunk_nbytes(i, num_tokens) for i in range(layout.num_layers)]
         if self.key != key:
@@ -87,8 +95,8 @@ class ChunkHeader(msgspec.Struct, frozen=True, array_like=True):
                 f"written by another configuration (namespace {self.namespace}, "
                 f"not {context.namespace})"
             )
-        if self.shard != context.shard:
-            return f"shard mismatch (written by {self.shard}, this is {context.shard})"
+        if self.shard != shard:
+            return f"shard mismatch (written by {self.shard}, this is {shard})"
         if self.num_tokens != num_tokens:
             return f"token count mismatch ({self.num_tokens} tokens stored, {num_tokens} expected)"
         if self.layer_nbytes != expect:

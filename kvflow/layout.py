@@ -181,10 +181,66 @@ class LayerGeometry(msgspec.Struct, frozen=True, kw_only=True):
         runs = tuple(n for _, n in self.head_runs(0, count, self.block_size or 1))
         return (self.block_size, self.cell_bytes, self.kernel_blocks, bool(self.block_bytes), runs)
 
+    def with_heads(self, count: int) -> LayerGeometry:
+        """A block of this layout holding `count` heads, dense (one block): what a rank of
+        another tensor-parallel size holds. A block-granular block splits by head only
+        when each head is one dense run of it (vLLM's CPU cache)."""
+        if count < 1:
+            raise LayoutError(f"{count} heads")
+        if self.block_bytes:
+            per = self.head_stride if self.heads > 1 else self.block_bytes
+            if per * self.heads != self.block_bytes:
+                raise LayoutError(f"blocks of {self.describe()} do not split by head")
+            return LayerGeometry(
+                num_blocks=1,
+                block_size=0,
+                block_stride=per * count,
+                block_bytes=per * count,
+                heads=count,
+                head_stride=per if count > 1 else 0,
+            )
+        sizes = {"kernel": self.kernel_blocks, "head": count, "token": self.kernel_tokens}
+        stride, strides = self.cell_bytes, {}
+        for dim in _inner_first(self):
+            strides[dim] = stride
+            stride *= sizes[dim]
+        return LayerGeometry(
+            num_blocks=1,
+            block_size=self.block_size,
+            block_stride=stride,
+            heads=count,
+            head_stride=strides["head"],
+            token_stride=strides["token"] if self.kernel_tokens > 1 else 0,
+            cell_bytes=self.cell_bytes,
+            kernel_blocks=self.kernel_blocks,
+            kernel_stride=strides["kernel"] if self.kernel_blocks > 1 else 0,
+        )
+
+    def token_major(self) -> LayerGeometry:
+        """The token-major image of a block of this layout (`[tokens, heads, cell]`, as
+        `kvflow.staging` stages a device cache for a store)."""
+        return LayerGeometry(
+            num_blocks=1,
+            block_size=self.block_size,
+            block_stride=self.block_size * self.heads * self.cell_bytes,
+            heads=self.heads,
+            head_stride=self.cell_bytes,
+            token_stride=self.heads * self.cell_bytes,
+            cell_bytes=self.cell_bytes,
+        )
+
     def block_runs(self) -> list[tuple[int, int]]:
         """(offset within a block, length) of the runs of one whole block: what moves a
         full block with the fewest descriptors."""
         return list(_runs(self, self.block_size))
+
+
+def _inner_first(g: LayerGeometry) -> list[str]:
+    """The in-block dimensions from innermost to outermost in memory, those of size one
+    too (a view keeps their strides); on a tie heads are inside tokens (one head, NHD)."""
+    kernel = g.kernel_stride if g.kernel_blocks > 1 else MAX_LAYER_BYTES
+    rank = {"head": (g.head_stride, 1), "token": (g.token_stride, 2), "kernel": (kernel, 3)}
+    return sorted(rank, key=rank.__getitem__)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -358,7 +414,7 @@ def view_geometry(
         block_size=ratio * tokens,
         block_stride=kstride * ratio,
         heads=heads,
-        head_stride=hstride if heads > 1 else 0,
+        head_stride=hstride,  # also of one head: where a rank of more heads has them
         token_stride=tstride if tokens > 1 else 0,
         cell_bytes=cell,
         kernel_blocks=ratio,
@@ -432,6 +488,23 @@ class KVLayout:
     block_size: int = 0
     tensors: list[Any] = field(default_factory=list)
     """Flat uint8 torch tensors, one per layer (device memory; optional for host)."""
+
+    def with_heads(self, count: int) -> KVLayout:
+        """This layout as a rank holding `count` heads has it, without memory: what a chunk
+        a store holds for an engine of another tensor-parallel size is (`kvflow.reshape`)."""
+        return KVLayout(
+            names=list(self.names),
+            geometries=[g.with_heads(count) for g in self.geometries],
+            buffers=[],
+            memory=self.memory,
+            block_size=self.block_size,
+        )
+
+    def image(self, layer: int) -> LayerGeometry:
+        """The geometry of a chunk's bytes of `layer` as a store holds them: host memory
+        as it lies, device memory token-major (`kvflow.staging`)."""
+        g = self.geometries[layer]
+        return g if self.memory == "cpu" else g.token_major()
 
     @property
     def nbytes_registered(self) -> int:

@@ -29,6 +29,9 @@ class LoadSpec(msgspec.Struct, frozen=True, array_like=True):
     """Set when the scheduler knows the load cannot succeed (its producer refused the
     claim or is gone): the worker fails it at once, and vLLM recomputes or fails the
     request as its `kv_load_failure_policy` says."""
+    tp_sizes: list[int] = []
+    """Per chunk, the tensor-parallel size whose shards a store holds it under (0: this
+    engine's own; empty: every chunk its own): `kvflow.reshape`."""
 
 
 class OfferSpec(msgspec.Struct, frozen=True, array_like=True):

@@ -42,6 +42,7 @@ from .pd.params import (
 )
 from .pd.security import Rejections, prompt_digest
 from .pd.topology import readers
+from .reshape import lookup_sources, other_shapes
 from .runtime import GAVE_UP_THEN, KVFlowFatal, Runtime, given_up
 from .transport import PeerSource, Transport
 
@@ -74,6 +75,8 @@ class _Request:
     lookup_started: bool = False
     hit_chunks: int | None = None
     """Leading chunks the store holds; written by the lookup task."""
+    sources: list[int] = field(default_factory=list)
+    """Per hit chunk, the tensor-parallel size whose shards hold it (0: this engine's)."""
     stored_upto: int = 0
     """Chunks known to be in the store already; never saved again."""
     saved_upto: int = 0
@@ -136,6 +139,12 @@ class SchedulerEngine:  # ~395 lines: one request's life in the scheduler (looku
         """This engine's tensor and pipeline parallel sizes (a worker shard per rank)."""
         self.shape = shape or UNSET_SHAPE
         """This engine's model and KV cache, as P/D params carry it (`ModelShape`)."""
+        self._store_shapes = (
+            other_shapes(self.shape.kv_heads, tp_size, pp_size)
+            if transport.capabilities.store and transport.capabilities.reshape
+            else []
+        )
+        """The other tensor-parallel sizes whose chunks a lookup looks for (`kvflow.reshape`)."""
         self.peer_addresses: list[str] = []
         """This engine's worker endpoints by shard, learned from the workers' handshake."""
         self.null_block = null_block
@@ -312,6 +321,9 @@ class SchedulerEngine:  # ~395 lines: one request's life in the scheduler (looku
             asynchronous=self.config.load_mode == "async" or source is not None,
             source=source,
             error=error,
+            tp_sizes=[st.sources[i] if i < len(st.sources) else 0 for i in chunks]
+            if any(st.sources)
+            else [],
         )
         self._pending_loads.append(spec)
         self.runtime.submit(
@@ -495,7 +507,11 @@ class SchedulerEngine:  # ~395 lines: one request's life in the scheduler (looku
         hits = 0
         with trio.move_on_after(self.config.lookup_timeout_s) as scope:
             try:
-                hits = await self.transport.lookup(st.keys)
+                if self._store_shapes:  # chunks saved at another tensor-parallel size too
+                    st.sources = await lookup_sources(self.transport, st.keys, self._store_shapes)
+                    hits = len(st.sources)
+                else:
+                    hits = await self.transport.lookup(st.keys)
             except Exception as exc:  # a failed lookup is a miss, never a crash
                 error = f"{type(exc).__name__}: {exc}"
                 log.warning("kvflow lookup for %s failed: %s", req, error)

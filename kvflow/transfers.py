@@ -35,6 +35,7 @@ from .keys import ChunkKey
 from .layout import KVLayout
 from .lending import Lending
 from .metadata import LoadSpec, OfferSpec, SaveSpec, WorkerPlan
+from .reshape import load_reshaped
 from .runtime import Runtime, poll_until
 from .staging import HostStage, event_done
 from .transport import (
@@ -196,7 +197,10 @@ class _Load:
                     if staged:
                         self.stage = HostStage(self.layout, spec.block_ids, spec.token_counts)
                         await event_done(self.after)  # so no scatter waits on vLLM's queue
-                    await transport.load(self.job())
+                    if spec.tp_sizes:  # chunks saved at another tensor-parallel size
+                        await load_reshaped(transport, self.job(), spec.tp_sizes)
+                    else:
+                        await transport.load(self.job())
             self.error = ""
             if deadline.cancelled_caught:
                 self.error = f"no answer within load_timeout_s={timeout_s}"

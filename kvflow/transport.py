@@ -90,6 +90,11 @@ class Capabilities(msgspec.Struct, frozen=True):
     hetero_tp: bool = False
     """A peer transport whose consumers pull from producers of another tensor-parallel
     size, each rank its own heads (`PeerSource.tp_size`, `kvflow.pd.topology`)."""
+    reshape: bool = False
+    """A store that also serves engines of another tensor-parallel size than the one that
+    saved a chunk (`kvflow.reshape`): its `lookup` takes the shards to look for, its
+    `load` reads the shard a `LoadJob` names and checks the bytes against the job's
+    `layout`."""
 
 
 @dataclass
@@ -126,6 +131,9 @@ class TransportContext:
     tp_size: int = 1
     pp_rank: int = 0
     """This worker's place in the engine's parallel shape (`shard` names it too)."""
+    kv_heads: int = 0
+    """The model's KV heads over all ranks (1 for MLA; 0: not known), which tell the heads
+    each rank holds (`kvflow.pd.topology.held_heads`)."""
 
     def peer_address(self, src: PeerSource) -> str:
         """The producer endpoint serving this worker's shard; a `TransportError` if the
@@ -218,6 +226,11 @@ class LoadJob:
     as soon as it lands). False for asynchronous loads (a P/D pull before the request
     is scheduled): only the end matters, so a transport may move all layers at once
     (`layer_loaded` is still called for every layer, in order)."""
+    shard: str = ""
+    """Stores with `Capabilities.reshape`: the shard to read ("": the context's own)."""
+    layout: KVLayout | None = None
+    """Stores with `Capabilities.reshape`: what the stored bytes must be (`spans` are
+    shaped so); None: the context's layout."""
 
 
 class Renewed(msgspec.Struct, tag=True, frozen=True):
@@ -250,7 +263,8 @@ class Transport(ABC):
     """Base class of every transport. Subclass, declare an entry point, pass `kvflow.testing`.
 
     Contract, checked by the conformance suite:
-    - `lookup(keys)` returns how many *leading* keys are fully stored (all shards).
+    - `lookup(keys)` returns how many *leading* keys are fully stored (all shards;
+      with `Capabilities.reshape`, `lookup(keys, shards)`: all of `shards`).
     - `save(job)` stores every chunk or raises; a chunk is never visible half-written.
     - `load(job)` fills every span of every chunk, calling `job.layer_loaded(i)` in
       layer order, or raises `ChunkMissing` / `ChunkCorrupt` / `TransportError`

@@ -146,7 +146,7 @@ def _read_all(fd: int, spans: Sequence[memoryview], offset: int) -> int:
 class FsTransport(Transport):
     name = "fs"
     Options = FsOptions
-    capabilities = Capabilities(store=True, peer=False, memory=frozenset({"cpu"}))
+    capabilities = Capabilities(store=True, peer=False, memory=frozenset({"cpu"}), reshape=True)
 
     def __init__(self, options: FsOptions, context: TransportContext) -> None:
         super().__init__(options, context)
@@ -201,8 +201,12 @@ class FsTransport(Transport):
         return self.dir / key[:2] / f"{key}.{shard or self.context.shard}.kv"
 
     # -- lookup ------------------------------------------------------------
-    async def lookup(self, keys: Sequence[ChunkKey]) -> int:
-        paths = [[self.path(k, s) for s in self.context.shards] for k in keys]
+    async def lookup(self, keys: Sequence[ChunkKey], shards: Sequence[str] = ()) -> int:
+        """Leading keys with a file for each of `shards` (default: this engine's)."""
+        shards = shards or self.context.shards
+        if not all(is_plain_name(s) for s in shards):
+            raise TransportError(f"fs: refused shard names {shown(list(shards))}")
+        paths = [[self.path(k, s) for s in shards] for k in keys]
         return await trio.to_thread.run_sync(_count_present, paths)
 
     # -- save --------------------------------------------------------------
@@ -289,7 +293,9 @@ class FsTransport(Transport):
         asynchronous load reads each file in one system call.
         """
         assert self.context.layout is not None, "fs load needs registered KV caches"
-        paths = [self.path(k) for k in job.keys]
+        if job.shard and not is_plain_name(job.shard):
+            raise TransportError(f"fs: refused shard name {shown(job.shard)}")
+        paths = [self.path(k, job.shard) for k in job.keys]
         fds: list[int] = []
         headers: list[ChunkHeader] = []
         found: list[ChunkFailure | None] = []
@@ -333,7 +339,10 @@ class FsTransport(Transport):
                 return ChunkFailure(c, TransportError, f"cannot open {path}: {exc}")
             try:
                 h = read_header(fd)
-                problem = h.problem(self.context, key, count)
+                problem = h.problem(self.context, key, count, job)
+                if problem and job.shard:  # another shape's chunk, not ours: left alone
+                    os.close(fd)
+                    return ChunkFailure(c, ChunkCorrupt, f"{problem} in {path}")
                 if not problem and os.fstat(fd).st_size < HEADER_SIZE + h.payload_nbytes():
                     problem = "truncated payload"
             except BadHeader as exc:

@@ -15,6 +15,7 @@ from kvflow.config import ConfigError, KVFlowConfig
 from kvflow.keys import Fingerprint
 from kvflow.layout import KVLayout, LayoutError, block_geometry, view_extent, view_geometry
 from kvflow.pd.params import ModelShape
+from kvflow.pd.topology import held_heads
 
 from ..extract_hidden_states import extracts_hidden_states
 from ..kv_events import events_enabled
@@ -35,7 +36,6 @@ __all__ = [
     "layout_from_tensors",
     "model_shape",
     "request_salt",
-    "shard_name",
 ]
 
 log = logging.getLogger("kvflow.vllm")
@@ -69,6 +69,11 @@ def fingerprint(
     if len(groups) > 1:  # which layers, which window (one group: as before groups)
         window = getattr(spec, "sliding_window", None)
         extra += f";group={group}/{len(groups)};window={window}"
+    # Not the tensor-parallel size: a store serves engines of any (`kvflow.reshape`). A
+    # token's bytes over all heads, though a rank holds a share (or a replica) of them.
+    shape = model_shape(vllm_config, kv_cache_config, group)
+    per_rank = len(held_heads(shape.kv_heads, vllm_config.parallel_config.tensor_parallel_size, 0))
+    tp_ratio = shape.kv_heads // per_rank if per_rank else 1
     load_format = str(getattr(vllm_config.load_config, "load_format", ""))
     if load_format == "dummy":
         extra += f";load_format={load_format}"
@@ -78,8 +83,7 @@ def fingerprint(
         block_size=spec.block_size,
         num_layers=len(groups[group].layer_names),
         layout=_stored_layout(kv_cache_config),
-        bytes_per_token=spec.page_size_bytes // spec.block_size,
-        tp_size=vllm_config.parallel_config.tensor_parallel_size,
+        bytes_per_token=spec.page_size_bytes // spec.block_size * tp_ratio,
         extra=extra,
     )
 
@@ -209,11 +213,6 @@ def _stored_layout(kv_cache_config: KVCacheConfig) -> str:
     if current_platform.is_cpu():
         return str(kv_cache_config.kv_cache_layout or "default")
     return "token-major"
-
-
-def shard_name(tp_rank: int, tp_size: int, pp_rank: int) -> str:
-    """A worker's shard, as stores name its part of a chunk (`tp0of2pp0`)."""
-    return f"tp{tp_rank}of{tp_size}pp{pp_rank}"
 
 
 def layout_from_tensors(

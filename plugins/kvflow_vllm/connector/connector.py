@@ -27,6 +27,7 @@ from kvflow.config import ConfigError, KVFlowConfig, channel_of, parse_config, p
 from kvflow.event_stream import start_publisher
 from kvflow.eventlog import JsonlEventLog
 from kvflow.events import EventBus, Origin, Rejected
+from kvflow.reshape import shard_name
 from kvflow.runtime import Runtime
 from kvflow.stats import StatsCollector
 from kvflow.transport import (
@@ -41,7 +42,7 @@ from kvflow.transport import (
 from ..compat import untested_version
 from ..groups import transfer_groups
 from ..metrics import KVFlowPromMetrics, KVFlowStats
-from .cache_spec import fingerprint, fit_config, kv_events_on, shard_name
+from .cache_spec import fingerprint, fit_config, kv_events_on, model_shape
 from .scheduler import KVFlowScheduler
 from .worker import KVFlowWorker
 
@@ -130,8 +131,11 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
         fps = [fingerprint(self._vllm_config, self._kv_cache_config, g) for g in self.groups]
         self.namespaces = [fp.namespace() for fp in fps]
         self.scopes = [fp.pd_scope() for fp in fps]
+        heads = [
+            model_shape(self._vllm_config, self._kv_cache_config, g).kv_heads for g in self.groups
+        ]
         self.transports: list[Transport] = []  # per KV cache group, as namespaces, scopes
-        for namespace in self.namespaces:
+        for namespace, kv_heads in zip(self.namespaces, heads, strict=True):
             ctx = TransportContext(
                 engine_id=self.engine_id,
                 role=side.role,
@@ -144,6 +148,7 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
                 tp_rank=self.tp_rank,
                 tp_size=tp,
                 pp_rank=pp_rank,
+                kv_heads=kv_heads,
             )
             transport = self.transport_cls(self.options, ctx)
             self.runtime.add_closer(transport.aclose)  # also after a failed open: what it
