@@ -60,7 +60,9 @@ import pytest
 import trio
 import trio.testing
 
-from ..transport import SaveJob, Transport
+from ..layout import KVLayout
+from ..reshape import load_reshaped, lookup_sources, other_shapes, shard_name
+from ..transport import SaveJob, Transport, TransportError
 from .contract import ContractViolation, Promise, violated
 from .harness import Chunks, GatedSave, Harness, _all, _spans, expect_none_stored
 from .suite import ConformanceSuite
@@ -76,7 +78,7 @@ __all__ = [
 ]
 
 
-class TransportConformance(ConformanceSuite):  # ~420 lines: one test per promise of the
+class TransportConformance(ConformanceSuite):  # ~480 lines: one test per promise of the
     # contract; pytest collects them from this class
     """The store suite. Subclass and provide a `make_transport` fixture; see the module
     docstring."""
@@ -500,3 +502,65 @@ class TransportConformance(ConformanceSuite):  # ~420 lines: one test per promis
             dst, source, before = kv.destination(part, lay)
             await kv.load(w, dst, lay)
             kv.expect_loaded(source, before, part, dst, layout=lay, promise=Promise.SHARDS)
+
+    # -- another tensor-parallel size ---------------------------------------------
+    async def test_engines_of_another_tp_size_load_each_others_chunks(self, kv: Harness) -> None:
+        """What two TP=2 ranks saved, a TP=1 rank loads (each head from the rank holding
+        it); what the TP=1 rank saved, each TP=2 rank loads its heads of."""
+        sched = await kv.scheduler(kv_heads=4)
+        if not type(sched).capabilities.reshape:
+            pytest.skip("capabilities.reshape is not set")
+        hnd = "HND" in kv.layout.describe()
+        halves = [self.build_layout(kv.layout.is_block_granular(), hnd=hnd, heads=2) for _ in "ab"]
+        whole = self.build_layout(kv.layout.is_block_granular(), hnd=hnd, heads=4)
+        shards = [shard_name(r, 2, 0) for r in range(2)]
+        ranks = [
+            await kv.worker(shard=s, shards=shards, layout=lay, tp=(r, 2), kv_heads=4)
+            for r, (s, lay) in enumerate(zip(shards, halves, strict=True))
+        ]
+        one = await kv.worker(layout=whole, kv_heads=4)
+        parts = [kv.chunks(2, partial=3, layout=halves[0])]
+        parts.append(parts[0].at(kv.blocks(2, halves[1])))
+        kv.fill(parts[1], layout=halves[1])
+        for w, part, lay in zip(ranks, parts, halves, strict=True):
+            await kv.save(w, part, lay)
+        await self._load_other_size(kv, sched, one, whole, parts, halves, 2)
+        src = kv.chunks(2, partial=3, layout=whole)
+        await kv.save(one, src, whole)
+        for r, (w, lay) in enumerate(zip(ranks, halves, strict=True)):
+            rank_sched = await kv.scheduler(shard=shards[r], shards=shards, tp=(r, 2), kv_heads=4)
+            await self._load_other_size(kv, rank_sched, w, lay, [src], [whole], 1, r * 2)
+
+    async def _load_other_size(
+        self,
+        kv: Harness,
+        sched: Transport,
+        worker: Transport,
+        layout: KVLayout,
+        saved: list[Chunks],
+        saved_layouts: list[KVLayout],
+        size: int,
+        first: int = 0,
+    ) -> None:
+        """Look up and load `saved` (each part one rank's of TP size `size`) into new blocks
+        of `worker`; its heads must equal theirs from head `first` on."""
+        ctx = worker.context
+        keys = saved[0].keys
+        shapes = other_shapes(4, ctx.tp_size, 1)
+        found = await lookup_sources(sched, keys, shapes)
+        if found != [size] * len(keys):
+            violated(Promise.RESHAPE, f"lookup found {found} for chunks of TP={size}", keys=keys)
+        dst = saved[0].at(kv.blocks(len(keys), layout))
+        job, signalled = kv.load_job(dst, layout)
+        try:
+            await load_reshaped(worker, job, [size] * len(keys))
+        except TransportError as exc:
+            violated(Promise.RESHAPE, f"load raised {exc}", chunks=[exc.chunk], keys=keys)
+        if signalled != list(range(layout.num_layers)):
+            violated(Promise.RESHAPE, f"layers signalled {signalled}", keys=keys)
+        per = layout.geometries[0].heads
+        for h in range(per):
+            rank, local = divmod(first + h, 4 // size)
+            want = kv.heads(saved[rank], local, 1, saved_layouts[rank])
+            if kv.heads(dst, h, 1, layout) != want:
+                violated(Promise.RESHAPE, f"head {h} differs from what TP={size} saved", keys=keys)

@@ -207,14 +207,20 @@ class Harness:  # ~345 lines: every test's vocabulary (workers, chunks, jobs, ch
         shard: str = "tp0of1pp0",
         shards: Sequence[str] | None = None,
         layout: KVLayout | None = None,
+        tp: tuple[int, int] = (0, 1),
+        kv_heads: int = 0,
     ) -> Transport:
-        """A new opened instance; on workers `register(layout)` follows `open()`."""
+        """A new opened instance (of TP rank `tp[0]` of `tp[1]`, over a model of `kv_heads`
+        KV heads); on workers `register(layout)` follows `open()`."""
         ctx = TransportContext(
             engine_id=f"conformance-engine-{next(self._engines)}",
             role=role,
             namespace=namespace or self.namespace,
             shard=shard,
             shards=list(shards or [shard]),
+            tp_rank=tp[0],
+            tp_size=tp[1],
+            kv_heads=kv_heads,
         )
         made = self.make(ctx)
         transport = await made if inspect.isawaitable(made) else made
@@ -339,6 +345,17 @@ class Harness:  # ~345 lines: every test's vocabulary (workers, chunks, jobs, ch
         dst = src.at(self.blocks(len(src), layout))
         self.poison(dst.blocks, layout=layout)
         return dst, source, self.snapshot(layout)
+
+    def heads(self, chunks: Chunks, first: int, count: int, layout: KVLayout) -> list[bytes]:
+        """Each layer's bytes of heads `[first, first + count)` of `chunks`' blocks."""
+        return [
+            b"".join(
+                bytes(s)
+                for c in layout.head_spans(layer, chunks.blocks, chunks.token_counts, first, count)
+                for s in c
+            )
+            for layer in range(layout.num_layers)
+        ]
 
     # -- jobs ------------------------------------------------------------------
     def save_job(self, chunks: Chunks, layout: KVLayout | None = None) -> SaveJob:

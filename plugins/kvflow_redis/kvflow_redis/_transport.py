@@ -78,7 +78,7 @@ class RedisOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 class RedisTransport(Transport):
     name = "redis"
     Options = RedisOptions
-    capabilities = Capabilities(store=True, peer=False, memory=frozenset({"cpu"}))
+    capabilities = Capabilities(store=True, peer=False, memory=frozenset({"cpu"}), reshape=True)
 
     def __init__(self, options: RedisOptions, context: TransportContext) -> None:
         super().__init__(options, context)
@@ -163,13 +163,14 @@ class RedisTransport(Transport):
         return f"{self.options.key_prefix}{ctx.namespace}:{key}:{shard or ctx.shard}".encode()
 
     # -- lookup ------------------------------------------------------------
-    async def lookup(self, keys: Sequence[ChunkKey]) -> int:
-        """One round trip: `EXISTS` of every shard's value, per key, pipelined.
+    async def lookup(self, keys: Sequence[ChunkKey], shards: Sequence[str] = ()) -> int:
+        """One round trip: `EXISTS` of each of `shards`' values (default: this engine's),
+        per key, pipelined.
 
         EXISTS does not touch a value's LRU clock: only loads keep a chunk warm."""
         if not keys:
             return 0
-        shards = self.context.shards
+        shards = shards or self.context.shards
         cmds = [("EXISTS", *(self.key(k, s) for s in shards)) for k in keys]
         with self._errors("lookup"):
             replies = await self.pool.pipeline(cmds)
@@ -239,10 +240,10 @@ class RedisTransport(Transport):
         (checked against this layout), then, pipelined in layer order, one `GETRANGE` per
         layer and chunk, read straight into the KV spans. A layer's hashes are checked in a
         thread while the next layer streams in, and `layer_loaded(i)` follows its check."""
-        layout = self.context.layout
+        layout = job.layout or self.context.layout  # another shape's chunk: as it lies
         assert layout is not None, "redis load needs registered KV caches"
         n, num_layers = len(job.keys), job.num_layers
-        keys = [self.key(k) for k in job.keys]
+        keys = [self.key(k, job.shard) for k in job.keys]
         sizes = [[layout.chunk_nbytes(i, t) for i in range(num_layers)] for t in job.token_counts]
         found: list[ChunkFailure | None] = []
         bad: list[bytes] = []  # values that failed validation, deleted afterwards
@@ -325,13 +326,14 @@ class RedisTransport(Transport):
             else:
                 try:
                     h = decode_trailer(raw)
-                    problem = h.problem(self.context, key, job.token_counts[c])
+                    problem = h.problem(self.context, key, job.token_counts[c], job)
                     if not problem and strlen != sum(sizes[c]) + len(raw):
                         problem = f"value of {strlen} bytes, expected {sum(sizes[c]) + len(raw)}"
                 except BadHeader as exc:
                     problem = str(exc)
             if problem:
-                bad.append(keys[c])
+                if not job.shard:  # another shape's chunk is not ours to drop
+                    bad.append(keys[c])
                 found.append(ChunkFailure(c, ChunkCorrupt, problem))
                 break
             headers.append(h)
