@@ -502,9 +502,9 @@ class KVLayout:
 
     def image(self, layer: int) -> LayerGeometry:
         """The geometry of a chunk's bytes of `layer` as a store holds them: host memory
-        as it lies, device memory token-major (`kvflow.staging`)."""
+        and opaque blocks as they lie, device memory token-major (`kvflow.staging`)."""
         g = self.geometries[layer]
-        return g if self.memory == "cpu" else g.token_major()
+        return g if self.memory == "cpu" or g.block_bytes else g.token_major()
 
     @property
     def nbytes_registered(self) -> int:

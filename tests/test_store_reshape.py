@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from kvflow.keys import chunk_keys
 from kvflow.layout import KVLayout, LayoutError
@@ -17,6 +18,7 @@ from kvflow.reshape import (
     other_shapes,
     shard_name,
 )
+from kvflow.staging import HostStage
 from kvflow.testing.layouts import LAYOUTS, fill_blocks, make_layout
 from kvflow.transport import ChunkCorrupt, LoadJob, SaveJob, TransportContext
 from kvflow_fs import FsOptions, FsTransport
@@ -189,3 +191,41 @@ def test_heads_copy_between_orders_cell_by_cell() -> None:
     assert head_copy_runs(hnd, 1, hnd, 0, 1, 8) == ((8 * cell, 0, 8 * cell),)
     with pytest.raises(LayoutError, match="cannot copy"):
         head_copy_runs(_layout("block-granular", 2).geometries[0], 0, hnd, 0, 1, 8)
+
+
+def _device(kind: str, heads: int) -> KVLayout:
+    """A cache standing in for a CUDA one (memory 'cuda'; `buffers` alias its tensors
+    so the test reads its bytes), staged token-major for the store (`kvflow.staging`)."""
+    layout = _layout(kind, heads)
+    layout.memory = "cuda"
+    layout.tensors = [torch.frombuffer(b, dtype=torch.uint8) for b in layout.buffers]
+    return layout
+
+
+@pytest.mark.parametrize("kind", ["LBNHC", "LBHNC", "LBHNC/kernel", "block-granular"])
+async def test_a_device_cache_loads_what_another_size_saved_through_its_staging(
+    tmp_path: Path, kind: str
+) -> None:
+    savers = []
+    for r in range(2):
+        t = await _store(tmp_path, _device(kind, HEADS // 2), r, 2)
+        assert t.context.layout is not None
+        fill_blocks(t.context.layout, SRC, seed=r + 1)
+        stage = HostStage(t.context.layout, SRC, COUNTS)
+
+        async def spans(layer: int, stage: HostStage = stage) -> list[list[memoryview]]:
+            await stage.gather(layer)
+            return stage.spans(layer)
+
+        await t.save(SaveJob("save", KEYS, COUNTS, 3, spans))
+        savers.append(t.context.layout)
+    reader = await _store(tmp_path, _device(kind, HEADS), 0, 1)
+    layout = reader.context.layout
+    assert layout is not None
+    into = HostStage(layout, DST, COUNTS)
+    job = LoadJob("load", KEYS, COUNTS, 3, into.spans, lambda layer: None, None, DST)
+    await load_reshaped(reader, job, [2, 2, 2])
+    for layer in range(layout.num_layers):
+        into.scatter(layer)
+    for h in range(HEADS):
+        assert _head(layout, DST, h) == _head(savers[h // 2], SRC, h % 2), f"head {h}"
