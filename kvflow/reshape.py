@@ -10,13 +10,15 @@ in `STORE_TP_SIZES` that splits the model's heads (`other_shapes`), and says per
 which size holds it (`lookup_sources`, `LoadSpec.tp_sizes`). A worker reads the shards
 holding its heads (`plan_reads`, as a P/D consumer does) into images shaped as the
 saving rank's (`KVLayout.with_heads`), checked as any load checks them (the job names
-the shard and the layout), and copies its heads into its blocks (`head_copy_runs`).
+the shard and the layout): each stored byte lands where its head goes in this rank's
+blocks (`head_copy_runs`), or in scratch when this rank does not hold that head.
 
 Nothing is converted when the sizes match: those chunks load as they always did.
 """
 
 from __future__ import annotations
 
+import bisect
 import functools
 import itertools
 from collections.abc import Sequence
@@ -42,8 +44,12 @@ __all__ = [
 STORE_TP_SIZES = (1, 2, 4, 8, 16)
 """The tensor-parallel sizes whose chunks an engine of another size looks for."""
 
-BOUNCE_BYTES = 64 << 20
-"""At most this many bytes of other shards' images are held at once per load."""
+DIRECT_RUNS = 8
+"""A stored image whose heads land in at most this many runs of a chunk is read straight
+into them; one of more goes through a buffer (reading to many small spans is slower)."""
+SCRATCH_BYTES = 64 << 20
+"""A load of another size's chunks reads at most this many bytes a window (what of them
+this rank does not hold goes through scratch memory)."""
 
 
 def shard_name(tp_rank: int, tp_size: int, pp_rank: int) -> str:
@@ -184,7 +190,7 @@ async def load_reshaped(transport: Transport, job: LoadJob, tp_sizes: Sequence[i
 
 async def _load_other(transport: Transport, job: LoadJob, tp_size: int) -> None:
     """Load `job`, every chunk of it held by ranks of `tp_size`, a window of chunks at a
-    time (at most `BOUNCE_BYTES` of their images)."""
+    time (at most `SCRATCH_BYTES` of heads this rank does not hold in flight)."""
     ctx, layout = transport.context, transport.context.layout
     assert layout is not None, "a store loads into registered KV caches"
     try:
@@ -194,7 +200,7 @@ async def _load_other(transport: Transport, job: LoadJob, tp_size: int) -> None:
     except (TopologyError, LayoutError) as exc:
         raise TransportError(f"chunks saved at tensor parallel size {tp_size}: {exc}") from None
     per_chunk = sum(s.nbytes([max(job.token_counts)]) for s in shapes)
-    window = max(1, BOUNCE_BYTES // max(1, per_chunk))
+    window = max(1, SCRATCH_BYTES // max(1, per_chunk))
     for w in range(0, len(job.keys), window):
         part = _part(job, w, min(w + window, len(job.keys)))
         try:
@@ -211,69 +217,139 @@ async def _load_window(
     reads: list[HeadRead],
     shapes: list[KVLayout],
 ) -> None:
-    """Read each shard `reads` names into images of its rank's shape, all at once; copy
-    the heads of every chunk before the first that failed; raise that failure."""
-    images = [_images(shape, job.token_counts) for shape in shapes]
+    """Read the shards `reads` names at once and put each one's heads where this rank
+    keeps them; raise the failure at the earliest chunk (every piece of the chunks before
+    it arrived, checked). A layer whose heads lie in a few long runs is read straight
+    into them (`_read_spans`); one of many short runs (NHD: a run per token) is read
+    whole into a buffer, then copied by numpy (`_copy_heads`)."""
+    ours = transport.context.layout
+    assert ours is not None
     errors: list[TransportError] = []
 
     async def read(i: int) -> None:
-        part = _part(
-            job,
-            0,
-            len(job.keys),
-            spans=lambda layer: [[memoryview(b)] for b in images[i][layer]],
-            shard=shard_name(reads[i].rank, tp_size, transport.context.pp_rank),
-            layout=shapes[i],
-        )
+        bounced: dict[int, list[memoryview]] = {}
+
+        def spans(layer: int) -> list[list[memoryview]]:
+            dst, src = ours.image(layer), shapes[i].image(layer)
+            counts = job.token_counts
+            if (
+                len(
+                    head_copy_runs(
+                        src, reads[i].first, dst, reads[i].into, reads[i].count, max(counts)
+                    )
+                )
+                > DIRECT_RUNS
+            ):
+                bounced[layer] = [
+                    np.empty(src.chunk_nbytes(n), dtype=np.uint8).data for n in counts
+                ]
+                return [[b] for b in bounced[layer]]
+            return [
+                _read_spans(mine, src, dst, reads[i], n)
+                for mine, n in zip(job.spans(layer), counts, strict=True)
+            ]
+
+        def landed(layer: int) -> None:
+            """Copy a buffered layer as soon as it landed, while the next ones are read
+            (a chunk that failed is copied too: its blocks are reported and recomputed)."""
+            if (buffers := bounced.pop(layer, None)) is not None:
+                dst, src = ours.image(layer), shapes[i].image(layer)
+                for c, (mine, n) in enumerate(zip(job.spans(layer), job.token_counts, strict=True)):
+                    _copy_heads(buffers[c], src, mine, dst, reads[i], n)
+
+        shard = shard_name(reads[i].rank, tp_size, transport.context.pp_rank)
+        part = _part(job, 0, len(job.keys), spans=spans, shard=shard, layout=shapes[i])
+        part.layer_loaded = landed
         try:
             await transport.load(part)
         except TransportError as exc:
             errors.append(exc)
+        finally:  # layers a transport that stopped early never signalled: what arrived
+            for layer in sorted(bounced):
+                landed(layer)
 
     async with trio.open_nursery() as nursery:
         for i in range(len(reads)):
             nursery.start_soon(read, i)
-    first = min(errors, key=lambda e: e.chunk, default=None)
-    intact = len(job.keys) if first is None else max(0, first.chunk)
-    ours = transport.context.layout
-    assert ours is not None
-    for layer in range(job.num_layers):
-        spans = job.spans(layer)
-        for c in range(intact):
-            sources = [
-                (im[layer][c], sh.image(layer), r)
-                for im, sh, r in zip(images, shapes, reads, strict=True)
-            ]
-            _assemble(spans[c], ours.image(layer), sources, job.token_counts[c])
-    if first is not None:
-        raise first
+    if errors:
+        raise min(errors, key=lambda e: e.chunk)
 
 
-def _images(shape: KVLayout, token_counts: Sequence[int]) -> list[list[bytearray]]:
-    """An empty image per layer and chunk of `shape`."""
+@functools.lru_cache(maxsize=256)
+def _grid(g: LayerGeometry, n: int) -> tuple[int, int, int] | None:
+    """(token stride, head stride, unit) when the image of an `n`-token chunk of `g` is a
+    strided `[tokens, heads, unit]` array; None when it is not (split kernel blocks)."""
+    pos, unit = _positions(g, n)
+    t, h = pos.shape
+    a = int(pos[1, 0] - pos[0, 0]) if t > 1 else 0
+    b = int(pos[0, 1] - pos[0, 0]) if h > 1 else 0
+    affine = pos[0, 0] + np.arange(t)[:, None] * a + np.arange(h)[None, :] * b
+    return (a, b, unit) if pos[0, 0] == 0 and (pos == affine).all() else None
+
+
+def _copy_heads(
+    src: memoryview,
+    src_geo: LayerGeometry,
+    spans: list[memoryview],
+    dst_geo: LayerGeometry,
+    read: HeadRead,
+    n: int,
+) -> None:
+    """Copy `read`'s heads of one stored chunk image (`src`) into this rank's chunk."""
+    sg, dg = _grid(src_geo, n), _grid(dst_geo, n)
+    if sg and dg and len(spans) == 1:  # one strided copy
+        tokens = _positions(src_geo, n)[0].shape[0]
+        a = np.ndarray((tokens, src_geo.heads, sg[2]), np.uint8, src, 0, (sg[0], sg[1], 1))
+        b = np.ndarray((tokens, dst_geo.heads, dg[2]), np.uint8, spans[0], 0, (dg[0], dg[1], 1))
+        b[:, read.into : read.into + read.count] = a[:, read.first : read.first + read.count]
+        return
+    starts = list(itertools.accumulate((len(s) for s in spans), initial=0))
+    for s, d, length in head_copy_runs(src_geo, read.first, dst_geo, read.into, read.count, n):
+        for i, off, take in _slices(starts, d, length):
+            spans[i][off : off + take] = src[s : s + take]
+            s += take
+
+
+def _read_spans(
+    spans: list[memoryview], src: LayerGeometry, dst: LayerGeometry, read: HeadRead, n: int
+) -> list[memoryview]:
+    """Where a stored image of `src`'s heads lands, in its byte order: the pieces of this
+    rank's chunk (`spans`, an image of `dst`) its heads go to, and scratch for the heads
+    it does not hold (read, hashed with the rest, then dropped)."""
+    plan = _read_plan(src, dst, read, n, tuple(len(s) for s in spans))
     return [
-        [bytearray(shape.chunk_nbytes(layer, n)) for n in token_counts]
-        for layer in range(shape.num_layers)
+        spans[i][off : off + length] if i >= 0 else np.empty(length, dtype=np.uint8).data
+        for i, off, length in plan
     ]
 
 
-def _assemble(
-    spans: list[memoryview],
-    dst: LayerGeometry,
-    sources: Sequence[tuple[bytearray, LayerGeometry, HeadRead]],
-    num_tokens: int,
-) -> None:
-    """Copy each source's heads into the chunk whose image is `spans` (of geometry `dst`)."""
-    image = spans[0] if len(spans) == 1 else memoryview(bytearray(sum(len(s) for s in spans)))
-    if len(image) != dst.chunk_nbytes(num_tokens):
-        raise TransportError(
-            f"a chunk's spans hold {len(image)} bytes, not {dst.chunk_nbytes(num_tokens)}"
-        )
-    for src, geometry, r in sources:
-        for s, d, n in head_copy_runs(geometry, r.first, dst, r.into, r.count, num_tokens):
-            image[d : d + n] = src[s : s + n]
-    if len(spans) > 1:
-        offset = 0
-        for span in spans:
-            span[:] = image[offset : offset + len(span)]
-            offset += len(span)
+@functools.lru_cache(maxsize=1024)
+def _read_plan(
+    src: LayerGeometry, dst: LayerGeometry, read: HeadRead, n: int, sizes: tuple[int, ...]
+) -> tuple[tuple[int, int, int], ...]:
+    """`_read_spans` as (span index or -1 for scratch, offset, length)."""
+    if sum(sizes) != dst.chunk_nbytes(n):
+        raise TransportError(f"a chunk's spans do not hold {dst.chunk_nbytes(n)} bytes")
+    runs = sorted(head_copy_runs(src, read.first, dst, read.into, read.count, n))
+    starts = list(itertools.accumulate(sizes, initial=0))
+    out: list[tuple[int, int, int]] = []
+    at, end = 0, src.chunk_nbytes(n)
+    for s, d, length in [*runs, (end, 0, 0)]:
+        if s > at:  # bytes of heads this rank does not hold
+            out.append((-1, 0, s - at))
+        out += _slices(starts, d, length)
+        at = s + length
+    return tuple(out)
+
+
+def _slices(starts: list[int], at: int, length: int) -> list[tuple[int, int, int]]:
+    """Bytes `[at, at + length)` of spans that start at `starts` (their sizes' running
+    sum), as (span index, offset in it, length)."""
+    out = []
+    i = bisect.bisect_right(starts, at) - 1
+    while length > 0:
+        off = at - starts[i]
+        take = min(length, starts[i + 1] - at)
+        out.append((i, off, take))
+        at, length, i = at + take, length - take, i + 1
+    return out

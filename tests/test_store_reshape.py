@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvflow import reshape
 from kvflow.keys import chunk_keys
 from kvflow.layout import KVLayout, LayoutError
 from kvflow.reshape import (
@@ -79,8 +80,17 @@ def _head(layout: KVLayout, blocks: list[int], head: int) -> list[bytes]:
     ]
 
 
+@pytest.fixture(params=["direct", "buffered"])
+def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Read straight into the blocks' runs, or through a buffer and a copy (`DIRECT_RUNS`)."""
+    monkeypatch.setattr(reshape, "DIRECT_RUNS", 1 << 30 if request.param == "direct" else 0)
+    return str(request.param)
+
+
 @pytest.mark.parametrize("kind", KINDS)
-async def test_a_tp1_engine_loads_what_tp2_ranks_saved(tmp_path: Path, kind: str) -> None:
+async def test_a_tp1_engine_loads_what_tp2_ranks_saved(
+    tmp_path: Path, kind: str, path: str
+) -> None:
     savers = [await _store(tmp_path, _layout(kind, HEADS // 2), r, 2) for r in range(2)]
     for r, t in enumerate(savers):
         assert t.context.layout is not None
@@ -103,7 +113,7 @@ async def test_a_tp1_engine_loads_what_tp2_ranks_saved(tmp_path: Path, kind: str
 
 
 @pytest.mark.parametrize("kind", KINDS)
-async def test_tp2_ranks_load_what_a_tp1_engine_saved(tmp_path: Path, kind: str) -> None:
+async def test_tp2_ranks_load_what_a_tp1_engine_saved(tmp_path: Path, kind: str, path: str) -> None:
     saver = await _store(tmp_path, _layout(kind, HEADS), 0, 1)
     assert saver.context.layout is not None
     fill_blocks(saver.context.layout, SRC, seed=5)
@@ -204,7 +214,7 @@ def _device(kind: str, heads: int) -> KVLayout:
 
 @pytest.mark.parametrize("kind", ["LBNHC", "LBHNC", "LBHNC/kernel", "block-granular"])
 async def test_a_device_cache_loads_what_another_size_saved_through_its_staging(
-    tmp_path: Path, kind: str
+    tmp_path: Path, kind: str, path: str
 ) -> None:
     savers = []
     for r in range(2):
