@@ -21,7 +21,7 @@ from kvflow.reshape import (
 )
 from kvflow.staging import HostStage
 from kvflow.testing.layouts import LAYOUTS, fill_blocks, make_layout
-from kvflow.transport import ChunkCorrupt, LoadJob, SaveJob, TransportContext
+from kvflow.transport import ChunkCorrupt, ChunkMissing, LoadJob, SaveJob, TransportContext
 from kvflow_fs import FsOptions, FsTransport
 
 HEADS = 4
@@ -153,6 +153,34 @@ async def test_chunks_of_the_own_size_load_as_they_lie_next_to_others(tmp_path: 
             cut = COUNTS[0] * len(got[layer]) // sum(COUNTS)
             assert got[layer][:cut] == mine[layer][:cut], f"head {h} chunk 0"
             assert got[layer][cut:] == theirs[layer][cut:], f"head {h} chunks 1-2"
+
+
+@pytest.mark.parametrize("kind", ["block-granular", "LBNHC"])
+async def test_a_missing_piece_fails_the_load_from_its_chunk_on(
+    tmp_path: Path, kind: str, path: str
+) -> None:
+    """Rank 1's file of chunk 1 is gone: the load names chunk 1 (a key and a missing
+    file), and chunk 0, whole in both ranks' files, has every head."""
+    savers = [await _store(tmp_path, _layout(kind, HEADS // 2), r, 2) for r in range(2)]
+    for r, t in enumerate(savers):
+        assert t.context.layout is not None
+        fill_blocks(t.context.layout, SRC, seed=r + 1)
+        await _save(t)
+    savers[1].path(KEYS[1]).unlink()
+    reader = await _store(tmp_path, _layout(kind, HEADS), 0, 1)
+    layout = reader.context.layout
+    assert layout is not None
+    assert await lookup_sources(reader, KEYS, other_shapes(HEADS, 1, 1)) == [2]
+    with pytest.raises(ChunkMissing, match="missing file") as caught:
+        await load_reshaped(reader, _job(layout, []), [2, 2, 2])
+    assert caught.value.chunk == 1 and caught.value.key == KEYS[1]
+    for h in range(HEADS):
+        saved = savers[h // 2].context.layout
+        assert saved is not None
+        for layer in range(layout.num_layers):
+            got = layout.head_spans(layer, DST[:1], COUNTS[:1], h, 1)[0]
+            want = saved.head_spans(layer, SRC[:1], COUNTS[:1], h % 2, 1)[0]
+            assert [bytes(s) for s in got] == [bytes(s) for s in want], f"head {h}"
 
 
 async def test_a_chunk_of_another_layout_is_refused_and_left_for_its_engine(
