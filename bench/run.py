@@ -48,6 +48,7 @@ def _has_cuda() -> bool:
 BENCHES: dict[str, tuple[list[str], bool, Callable[[], str]]] = {
     "fs-io": (["bench_fs_io.py"], True, lambda: ""),
     "hooks": (["bench_hooks.py"], False, lambda: ""),
+    "reshape": (["bench_reshape.py"], True, lambda: ""),
     "engines": (["bench_engines.py"], True, lambda: ""),
     "zmq": (["bench_zmq.py"], True, lambda: ""),
     "zmq-channels": (["bench_zmq.py", "--channels"], True, lambda: ""),
@@ -103,6 +104,13 @@ def fs_io_table(d: dict[str, Any]) -> list[str]:
                 cells.append(f"{v:.2f} ({v / g[base]:.2f}x)")
             rows.append(cells)
     head = ["KV", "operation", "plain GB/s", "kvflow GB/s (x plain)", "kvflow 1 thread"]
+    return _table(head, rows)
+
+
+def reshape_table(d: dict[str, Any]) -> list[str]:
+    head = ["KV layout", "load", "own size GB/s", "another size GB/s", "another / own"]
+    keys = ("own", "reshaped", "ratio")
+    rows = [[r["kind"], r["direction"], *(f"{r[k]:.2f}" for k in keys)] for r in d["rows"]]
     return _table(head, rows)
 
 
@@ -183,6 +191,7 @@ def nixl_table(d: dict[str, Any]) -> list[str]:
 TABLES: dict[str, tuple[str, Callable[[dict[str, Any]], list[str]], str]] = {
     "fs-io": ("fs-io", fs_io_table, ""),
     "hooks": ("hooks", hooks_table, ""),
+    "reshape": ("reshape", reshape_table, ""),
     "engines-miss": ("engines", miss_table, "miss"),
     "engines-hit": ("engines", hit_table, "hit"),
     "zmq": ("zmq", zmq_table, ""),

@@ -32,38 +32,42 @@ def _engine(tmp: Path, name: str, tp: int) -> ServingEngine:
 
 
 def test_a_store_serves_engines_of_either_tensor_parallel_size(tmp_path: Path) -> None:
-    """`fs` keeps one file per chunk and rank. A TP=1 engine loads what a TP=2 engine
-    saved (each rank's file holds one of the two KV heads), and a fresh TP=2 engine loads
-    its own size's chunks and what the TP=1 engine saved (`kvflow.reshape`)."""
+    """`fs` keeps one file per chunk and rank. A TP=2 engine loads what a TP=1 engine
+    saved (each rank its KV head of the file's two), and the TP=1 engine loads what the
+    TP=2 engine saved (both ranks' files), the same tokens (`kvflow.reshape`)."""
 
     # first in the module: no other engine of this module is up yet
     def extra(name: str) -> dict[str, object]:
         log = str(tmp_path / f"{name}.events.jsonl")
         return {"options": {"path": str(tmp_path / "kv")}, "event_log": log}
 
-    saved, fresh = [PROMPTS[0], PROMPTS[2]], [PROMPTS[1]]
-    cold = run_engine(
-        tmp_path, "cold", batches=[saved], tensor_parallel_size=2, extra_config=extra("cold")
-    )
-    one = run_engine(tmp_path, "one", batches=[saved, fresh], extra_config=extra("one"))
-    two = run_engine(
-        tmp_path, "two", batches=[saved + fresh], tensor_parallel_size=2, extra_config=extra("two")
-    )
+    one = ServingEngine(tmp_path, "one", kv_role="kv_both", extra_config=extra("one"))
+    try:
+        one.wait_ready()
+        first = one.ask(PROMPTS[1], 8)  # computed at TP=1 and saved
+        two = run_engine(
+            tmp_path,
+            "two",
+            batches=[[PROMPTS[1]], [PROMPTS[0], PROMPTS[2]]],
+            tensor_parallel_size=2,
+            extra_config=extra("two"),
+        )
+        later = [one.ask(p, 8) for p in (PROMPTS[0], PROMPTS[2])]  # saved at TP=2
+    finally:
+        one.close()
     shards = {f.name.split(".")[1] for f in (tmp_path / "kv").rglob("*.kv")}
     assert shards == {"tp0of2pp0", "tp1of2pp0", "tp0of1pp0"}, shards
     loads = [
-        (one, one.batches[0], cold.batches[0], saved, {0}),  # TP=2's chunks in TP=1
-        (two, two.batches[0][:2], cold.batches[0], saved, {0, 1}),  # its own size's
-        (two, two.batches[0][2:], one.batches[1], fresh, {0, 1}),  # TP=1's in TP=2
+        ("two", two.batches[0][0], first, PROMPTS[1], {0, 1}),  # TP=1's chunks at TP=2
+        ("one", later[0], two.batches[1][0], PROMPTS[0], {0}),  # TP=2's at TP=1
+        ("one", later[1], two.batches[1][1], PROMPTS[2], {0}),
     ]
-    for run, got, want, prompts, ranks in loads:
-        name = "one" if run is one else "two"
-        for g, w, p in zip(got, want, prompts, strict=True):
-            assert_same_generation(g, w, f"{name} loading {len(p)} tokens")
-            events = events_for(tmp_path / f"{name}.events.jsonl", g)
-            loaded = {e.origin.rank: e.tokens for e in events if isinstance(e, LoadStarted)}
-            assert set(loaded) == ranks and min(loaded.values()) >= len(p) - 1, loaded
-            assert not [e for e in events if isinstance(e, TransferFailed)], events
+    for name, got, want, prompt, ranks in loads:
+        assert_same_generation(got, want, f"{name} loading {len(prompt)} tokens")
+        events = events_for(tmp_path / f"{name}.events.jsonl", got)
+        loaded = {e.origin.rank: e.tokens for e in events if isinstance(e, LoadStarted)}
+        assert set(loaded) == ranks and min(loaded.values()) >= len(prompt) - 1, loaded
+        assert not [e for e in events if isinstance(e, TransferFailed)], events
 
 
 @pytest.fixture(scope="module")
