@@ -38,6 +38,27 @@ from .vllm_harness import (
 )
 
 
+def test_a_pipeline_parallel_producer_offers_each_stages_endpoint(harness: MakeHarness) -> None:
+    """vLLM's engine core hands a scheduler the workers' handshakes keyed by (pp_rank,
+    tp_rank) (`set_xfer_handshake_metadata_pp_aware`; its default refuses pp_rank > 0, so
+    an engine of two stages would not start): the producer's params list both stages'
+    endpoints, stage by stage, and its pipeline parallel size."""
+    config = make_vllm_config(transport="zmq", kv_role="kv_producer", pipeline_parallel_size=2)
+    producer = harness(config, 16)
+    stages = ["tcp://127.0.0.1:45556", "tcp://127.0.0.1:45557"]  # never dialled
+    producer.connector.set_xfer_handshake_metadata_pp_aware(
+        {(1, 0): KVFlowHandshake([stages[1]]), (0, 0): KVFlowHandshake([stages[0]])}
+    )
+    producer.add(
+        make_request(
+            "pd", prompt_of(3, 40), max_tokens=1, kv_transfer_params={"do_remote_decode": True}
+        )
+    )
+    (out,) = producer.collect(producer.step()).finished
+    (pd,) = parse_pd_params(out.kv_transfer_params) or []
+    assert pd.addresses == stages and pd.pp_size == 2 and pd.tp_size == 1
+
+
 def test_pd_producer_offers_blocks_and_consumer_pulls_them(harness: MakeHarness) -> None:
     producer = harness(make_vllm_config(transport="zmq", kv_role="kv_producer"), 16)
     address = "tcp://127.0.0.1:45555"  # never dialled: no worker runs

@@ -246,7 +246,15 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
     def set_xfer_handshake_metadata(
         self, metadata: dict[int, KVConnectorHandshakeMetadata]
     ) -> None:
-        self._to_scheduler.set_xfer_handshake_metadata(metadata)
+        self._to_scheduler.set_handshakes([m for _, m in sorted(metadata.items())])
+
+    def set_xfer_handshake_metadata_pp_aware(
+        self, metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata]
+    ) -> None:
+        """What vLLM's engine core calls: every worker's handshake by (pp_rank, tp_rank)
+        (the base refuses pp_rank > 0: a pipeline-parallel engine would not start). Sorted,
+        they are kvflow's shards in order, stage by stage."""
+        self._to_scheduler.set_handshakes([m for _, m in sorted(metadata.items())])
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         self._to_scheduler.update_connector_output(connector_output)

@@ -258,10 +258,10 @@ class KVFlowScheduler:
                 out = {**out, **ref.to_params()}
         return lend, out or None
 
-    def set_xfer_handshake_metadata(
-        self, metadata: dict[int, KVConnectorHandshakeMetadata]
-    ) -> None:
-        shards = [m for _, m in sorted(metadata.items()) if isinstance(m, KVFlowHandshake)]
+    def set_handshakes(self, ordered: list[KVConnectorHandshakeMetadata]) -> None:
+        """The workers' handshakes in shard order (stage by stage, rank by rank): each
+        one's endpoint per KV cache group becomes that group's peer address."""
+        shards = [m for m in ordered if isinstance(m, KVFlowHandshake)]
         for g, sched in enumerate(self.scheds):
             sched.peer_addresses = [m.addresses[g] for m in shards]
 
