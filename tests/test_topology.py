@@ -9,6 +9,8 @@ import pytest
 from vllm.distributed.kv_transfer.kv_connector.utils import EngineTransferInfo, TransferTopology
 
 from kvflow.pd.topology import HeadRead, TopologyError, held_heads, plan_reads, readers
+from kvflow.reshape import shard_name
+from kvflow.transport import PeerSource, TransportContext
 
 SIZES = (1, 2, 4, 8)
 SHAPES = [
@@ -95,3 +97,20 @@ def test_shapes_that_do_not_split_are_refused() -> None:
         plan_reads(3, 2, 1, 0)
     with pytest.raises(TopologyError, match="not a multiple of the 2 KV heads"):
         plan_reads(2, 3, 1, 0)
+
+
+def test_each_consumer_stage_reads_the_producer_stage_holding_its_layers() -> None:
+    """Endpoints are listed stage by stage (`set_xfer_handshake_metadata_pp_aware`): a
+    worker of stage p reads stage p's ranks, whole blocks or heads."""
+    addrs = ["s0r0", "s0r1", "s1r0", "s1r1"]
+    src = PeerSource("p", addrs, "req", [1], tp_size=2, kv_heads=2)
+    shards = [shard_name(r, 2, p) for p in range(2) for r in range(2)]
+    for p in range(2):
+        for r in range(2):
+            ctx = TransportContext(
+                "e", "worker", "ns", shard_name(r, 2, p), shards, tp_rank=r, tp_size=2, pp_rank=p
+            )
+            assert [read.address for read in ctx.peer_reads(src)] == [f"s{p}r{r}"]
+    one = [shard_name(0, 1, p) for p in range(2)]
+    ctx = TransportContext("e", "worker", "ns", one[1], one, tp_rank=0, tp_size=1, pp_rank=1)
+    assert [read.address for read in ctx.peer_reads(src)] == ["s1r0", "s1r1"]
