@@ -288,7 +288,10 @@ class SchedulerEngine:  # ~395 lines: one request's life in the scheduler (looku
         if st is None:
             return
         st.block_ids = list(block_ids)
-        st.stored_upto = max(st.stored_upto, st.hit_chunks or 0)
+        # chunks the store holds for another tensor-parallel size are saved again at this
+        # engine's (then they load without conversion; decision 56)
+        other = next((i for i, size in enumerate(st.sources) if size), None)
+        st.stored_upto = max(st.stored_upto, (st.hit_chunks or 0) if other is None else other)
         if num_external <= 0 or st.load_planned:
             return
         st.load_planned = True

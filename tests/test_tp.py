@@ -11,6 +11,7 @@ need all four workers on two cores: see docs/transports.md on sharing cores).
 from __future__ import annotations
 
 import random
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -34,7 +35,8 @@ def _engine(tmp: Path, name: str, tp: int) -> ServingEngine:
 def test_a_store_serves_engines_of_either_tensor_parallel_size(tmp_path: Path) -> None:
     """`fs` keeps one file per chunk and rank. A TP=2 engine loads what a TP=1 engine
     saved (each rank its KV head of the file's two), and the TP=1 engine loads what the
-    TP=2 engine saved (both ranks' files), the same tokens (`kvflow.reshape`)."""
+    TP=2 engine saved (both ranks' files), the same tokens (`kvflow.reshape`); each saves
+    what it loaded again at its own size."""
 
     # first in the module: no other engine of this module is up yet
     def extra(name: str) -> dict[str, object]:
@@ -55,8 +57,10 @@ def test_a_store_serves_engines_of_either_tensor_parallel_size(tmp_path: Path) -
         later = [one.ask(p, 8) for p in (PROMPTS[0], PROMPTS[2])]  # saved at TP=2
     finally:
         one.close()
-    shards = {f.name.split(".")[1] for f in (tmp_path / "kv").rglob("*.kv")}
-    assert shards == {"tp0of2pp0", "tp1of2pp0", "tp0of1pp0"}, shards
+    files = Counter(f.name.split(".")[1] for f in (tmp_path / "kv").rglob("*.kv"))
+    assert set(files) == {"tp0of2pp0", "tp1of2pp0", "tp0of1pp0"}, files
+    # what each loaded from the other size, it saved again at its own
+    assert files["tp0of2pp0"] == files["tp1of2pp0"] == files["tp0of1pp0"], files
     loads = [
         ("two", two.batches[0][0], first, PROMPTS[1], {0, 1}),  # TP=1's chunks at TP=2
         ("one", later[0], two.batches[1][0], PROMPTS[0], {0}),  # TP=2's at TP=1
