@@ -170,10 +170,17 @@ class LayerGeometry(msgspec.Struct, frozen=True, kw_only=True):
         if count == self.heads:
             return _runs(self, num_tokens)
         if self.block_bytes:
-            if self.head_stride * self.heads != self.block_bytes:
-                raise LayoutError(f"blocks of {self.describe()} do not split by head")
-            return ((first * self.head_stride, count * self.head_stride),)
+            per = self.head_run_bytes()
+            return ((first * per, count * per),)
         return _runs(self, num_tokens, first, count)
+
+    def head_run_bytes(self) -> int:
+        """The bytes of one head of a block-granular block, each head one dense run of it
+        (vLLM's CPU cache); a `LayoutError` when its heads are not."""
+        per = self.head_stride if self.heads > 1 else self.block_bytes
+        if not self.block_bytes or per * self.heads != self.block_bytes:
+            raise LayoutError(f"blocks of {self.describe()} do not split by head")
+        return per
 
     def head_shape(self, count: int) -> tuple[Any, ...]:
         """What must match for `count` heads of a block of one cache to be copied run by
@@ -188,9 +195,7 @@ class LayerGeometry(msgspec.Struct, frozen=True, kw_only=True):
         if count < 1:
             raise LayoutError(f"{count} heads")
         if self.block_bytes:
-            per = self.head_stride if self.heads > 1 else self.block_bytes
-            if per * self.heads != self.block_bytes:
-                raise LayoutError(f"blocks of {self.describe()} do not split by head")
+            per = self.head_run_bytes()
             return LayerGeometry(
                 num_blocks=1,
                 block_size=0,

@@ -112,9 +112,7 @@ def _positions(g: LayerGeometry, num_tokens: int) -> tuple[np.ndarray, int]:
     size: a cell (a token of a head), or a head's run of a block-granular block (`[1,
     heads]`). The image is the chunk's runs in memory order (`LayerGeometry.runs`)."""
     if g.block_bytes:
-        per = g.head_stride if g.heads > 1 else g.block_bytes
-        if per * g.heads != g.block_bytes:
-            raise LayoutError(f"blocks of {g.describe()} do not split by head")
+        per = g.head_run_bytes()
         return np.arange(g.heads, dtype=np.int64)[None, :] * per, per
     t = np.arange(num_tokens, dtype=np.int64)
     h = np.arange(g.heads, dtype=np.int64)
