@@ -223,28 +223,21 @@ async def _load_window(
     ours = transport.context.layout
     assert ours is not None
     errors: list[TransportError] = []
+    mine = functools.cache(job.spans)  # this rank's spans of a layer, for every piece
 
     async def read(i: int) -> None:
-        bounced: dict[int, list[memoryview]] = {}
+        r = reads[i]
+        bounced: dict[int, list[memoryview]] = {}  # layers read whole into a buffer
 
         def spans(layer: int) -> list[list[memoryview]]:
-            dst, src = ours.image(layer), shapes[i].image(layer)
-            counts = job.token_counts
-            if (
-                len(
-                    head_copy_runs(
-                        src, reads[i].first, dst, reads[i].into, reads[i].count, max(counts)
-                    )
-                )
-                > DIRECT_RUNS
-            ):
-                bounced[layer] = [
-                    np.empty(src.chunk_nbytes(n), dtype=np.uint8).data for n in counts
-                ]
+            dst, src, counts = ours.image(layer), shapes[i].image(layer), job.token_counts
+            runs = head_copy_runs(src, r.first, dst, r.into, r.count, max(counts))
+            if len(runs) > DIRECT_RUNS:
+                bounced[layer] = [np.empty(src.chunk_nbytes(n), np.uint8).data for n in counts]
                 return [[b] for b in bounced[layer]]
             return [
-                _read_spans(mine, src, dst, reads[i], n)
-                for mine, n in zip(job.spans(layer), counts, strict=True)
+                _read_spans(into, src, dst, r, n)
+                for into, n in zip(mine(layer), counts, strict=True)
             ]
 
         def landed(layer: int) -> None:
@@ -252,10 +245,10 @@ async def _load_window(
             (a chunk that failed is copied too: its blocks are reported and recomputed)."""
             if (buffers := bounced.pop(layer, None)) is not None:
                 dst, src = ours.image(layer), shapes[i].image(layer)
-                for c, (mine, n) in enumerate(zip(job.spans(layer), job.token_counts, strict=True)):
-                    _copy_heads(buffers[c], src, mine, dst, reads[i], n)
+                for c, (into, n) in enumerate(zip(mine(layer), job.token_counts, strict=True)):
+                    _copy_heads(buffers[c], src, into, dst, r, n)
 
-        shard = shard_name(reads[i].rank, tp_size, transport.context.pp_rank)
+        shard = shard_name(r.rank, tp_size, transport.context.pp_rank)
         part = _part(job, 0, len(job.keys), spans=spans, shard=shard, layout=shapes[i])
         part.layer_loaded = landed
         try:

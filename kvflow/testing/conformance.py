@@ -511,7 +511,9 @@ class TransportConformance(ConformanceSuite):  # ~480 lines: one test per promis
         if not type(sched).capabilities.reshape:
             pytest.skip("capabilities.reshape is not set")
         hnd = "HND" in kv.layout.describe()
-        halves = [self.build_layout(kv.layout.is_block_granular(), hnd=hnd, heads=2) for _ in "ab"]
+        halves = [
+            self.build_layout(kv.layout.is_block_granular(), hnd=hnd, heads=2) for _ in range(2)
+        ]
         whole = self.build_layout(kv.layout.is_block_granular(), hnd=hnd, heads=4)
         shards = [shard_name(r, 2, 0) for r in range(2)]
         ranks = [
