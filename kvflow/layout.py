@@ -37,6 +37,7 @@ __all__ = [
     "LayoutError",
     "block_geometry",
     "layout_mismatch",
+    "peer_cells_problem",
     "peer_head_problem",
     "peer_layout_problem",
     "view_extent",
@@ -362,6 +363,35 @@ def peer_head_problem(
                 f"{t.describe()}, in {count} head(s); give both instances the same "
                 "--block-size and VLLM_KV_CACHE_LAYOUT"
             )
+    return ""
+
+
+def peer_cells_problem(
+    theirs: Sequence[LayerGeometry], ours: Sequence[LayerGeometry], *, producer: bool = True
+) -> str:
+    """Why cells cannot move between a peer's layers (`theirs`; `producer`: the
+    producer's) and ours in any order or head count (`kvflow.cells`), checked in
+    O(layers) without trusting them: "" when each is within bounds and holds cells of our
+    size in blocks of our tokens (block-granular blocks: heads of our size, or blocks of
+    our shape)."""
+    if len(theirs) != len(ours):
+        p, c = (theirs, ours) if producer else (ours, theirs)
+        return f"the producer has {len(p)} KV layers, the consumer {len(c)}"
+    for i, (t, o) in enumerate(zip(theirs, ours, strict=True)):
+        if not _in_bounds(t):
+            return f"the peer's layer {i} has sizes or strides out of bounds"
+        same = (t.block_size, t.cell_bytes, bool(t.block_bytes)) == (
+            o.block_size,
+            o.cell_bytes,
+            bool(o.block_bytes),
+        )
+        if same and t.block_bytes and (t.block_bytes, t.heads) != (o.block_bytes, o.heads):
+            try:
+                same = t.head_run_bytes() == o.head_run_bytes()
+            except LayoutError:
+                same = False
+        if not same:
+            return _differ(i, *((t, o) if producer else (o, t)), True)
     return ""
 
 

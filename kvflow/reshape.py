@@ -18,7 +18,6 @@ Nothing is converted when the sizes match: those chunks load as they always did.
 
 from __future__ import annotations
 
-import bisect
 import functools
 import itertools
 from collections.abc import Sequence
@@ -27,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import trio
 
+from .cells import copy_heads, head_copy_runs, slices
 from .layout import KVLayout, LayerGeometry, LayoutError
 from .pd.topology import HeadRead, TopologyError, held_heads, plan_reads, readers
 from .transport import LoadJob, Transport, TransportError
@@ -34,7 +34,6 @@ from .transport import LoadJob, Transport, TransportError
 __all__ = [
     "STORE_TP_SIZES",
     "StoreShape",
-    "head_copy_runs",
     "load_reshaped",
     "lookup_sources",
     "other_shapes",
@@ -104,47 +103,6 @@ async def lookup_sources(
 
 
 # -- copying heads between images --------------------------------------------------
-
-
-@functools.lru_cache(maxsize=256)
-def _positions(g: LayerGeometry, num_tokens: int) -> tuple[np.ndarray, int]:
-    """Where each unit of a chunk's image lies (bytes, `[tokens, heads]`), and the unit's
-    size: a cell (a token of a head), or a head's run of a block-granular block (`[1,
-    heads]`). The image is the chunk's runs in memory order (`LayerGeometry.runs`)."""
-    if g.block_bytes:
-        per = g.head_run_bytes()
-        return np.arange(g.heads, dtype=np.int64)[None, :] * per, per
-    t = np.arange(num_tokens, dtype=np.int64)
-    h = np.arange(g.heads, dtype=np.int64)
-    kt = g.kernel_tokens
-    offsets = (t // kt * g.kernel_stride + t % kt * g.token_stride)[:, None]
-    offsets = offsets + h[None, :] * g.head_stride
-    order = np.argsort(offsets, axis=None, kind="stable")
-    pos = np.empty(offsets.size, dtype=np.int64)
-    pos[order] = np.arange(offsets.size, dtype=np.int64) * g.cell_bytes
-    return pos.reshape(offsets.shape), g.cell_bytes
-
-
-@functools.lru_cache(maxsize=1024)
-def head_copy_runs(
-    src: LayerGeometry, src_first: int, dst: LayerGeometry, dst_first: int, count: int, n: int
-) -> tuple[tuple[int, int, int], ...]:
-    """(source offset, destination offset, length) of the byte runs that copy heads
-    `[src_first, src_first + count)` of an `n`-token chunk image of `src` into heads
-    `[dst_first, dst_first + count)` of one of `dst`: neighbouring units merged."""
-    sp, su = _positions(src, n)
-    dp, du = _positions(dst, n)
-    if su != du or sp.shape[0] != dp.shape[0]:
-        raise LayoutError(f"cannot copy heads of {src.describe()} into {dst.describe()}")
-    if src_first + count > src.heads or dst_first + count > dst.heads:
-        raise LayoutError(f"heads out of range copying {src.describe()} into {dst.describe()}")
-    s = sp[:, src_first : src_first + count].ravel()
-    d = dp[:, dst_first : dst_first + count].ravel()
-    order = np.argsort(d, kind="stable")
-    s, d = s[order], d[order]
-    breaks = np.flatnonzero((np.diff(s) != su) | (np.diff(d) != su)) + 1
-    edges = [0, *breaks.tolist(), len(s)]
-    return tuple((int(s[a]), int(d[a]), (b - a) * su) for a, b in itertools.pairwise(edges))
 
 
 # -- loading -------------------------------------------------------------------------
@@ -246,7 +204,7 @@ async def _load_window(
             if (buffers := bounced.pop(layer, None)) is not None:
                 dst, src = ours.image(layer), shapes[i].image(layer)
                 for c, (into, n) in enumerate(zip(mine(layer), job.token_counts, strict=True)):
-                    _copy_heads(buffers[c], src, into, dst, r, n)
+                    copy_heads(buffers[c], src, into, dst, r, n)
 
         shard = shard_name(r.rank, tp_size, transport.context.pp_rank)
         part = _part(job, 0, len(job.keys), spans=spans, shard=shard, layout=shapes[i])
@@ -264,41 +222,6 @@ async def _load_window(
             nursery.start_soon(read, i)
     if errors:
         raise min(errors, key=lambda e: e.chunk)
-
-
-@functools.lru_cache(maxsize=256)
-def _grid(g: LayerGeometry, n: int) -> tuple[int, int, int] | None:
-    """(token stride, head stride, unit) when the image of an `n`-token chunk of `g` is a
-    strided `[tokens, heads, unit]` array; None when it is not (split kernel blocks)."""
-    pos, unit = _positions(g, n)
-    t, h = pos.shape
-    a = int(pos[1, 0] - pos[0, 0]) if t > 1 else 0
-    b = int(pos[0, 1] - pos[0, 0]) if h > 1 else 0
-    affine = pos[0, 0] + np.arange(t)[:, None] * a + np.arange(h)[None, :] * b
-    return (a, b, unit) if pos[0, 0] == 0 and (pos == affine).all() else None
-
-
-def _copy_heads(
-    src: memoryview,
-    src_geo: LayerGeometry,
-    spans: list[memoryview],
-    dst_geo: LayerGeometry,
-    read: HeadRead,
-    n: int,
-) -> None:
-    """Copy `read`'s heads of one stored chunk image (`src`) into this rank's chunk."""
-    sg, dg = _grid(src_geo, n), _grid(dst_geo, n)
-    if sg and dg and len(spans) == 1:  # one strided copy
-        tokens = _positions(src_geo, n)[0].shape[0]
-        a = np.ndarray((tokens, src_geo.heads, sg[2]), np.uint8, src, 0, (sg[0], sg[1], 1))
-        b = np.ndarray((tokens, dst_geo.heads, dg[2]), np.uint8, spans[0], 0, (dg[0], dg[1], 1))
-        b[:, read.into : read.into + read.count] = a[:, read.first : read.first + read.count]
-        return
-    starts = list(itertools.accumulate((len(s) for s in spans), initial=0))
-    for s, d, length in head_copy_runs(src_geo, read.first, dst_geo, read.into, read.count, n):
-        for i, off, take in _slices(starts, d, length):
-            spans[i][off : off + take] = src[s : s + take]
-            s += take
 
 
 def _read_spans(
@@ -328,19 +251,6 @@ def _read_plan(
     for s, d, length in [*runs, (end, 0, 0)]:
         if s > at:  # bytes of heads this rank does not hold
             out.append((-1, 0, s - at))
-        out += _slices(starts, d, length)
+        out += slices(starts, d, length)
         at = s + length
     return tuple(out)
-
-
-def _slices(starts: list[int], at: int, length: int) -> list[tuple[int, int, int]]:
-    """Bytes `[at, at + length)` of spans that start at `starts` (their sizes' running
-    sum), as (span index, offset in it, length)."""
-    out = []
-    i = bisect.bisect_right(starts, at) - 1
-    while length > 0:
-        off = at - starts[i]
-        take = min(length, starts[i + 1] - at)
-        out.append((i, off, take))
-        at, length, i = at + take, length - take, i + 1
-    return out

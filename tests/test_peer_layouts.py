@@ -1,8 +1,9 @@
 """Peers and stores whose KV layouts match or differ, with real transports on host memory
 laid out as vLLM lays out its GPU caches (all six `KVCacheLayout`s, kernel blocks): equal
-layouts move every byte; other layouts of the same cells are converted where the copy is
-kvflow's own (CUDA IPC, with the in-process stand-in for the GPU; host staging, in
-tests/test_staging.py), refused naming both elsewhere, nothing written."""
+layouts move every byte; peers convert other layouts of the same cells (CUDA IPC, with
+the in-process stand-in for the GPU; zmq host frames; NIXL READs); blocks of other
+sizes are refused naming both, nothing written; a store holds chunks as they lie, and
+another layout's are a miss."""
 
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ DIFFERENT = {  # producer, consumer
     "kernel-blocks": ({"layout": "LBHNC", "kernel_block_size": 4}, {"layout": "LBHNC"}),
 }
 CONVERTED = {"HND-to-NHD", "NHD-to-HND", "kernel-blocks"}
-"""Pairs of the same cells: CUDA IPC converts them."""
+"""Pairs of the same cells: every peer transport converts them."""
 
 
 def layout(**kw: Any) -> KVLayout:
@@ -110,12 +111,14 @@ async def test_peers_of_one_layout_move_every_byte(kind: str, same: str) -> None
     assert chunks(cons, DST) == chunks(prod, SRC)
 
 
+@pytest.mark.parametrize("kind", PEERS)
 @pytest.mark.parametrize("pair", sorted(CONVERTED))
-async def test_cuda_ipc_converts_between_layouts_of_the_same_cells(pair: str) -> None:
+async def test_peers_convert_between_layouts_of_the_same_cells(kind: str, pair: str) -> None:
+    """CUDA IPC's copy, zmq's consumer as its frames arrive, NIXL's READs cell by cell."""
     prod, cons = layout(**DIFFERENT[pair][0]), layout(**DIFFERENT[pair][1])
     fill_blocks(prod, SRC, seed=3)
     before = whole(cons)
-    await pull("zmq-ipc", prod, cons)
+    await pull(kind, prod, cons)
     for i in range(3):
         for a, b, n in zip(SRC, DST, COUNTS, strict=True):
             assert token_bytes(cons, i, b, n) == token_bytes(prod, i, a, n), (i, a, b)
@@ -135,7 +138,7 @@ async def test_cuda_ipc_converts_between_layouts_of_the_same_cells(pair: str) ->
 
 @pytest.mark.parametrize(
     ("kind", "pair"),
-    [(k, p) for k in PEERS for p in DIFFERENT if k != "zmq-ipc" or p not in CONVERTED],
+    [(k, p) for k in PEERS for p in DIFFERENT if p not in CONVERTED],
 )
 async def test_peers_of_other_layouts_are_refused_naming_both(kind: str, pair: str) -> None:
     prod, cons = layout(**DIFFERENT[pair][0]), layout(**DIFFERENT[pair][1])

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from kvflow import reshape
+from kvflow.cells import head_copy_runs
 from kvflow.keys import chunk_keys
 from kvflow.layout import KVLayout, LayoutError
 from kvflow.reshape import (
-    head_copy_runs,
     load_reshaped,
     lookup_sources,
     other_shapes,

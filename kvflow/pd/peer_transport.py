@@ -20,6 +20,7 @@ counted (`TransportContext.rejected`), never the end of `serve`.
 
 from __future__ import annotations
 
+import functools
 import logging
 from abc import abstractmethod
 from collections.abc import Callable, Sequence
@@ -31,10 +32,14 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from ..keys import ChunkKey
+from ..runtime import all_or_first_error
 from ..transport import (
     Capabilities,
     ChunkMissing,
+    LoadJob,
     Offer,
+    PeerRead,
+    PeerSource,
     SaveJob,
     Transport,
     TransportContext,
@@ -73,7 +78,7 @@ class PeerOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 class PeerTransport(Transport):
     """Base of peer transports (see the module text). Subclasses set `Pull` and
-    `wire_version` and implement `decode`, `refusal`, `answer` and `ended`."""
+    `wire_version` and implement `decode`, `refusal`, `answer`, `ended` and `pull`."""
 
     Options: ClassVar[type[msgspec.Struct]] = PeerOptions
     capabilities = Capabilities(store=False, peer=True)
@@ -274,6 +279,38 @@ class PeerTransport(Transport):
         """A consumer's frame other than a pull or a renewal: its end of a pull."""
 
     # -- consumer --------------------------------------------------------------
+    async def load(self, job: LoadJob) -> None:
+        """Pull `job`'s blocks from the producer ranks that hold this worker's part of
+        them (`TransportContext.peer_reads`): one rank's whole blocks when both sides have
+        one tensor-parallel size, else each rank's heads; a layer is loaded once every
+        pull delivered it, and the load fails as one."""
+        src = job.source
+        if src is None:
+            raise TransportError(f"a {self.name} load needs a PeerSource (kv_transfer_params)")
+        reads = self.context.peer_reads(src)
+        if len(reads) == 1:
+            await self.pull(job, src, reads[0], job.layer_loaded)
+            return
+        delivered = [0] * job.num_layers
+        signalled = 0
+
+        def landed(layer: int) -> None:
+            nonlocal signalled
+            delivered[layer] += 1
+            while signalled < job.num_layers and delivered[signalled] == len(reads):
+                job.layer_loaded(signalled)
+                signalled += 1
+
+        pulls = [functools.partial(self.pull, job, src, read, landed) for read in reads]
+        await all_or_first_error(pulls, TransportError)
+
+    @abstractmethod
+    async def pull(
+        self, job: LoadJob, src: PeerSource, read: PeerRead, landed: Callable[[int], None]
+    ) -> None:
+        """Pull `read` (one producer rank's blocks, or some of their heads) into `job`'s
+        blocks, calling `landed(i)` as layer i lands."""
+
     def answer_to(self, frame: Any, decode: Callable[[bytes | memoryview], Any], req: str) -> Any:
         """A producer's answer to this consumer's pull of `req`, unsealed and decoded;
         `BadFrame` if it lacks this deployment's MAC, does not decode, or is about another

@@ -1,10 +1,10 @@
-"""NIXL descriptor lists over KV memory: a worker's own, a producer's, a pull's tails.
+"""NIXL descriptor lists over whole KV memories: a worker's own and a producer's.
 
 A whole-memory list holds one descriptor per (layer, run, block), a run being a
 block's K or V half (or the whole block, when the cache packs it), prepared once in
-NIXL's compressed form; a pull then only picks indices (`Table.index`). A chunk that
-is a partial block of a token-granular cache moves just its tokens, through a small
-list of its own (`partial_descs`).
+NIXL's compressed form; a pull then only picks indices (`Table.index`). What moves in
+pieces of blocks (a partial block, another layout, some heads) goes through lists of
+the pull's own (`kvflow_nixl._reads`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ __all__ = [
     "Table",
     "bases",
     "disjoint",
-    "partial_descs",
     "prepare",
     "release",
     "remove_agent",
@@ -116,18 +115,6 @@ def prepare(
         )
     dlist = agent.prep_xfer_dlist(who, _strided(bases, geometries), memory, [backend])
     return Table(dlist, starts[:-1], list(geometries))
-
-
-def partial_descs(
-    bases: Sequence[tuple[int, int]],
-    geometries: Sequence[LayerGeometry],
-    chunks: Sequence[tuple[int, int]],
-) -> list[list[tuple[int, int, int]]]:
-    """Per layer, [address, length, device] of the runs of each (block, tokens) chunk."""
-    return [
-        [(base + off, n, dev) for b, count in chunks for off, n in g.ranges(b, count)]
-        for (base, dev), g in zip(bases, geometries, strict=True)
-    ]
 
 
 def release(handle: Any) -> bool:

@@ -6,17 +6,20 @@ PROC) before it is released.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import trio
 
-from kvflow.layout import KVLayout, LayoutError
+from kvflow.cells import head_copy_runs
+from kvflow.layout import KVLayout, LayerGeometry, LayoutError, layout_mismatch
+from kvflow.pd.topology import HeadRead
 from kvflow.runtime import Backoff
 from kvflow.transport import ChunkCorrupt, LoadJob, TransferStuck, TransportError
 
 from . import _wire as wire
-from ._descs import Table, partial_descs, release
+from ._descs import Table, release
 from ._remotes import Remote
 
 __all__ = ["POLL_MAX_S", "POLL_MIN_S", "READ_AHEAD", "Reads"]
@@ -41,6 +44,8 @@ class Reads:
         bases: list[tuple[int, int]],
         memory: str,
         layout: KVLayout,
+        heads: HeadRead | None = None,
+        landed: Callable[[int], None] | None = None,
     ) -> None:
         self.agent = agent
         self.backend = backend
@@ -49,10 +54,15 @@ class Reads:
         self.bases = bases
         self.memory = memory
         self.layout = layout
+        self.heads = heads
+        """Which of the producer's heads land in which of ours (a producer of another
+        tensor parallel size); None: all, into the same."""
+        self.landed = landed
+        """Called as each layer lands (default: the job's `layer_loaded`)."""
         self.xfers: list[Any] = []
         """Every posted READ's handle, until drained."""
         self.dlists: list[Any] = []
-        """This pull's own descriptor lists (partial blocks), until drained."""
+        """This pull's own descriptor lists, until drained."""
 
     @staticmethod
     def _check_offer(job: LoadJob, peer: Remote, msg: wire.Blocks, layout: KVLayout) -> None:
@@ -70,54 +80,48 @@ class Reads:
         except LayoutError as exc:
             raise ChunkCorrupt(str(exc)) from None
 
-    def _tail_lists(
-        self, job: LoadJob, peer: Remote, msg: wire.Blocks, partial: list[int]
+    def _own_lists(
+        self, job: LoadJob, peer: Remote, msg: wire.Blocks, chunks: list[int]
     ) -> tuple[tuple[Any, Any] | None, list[int]]:
-        """Descriptor lists (ours, theirs) over just the tokens of the `partial` chunks,
-        kept for `drain`, and where each layer's rows start in them."""
-        agent, dlists = self.agent, self.dlists
+        """Descriptor lists (ours, theirs) of this pull only, over `chunks`: their heads
+        (`self.heads`) cell by cell where they lie in each side's blocks, neighbours
+        merged (`kvflow.cells.head_copy_runs`), kept for `drain`; and where each layer's
+        rows start in them."""
         starts = [0]
-        if not partial:
+        if not chunks:
             return None, starts
-        layout = self.layout
-        counts = [job.token_counts[c] for c in partial]
-        try:
-            mine = partial_descs(
-                self.bases,
-                layout.geometries,
-                [(job.block_ids[c], n) for c, n in zip(partial, counts, strict=True)],
-            )
-            their = partial_descs(
-                peer.bases,
-                peer.table.geometries,
-                [(msg.block_ids[c], n) for c, n in zip(partial, counts, strict=True)],
-            )
-        except LayoutError as exc:
-            raise ChunkCorrupt(str(exc)) from None
+        mine, theirs = _pair_descs(
+            self.bases, self.layout.geometries, job.block_ids,
+            peer.bases, peer.table.geometries, msg.block_ids,
+            [(c, job.token_counts[c]) for c in chunks], self.heads, peer.name,
+        )  # fmt: skip
         for layer in mine:
             starts.append(starts[-1] + len(layer))
         try:
-            for who, descs, memory in (("", mine, self.memory), (peer.name, their, peer.memory)):
-                flat = np.array([d for layer in descs for d in layer], np.uint64)
-                dlists.append(agent.prep_xfer_dlist(who, flat, memory, [self.backend]))
+            for who, descs, memory in (("", mine, self.memory), (peer.name, theirs, peer.memory)):
+                flat = np.concatenate(descs).astype(np.uint64)
+                self.dlists.append(self.agent.prep_xfer_dlist(who, flat, memory, [self.backend]))
         except Exception as exc:
             raise TransportError(f"NIXL cannot prepare the READ from {peer.name}: {exc}") from None
-        return (dlists[-2], dlists[-1]), starts
+        return (self.dlists[-2], self.dlists[-1]), starts
 
     async def read(self, job: LoadJob, peer: Remote, msg: wire.Blocks) -> None:
         """READ `msg`'s blocks from `peer` into `job`'s, layer by layer, READ_AHEAD
         layers in flight; signal each as it lands."""
         agent, layout, local = self.agent, self.layout, self.local
+        landed = self.landed or job.layer_loaded
         self._check_offer(job, peer, msg, layout)
-        # Whole blocks come from the prepared lists; a partial block of a token-granular
-        # cache must move only its tokens, through a small list of its own.
+        # Whole blocks of the same layout come from the prepared lists; a partial block of
+        # a token-granular cache must move only its tokens, and blocks of another layout
+        # or some of their heads move cell by cell: through lists of this pull's own.
         packed = all(g.block_bytes for g in layout.geometries)
-        full = [packed or n >= layout.block_size for n in job.token_counts]
+        same = self.heads is None and not layout_mismatch(peer.table.geometries, layout.geometries)
+        full = [same and (packed or n >= layout.block_size) for n in job.token_counts]
         whole = [c for c, f in enumerate(full) if f]
         partial = [c for c, f in enumerate(full) if not f]
         theirs_ids = np.array([msg.block_ids[c] for c in whole], np.int64)
         ours_ids = np.array([job.block_ids[c] for c in whole], np.int64)
-        tails, tail_starts = self._tail_lists(job, peer, msg, partial)
+        tails, tail_starts = self._own_lists(job, peer, msg, partial)
         # Layer by layer (layer 0 lands, and attention can start, early), or all layers
         # in one READ when nobody waits on single layers (an asynchronous P/D pull).
         step = 1 if job.layerwise else max(1, job.num_layers)
@@ -149,7 +153,7 @@ class Reads:
                 ahead = groups[g + READ_AHEAD]
                 posted.append(self._post(peer, ahead[0], sides(ahead)))
             for i in group:
-                job.layer_loaded(i)
+                landed(i)
             await trio.lowlevel.checkpoint()
 
     def _post(self, peer: Remote, layer: int, sides: list[Any]) -> list[Any]:
@@ -201,3 +205,52 @@ class Reads:
         xfers.clear()
         dlists.clear()
         return clean
+
+
+def _pair_descs(
+    our_bases: Sequence[tuple[int, int]],
+    ours: Sequence[LayerGeometry],
+    our_blocks: Sequence[int],
+    their_bases: Sequence[tuple[int, int]],
+    theirs: Sequence[LayerGeometry],
+    their_blocks: Sequence[int],
+    chunks: Sequence[tuple[int, int]],
+    heads: HeadRead | None,
+    who: str,
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Per layer, the [address, length, device] rows (ours, theirs, pairwise equal in
+    length) moving heads `heads` (None: all) of each (chunk, tokens) of `chunks` from
+    their block into ours. A `TransportError` naming both layouts when the cells differ."""
+    by_tokens: dict[int, list[int]] = {}
+    for c, n in chunks:
+        by_tokens.setdefault(n, []).append(c)
+    mine: list[np.ndarray] = []
+    their: list[np.ndarray] = []
+    for og, tg, (ob, od), (tb, td) in zip(ours, theirs, our_bases, their_bases, strict=True):
+        o_rows, t_rows = [], []
+        for n, cs in by_tokens.items():
+            first, into, count = (
+                (0, 0, og.heads) if heads is None else (heads.first, heads.into, heads.count)
+            )
+            try:
+                runs = head_copy_runs(tg, first, og, into, count, n, in_blocks=True)
+            except LayoutError as exc:
+                raise TransportError(
+                    f"producer {who}: KV layouts differ: producer {tg.describe()}, consumer "
+                    f"{og.describe()} ({exc})",
+                    chunk=cs[0],
+                ) from None
+            r = np.array(runs, dtype=np.int64).reshape(-1, 3)
+            o_at = np.array([our_blocks[c] for c in cs], np.int64)[:, None] * og.block_stride
+            t_at = np.array([their_blocks[c] for c in cs], np.int64)[:, None] * tg.block_stride
+            o_rows.append(_rows(ob + o_at + r[None, :, 1], r[:, 2], od))
+            t_rows.append(_rows(tb + t_at + r[None, :, 0], r[:, 2], td))
+        mine.append(np.concatenate(o_rows))
+        their.append(np.concatenate(t_rows))
+    return mine, their
+
+
+def _rows(addresses: np.ndarray, lengths: np.ndarray, device: int) -> np.ndarray:
+    """[address, length, device] rows of a `[chunks, runs]` grid of addresses."""
+    lengths = np.broadcast_to(lengths, addresses.shape).ravel()
+    return np.stack([addresses.ravel(), lengths, np.full_like(lengths, device)], axis=1)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kvflow.layout import KVLayout, peer_layout_problem
+from kvflow.layout import KVLayout, peer_cells_problem
 from kvflow.transport import ChunkCorrupt, TransportError
 
 from . import _wire as wire
@@ -94,7 +94,7 @@ class RemoteAgents:
         if not msg.metadata or msg.regions is None:  # we forgot it while it answered
             raise TransportError(f"producer {address} sent no NIXL metadata for {msg.agent}")
         regions = msg.regions
-        why = peer_layout_problem(regions.geometries, layout.geometries)
+        why = peer_cells_problem(regions.geometries, layout.geometries)
         if why or len(regions.bases) != len(regions.geometries):
             raise ChunkCorrupt(f"producer {address}: {why or 'bad regions'}")
         self._forget(agent, address)

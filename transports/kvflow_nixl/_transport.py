@@ -51,6 +51,7 @@ import logging
 import math
 import os
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -70,6 +71,8 @@ from kvflow.transport import (
     ChunkCorrupt,
     LoadJob,
     Offer,
+    PeerRead,
+    PeerSource,
     TransferStuck,
     TransportContext,
     TransportError,
@@ -182,7 +185,9 @@ class NixlTransport(PeerTransport):  # ~340 lines: the producer's lease of a pul
     # until the consumer's notification, failure or lease end) and the consumer's load
     name = "nixl"
     Options = NixlOptions
-    capabilities = Capabilities(store=False, peer=True, memory=frozenset({"cpu", "cuda"}))
+    capabilities = Capabilities(
+        store=False, peer=True, memory=frozenset({"cpu", "cuda"}), hetero_tp=True
+    )
     Pull = wire.Pull
     wire_version = wire.WIRE_VERSION
     max_frame_bytes = wire.MAX_TO_PRODUCER_BYTES
@@ -198,7 +203,9 @@ class NixlTransport(PeerTransport):  # ~340 lines: the producer's lease of a pul
         self._local: Table | None = None
         self.remotes = RemoteAgents(options.backend)
         """The producers this consumer pulls from (their agents, added once)."""
-        self._pulls: dict[str, _Pull] = {}
+        self._pulls: dict[tuple[str, bytes], _Pull] = {}
+        """Open pulls by request and consumer (the ranks of a consumer of another tensor
+        parallel size each pull the same request)."""
         self._reads_started = trio.Event()
 
     # -- lifecycle -----------------------------------------------------------
@@ -281,17 +288,16 @@ class NixlTransport(PeerTransport):  # ~340 lines: the producer's lease of a pul
         return wire.encode(wire.Refused(req, why))
 
     def ended(self, msg: wire.Failed | wire.Read | wire.Reading, ident: bytes) -> None:
-        pull = self._pulls.get(msg.req)
-        mine = pull is not None and pull.ident == ident  # only the consumer that pulls counts
+        pull = self._pulls.get((msg.req, ident))  # only the consumer that pulls counts
         if isinstance(msg, wire.Reading):  # a heartbeat: answered, held or not
-            held_ms = pull.beat() if pull is not None and mine else 0
+            held_ms = pull.beat() if pull is not None else 0
             answer = (
                 wire.Held(msg.req, held_ms)
                 if held_ms
                 else wire.Refused(msg.req, "not held: its hold lapsed or the pull ended")
             )
             self.send(ident, [self.seal(wire.encode(answer))], msg.req)
-        elif pull is not None and mine:
+        elif pull is not None:
             pull.end("done" if isinstance(msg, wire.Read) else msg.reason)
 
     async def answer(
@@ -314,7 +320,7 @@ class NixlTransport(PeerTransport):  # ~340 lines: the producer's lease of a pul
             return
         lease_s = read_lease(msg.lease_ms) + LEASE_MARGIN_S
         pull = _Pull(msg.req, msg.agent, ident, lease_s, msg.beat_ms / 1000)
-        self._pulls[msg.req] = pull
+        self._pulls[msg.req, ident] = pull
         try:
             with self.held.reading(msg.req):
                 pull.start()
@@ -333,8 +339,8 @@ class NixlTransport(PeerTransport):  # ~340 lines: the producer's lease of a pul
                     pull.end(f"consumer {msg.agent} silent past its read lease")
                 self.held.release(msg.req, pull.outcome, peer=ident)
         finally:
-            if self._pulls.get(msg.req) is pull:
-                del self._pulls[msg.req]
+            if self._pulls.get((msg.req, ident)) is pull:
+                del self._pulls[msg.req, ident]
 
     async def _reply(
         self, ident: bytes, agent: Any, msg: wire.Pull, offer: Offer, pull: _Pull
@@ -393,21 +399,20 @@ class NixlTransport(PeerTransport):  # ~340 lines: the producer's lease of a pul
             # one notification never ends the poll, and with it every pull's end
             self.reject("frame", f"a bad notification from {sender[:100]!r}: {exc}")
             return
-        pull = self._pulls.get(note.req)
-        if pull is not None and pull.agent == sender:  # else late, foreign or stray
-            pull.end("done")
+        for pull in self._pulls.values():  # else late, foreign or stray
+            if pull.req == note.req and pull.agent == sender:
+                pull.end("done")
 
     # -- consumer ----------------------------------------------------------
-    async def load(self, job: LoadJob) -> None:
-        src = job.source
-        if src is None:
-            raise TransportError("a nixl load needs a PeerSource (kv_transfer_params)")
+    async def pull(
+        self, job: LoadJob, src: PeerSource, read: PeerRead, landed: Callable[[int], None]
+    ) -> None:
         agent = self._require_agent()
-        address = self.context.peer_address(src)
+        address = read.address
         sock = self.connect(address, wire.MAX_TO_CONSUMER_BYTES)
         reads = Reads(
             agent, self.options.backend, self._local_table(), self._bases, self._memory,
-            self._layout(),
+            self._layout(), read.heads, landed,
         )  # fmt: skip
         ok = refused = False
         peer: Remote | None = None
@@ -416,7 +421,13 @@ class NixlTransport(PeerTransport):  # ~340 lines: the producer's lease of a pul
             beat_ms = max(1, int(self.context.progress_timeout_s * 1000))
             known = self.remotes.known(address)
             pull = wire.Pull(
-                src.req, agent.name, known, lease_ms, list(src.block_ids), beat_ms=beat_ms
+                src.req,
+                agent.name,
+                known,
+                lease_ms,
+                list(src.block_ids),
+                beat_ms=beat_ms,
+                readers=read.readers,
             )
             sent = trio.current_time()  # the producer holds beat_ms past its arrival
             await sock.send_multipart([self.seal(wire.encode(pull))])

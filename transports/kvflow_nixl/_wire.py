@@ -3,7 +3,7 @@
 A pull is one DEALER->ROUTER conversation on the side channel, plus one NIXL
 notification for the data path:
 
-    consumer -> producer   Pull(req, agent, known, lease_ms, block_ids, beat_ms)
+    consumer -> producer   Pull(req, agent, known, lease_ms, block_ids, beat_ms, readers)
     producer -> consumer   Blocks(req, agent, metadata, block_ids, token_counts, memory,
                            regions)
                            (or Refused(req, reason))
@@ -36,9 +36,10 @@ from msgspec import Meta
 
 from kvflow.layout import LayerGeometry
 from kvflow.pd.offers import OfferId, Renew
+from kvflow.pd.params import MAX_SHARDS
 from kvflow.zmqio import decode_frame
 
-WIRE_VERSION = 7
+WIRE_VERSION = 8
 MAX_TO_PRODUCER_BYTES = 64 << 10
 """Pull / Failed / notifications: small, fixed-shape frames."""
 MAX_TO_CONSUMER_BYTES = 64 << 20
@@ -64,6 +65,9 @@ class Pull(msgspec.Struct, tag=True, frozen=True):
     beat_ms: Annotated[int, Meta(ge=0, lt=1 << 40)] = 0
     """The producer holds the blocks this long past the pull and past each `Reading`, and
     no longer (a consumer that died frees them that soon); 0: for all of `lease_ms`."""
+    readers: Annotated[int, Meta(ge=1, le=MAX_SHARDS)] = 1
+    """How many of the consumer's ranks pull this offer (a consumer of another tensor
+    parallel size: each its heads); the producer holds it until every one is done."""
 
 
 class Reading(msgspec.Struct, tag=True, frozen=True):

@@ -10,7 +10,6 @@ only the control frames.
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -18,9 +17,10 @@ from typing import Any
 import trio
 import zmq
 
-from kvflow.layout import KVLayout, LayoutError, peer_head_problem, peer_layout_problem
+from kvflow.cells import copy_heads
+from kvflow.layout import KVLayout, LayoutError, peer_cells_problem, peer_layout_problem
 from kvflow.pd.peer_transport import PeerOptions, PeerTransport
-from kvflow.runtime import all_or_first_error
+from kvflow.pd.topology import HeadRead
 from kvflow.transport import (
     Capabilities,
     ChunkCorrupt,
@@ -84,15 +84,22 @@ class ZmqTransport(PeerTransport):
         return wire.encode(wire.Refused(req, why))
 
     def check_pull(self, msg: wire.Pull) -> str:
-        if msg.heads is not None:  # a consumer rank of another tensor-parallel size
-            if self._handles:
+        """Host memory: a consumer of cells of our size in blocks of our tokens (it converts
+        what it receives), asking for heads we hold. CUDA IPC: equal tensor parallel
+        sizes (the copy converts layouts)."""
+        ours = self._layout().geometries
+        if not msg.geometries and msg.heads is None:
+            return ""  # the consumer checks what it receives (each `Layer` describes it)
+        if self._handles:
+            if msg.heads is not None:  # a consumer rank of another tensor-parallel size
                 return "CUDA IPC pulls between tensor parallel sizes are not supported yet"
-            ours = self._layout().geometries
-            return peer_head_problem(msg.geometries, ours, msg.heads.first, msg.heads.count)
-        if not msg.geometries:
-            return ""
-        ours = self._layout().geometries  # over CUDA IPC, layouts are converted
-        return peer_layout_problem(msg.geometries, ours, cells=bool(self._handles), producer=False)
+            return peer_layout_problem(msg.geometries, ours, cells=True, producer=False)
+        if why := peer_cells_problem(msg.geometries, ours, producer=False):
+            return why
+        h = msg.heads
+        if h is not None and h.first + h.count > min(g.heads for g in ours):
+            return f"heads {h.first}..{h.first + h.count - 1} are not held here"
+        return ""
 
     def ended(self, msg: wire.Done | wire.Failed, ident: bytes) -> None:
         outcome = "done" if isinstance(msg, wire.Done) else msg.reason
@@ -141,7 +148,9 @@ class ZmqTransport(PeerTransport):
                     )
                 )
                 spans = [s for chunk in chunks for s in chunk]
-                header = wire.encode(wire.Layer(o.req, layer, [len(s) for s in spans]))
+                geometry = layout.geometries[layer]
+                sizes = [len(s) for s in spans]
+                header = wire.encode(wire.Layer(o.req, layer, sizes, geometry))
                 if not self.send(ident, [self.seal(header), *spans], o.req):
                     outcome = "the consumer went away or does not read"
                     break
@@ -152,30 +161,7 @@ class ZmqTransport(PeerTransport):
         return True
 
     # -- consumer ----------------------------------------------------------
-    async def load(self, job: LoadJob) -> None:
-        src = job.source
-        if src is None:
-            raise TransportError("a zmq load needs a PeerSource (kv_transfer_params)")
-        reads = self.context.peer_reads(src)
-        if len(reads) == 1:
-            await self._pull(job, src, reads[0], job.layer_loaded)
-            return
-        # several producer ranks (a producer of a larger tensor-parallel size): a layer is
-        # loaded once every read delivered it
-        delivered = [0] * job.num_layers
-        signalled = 0
-
-        def landed(layer: int) -> None:
-            nonlocal signalled
-            delivered[layer] += 1
-            while signalled < job.num_layers and delivered[signalled] == len(reads):
-                job.layer_loaded(signalled)
-                signalled += 1
-
-        pulls = [functools.partial(self._pull, job, src, read, landed) for read in reads]
-        await all_or_first_error(pulls, TransportError)  # the load fails as one
-
-    async def _pull(
+    async def pull(
         self, job: LoadJob, src: PeerSource, read: PeerRead, landed: Callable[[int], None]
     ) -> None:
         """Pull `read` (one producer rank's blocks, or some of their heads) into `job`'s
@@ -217,22 +203,7 @@ class ZmqTransport(PeerTransport):
                         f"producer {address} sends host memory; this consumer's KV cache is "
                         f"in {layout.memory} memory (both sides need the same kind)"
                     )
-                chunks = (
-                    job.spans(layer)
-                    if h is None
-                    else layout.head_spans(layer, job.block_ids, job.token_counts, h.into, h.count)
-                )
-                dest = [s for chunk in chunks for s in chunk]
-                sizes = [len(d) for d in dest]
-                got = [len(f.buffer) for f in frames[1:]]
-                if msg.layer != layer or msg.sizes != sizes or got != sizes:
-                    raise ChunkCorrupt(
-                        f"producer {address} sent layer {msg.layer} with spans "
-                        f"{msg.sizes[:8]} in frames of {got[:8]}; expected layer {layer} "
-                        f"with {sizes[:8]}"
-                    )
-                for d, f in zip(dest, frames[1:], strict=True):
-                    d[:] = f.buffer
+                self._land(job, layer, msg, frames[1:], h, address)
                 landed(layer)
             ok = True
         except BadFrame as exc:
@@ -247,6 +218,62 @@ class ZmqTransport(PeerTransport):
             except zmq.ZMQError:
                 pass
             sock.close(linger_ms=linger)
+
+    def _land(
+        self,
+        job: LoadJob,
+        layer: int,
+        msg: wire.Layer,
+        frames: list[Any],
+        h: HeadRead | None,
+        address: str,
+    ) -> None:
+        """Copy one layer's frames into `job`'s blocks: span by span when the producer's
+        runs are ours, else converted cell by cell (another layout, or heads that lie
+        otherwise in a block of another head count: `kvflow.cells`)."""
+        layout = self._layout()
+        mine, theirs = layout.geometries[layer], msg.geometry
+        got = [len(f.buffer) for f in frames]
+        if msg.layer != layer or msg.sizes != got or theirs is None:
+            raise ChunkCorrupt(
+                f"producer {address} sent layer {msg.layer} with spans {msg.sizes[:8]} in "
+                f"frames of {got[:8]}; expected layer {layer}, described"
+            )
+        count = mine.heads if h is None else h.count
+        try:
+            if why := peer_cells_problem([theirs], [mine]):
+                raise LayoutError(why)
+            if h is None and theirs.heads != mine.heads:
+                raise LayoutError(f"the producer sent {theirs.heads} heads, not {count}")
+            same = theirs.block_shape() == mine.block_shape() if h is None else (
+                theirs.head_shape(count) == mine.head_shape(count)
+            )  # fmt: skip
+            image = theirs if h is None else theirs.with_heads(count)
+        except LayoutError as exc:
+            raise ChunkCorrupt(f"producer {address}, layer {layer}: {exc}") from None
+        if same:
+            chunks = (
+                job.spans(layer)
+                if h is None
+                else layout.head_spans(layer, job.block_ids, job.token_counts, h.into, count)
+            )
+            dest = [s for chunk in chunks for s in chunk]
+            if got != [len(d) for d in dest]:
+                raise ChunkCorrupt(f"producer {address} sent layer {layer} in spans {got[:8]}")
+            for d, f in zip(dest, frames, strict=True):
+                d[:] = f.buffer
+            return
+        need = [image.chunk_nbytes(n) for n in job.token_counts]
+        if sum(got) != sum(need):
+            raise ChunkCorrupt(f"producer {address} sent layer {layer} in {sum(got)} bytes")
+        data = (
+            frames[0].buffer if len(frames) == 1 else memoryview(b"".join(f.buffer for f in frames))
+        )
+        read = HeadRead(0, 0, count, 0 if h is None else h.into)
+        at = 0
+        for spans, n, size in zip(job.spans(layer), job.token_counts, need, strict=True):
+            copy_heads(data[at : at + size], image, spans, mine, read, n)
+            at += size
 
     def _layout(self) -> KVLayout:
         if self.context.layout is None:

@@ -3,7 +3,7 @@
 A pull is one DEALER->ROUTER conversation:
 
     consumer -> producer   Pull(req, block_ids, geometries, heads, readers)
-    producer -> consumer   Layer(req, layer, sizes) + one raw frame per span, per layer
+    producer -> consumer   Layer(req, layer, sizes, geometry) + one raw frame per span, per layer
                            (host memory), or
                            Ipc(req, host, geometries, block_ids, lease_s, handles) (CUDA memory:
                            the consumer copies device to device), or
@@ -30,7 +30,7 @@ from kvflow.zmqio import decode_frame
 
 from ._ipc import IpcHandle
 
-WIRE_VERSION = 6
+WIRE_VERSION = 7
 MAX_CONTROL_BYTES = 1 << 20
 MAX_BLOCKS = 1 << 20
 MAX_LAYERS = 1 << 12
@@ -69,6 +69,9 @@ class Layer(msgspec.Struct, tag=True, frozen=True):
     layer: int
     sizes: list[int]
     """Byte size of each data frame that follows, chunk by chunk, span by span."""
+    geometry: LayerGeometry | None = None
+    """The producer's layer: the frames are its runs (of the heads asked for), which a
+    consumer of another layout or head count converts into its own blocks."""
 
 
 class Ipc(msgspec.Struct, tag=True, frozen=True):

@@ -1,10 +1,11 @@
-"""P/D between tensor-parallel sizes on the `zmq` transport's host frames, on real
-sockets: each consumer rank reads exactly its heads from the producer ranks that hold
-them (`kvflow.pd.topology`), and a producer rank read by several consumer ranks holds
-its blocks until every one of them is done."""
+"""P/D between tensor-parallel sizes on real sockets, over the `zmq` transport's host
+frames and real NIXL agents' READs: each consumer rank reads exactly its heads from the
+producer ranks that hold them (`kvflow.pd.topology`), and a producer rank read by
+several consumer ranks holds its blocks until every one of them is done."""
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import AsyncIterator, Callable
 
 import msgspec
@@ -12,10 +13,16 @@ import pytest
 import trio
 import trio.testing
 
-from kvflow.layout import KVLayout, peer_head_problem
+from kvflow.layout import KVLayout, peer_cells_problem
+from kvflow.pd.peer_transport import PeerTransport
 from kvflow.testing.layouts import fill_blocks, make_layout
 from kvflow.transport import LoadJob, Offer, PeerSource, TransportContext, TransportError
+from kvflow_nixl import NixlOptions, NixlTransport
 from kvflow_zmq import ZmqOptions, ZmqTransport
+
+TRANSPORTS = {"zmq": (ZmqTransport, ZmqOptions), "nixl": (NixlTransport, NixlOptions)}
+if not any(importlib.util.find_spec(m) for m in ("nixl", "nixl_cu12")):
+    del TRANSPORTS["nixl"]  # NIXL is not installed
 
 BS, HEADS = 4, 4
 COUNTS = [4, 4, 2]
@@ -39,12 +46,16 @@ def _ctx(layout: KVLayout, rank: int, size: int) -> TransportContext:
     )
 
 
-@pytest.fixture
-async def make() -> AsyncIterator[Callable[[KVLayout, int, int], ZmqTransport]]:
-    opened: list[ZmqTransport] = []
+Make = Callable[[KVLayout, int, int], PeerTransport]
 
-    def factory(layout: KVLayout, rank: int, size: int) -> ZmqTransport:
-        t = ZmqTransport(ZmqOptions(), _ctx(layout, rank, size))
+
+@pytest.fixture(params=list(TRANSPORTS))
+async def make(request: pytest.FixtureRequest) -> AsyncIterator[Make]:
+    kind, options = TRANSPORTS[request.param]
+    opened: list[PeerTransport] = []
+
+    def factory(layout: KVLayout, rank: int, size: int) -> PeerTransport:
+        t = kind(options(), _ctx(layout, rank, size))
         opened.append(t)
         return t
 
@@ -53,7 +64,7 @@ async def make() -> AsyncIterator[Callable[[KVLayout, int, int], ZmqTransport]]:
         await t.aclose()
 
 
-async def _open(t: ZmqTransport) -> ZmqTransport:
+async def _open(t: PeerTransport) -> PeerTransport:
     await t.open()
     assert t.context.layout is not None
     await t.register(t.context.layout)
@@ -87,13 +98,11 @@ def _heads(layout: KVLayout, blocks: list[int], first: int, count: int) -> list[
     ]
 
 
-KINDS = ["block-granular", "hnd"]
+KINDS = ["block-granular", "hnd", "nhd"]
 
 
 @pytest.mark.parametrize("kind", KINDS)
-async def test_tp1_producer_to_tp2_consumer(
-    make: Callable[[KVLayout, int, int], ZmqTransport], kind: str
-) -> None:
+async def test_tp1_producer_to_tp2_consumer(make: Make, kind: str) -> None:
     prod = _layout(HEADS, kind)
     fill_blocks(prod, SRC, seed=3)
     producer = await _open(make(prod, 0, 1))
@@ -129,9 +138,7 @@ async def test_tp1_producer_to_tp2_consumer(
 
 
 @pytest.mark.parametrize("kind", KINDS)
-async def test_tp2_producer_to_tp1_consumer(
-    make: Callable[[KVLayout, int, int], ZmqTransport], kind: str
-) -> None:
+async def test_tp2_producer_to_tp1_consumer(make: Make, kind: str) -> None:
     prods = [_layout(HEADS // 2, kind) for _ in range(2)]
     for seed, p in enumerate(prods):
         fill_blocks(p, SRC, seed=seed + 10)
@@ -146,7 +153,7 @@ async def test_tp2_producer_to_tp1_consumer(
             for producer, prod in zip(producers, prods, strict=True):
                 nursery.start_soon(producer.serve)
 
-                async def hold(producer: ZmqTransport = producer, prod: KVLayout = prod) -> None:
+                async def hold(producer: PeerTransport = producer, prod: KVLayout = prod) -> None:
                     outcomes.append(await producer.offer(_offer(prod)))
 
                 nursery.start_soon(hold)
@@ -163,15 +170,14 @@ async def test_tp2_producer_to_tp1_consumer(
         assert _heads(cons, DST, r * HEADS // 2, HEADS // 2) == want, f"producer rank {r}"
 
 
-async def test_a_layout_that_does_not_split_by_head_is_refused_naming_both(
-    make: Callable[[KVLayout, int, int], ZmqTransport],
-) -> None:
-    """NHD blocks of 2 heads hold each token's heads side by side, NHD blocks of 4 hold
-    them in a quarter of each token: the runs differ, and the producer refuses naming
-    both layouts (the consumer recomputes)."""
+async def test_blocks_of_other_cells_are_refused_naming_both(make: Make) -> None:
+    """A consumer converts any order of the same cells (NHD into HND, heads of a block of
+    another head count: the tests above); blocks whose cells are not separable (vLLM's
+    CPU cache) are not NHD blocks of another engine, and the pull fails naming both
+    layouts (the consumer recomputes)."""
     prods = [_layout(HEADS // 2, "nhd") for _ in range(2)]
     producers = [await _open(make(p, r, 2)) for r, p in enumerate(prods)]
-    consumer = await _open(make(_layout(HEADS, "nhd"), 0, 1))
+    consumer = await _open(make(_layout(HEADS, "block-granular"), 0, 1))
     source = PeerSource("p", [p.address for p in producers], "p-req", SRC, 2, HEADS)
     with trio.fail_after(10):
         async with trio.open_nursery() as nursery:
@@ -180,17 +186,17 @@ async def test_a_layout_that_does_not_split_by_head_is_refused_naming_both(
                 nursery.start_soon(producer.offer, _offer(prod))
             await trio.testing.wait_all_tasks_blocked()
             assert consumer.context.layout is not None
-            with pytest.raises(TransportError, match=r"KV layouts differ .*NHD"):
+            with pytest.raises(TransportError, match=r"KV layouts differ .*producer NHD"):
                 await consumer.load(_job(consumer.context.layout, source, []))
             nursery.cancel_scope.cancel()
 
 
 def test_a_peers_geometry_costs_no_more_than_our_own_to_check() -> None:
-    """A consumer's `Pull` names its geometry: one of 2^40 tokens a block with no token
-    stride is within the byte bounds, and comparing its head runs would loop over every
-    token; it is refused on its sizes first."""
+    """A peer's geometry of 2^40 tokens a block with no token stride is within the byte
+    bounds, and listing its cells would loop over every token; it is refused on its
+    sizes first."""
     ours = _layout(HEADS, "hnd").geometries
     hostile = msgspec.structs.replace(ours[0], block_size=1 << 40, token_stride=0)
-    why = peer_head_problem([hostile] * len(ours), ours, 0, 2)
+    why = peer_cells_problem([hostile] * len(ours), ours)
     assert why.startswith("KV layouts differ (layer 0)"), why
-    assert peer_head_problem(_layout(2, "hnd").geometries, ours, 2, 2) == ""
+    assert peer_cells_problem(_layout(2, "nhd").geometries, ours) == ""
