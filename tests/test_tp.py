@@ -2,14 +2,16 @@
 
 `fs` keeps each rank's slice of a chunk in its own file; an engine of either size
 loads what the other saved. P/D from a TP=2 producer to a TP=2 consumer pulls per
-rank; between TP=1 and TP=2 (both ways) each consumer rank reads the heads it holds
-from the producer ranks that hold them (`kvflow.pd.topology`), and decodes the same
-text as the consumer alone. The engines run in this test's session (two TP=2 engines
-need all four workers on two cores: see docs/transports.md on sharing cores).
+rank; between TP=1 and TP=2 (both ways, over zmq and nixl) each consumer rank reads the
+heads it holds from the producer ranks that hold them (`kvflow.pd.topology`), and
+decodes the same text as the consumer alone. The engines run in this test's session
+(three TP=2 engines need all six workers on two cores: see docs/transports.md on
+sharing cores).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import random
 from collections import Counter
 from collections.abc import Iterator
@@ -27,8 +29,11 @@ _rng = random.Random(17)
 PROMPTS = [[_rng.randrange(3, 1000) for _ in range(n)] for n in (150, 75, 200)]
 
 
-def _engine(tmp: Path, name: str, tp: int) -> ServingEngine:
-    extra = {"transport": "zmq", "event_log": str(tmp / f"{name}.events.jsonl")}
+HAS_NIXL = any(importlib.util.find_spec(m) for m in ("nixl", "nixl_cu12"))
+
+
+def _engine(tmp: Path, name: str, tp: int, transport: str = "zmq") -> ServingEngine:
+    extra = {"transport": transport, "event_log": str(tmp / f"{name}.events.jsonl")}
     return ServingEngine(tmp, name, kv_role="kv_both", extra_config=extra, tensor_parallel_size=tp)
 
 
@@ -79,6 +84,9 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, obje
     tmp = tmp_path_factory.mktemp("tp")
     started = {"tp2a": _engine(tmp, "tp2a", 2), "tp2b": _engine(tmp, "tp2b", 2)}
     started["tp1"] = _engine(tmp, "tp1", 1)
+    if HAS_NIXL:  # the same pairs over NIXL READs
+        started["nixl-tp2"] = _engine(tmp, "nixl-tp2", 2, "nixl")
+        started["nixl-tp1"] = _engine(tmp, "nixl-tp1", 1, "nixl")
     try:
         for e in started.values():
             e.wait_ready()
@@ -104,25 +112,37 @@ def test_tp2_to_tp2_pulls_each_ranks_heads(engines: dict[str, object]) -> None:
     assert {e.tokens for e in events if isinstance(e, LoadStarted)} == {len(PROMPTS[0])}
 
 
-@pytest.mark.parametrize(("producer", "consumer"), [("tp1", "tp2b"), ("tp2a", "tp1")])
+NIXL = pytest.mark.skipif(not HAS_NIXL, reason="NIXL is not installed (nixl-cu12)")
+
+
+@pytest.mark.parametrize(
+    ("producer", "consumer"),
+    [
+        ("tp1", "tp2b"),
+        ("tp2a", "tp1"),
+        pytest.param("nixl-tp1", "nixl-tp2", marks=NIXL),
+        pytest.param("nixl-tp2", "nixl-tp1", marks=NIXL),
+    ],
+)
 def test_pd_between_tensor_parallel_sizes_reads_each_ranks_heads(
     engines: dict[str, object], producer: str, consumer: str
 ) -> None:
-    """Issue 30, item 1: P TP=1 -> D TP=2 and P TP=2 -> D TP=1 over zmq host frames. Each
-    consumer rank reads exactly the heads it holds (TP=2 ranks: half of the TP=1 rank's
-    blocks each; the TP=1 rank: both TP=2 ranks' blocks, each into its half); the tokens
-    are those of the consumer computing the prompt alone, and the whole prompt loaded."""
+    """Issue 30, item 1: P TP=1 -> D TP=2 and P TP=2 -> D TP=1 over zmq host frames and
+    NIXL READs. Each consumer rank reads exactly the heads it holds (TP=2 ranks: half of
+    the TP=1 rank's blocks each; the TP=1 rank: both TP=2 ranks' blocks, each into its
+    half); the tokens are those of the consumer computing the prompt alone, and the whole
+    prompt loaded."""
     p, d, tmp = engines[producer], engines[consumer], engines["tmp"]
     assert isinstance(p, ServingEngine) and isinstance(d, ServingEngine)
     assert isinstance(tmp, Path)
-    prompt = PROMPTS[1] if producer == "tp1" else PROMPTS[2]
+    prompt = PROMPTS[1] if producer.endswith("tp1") else PROMPTS[2]
     want = d.ask(prompt, 8)  # the consumer alone (the same saved weights on both)
     params = p.ask(prompt, 1, {"do_remote_decode": True}).kv_transfer_params
-    assert params and params["kvflow"]["tp_size"] == (1 if producer == "tp1" else 2), params
+    assert params and params["kvflow"]["tp_size"] == (1 if producer.endswith("tp1") else 2), params
     got = d.ask(prompt, 8, params)
     assert_same_generation(got, want, f"{producer} -> {consumer}")
     events = events_for(tmp / f"{consumer}.events.jsonl", got)
-    ranks = 2 if consumer == "tp2b" else 1
+    ranks = 1 if consumer.endswith("tp1") else 2
     done = {e.origin.rank for e in events if isinstance(e, TransferDone)}
     assert done == set(range(ranks)), "every consumer rank pulled its heads"
     assert {e.tokens for e in events if isinstance(e, LoadStarted)} == {len(prompt)}
