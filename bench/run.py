@@ -49,6 +49,7 @@ BENCHES: dict[str, tuple[list[str], bool, Callable[[], str]]] = {
     "fs-io": (["bench_fs_io.py"], True, lambda: ""),
     "hooks": (["bench_hooks.py"], False, lambda: ""),
     "reshape": (["bench_reshape.py"], True, lambda: ""),
+    "convert": (["bench_convert.py"], True, lambda: ""),
     "engines": (["bench_engines.py"], True, lambda: ""),
     "zmq": (["bench_zmq.py"], True, lambda: ""),
     "zmq-channels": (["bench_zmq.py", "--channels"], True, lambda: ""),
@@ -111,6 +112,13 @@ def reshape_table(d: dict[str, Any]) -> list[str]:
     head = ["KV layout", "load", "own size GB/s", "another size GB/s", "another / own"]
     keys = ("own", "reshaped", "ratio")
     rows = [[r["kind"], r["direction"], *(f"{r[k]:.2f}" for k in keys)] for r in d["rows"]]
+    return _table(head, rows)
+
+
+def convert_table(d: dict[str, Any]) -> list[str]:
+    head = ["transport", "pull", "same shape GB/s", "converted GB/s", "converted / same"]
+    keys = ("same", "converted", "ratio")
+    rows = [[r["transport"], r["case"], *(f"{r[k]:.2f}" for k in keys)] for r in d["rows"]]
     return _table(head, rows)
 
 
@@ -192,6 +200,7 @@ TABLES: dict[str, tuple[str, Callable[[dict[str, Any]], list[str]], str]] = {
     "fs-io": ("fs-io", fs_io_table, ""),
     "hooks": ("hooks", hooks_table, ""),
     "reshape": ("reshape", reshape_table, ""),
+    "convert": ("convert", convert_table, ""),
     "engines-miss": ("engines", miss_table, "miss"),
     "engines-hit": ("engines", hit_table, "hit"),
     "zmq": ("zmq", zmq_table, ""),

@@ -20,13 +20,14 @@ from __future__ import annotations
 import bisect
 import functools
 import itertools
+from collections.abc import Sequence
 
 import numpy as np
 
 from .layout import LayerGeometry, LayoutError
 from .pd.topology import HeadRead
 
-__all__ = ["copy_heads", "head_copy_runs", "positions", "slices"]
+__all__ = ["cell_index", "cells_of", "copy_heads", "head_copy_runs", "positions", "slices"]
 
 
 @functools.lru_cache(maxsize=256)
@@ -55,6 +56,46 @@ def positions(g: LayerGeometry, num_tokens: int) -> tuple[np.ndarray, int]:
     pos = np.empty(offsets.size, dtype=np.int64)
     pos[order] = np.arange(offsets.size, dtype=np.int64) * unit
     return pos.reshape(offsets.shape), unit
+
+
+def cell_index(
+    g: LayerGeometry,
+    block_ids: Sequence[int],
+    token_counts: Sequence[int],
+    first: int,
+    count: int,
+) -> np.ndarray:
+    """Where heads `[first, first + count)` of each chunk's first tokens lie in a layer's
+    buffer, as indices into its cells (`cells_of`), token-major: chunk by chunk, token
+    by token, head by head. Gathering them writes, and scattering them reads, a cache of
+    any layout in one order (`[tokens, heads, cell]` per chunk)."""
+    if g.block_bytes or not g.cell_bytes:
+        raise LayoutError(f"blocks of {g.describe()} do not split into cells")
+    if not 0 <= first < first + count <= g.heads:
+        raise LayoutError(f"heads {first}..{first + count - 1} out of range ({g.heads})")
+    g.check_blocks(block_ids, "the")
+    offsets, cell = _offsets(g, g.block_size)
+    if (offsets % cell).any() or g.block_stride % cell:
+        raise LayoutError(f"cells of {g.describe()} do not lie on a grid of cells")
+    cells = offsets[:, first : first + count] // cell
+    parts = []
+    at = 0
+    for n, run in itertools.groupby(token_counts):
+        k = len(list(run))
+        if not 0 < n <= g.block_size:
+            raise LayoutError(f"{n} tokens out of range (a block holds {g.block_size})")
+        base = np.asarray(block_ids[at : at + k], np.int64) * (g.block_stride // cell)
+        parts.append((base[:, None, None] + cells[None, :n, :]).reshape(-1))
+        at += k
+    return np.concatenate(parts) if parts else np.empty(0, np.int64)
+
+
+def cells_of(buffer: memoryview, cell_bytes: int) -> np.ndarray:
+    """A layer's buffer as `[cells, cell_bytes]` (what `cell_index` indexes)."""
+    flat = np.frombuffer(buffer, np.uint8)
+    return np.lib.stride_tricks.as_strided(
+        flat, (len(flat) // cell_bytes, cell_bytes), (cell_bytes, 1), writeable=not buffer.readonly
+    )
 
 
 @functools.lru_cache(maxsize=1024)

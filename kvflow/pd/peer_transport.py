@@ -236,14 +236,15 @@ class PeerTransport(Transport):
         read (`send`)."""
         return self.send(ident, [self.seal(frame)], req)
 
-    def send(self, ident: bytes, frames: list[Any], req: str) -> bool:
-        """Queue `frames` (copied) for the consumer `ident`, never waiting: False, and
-        dropped, if it is gone (ROUTER_MANDATORY) or its pipe is full because it does not
-        read what it asked for (a peer that never reads must not stall `serve`, and with
-        it every other consumer)."""
+    def send(self, ident: bytes, frames: list[Any], req: str, copy: bool = True) -> bool:
+        """Queue `frames` (copied; `copy=False`: handed to libzmq, for buffers nothing else
+        writes) for the consumer `ident`, never waiting: False, and dropped, if it is gone
+        (ROUTER_MANDATORY) or its pipe is full because it does not read what it asked for
+        (a peer that never reads must not stall `serve`, and with it every other
+        consumer)."""
         assert self._router is not None
         try:
-            self._router.sock.send_multipart([ident, *frames], zmq.NOBLOCK)
+            self._router.sock.send_multipart([ident, *frames], zmq.NOBLOCK, copy=copy)
             return True
         except zmq.Again:
             self.reject("frame", f"a consumer of {req} does not read its answers; dropped one")

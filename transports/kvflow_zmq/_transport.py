@@ -14,10 +14,11 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import trio
 import zmq
 
-from kvflow.cells import copy_heads
+from kvflow.cells import cell_index, cells_of
 from kvflow.layout import KVLayout, LayoutError, peer_cells_problem, peer_layout_problem
 from kvflow.pd.peer_transport import PeerOptions, PeerTransport
 from kvflow.pd.topology import HeadRead
@@ -99,7 +100,26 @@ class ZmqTransport(PeerTransport):
         h = msg.heads
         if h is not None and h.first + h.count > min(g.heads for g in ours):
             return f"heads {h.first}..{h.first + h.count - 1} are not held here"
+        try:
+            self._as_cells(msg)
+        except LayoutError as exc:
+            return str(exc)
         return ""
+
+    def _as_cells(self, msg: wire.Pull) -> list[bool]:
+        """Per layer, whether a pull gets the cells token-major (`Layer.cells`): its
+        consumer's runs of the heads it asks for are not ours (another layout or head
+        count); else the runs as they lie. A `LayoutError` when a block does not split."""
+        ours = self._layout().geometries
+        if not msg.geometries:
+            return [False] * len(ours)
+        h = msg.heads
+        return [
+            (t.block_shape() != o.block_shape())
+            if h is None
+            else (t.head_shape(h.count) != o.head_shape(h.count))
+            for t, o in zip(msg.geometries, ours, strict=True)
+        ]
 
     def ended(self, msg: wire.Done | wire.Failed, ident: bytes) -> None:
         outcome = "done" if isinstance(msg, wire.Done) else msg.reason
@@ -113,7 +133,7 @@ class ZmqTransport(PeerTransport):
             reply = self._ipc_reply(offer) if lent else wire.Refused(msg.req, "expired")
             if not await self.reply(ident, msg.req, wire.encode(reply)):
                 self.held.release(msg.req, "the consumer went away", peer=ident)
-        elif not await self._send(ident, offer, msg.heads):
+        elif not await self._send(ident, offer, msg.heads, self._as_cells(msg)):
             await self.reply(ident, msg.req, self.refusal(msg.req, "expired"))
 
     def _ipc_reply(self, offer: Offer) -> wire.Ipc:
@@ -127,31 +147,35 @@ class ZmqTransport(PeerTransport):
             self._handles,
         )
 
-    async def _send(self, ident: bytes, o: Offer, heads: wire.Heads | None) -> bool:
+    async def _send(
+        self, ident: bytes, o: Offer, heads: wire.Heads | None, as_cells: list[bool]
+    ) -> bool:
         """Answer one host-memory pull: queue copies of `o`'s layers (of `heads` only, if
-        given) for `ident` (serve() waits, letting other tasks run between layers: the
-        socket keeps one user at a time), never waiting on the consumer: one that does not
-        read gets no more. Once queued, nothing reads the blocks for this consumer. False,
-        sending nothing, if `o` is no longer held (it expired or closed while serve()
-        waited)."""
+        given; token-major cells where `as_cells`) for `ident` (serve() waits, letting
+        other tasks run between layers: the socket keeps one user at a time), never
+        waiting on the consumer: one that does not read gets no more. Once queued, nothing
+        reads the blocks for this consumer. False, sending nothing, if `o` is no longer
+        held (it expired or closed while serve() waited)."""
         if o.req not in self.held:
             return False
         outcome = "done"
         layout = self._layout()
         with self.held.reading(o.req):
             for layer in range(o.num_layers):
-                chunks = (
-                    o.spans(layer)
-                    if heads is None
-                    else layout.head_spans(
-                        layer, o.block_ids, o.token_counts, heads.first, heads.count
-                    )
-                )
-                spans = [s for chunk in chunks for s in chunk]
-                geometry = layout.geometries[layer]
-                sizes = [len(s) for s in spans]
-                header = wire.encode(wire.Layer(o.req, layer, sizes, geometry))
-                if not self.send(ident, [self.seal(header), *spans], o.req):
+                g = layout.geometries[layer]
+                first, count = (0, g.heads) if heads is None else (heads.first, heads.count)
+                if as_cells[layer]:
+                    idx = cell_index(g, o.block_ids, o.token_counts, first, count)
+                    spans: list[Any] = [cells_of(layout.buffers[layer], g.cell_bytes)[idx]]
+                elif heads is None:
+                    spans = [s for chunk in o.spans(layer) for s in chunk]
+                else:
+                    chunks = layout.head_spans(layer, o.block_ids, o.token_counts, first, count)
+                    spans = [s for chunk in chunks for s in chunk]
+                sizes = [s.nbytes for s in spans]
+                header = wire.Layer(o.req, layer, sizes, cells=as_cells[layer])
+                frames = [self.seal(wire.encode(header)), *spans]  # cells: a fresh array
+                if not self.send(ident, frames, o.req, copy=not as_cells[layer]):
                     outcome = "the consumer went away or does not read"
                     break
                 await trio.lowlevel.checkpoint()
@@ -228,52 +252,42 @@ class ZmqTransport(PeerTransport):
         h: HeadRead | None,
         address: str,
     ) -> None:
-        """Copy one layer's frames into `job`'s blocks: span by span when the producer's
-        runs are ours, else converted cell by cell (another layout, or heads that lie
-        otherwise in a block of another head count: `kvflow.cells`)."""
+        """Copy one layer's frames into `job`'s blocks: span by span (the producer's runs
+        are ours), or, when the producer sent the cells token-major (`Layer.cells`: another
+        layout, or heads that lie otherwise in a block of another head count), each cell
+        into place (`kvflow.cells`)."""
         layout = self._layout()
-        mine, theirs = layout.geometries[layer], msg.geometry
+        g = layout.geometries[layer]
         got = [len(f.buffer) for f in frames]
-        if msg.layer != layer or msg.sizes != got or theirs is None:
+        if msg.layer != layer or msg.sizes != got:
             raise ChunkCorrupt(
                 f"producer {address} sent layer {msg.layer} with spans {msg.sizes[:8]} in "
-                f"frames of {got[:8]}; expected layer {layer}, described"
+                f"frames of {got[:8]}; expected layer {layer}"
             )
-        count = mine.heads if h is None else h.count
-        try:
-            if why := peer_cells_problem([theirs], [mine]):
-                raise LayoutError(why)
-            if h is None and theirs.heads != mine.heads:
-                raise LayoutError(f"the producer sent {theirs.heads} heads, not {count}")
-            same = theirs.block_shape() == mine.block_shape() if h is None else (
-                theirs.head_shape(count) == mine.head_shape(count)
-            )  # fmt: skip
-            image = theirs if h is None else theirs.with_heads(count)
-        except LayoutError as exc:
-            raise ChunkCorrupt(f"producer {address}, layer {layer}: {exc}") from None
-        if same:
-            chunks = (
-                job.spans(layer)
-                if h is None
-                else layout.head_spans(layer, job.block_ids, job.token_counts, h.into, count)
-            )
-            dest = [s for chunk in chunks for s in chunk]
-            if got != [len(d) for d in dest]:
-                raise ChunkCorrupt(f"producer {address} sent layer {layer} in spans {got[:8]}")
-            for d, f in zip(dest, frames, strict=True):
-                d[:] = f.buffer
+        into, count = (0, g.heads) if h is None else (h.into, h.count)
+        if msg.cells:
+            try:
+                idx = cell_index(g, job.block_ids, job.token_counts, into, count)
+            except LayoutError as exc:
+                raise ChunkCorrupt(f"producer {address} sent cells: {exc}") from None
+            if got != [len(idx) * g.cell_bytes]:
+                raise ChunkCorrupt(f"producer {address} sent layer {layer} in {got[:8]} bytes")
+            data = np.frombuffer(frames[0].buffer, np.uint8).reshape(-1, g.cell_bytes)
+            cells_of(layout.buffers[layer], g.cell_bytes)[idx] = data
             return
-        need = [image.chunk_nbytes(n) for n in job.token_counts]
-        if sum(got) != sum(need):
-            raise ChunkCorrupt(f"producer {address} sent layer {layer} in {sum(got)} bytes")
-        data = (
-            frames[0].buffer if len(frames) == 1 else memoryview(b"".join(f.buffer for f in frames))
+        chunks = (
+            job.spans(layer)
+            if h is None
+            else layout.head_spans(layer, job.block_ids, job.token_counts, into, count)
         )
-        read = HeadRead(0, 0, count, 0 if h is None else h.into)
-        at = 0
-        for spans, n, size in zip(job.spans(layer), job.token_counts, need, strict=True):
-            copy_heads(data[at : at + size], image, spans, mine, read, n)
-            at += size
+        dest = [s for chunk in chunks for s in chunk]
+        if got != [len(d) for d in dest]:
+            raise ChunkCorrupt(
+                f"producer {address} sent layer {layer} in spans {got[:8]}; expected "
+                f"{[len(d) for d in dest][:8]}"
+            )
+        for d, f in zip(dest, frames, strict=True):
+            d[:] = f.buffer
 
     def _layout(self) -> KVLayout:
         if self.context.layout is None:

@@ -3,7 +3,7 @@
 A pull is one DEALER->ROUTER conversation:
 
     consumer -> producer   Pull(req, block_ids, geometries, heads, readers)
-    producer -> consumer   Layer(req, layer, sizes, geometry) + one raw frame per span, per layer
+    producer -> consumer   Layer(req, layer, sizes, cells) + one raw frame per span, per layer
                            (host memory), or
                            Ipc(req, host, geometries, block_ids, lease_s, handles) (CUDA memory:
                            the consumer copies device to device), or
@@ -69,9 +69,10 @@ class Layer(msgspec.Struct, tag=True, frozen=True):
     layer: int
     sizes: list[int]
     """Byte size of each data frame that follows, chunk by chunk, span by span."""
-    geometry: LayerGeometry | None = None
-    """The producer's layer: the frames are its runs (of the heads asked for), which a
-    consumer of another layout or head count converts into its own blocks."""
+    cells: bool = False
+    """One frame holding the cells of the heads asked for, token-major (`[tokens, heads,
+    cell]` per chunk: `kvflow.cells.cell_index`), for a consumer whose runs of them
+    differ (another layout or head count); False: the producer's runs as they lie."""
 
 
 class Ipc(msgspec.Struct, tag=True, frozen=True):
