@@ -10,6 +10,7 @@ only the control frames.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -164,9 +165,11 @@ class ZmqTransport(PeerTransport):
             for layer in range(o.num_layers):
                 g = layout.geometries[layer]
                 first, count = (0, g.heads) if heads is None else (heads.first, heads.count)
-                if as_cells[layer]:
+                if as_cells[layer]:  # a frame a chunk (each within the consumer's bound)
                     idx = cell_index(g, o.block_ids, o.token_counts, first, count)
-                    spans: list[Any] = [cells_of(layout.buffers[layer], g.cell_bytes)[idx]]
+                    cells = cells_of(layout.buffers[layer], g.cell_bytes)[idx]
+                    ends = itertools.accumulate(n * count for n in o.token_counts)
+                    spans: list[Any] = np.split(cells, list(ends)[:-1])
                 elif heads is None:
                     spans = [s for chunk in o.spans(layer) for s in chunk]
                 else:
@@ -270,10 +273,13 @@ class ZmqTransport(PeerTransport):
                 idx = cell_index(g, job.block_ids, job.token_counts, into, count)
             except LayoutError as exc:
                 raise ChunkCorrupt(f"producer {address} sent cells: {exc}") from None
-            if got != [len(idx) * g.cell_bytes]:
+            if got != [n * count * g.cell_bytes for n in job.token_counts]:
                 raise ChunkCorrupt(f"producer {address} sent layer {layer} in {got[:8]} bytes")
-            data = np.frombuffer(frames[0].buffer, np.uint8).reshape(-1, g.cell_bytes)
-            cells_of(layout.buffers[layer], g.cell_bytes)[idx] = data
+            ours, at = cells_of(layout.buffers[layer], g.cell_bytes), 0
+            for f in frames:
+                data = np.frombuffer(f.buffer, np.uint8).reshape(-1, g.cell_bytes)
+                ours[idx[at : at + len(data)]] = data
+                at += len(data)
             return
         chunks = (
             job.spans(layer)

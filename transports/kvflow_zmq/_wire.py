@@ -70,9 +70,9 @@ class Layer(msgspec.Struct, tag=True, frozen=True):
     sizes: list[int]
     """Byte size of each data frame that follows, chunk by chunk, span by span."""
     cells: bool = False
-    """One frame holding the cells of the heads asked for, token-major (`[tokens, heads,
-    cell]` per chunk: `kvflow.cells.cell_index`), for a consumer whose runs of them
-    differ (another layout or head count); False: the producer's runs as they lie."""
+    """A frame a chunk holding the cells of the heads asked for, token-major (`[tokens,
+    heads, cell]`: `kvflow.cells.cell_index`), for a consumer whose runs of them differ
+    (another layout or head count); False: the producer's runs as they lie."""
 
 
 class Ipc(msgspec.Struct, tag=True, frozen=True):
