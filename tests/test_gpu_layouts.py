@@ -21,6 +21,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 )
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 
+from kvflow.cells import cell_index, cells_of, head_copy_runs  # noqa: E402
 from kvflow.layout import LayoutError  # noqa: E402
 from kvflow.testing.layouts import LAYOUTS  # noqa: E402
 from kvflow_vllm.connector.cache_spec import check_spec, layout_from_tensors  # noqa: E402
@@ -127,3 +128,50 @@ def test_a_view_of_another_block_size_is_refused() -> None:
 def test_kvflow_requires_no_layout() -> None:
     """vLLM keeps the layout its attention backend prefers (decision 28)."""
     assert connector.KVFlowConnector.get_required_kvcache_layout(None) is None  # type: ignore[arg-type]
+
+
+def _tokens(layer: torch.Tensor) -> torch.Tensor:
+    """A layer's view as `[blocks, tokens, heads, cell bytes]`, read through vLLM's own
+    logical view (tokens of a block in order across its kernel blocks)."""
+    cells = layer.view(torch.uint8).unflatten(0, (NUM_BLOCKS, -1))  # [B, kernel, H, N, C]
+    b, k, h, n, c = cells.shape
+    return cells.permute(0, 1, 3, 2, 4).reshape(b, k * n, h, c)
+
+
+PAIRS = [(s, d) for s in KVCacheLayout for d in KVCacheLayout]
+
+
+@pytest.mark.parametrize(("src", "dst"), PAIRS, ids=lambda m: m.name)
+@pytest.mark.parametrize("heads", [(4, 4, 0, 0), (4, 2, 2, 0), (2, 4, 0, 2)])
+def test_cells_move_between_any_two_layouts_and_head_counts(
+    src: KVCacheLayout, dst: KVCacheLayout, heads: tuple[int, int, int, int]
+) -> None:
+    """What P/D converts on receive (`kvflow.cells`): heads `first..` of a producer's
+    blocks into heads `into..` of a consumer's, between every pair of vLLM's layouts and
+    tensor-parallel head counts, by byte runs between blocks (a NIXL READ's pieces) and by
+    gathering and scattering cells (zmq's frames); each cell lands where vLLM's view of
+    the consumer's cache puts that token and head."""
+    src_heads, dst_heads, first, into = heads
+    count = min(src_heads, dst_heads)
+    kv = {}
+    for name, layout, h in (("src", src, src_heads), ("dst", dst, dst_heads)):
+        spec = FullAttentionSpec(block_size=16, num_kv_heads=h, head_size=8, dtype=torch.float16)
+        kv[name] = views(spec, layout)[1]
+        kv[name].view(torch.uint8).copy_(
+            torch.randint(0, 256, (*kv[name].shape, 2), dtype=torch.uint8).flatten(-2)
+        )
+    src_kv = layout_from_tensors({"l": kv["src"]}, NUM_BLOCKS, 16, opaque_blocks=False)
+    dst_kv = layout_from_tensors({"l": kv["dst"]}, NUM_BLOCKS, 16, opaque_blocks=False)
+    sg, dg = src_kv.geometries[0], dst_kv.geometries[0]
+    sbuf, dbuf = src_kv.buffers[0], dst_kv.buffers[0]
+    blocks, counts = [(1, 3), (4, 0)], [16, 9]
+    for s, d, length in head_copy_runs(sg, first, dg, into, count, 16, in_blocks=True):
+        at, to = blocks[0][0] * sg.block_stride + s, blocks[0][1] * dg.block_stride + d
+        dbuf[to : to + length] = sbuf[at : at + length]
+    src_idx = cell_index(sg, [blocks[1][0]], [9], first, count)
+    dst_idx = cell_index(dg, [blocks[1][1]], [9], into, count)
+    cells_of(dbuf, dg.cell_bytes)[dst_idx] = cells_of(sbuf, sg.cell_bytes)[src_idx]
+    theirs, ours = _tokens(kv["src"]), _tokens(kv["dst"])
+    for (b_src, b_dst), n in zip(blocks, counts, strict=True):
+        want = theirs[b_src, :n, first : first + count]
+        assert torch.equal(ours[b_dst, :n, into : into + count], want), (b_src, b_dst)
