@@ -27,7 +27,15 @@ import numpy as np
 from .layout import LayerGeometry, LayoutError
 from .pd.topology import HeadRead
 
-__all__ = ["cell_index", "cells_of", "copy_heads", "head_copy_runs", "positions", "slices"]
+__all__ = [
+    "cell_index",
+    "cells_of",
+    "copy_heads",
+    "head_copy_runs",
+    "positions",
+    "slices",
+    "token_major",
+]
 
 
 @functools.lru_cache(maxsize=256)
@@ -88,6 +96,18 @@ def cell_index(
         parts.append((base[:, None, None] + cells[None, :n, :]).reshape(-1))
         at += k
     return np.concatenate(parts) if parts else np.empty(0, np.int64)
+
+
+def token_major(g: LayerGeometry, first: int, count: int) -> bool:
+    """Whether heads `[first, first + count)` of a block of `g` lie token-major in one run
+    (NHD with every head: the cells `cell_index` lists are the block's own bytes, in
+    order, and need no gather or scatter)."""
+    return (
+        not g.block_bytes
+        and g.kernel_blocks == 1
+        and (count == 1 or g.head_stride == g.cell_bytes)
+        and (g.block_size == 1 or g.token_stride == count * g.cell_bytes)
+    )
 
 
 def cells_of(buffer: memoryview, cell_bytes: int) -> np.ndarray:

@@ -19,7 +19,7 @@ import numpy as np
 import trio
 import zmq
 
-from kvflow.cells import cell_index, cells_of
+from kvflow.cells import cell_index, cells_of, token_major
 from kvflow.layout import KVLayout, LayoutError, peer_cells_problem, peer_layout_problem
 from kvflow.pd.peer_transport import PeerOptions, PeerTransport
 from kvflow.pd.topology import HeadRead
@@ -165,7 +165,8 @@ class ZmqTransport(PeerTransport):
             for layer in range(o.num_layers):
                 g = layout.geometries[layer]
                 first, count = (0, g.heads) if heads is None else (heads.first, heads.count)
-                if as_cells[layer]:  # a frame a chunk (each within the consumer's bound)
+                gathered = as_cells[layer] and not token_major(g, first, count)
+                if gathered:  # a frame a chunk (each within the consumer's bound)
                     idx = cell_index(g, o.block_ids, o.token_counts, first, count)
                     cells = cells_of(layout.buffers[layer], g.cell_bytes)[idx]
                     ends = itertools.accumulate(n * count for n in o.token_counts)
@@ -177,8 +178,8 @@ class ZmqTransport(PeerTransport):
                     spans = [s for chunk in chunks for s in chunk]
                 sizes = [s.nbytes for s in spans]
                 header = wire.Layer(o.req, layer, sizes, cells=as_cells[layer])
-                frames = [self.seal(wire.encode(header)), *spans]  # cells: a fresh array
-                if not self.send(ident, frames, o.req, copy=not as_cells[layer]):
+                frames = [self.seal(wire.encode(header)), *spans]  # gathered: a fresh array
+                if not self.send(ident, frames, o.req, copy=not gathered):
                     outcome = "the consumer went away or does not read"
                     break
                 await trio.lowlevel.checkpoint()
@@ -268,7 +269,7 @@ class ZmqTransport(PeerTransport):
                 f"frames of {got[:8]}; expected layer {layer}"
             )
         into, count = (0, g.heads) if h is None else (h.into, h.count)
-        if msg.cells:
+        if msg.cells and not token_major(g, into, count):
             try:
                 idx = cell_index(g, job.block_ids, job.token_counts, into, count)
             except LayoutError as exc:
