@@ -29,6 +29,7 @@ from .pd.topology import HeadRead
 
 __all__ = [
     "cell_index",
+    "cell_offsets",
     "cells_of",
     "copy_heads",
     "head_copy_runs",
@@ -39,7 +40,7 @@ __all__ = [
 
 
 @functools.lru_cache(maxsize=256)
-def _offsets(g: LayerGeometry, num_tokens: int) -> tuple[np.ndarray, int]:
+def cell_offsets(g: LayerGeometry, num_tokens: int) -> tuple[np.ndarray, int]:
     """Where each unit of a block's first `num_tokens` tokens lies within the block
     (bytes, `[tokens, heads]`), and the unit's size: a cell, or a head's run of a
     block-granular block (`[1, heads]`)."""
@@ -57,9 +58,9 @@ def _offsets(g: LayerGeometry, num_tokens: int) -> tuple[np.ndarray, int]:
 
 @functools.lru_cache(maxsize=256)
 def positions(g: LayerGeometry, num_tokens: int) -> tuple[np.ndarray, int]:
-    """Where each unit (see `_offsets`) of an `num_tokens`-token chunk's image lies: the
+    """Where each unit (see `cell_offsets`) of an `num_tokens`-token chunk's image lies: the
     image is the chunk's runs in memory order (`LayerGeometry.runs`)."""
-    offsets, unit = _offsets(g, num_tokens)
+    offsets, unit = cell_offsets(g, num_tokens)
     order = np.argsort(offsets, axis=None, kind="stable")
     pos = np.empty(offsets.size, dtype=np.int64)
     pos[order] = np.arange(offsets.size, dtype=np.int64) * unit
@@ -82,7 +83,7 @@ def cell_index(
     if not 0 <= first < first + count <= g.heads:
         raise LayoutError(f"heads {first}..{first + count - 1} out of range ({g.heads})")
     g.check_blocks(block_ids, "the")
-    offsets, cell = _offsets(g, g.block_size)
+    offsets, cell = cell_offsets(g, g.block_size)
     if (offsets % cell).any() or g.block_stride % cell:
         raise LayoutError(f"cells of {g.describe()} do not lie on a grid of cells")
     cells = offsets[:, first : first + count] // cell
@@ -133,7 +134,7 @@ def head_copy_runs(
     `[dst_first, dst_first + count)` of one of `dst`, in the destination's order:
     offsets within the chunks' images, or within their blocks (`in_blocks`). A
     `LayoutError` when the chunks hold other cells (sizes, tokens) or too few heads."""
-    where = _offsets if in_blocks else positions
+    where = cell_offsets if in_blocks else positions
     if bool(src.block_bytes) != bool(dst.block_bytes) or src.cell_bytes != dst.cell_bytes:
         raise LayoutError(f"cannot copy heads of {src.describe()} into {dst.describe()}")
     if not (src_first >= 0 and dst_first >= 0 and count > 0) or (

@@ -20,12 +20,25 @@ from kvflow.transport import LoadJob, Offer, PeerSource, TransportContext, Trans
 from kvflow_nixl import NixlOptions, NixlTransport
 from kvflow_zmq import ZmqOptions, ZmqTransport
 
-TRANSPORTS = {"zmq": (ZmqTransport, ZmqOptions), "nixl": (NixlTransport, NixlOptions)}
-if not any(importlib.util.find_spec(m) for m in ("nixl", "nixl_cu12")):
-    del TRANSPORTS["nixl"]  # NIXL is not installed
 
-BS, HEADS = 4, 4
-COUNTS = [4, 4, 2]
+class StridedNixl(NixlTransport):
+    """READs every run of cells where it lies (no bounce buffer: as a device cache does)."""
+
+    async def register(self, layout: KVLayout) -> None:
+        await super().register(layout)
+        self._bounce = None
+
+
+TRANSPORTS: dict[str, tuple[type[PeerTransport], type]] = {
+    "zmq": (ZmqTransport, ZmqOptions),
+    "nixl": (NixlTransport, NixlOptions),
+    "nixl-strided": (StridedNixl, NixlOptions),
+}
+if not any(importlib.util.find_spec(m) for m in ("nixl", "nixl_cu12")):
+    del TRANSPORTS["nixl"], TRANSPORTS["nixl-strided"]  # NIXL is not installed
+
+BS, HEADS = 16, 4
+COUNTS = [16, 16, 9]
 SRC, DST = [1, 2, 3], [7, 8, 9]
 
 
@@ -130,6 +143,8 @@ async def test_tp1_producer_to_tp2_consumer(make: Make, kind: str) -> None:
             await released.wait()
             nursery.cancel_scope.cancel()
     assert outcome == ["done"] and signalled == [0, 1, 2, 0, 1, 2]
+    if type(producer) is NixlTransport and kind == "nhd":  # a run a token: READ whole blocks
+        assert all(r._bounce is not None and r._bounce.buf is not None for r in ranks)  # type: ignore[attr-defined]
     for r, rank in enumerate(ranks):
         cons = rank.context.layout
         assert cons is not None

@@ -19,6 +19,7 @@ from kvflow.runtime import Backoff
 from kvflow.transport import ChunkCorrupt, LoadJob, TransferStuck, TransportError
 
 from . import _wire as wire
+from ._bounce import MANY_RUNS, Bounce, Piece, scatter_cells, windows
 from ._descs import Table, release
 from ._remotes import Remote
 
@@ -46,6 +47,7 @@ class Reads:
         layout: KVLayout,
         heads: HeadRead | None = None,
         landed: Callable[[int], None] | None = None,
+        bounce: Bounce | None = None,
     ) -> None:
         self.agent = agent
         self.backend = backend
@@ -59,6 +61,8 @@ class Reads:
         tensor parallel size); None: all, into the same."""
         self.landed = landed
         """Called as each layer lands (default: the job's `layer_loaded`)."""
+        self.bounce = bounce
+        """Host memory: where cells in many small runs are READ through (`_bounce`)."""
         self.xfers: list[Any] = []
         """Every posted READ's handle, until drained."""
         self.dlists: list[Any] = []
@@ -108,7 +112,7 @@ class Reads:
     async def read(self, job: LoadJob, peer: Remote, msg: wire.Blocks) -> None:
         """READ `msg`'s blocks from `peer` into `job`'s, layer by layer, READ_AHEAD
         layers in flight; signal each as it lands."""
-        agent, layout, local = self.agent, self.layout, self.local
+        layout, local = self.layout, self.local
         landed = self.landed or job.layer_loaded
         self._check_offer(job, peer, msg, layout)
         # Whole blocks of the same layout come from the prepared lists; a partial block of
@@ -116,6 +120,11 @@ class Reads:
         # or some of their heads move cell by cell: through lists of this pull's own.
         packed = all(g.block_bytes for g in layout.geometries)
         same = self.heads is None and not layout_mismatch(peer.table.geometries, layout.geometries)
+        if not same and self._bounced(job, peer):
+            assert self.bounce is not None
+            async with self.bounce.lock:
+                await self._read_bounced(job, peer, msg, landed)
+            return
         full = [same and (packed or n >= layout.block_size) for n in job.token_counts]
         whole = [c for c, f in enumerate(full) if f]
         partial = [c for c, f in enumerate(full) if not f]
@@ -141,20 +150,108 @@ class Reads:
 
         posted = [self._post(peer, g[0], sides(g)) for g in groups[:READ_AHEAD]]
         for g, group in enumerate(groups):
-            for h in posted[g]:
-                backoff = Backoff(POLL_MIN_S, POLL_MAX_S)
-                while (state := agent.check_xfer_state(h)) == "PROC":
-                    await backoff.wait()
-                if state != "DONE":
-                    raise TransportError(
-                        f"NIXL READ of layer {group[0]} from {peer.name} failed ({state})"
-                    )
+            await self._wait(peer, group[0], posted[g])
             if g + READ_AHEAD < len(groups):
                 ahead = groups[g + READ_AHEAD]
                 posted.append(self._post(peer, ahead[0], sides(ahead)))
             for i in group:
                 landed(i)
             await trio.lowlevel.checkpoint()
+
+    def _heads(self) -> tuple[int, int, int]:
+        """(their first head, our first head, how many) this pull moves."""
+        h = self.heads
+        if h is None:
+            return 0, 0, self.layout.geometries[0].heads
+        return h.first, h.into, h.count
+
+    def _bounced(self, job: LoadJob, peer: Remote) -> bool:
+        """Whether this pull's cells lie in so many small runs that it goes through the
+        bounce buffer (host memory on both sides)."""
+        if self.bounce is None or not self.bounce.usable or "VRAM" in (self.memory, peer.memory):
+            return False
+        first, into, count = self._heads()
+        n = max(job.token_counts)
+        try:
+            return any(
+                not og.block_bytes
+                and len(head_copy_runs(tg, first, og, into, count, n, True)) > MANY_RUNS
+                for tg, og in set(zip(peer.table.geometries, self.layout.geometries, strict=True))
+            )
+        except LayoutError:
+            return False  # refused, naming both, by the strided path
+
+    async def _read_bounced(
+        self, job: LoadJob, peer: Remote, msg: wire.Blocks, landed: Callable[[int], None]
+    ) -> None:
+        """READ the producer's whole blocks into the bounce buffer a window at a time and
+        scatter the cells of this pull's heads into ours, in a thread (the loop keeps
+        serving meanwhile); see `_bounce`."""
+        bounce = self.bounce
+        assert bounce is not None
+        buf = bounce.region().data
+        first, into, count = self._heads()
+        theirs, ours, counts = peer.table.geometries, self.layout.geometries, job.token_counts
+        if first + count > min(g.heads for g in theirs):
+            raise TransportError(f"producer {peer.name} does not hold heads {first}..")
+        ids = np.array(msg.block_ids, np.int64)
+        for window in windows(theirs, len(counts)):
+            bases = await self._read_window(peer, window, ids, 0)
+
+            def scatter(window: list[Piece] = window, bases: list[int] = bases) -> None:
+                for (layer, c0, c1), base in zip(window, bases, strict=True):
+                    mine = (self.layout.buffers[layer], ours[layer], job.block_ids[c0:c1], into)
+                    scatter_cells(buf, theirs[layer], base, first, count, counts[c0:c1], mine)
+
+            await trio.to_thread.run_sync(scatter)  # never abandoned: it writes our blocks
+            for layer, _, c1 in window:
+                if c1 == len(counts):
+                    landed(layer)
+
+    async def _read_window(
+        self, peer: Remote, window: list[Piece], ids: np.ndarray, at: int
+    ) -> list[int]:
+        """READ `window`'s producer blocks into the bounce buffer from `at`, run by run as
+        its prepared list holds them; where each piece starts."""
+        bounce = self.bounce
+        assert bounce is not None
+        theirs = peer.table.geometries
+        rows, remote, bases = [], [], []
+        for layer, c0, c1 in window:
+            remote.append(peer.table.index(layer, ids[c0:c1]))
+            bases.append(at)
+            for _, n in theirs[layer].block_runs():  # run-major, as `Table.index`
+                starts = bounce.address + at + np.arange(c1 - c0, dtype=np.int64) * n
+                rows.append(_rows(starts, np.array(n), 0))
+                at += n * (c1 - c0)
+        try:
+            local = np.concatenate(rows).astype(np.uint64)
+            dl = self.agent.prep_xfer_dlist("", local, "DRAM", [self.backend])
+        except Exception as exc:
+            raise TransportError(f"NIXL cannot prepare the bounce READ: {exc}") from None
+        self.dlists.append(dl)
+        index = np.arange(len(local), dtype=np.int32)
+        sides = [(dl, index, peer.table.dlist, np.concatenate(remote))]
+        layer = window[0][0]
+        done = False
+        try:
+            await self._wait(peer, layer, self._post(peer, layer, sides))
+            done = True
+        finally:
+            if not done:  # a READ may yet write into it
+                bounce.broken()
+        return bases
+
+    async def _wait(self, peer: Remote, layer: int, handles: list[Any]) -> None:
+        """Until every READ of `handles` is DONE (a `TransportError` if one failed)."""
+        for h in handles:
+            backoff = Backoff(POLL_MIN_S, POLL_MAX_S)
+            while (state := self.agent.check_xfer_state(h)) == "PROC":
+                await backoff.wait()
+            if state != "DONE":
+                raise TransportError(
+                    f"NIXL READ of layer {layer} from {peer.name} failed ({state})"
+                )
 
     def _post(self, peer: Remote, layer: int, sides: list[Any]) -> list[Any]:
         """Post the READs of `sides` (from `layer` on), each handle kept for `drain`."""

@@ -80,6 +80,7 @@ from kvflow.transport import (
 from kvflow.zmqio import BadFrame
 
 from . import _wire as wire
+from ._bounce import Bounce
 from ._descs import (
     MEMORY_TYPES,
     Table,
@@ -207,6 +208,8 @@ class NixlTransport(PeerTransport):  # ~340 lines: the producer's lease of a pul
         """Open pulls by request and consumer (the ranks of a consumer of another tensor
         parallel size each pull the same request)."""
         self._reads_started = trio.Event()
+        self._bounce: Bounce | None = None
+        """Host memory: where a pull of cells in many small runs READs whole blocks."""
 
     # -- lifecycle -----------------------------------------------------------
     async def open(self) -> None:
@@ -238,6 +241,7 @@ class NixlTransport(PeerTransport):  # ~340 lines: the producer's lease of a pul
                 f"{backend!r} plugin; plugins found: {', '.join(agent.get_plugin_list())}"
             )
         self._agent = agent  # from here on aclose() undoes what registration did
+        self._bounce = Bounce(agent, backend) if self._memory == "DRAM" else None
         sizes = [len(b) for b in layout.buffers] or [int(t.numel()) for t in layout.tensors]
         regions = disjoint(self._bases, sizes)
         try:
@@ -255,6 +259,9 @@ class NixlTransport(PeerTransport):  # ~340 lines: the producer's lease of a pul
         agent, self._agent = self._agent, None
         if agent is not None:
             self.remotes.close(agent)
+            if self._bounce is not None:
+                self._bounce.close()
+                self._bounce = None
             if self._local is not None:
                 release(self._local.dlist)
                 self._local = None
@@ -412,7 +419,7 @@ class NixlTransport(PeerTransport):  # ~340 lines: the producer's lease of a pul
         sock = self.connect(address, wire.MAX_TO_CONSUMER_BYTES)
         reads = Reads(
             agent, self.options.backend, self._local_table(), self._bases, self._memory,
-            self._layout(), read.heads, landed,
+            self._layout(), read.heads, landed, self._bounce,
         )  # fmt: skip
         ok = refused = False
         peer: Remote | None = None
