@@ -20,6 +20,8 @@ from kvflow.transport import LoadJob, Offer, PeerSource, TransportContext, Trans
 from kvflow_nixl import NixlOptions, NixlTransport
 from kvflow_zmq import ZmqOptions, ZmqTransport
 
+from .zmq_standins import StandInIpcZmq, as_device
+
 
 class StridedNixl(NixlTransport):
     """READs every run of cells where it lies (no bounce buffer: as a device cache does)."""
@@ -31,6 +33,7 @@ class StridedNixl(NixlTransport):
 
 TRANSPORTS: dict[str, tuple[type[PeerTransport], type]] = {
     "zmq": (ZmqTransport, ZmqOptions),
+    "zmq-ipc": (StandInIpcZmq, ZmqOptions),  # CUDA IPC's copies, on host tensors
     "nixl": (NixlTransport, NixlOptions),
     "nixl-strided": (StridedNixl, NixlOptions),
 }
@@ -68,6 +71,10 @@ async def make(request: pytest.FixtureRequest) -> AsyncIterator[Make]:
     opened: list[PeerTransport] = []
 
     def factory(layout: KVLayout, rank: int, size: int) -> PeerTransport:
+        if request.param == "zmq-ipc":
+            if layout.is_block_granular():
+                pytest.skip("a device cache is never block-granular")
+            as_device(layout)
         t = kind(options(), _ctx(layout, rank, size))
         opened.append(t)
         return t

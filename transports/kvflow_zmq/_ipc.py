@@ -173,10 +173,12 @@ def copy_chunks(
     src_blocks: Sequence[int],
     dst_blocks: Sequence[int],
     token_counts: Sequence[int],
+    heads: tuple[int, int, int] | None = None,
 ) -> None:
     """Queue the copy of chunk i from `src_blocks[i]` to `dst_blocks[i]` (one layer; the
     geometries hold the same cells, `layout_mismatch(..., cells=True)`; `index` from
-    `index_tensors`).
+    `index_tensors`); with `heads` (first, into, count), heads `first..` of the source's
+    blocks into heads `into..` of the destination's, nothing else written.
 
     Full chunks go in one gather/scatter per run of a whole block, or, between two
     layouts, one gather into the token-major order and one scatter out of it; a partial
@@ -184,6 +186,19 @@ def copy_chunks(
     written.
     """
     si, di, full, partial = index
+    if heads is not None:  # a consumer rank of another tensor-parallel size: these heads
+        first, into, count = heads
+        src_cells = cell_view(src, g_src)[:, :, first : first + count]
+        dst_cells = cell_view(dst, g_dst)[:, :, into : into + count]
+        if full:  # [k, kernel, heads, tokens, cell] -> the same in the other's kernel split
+            cells = src_cells.index_select(0, si).permute(0, 1, 3, 2, 4)
+            image = cells.reshape(len(si), g_dst.kernel_blocks, g_dst.kernel_tokens, count, -1)
+            dst_cells.index_copy_(0, di, image.permute(0, 1, 3, 2, 4).to(dst.device))
+        for i in partial:
+            copy_tokens(
+                dst_cells[dst_blocks[i]], g_dst, src_cells[src_blocks[i]], g_src, token_counts[i]
+            )
+        return
     if g_src.block_shape() != g_dst.block_shape():  # the same cells in another order
         src_cells, dst_cells = cell_view(src, g_src), cell_view(dst, g_dst)
         if full:

@@ -92,9 +92,7 @@ class ZmqTransport(PeerTransport):
         ours = self._layout().geometries
         if not msg.geometries and msg.heads is None:
             return ""  # the consumer checks what it receives (each `Layer` describes it)
-        if self._handles:
-            if msg.heads is not None:  # a consumer rank of another tensor-parallel size
-                return "CUDA IPC pulls between tensor parallel sizes are not supported yet"
+        if self._handles and msg.heads is None:
             return peer_layout_problem(msg.geometries, ours, cells=True, producer=False)
         if why := peer_cells_problem(msg.geometries, ours, producer=False):
             return why
@@ -196,13 +194,6 @@ class ZmqTransport(PeerTransport):
         blocks, calling `landed(i)` as layer i arrives."""
         address = read.address
         layout = self._layout()
-        if read.heads is not None and layout.memory != "cpu":
-            raise TransportError(
-                f"producer {src.engine_id} runs tensor parallel size {src.tp_size}, this "
-                f"consumer {self.context.tp_size}: pulls between tensor parallel sizes move "
-                "host memory only (not yet CUDA IPC)",
-                chunk=0,
-            )
         largest = max(g.chunk_nbytes(g.block_size) for g in layout.geometries)
         sock = self.connect(address, max(wire.MAX_CONTROL_BYTES, largest))
         ok = refused = False
@@ -223,8 +214,8 @@ class ZmqTransport(PeerTransport):
                 if isinstance(msg, wire.Refused):
                     refused = True  # nothing held for us: nothing to answer
                     raise self.refused(address, src.req, msg.reason)
-                if isinstance(msg, wire.Ipc):  # refused there for a host consumer (heads)
-                    await self._copy_ipc(job, src, msg, address, pulled)
+                if isinstance(msg, wire.Ipc):
+                    await self._copy_ipc(job, src, msg, address, pulled, h, landed)
                     break
                 if layout.memory != "cpu":
                     raise TransportError(
@@ -302,11 +293,20 @@ class ZmqTransport(PeerTransport):
         return self.context.layout
 
     async def _copy_ipc(
-        self, job: LoadJob, src: PeerSource, msg: wire.Ipc, address: str, leased: float
+        self,
+        job: LoadJob,
+        src: PeerSource,
+        msg: wire.Ipc,
+        address: str,
+        leased: float,
+        h: HeadRead | None,
+        landed: Callable[[int], None],
     ) -> None:
-        """Copy the offered blocks device to device out of the producer's memory."""
+        """Copy the offered blocks (or heads `h` of them) device to device out of the
+        producer's memory, calling `landed(i)` as layer i lands."""
         layout = self._layout()
-        _check_ipc_offer(job, src, msg, address, layout)
+        _check_ipc_offer(job, src, msg, address, layout, h)
+        heads = None if h is None else (h.first, h.into, h.count)
         first = msg.handles[0].handle if msg.handles else b""
         if self._opened.get(address, (None,))[0] != first:  # new, or the producer restarted
             self._opened[address] = (first, [self._device.open(h) for h in msg.handles])
@@ -333,6 +333,7 @@ class ZmqTransport(PeerTransport):
                     src.block_ids,
                     job.block_ids,
                     job.token_counts,
+                    heads,
                 )
             queued.append(layer)
             if job.layerwise or layer == job.num_layers - 1:  # else: one wait for all
@@ -344,7 +345,7 @@ class ZmqTransport(PeerTransport):
                         chunk=0,
                     )
                 for i in queued:
-                    job.layer_loaded(i)
+                    landed(i)
                 queued = []
 
     async def _landed(self, devices: set[Any]) -> None:
@@ -360,10 +361,15 @@ class ZmqTransport(PeerTransport):
 
 
 def _check_ipc_offer(
-    job: LoadJob, src: PeerSource, msg: wire.Ipc, address: str, layout: KVLayout
+    job: LoadJob,
+    src: PeerSource,
+    msg: wire.Ipc,
+    address: str,
+    layout: KVLayout,
+    h: HeadRead | None,
 ) -> None:
-    """Refuse an offer this consumer cannot copy: another memory kind or host, another
-    layout, other blocks."""
+    """Refuse an offer this consumer cannot copy: another memory kind or host, other
+    cells (or heads `h` it does not hold), other blocks."""
     here = ipc.host_id()
     if layout.memory == "cpu":
         raise TransportError(
@@ -375,7 +381,18 @@ def _check_ipc_offer(
             f"CUDA IPC needs producer and consumer on one host: {address} is on "
             f"{msg.host}, this consumer on {here}"
         )
-    if why := peer_layout_problem(msg.geometries, layout.geometries, cells=True):
+    if h is None:
+        why = peer_layout_problem(msg.geometries, layout.geometries, cells=True)
+    else:
+        why = peer_cells_problem(msg.geometries, layout.geometries) or next(
+            (
+                f"its blocks do not hold heads {h.first}..{h.first + h.count - 1} as cells"
+                for g in msg.geometries
+                if g.block_bytes or h.first + h.count > g.heads
+            ),
+            "",
+        )
+    if why:
         raise ChunkCorrupt(f"producer {address}: {why}")
     if len(msg.handles) != len(msg.geometries) or any(
         h.nbytes < g.extent() for h, g in zip(msg.handles, msg.geometries, strict=False)
