@@ -367,21 +367,26 @@ def peer_head_problem(
 
 
 def peer_cells_problem(
-    theirs: Sequence[LayerGeometry], ours: Sequence[LayerGeometry], *, producer: bool = True
+    theirs: Sequence[LayerGeometry],
+    ours: Sequence[LayerGeometry],
+    *,
+    producer: bool = True,
+    any_block_size: bool = False,
 ) -> str:
     """Why cells cannot move between a peer's layers (`theirs`; `producer`: the
     producer's) and ours in any order or head count (`kvflow.cells`), checked in
     O(layers) without trusting them: "" when each is within bounds and holds cells of our
-    size in blocks of our tokens (block-granular blocks: heads of our size, or blocks of
-    our shape)."""
+    size in blocks of our tokens (`any_block_size`: of any tokens; block-granular blocks:
+    heads of our size, or blocks of our shape)."""
     if len(theirs) != len(ours):
         p, c = (theirs, ours) if producer else (ours, theirs)
         return f"the producer has {len(p)} KV layers, the consumer {len(c)}"
     for i, (t, o) in enumerate(zip(theirs, ours, strict=True)):
         if not _in_bounds(t):
             return f"the peer's layer {i} has sizes or strides out of bounds"
+        tokens = t.block_size if any_block_size and not o.block_bytes else o.block_size
         same = (t.block_size, t.cell_bytes, bool(t.block_bytes)) == (
-            o.block_size,
+            tokens,
             o.cell_bytes,
             bool(o.block_bytes),
         )

@@ -205,8 +205,8 @@ class SchedulerEngine:  # ~395 lines: one request's life in the scheduler (looku
                 self.reject(reason, f"request {req[:100]}: {why}; computing its prompt here")
                 pd = None
         if pd is not None and self.can_pull:
-            n = min(pd.num_tokens, len(token_ids))
-            counts = chunk_token_counts(n, self.block_size)[: len(pd.block_ids)]
+            n = min(pd.num_tokens, len(token_ids), len(pd.block_ids) * pd.block_size)
+            counts = chunk_token_counts(n, self.block_size)
             claims = self._claims
             read, unread = self._read_addresses(pd)
             if claims and unread:  # replicas no rank of ours reads: let them go now
@@ -302,15 +302,13 @@ class SchedulerEngine:  # ~395 lines: one request's life in the scheduler (looku
         source, error = None, st.claim.error if st.claim is not None else ""
         if st.pd is not None:
             pd = st.pd
-            source = PeerSource(
-                pd.engine_id,
-                pd.addresses,
-                pd.offer,
-                [pd.block_ids[i] for i in chunks],
-                tp_size=pd.tp_size,
-                kv_heads=pd.shape.kv_heads,
-            )
-            if any(pd.block_ids[i] == self.null_block for i in chunks):
+            source = self._source(pd, chunks, [st.counts[i] for i in chunks])
+            if source.block_size and chunks != list(range(chunks[0], chunks[-1] + 1)):
+                error = error or (  # a sliding window's null blocks
+                    f"producer {pd.engine_id} has blocks of {pd.block_size} tokens, this "
+                    f"consumer {self.block_size}: a window with gaps is not pulled across them"
+                )
+            if any(b == self.null_block for b in source.block_ids):
                 error = error or (  # the same window on both sides: not expected
                     f"producer {pd.engine_id} no longer holds blocks this consumer needs "
                     "(its sliding window moved on)"
@@ -438,10 +436,33 @@ class SchedulerEngine:  # ~395 lines: one request's life in the scheduler (looku
         self.runtime.submit(self.bus.emit, RequestFinished(req=req, lent=lend, blocks=blocks))
         return lend, params
 
+    def _source(self, pd: PdParams, chunks: list[int], counts: list[int]) -> PeerSource:
+        """Where this engine pulls `chunks` (of `counts` tokens) from: the producer's blocks
+        of the same chunks, or, of another block size, those holding the same tokens."""
+        if pd.block_size == self.block_size or not chunks:
+            ids, skip = [pd.block_ids[i] for i in chunks], 0
+        else:  # chunks are consecutive (full attention; checked by the caller)
+            start = chunks[0] * self.block_size
+            first, end = start // pd.block_size, -(-(start + sum(counts)) // pd.block_size)
+            ids, skip = pd.block_ids[first:end], start - first * pd.block_size
+        return PeerSource(
+            pd.engine_id,
+            pd.addresses,
+            pd.offer,
+            ids,
+            tp_size=pd.tp_size,
+            kv_heads=pd.shape.kv_heads,
+            block_size=0 if pd.block_size == self.block_size else pd.block_size,
+            skip=skip,
+        )
+
     def _refuse_pull(self, pd: PdParams) -> str:
         """Why this consumer cannot load `pd`'s blocks ("" if it can)."""
-        hetero = self.transport.capabilities.hetero_tp
-        return pull_refusal(pd, self.shape, self.tp_size, self.pp_size, self.block_size, hetero)
+        can = self.transport.capabilities
+        return pull_refusal(
+            pd, self.shape, self.tp_size, self.pp_size, self.block_size, can.hetero_tp,
+            can.hetero_blocks,
+        )  # fmt: skip
 
     def _read_addresses(self, pd: PdParams) -> tuple[list[str], list[str]]:
         """The producer endpoints some rank of this consumer pulls from, and the others

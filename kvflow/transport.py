@@ -90,6 +90,9 @@ class Capabilities(msgspec.Struct, frozen=True):
     hetero_tp: bool = False
     """A peer transport whose consumers pull from producers of another tensor-parallel
     size, each rank its own heads (`PeerSource.tp_size`, `kvflow.pd.topology`)."""
+    hetero_blocks: bool = False
+    """A peer transport whose consumers pull from producers of another block size
+    (`PeerSource.block_size`, `.skip`), converting cell by cell."""
     reshape: bool = False
     """A store that also serves engines of another tensor-parallel size than the one that
     saved a chunk (`kvflow.reshape`): its `lookup` takes the shards to look for, its
@@ -204,6 +207,12 @@ class PeerSource(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """The producer's tensor parallel size: `addresses` holds as many per pipeline stage."""
     kv_heads: int = 1
     """The model's KV heads over all ranks (which of them each rank holds)."""
+    block_size: int = 0
+    """Tokens in a producer block; 0: as many as in the consumer's (`block_ids` then hold
+    the consumer's chunks one for one)."""
+    skip: int = 0
+    """Tokens of the first of `block_ids` before the first token loaded (a producer of
+    larger blocks than the consumer's)."""
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """SchedulerEngine + WorkerEngine in prefill/decode: a producer's held blocks when no
 consumer comes, peer transports and device caches, and the P/D params a consumer takes
-(a cached prefix, another parallel shape or block size refused naming both).
+(a cached prefix, another block size pulled across, another parallel shape or block size
+refused naming both where the transport cannot).
 
 Driven the way the vLLM connector drives them, with the harness of tests/engine_harness.py;
 the claims and leases between a consumer and a producer are in tests/test_pd_lease.py.
@@ -105,6 +106,25 @@ def test_a_pd_consumer_with_a_cached_prefix_pulls_only_the_rest(
     (load,) = sched.plan([]).loads
     assert (load.block_ids, load.token_counts) == ([6, 7], COUNTS[1:])
     assert load.source is not None and load.source.block_ids == [11, 12]
+
+
+def test_a_pd_consumer_of_smaller_blocks_past_a_cached_prefix_starts_inside_a_block(
+    start_engine: Callable[..., Engine],
+) -> None:
+    """A producer of blocks of 8 tokens, a consumer of 4 whose prefix cache holds the
+    first 4: the pull asks for both producer blocks and skips the first block's first 4
+    tokens, landing tokens 4..9 in the consumer's last two blocks."""
+    e = start_engine("blocks-skip")
+    caps = e.sched.transport.capabilities
+    e.sched.transport.capabilities = msgspec.structs.replace(caps, hetero_blocks=True)
+    sched = _pd_consumer(e)
+    sched.add_request("r", PROMPT, pd=_pd(sched, 2 * BS))
+    assert sched.lookup("r", BS) == len(PROMPT) - BS
+    sched.allocated("r", [5, 6, 7], len(PROMPT) - BS)
+    (load,) = sched.plan([]).loads
+    assert (load.block_ids, load.token_counts) == ([6, 7], COUNTS[1:])
+    assert load.source is not None
+    assert (load.source.block_ids, load.source.block_size, load.source.skip) == ([10, 11], 8, 4)
 
 
 def test_a_pd_producer_with_another_parallel_shape_is_refused_naming_both(

@@ -138,7 +138,7 @@ async def test_peers_convert_between_layouts_of_the_same_cells(kind: str, pair: 
 
 @pytest.mark.parametrize(
     ("kind", "pair"),
-    [(k, p) for k in PEERS for p in DIFFERENT if p not in CONVERTED],
+    [(k, p) for k in PEERS for p in DIFFERENT if p not in CONVERTED and k != "zmq"],
 )
 async def test_peers_of_other_layouts_are_refused_naming_both(kind: str, pair: str) -> None:
     prod, cons = layout(**DIFFERENT[pair][0]), layout(**DIFFERENT[pair][1])
@@ -149,6 +149,63 @@ async def test_peers_of_other_layouts_are_refused_naming_both(kind: str, pair: s
     theirs, ours = prod.geometries[0].describe(), cons.geometries[0].describe()
     assert f"producer {theirs}, consumer {ours}" in str(info.value)
     assert whole(cons) == before, "nothing written into the consumer's blocks"
+
+
+def rows(kv: KVLayout, blocks: list[int], counts: list[int]) -> list[list[bytes]]:
+    """Per layer, each token's cells (every head) of `blocks` holding `counts` tokens, in
+    order, read by address arithmetic (`token_bytes`)."""
+    out = []
+    for i in range(kv.num_layers):
+        per = kv.geometries[i].chunk_nbytes(1)
+        data = b"".join(token_bytes(kv, i, b, n) for b, n in zip(blocks, counts, strict=True))
+        out.append([data[t : t + per] for t in range(0, len(data), per)])
+    return out
+
+
+# (producer block size, its blocks and counts), (consumer's), tokens the consumer has
+BLOCK_SIZES = {
+    "8-to-32": ((8, [1, 4, 6], [8, 8, 5]), (32, [2], [21]), 0),
+    "32-to-8": ((32, [3], [21]), (8, [7, 2, 5], [8, 8, 5]), 0),
+    "32-to-8-past-a-prefix": ((32, [3], [21]), (8, [2, 5], [8, 5]), 8),
+}
+
+
+@pytest.mark.parametrize("case", BLOCK_SIZES)
+@pytest.mark.parametrize("order", ["LBNHC-to-LBHNC", "LBHNC-to-LBNHC"])
+async def test_zmq_converts_between_block_sizes(case: str, order: str) -> None:
+    """A consumer of blocks of another size gets the producer's cells token-major and
+    scatters them into its own blocks, token for token, past tokens it already has."""
+    (p_bs, p_blocks, p_counts), (c_bs, c_blocks, c_counts), have = BLOCK_SIZES[case]
+    p_name, c_name = order.split("-to-")
+    prod = layout(block_size=p_bs, layout=p_name, num_blocks=9)
+    cons = layout(block_size=c_bs, layout=c_name, num_blocks=9)
+    fill_blocks(prod, p_blocks, seed=3)
+    fill_blocks(cons, c_blocks, seed=4)
+    producer, consumer = (
+        ZmqTransport(ZmqOptions(), ctx(prod)),
+        ZmqTransport(ZmqOptions(), ctx(cons)),
+    )
+    for t, kv in ((producer, prod), (consumer, cons)):
+        await t.open()
+        await t.register(kv)
+    spans = lambda i: [prod.spans(i, b, n) for b, n in zip(p_blocks, p_counts, strict=True)]  # noqa: E731
+    source = PeerSource("e", [producer.address], "p", p_blocks, block_size=p_bs, skip=have)
+    job = LoadJob(
+        "c", ["k"] * len(c_blocks), c_counts, cons.num_layers,
+        lambda i: [cons.spans(i, b, n) for b, n in zip(c_blocks, c_counts, strict=True)],
+        lambda _: None, source, c_blocks,
+    )  # fmt: skip
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(producer.serve)
+            nursery.start_soon(producer.offer, Offer("p", p_blocks, p_counts, 3, spans))
+            await trio.testing.wait_all_tasks_blocked()
+            await consumer.load(job)
+            nursery.cancel_scope.cancel()
+    await producer.aclose()
+    await consumer.aclose()
+    want = [layer[have : have + sum(c_counts)] for layer in rows(prod, p_blocks, p_counts)]
+    assert rows(cons, c_blocks, c_counts) == want
 
 
 @pytest.mark.parametrize("pair", DIFFERENT)

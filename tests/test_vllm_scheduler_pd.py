@@ -234,3 +234,43 @@ def test_a_repeated_request_id_gets_an_offer_of_its_own(harness: MakeHarness) ->
         offers.append(pd)
     assert offers[0].offer != offers[1].offer
     assert offers[0].prompt != offers[1].prompt
+
+
+@pytest.mark.parametrize(("p_bs", "c_bs"), [(16, 32), (32, 16)])
+def test_a_consumer_of_another_block_size_pulls_the_blocks_holding_its_tokens(
+    harness: MakeHarness, p_bs: int, c_bs: int
+) -> None:
+    """Issue 30, item 2: a producer of blocks of 16 tokens and a consumer of 32 (and the
+    reverse), vLLM's real schedulers: the consumer plans the load of every prompt token
+    into its own blocks from the producer's blocks that hold them (`PeerSource.block_size`;
+    zmq converts on receive: tests/test_peer_layouts.py)."""
+    config = make_vllm_config(transport="zmq", kv_role="kv_producer", block_size=p_bs)
+    producer = harness(config, 16)
+    producer.connector.set_xfer_handshake_metadata({0: KVFlowHandshake(["tcp://127.0.0.1:9"])})
+    prompt = prompt_of(6, 72)
+    req = make_request(
+        "pd", prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True}, block_size=p_bs
+    )
+    producer.add(req)
+    (out,) = producer.collect(producer.step()).finished
+    params = out.kv_transfer_params
+    assert params is not None
+    (pd,) = parse_pd_params(params) or []
+    assert pd.block_size == p_bs and len(pd.block_ids) == -(-72 // p_bs)
+    config = make_vllm_config(transport="zmq", kv_role="kv_consumer", block_size=c_bs)
+    consumer = harness(config, 16)
+    counts = [p_bs] * (72 // p_bs) + [72 % p_bs]
+    with held_offer(Offer(pd.offer, pd.block_ids, counts, 0, lambda _layer: [])) as live:
+        params["kvflow"]["addresses"] = [live]
+        consumer.add(
+            make_request("d", prompt, max_tokens=2, kv_transfer_params=params, block_size=c_bs)
+        )
+        (load,) = consumer.step().plan.loads
+    assert load.token_counts == [c_bs] * (72 // c_bs) + [72 % c_bs]
+    assert load.block_ids == consumer.block_table("d")
+    assert load.source is not None
+    assert (load.source.block_ids, load.source.block_size, load.source.skip) == (
+        pd.block_ids,
+        p_bs,
+        0,
+    )

@@ -98,6 +98,7 @@ def make_vllm_config(
     aux_layers: Sequence[int] = (),
     extra: dict[str, Any] | None = None,
     pipeline_parallel_size: int = 1,
+    block_size: int = BLOCK_SIZE,
 ) -> VllmConfig:
     """A CPU `VllmConfig` over kvflow's tiny Llama with `KVFlowConnector` as connector;
     with `aux_layers`, vLLM's `extract_hidden_states` method exporting those layers;
@@ -121,7 +122,7 @@ def make_vllm_config(
         async_scheduling=False,
     )
     cache_config = CacheConfig(
-        block_size=BLOCK_SIZE,
+        block_size=block_size,
         cache_dtype="auto",
         enable_prefix_caching=enable_prefix_caching,
     )
@@ -165,10 +166,10 @@ def fs_config(store: Path, **kwargs: Any) -> VllmConfig:
     return make_vllm_config(transport="fs", options={"path": str(store)}, **kwargs)
 
 
-def make_kv_cache_config(num_blocks: int) -> KVCacheConfig:
+def make_kv_cache_config(num_blocks: int, block_size: int = BLOCK_SIZE) -> KVCacheConfig:
     """One full-attention group over `LAYERS`; block 0 is vLLM's null block."""
     spec = FullAttentionSpec(
-        block_size=BLOCK_SIZE, num_kv_heads=1, head_size=8, dtype=torch.float32
+        block_size=block_size, num_kv_heads=1, head_size=8, dtype=torch.float32
     )
     return KVCacheConfig(
         num_blocks=num_blocks,
@@ -184,6 +185,7 @@ def make_request(
     max_tokens: int = 4,
     kv_transfer_params: dict[str, Any] | None = None,
     stop_token_ids: Sequence[int] = (),
+    block_size: int = BLOCK_SIZE,
 ) -> Request:
     global _hash_ready
     if not _hash_ready:
@@ -197,7 +199,7 @@ def make_request(
         prompt_token_ids=list(prompt),
         sampling_params=params,
         pooling_params=None,
-        block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256),
+        block_hasher=get_request_block_hasher(block_size, sha256),
     )
     req.kv_transfer_params = kv_transfer_params
     return req
@@ -547,11 +549,12 @@ def make_harness(vllm_config: VllmConfig, num_blocks: int, loop: Loop = "sync") 
     scheduler_cls = vllm_config.scheduler_config.get_scheduler_cls()
     assert issubclass(scheduler_cls, Scheduler)
     assert issubclass(scheduler_cls, AsyncScheduler) == (loop == "async")
+    block_size = vllm_config.cache_config.block_size
     scheduler = scheduler_cls(
         vllm_config=vllm_config,
-        kv_cache_config=make_kv_cache_config(num_blocks),
+        kv_cache_config=make_kv_cache_config(num_blocks, block_size),
         structured_output_manager=StructuredOutputManager(vllm_config),
-        block_size=BLOCK_SIZE,
+        block_size=block_size,
     )
     harness = Harness(scheduler=scheduler, lookups=LookupWaiter(), loop=loop)
     harness.connector.bus.subscribe(harness.lookups)

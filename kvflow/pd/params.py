@@ -201,11 +201,18 @@ def check_pd_params(
 
 
 def pull_refusal(
-    p: PdParams, shape: ModelShape, tp_size: int, pp_size: int, block_size: int, hetero_tp: bool
+    p: PdParams,
+    shape: ModelShape,
+    tp_size: int,
+    pp_size: int,
+    block_size: int,
+    hetero_tp: bool,
+    hetero_blocks: bool = False,
 ) -> str:
     """Why a consumer of `shape`, `tp_size` x `pp_size` ranks and blocks of `block_size`
     tokens cannot pull `p` ("" if it can), naming what differs. `hetero_tp`: its transport
-    pulls between tensor-parallel sizes (`kvflow.pd.topology`)."""
+    pulls between tensor-parallel sizes (`kvflow.pd.topology`); `hetero_blocks`: between
+    block sizes."""
     if why := shape.mismatch(p.shape, p.engine_id):
         return why
     if len(p.addresses) != p.tp_size * p.pp_size:
@@ -225,9 +232,10 @@ def pull_refusal(
             readers(shape.kv_heads, p.tp_size, tp_size)  # every rank's reads can be planned
         except TopologyError as exc:
             return f"producer {p.engine_id} (tensor parallel size {p.tp_size}): {exc}"
-    if p.block_size != block_size:
+    if p.block_size != block_size and not hetero_blocks:
         return (
             f"producer {p.engine_id} has blocks of {p.block_size} tokens, this consumer "
-            f"{block_size}; give both instances the same --block-size"
+            f"{block_size}; this transport pulls between equal block sizes only (give "
+            "both instances the same --block-size)"
         )
     return ""

@@ -53,7 +53,11 @@ class ZmqTransport(PeerTransport):
     name = "zmq"
     Options = ZmqOptions
     capabilities = Capabilities(
-        store=False, peer=True, memory=frozenset({"cpu", "cuda"}), hetero_tp=True
+        store=False,
+        peer=True,
+        memory=frozenset({"cpu", "cuda"}),
+        hetero_tp=True,
+        hetero_blocks=True,
     )
     Pull = wire.Pull
     wire_version = wire.WIRE_VERSION
@@ -94,7 +98,7 @@ class ZmqTransport(PeerTransport):
             return ""  # the consumer checks what it receives (each `Layer` describes it)
         if self._handles and msg.heads is None:
             return peer_layout_problem(msg.geometries, ours, cells=True, producer=False)
-        if why := peer_cells_problem(msg.geometries, ours, producer=False):
+        if why := peer_cells_problem(msg.geometries, ours, producer=False, any_block_size=True):
             return why
         h = msg.heads
         if h is not None and h.first + h.count > min(g.heads for g in ours):
@@ -114,9 +118,12 @@ class ZmqTransport(PeerTransport):
             return [False] * len(ours)
         h = msg.heads
         return [
-            (t.block_shape() != o.block_shape())
-            if h is None
-            else (t.head_shape(h.count) != o.head_shape(h.count))
+            t.block_size != o.block_size
+            or (
+                (t.block_shape() != o.block_shape())
+                if h is None
+                else (t.head_shape(h.count) != o.head_shape(h.count))
+            )
             for t, o in zip(msg.geometries, ours, strict=True)
         ]
 
@@ -195,6 +202,8 @@ class ZmqTransport(PeerTransport):
         address = read.address
         layout = self._layout()
         largest = max(g.chunk_nbytes(g.block_size) for g in layout.geometries)
+        if src.block_size:  # a producer's chunk of its heads of ours
+            largest = max(largest, *(g.chunk_nbytes(1) * src.block_size for g in layout.geometries))
         sock = self.connect(address, max(wire.MAX_CONTROL_BYTES, largest))
         ok = refused = False
         h = read.heads
@@ -222,7 +231,7 @@ class ZmqTransport(PeerTransport):
                         f"producer {address} sends host memory; this consumer's KV cache is "
                         f"in {layout.memory} memory (both sides need the same kind)"
                     )
-                self._land(job, layer, msg, frames[1:], h, address)
+                self._land(job, layer, msg, frames[1:], h, address, src)
                 landed(layer)
             ok = True
         except BadFrame as exc:
@@ -246,11 +255,12 @@ class ZmqTransport(PeerTransport):
         frames: list[Any],
         h: HeadRead | None,
         address: str,
+        src: PeerSource,
     ) -> None:
         """Copy one layer's frames into `job`'s blocks: span by span (the producer's runs
         are ours), or, when the producer sent the cells token-major (`Layer.cells`: another
-        layout, or heads that lie otherwise in a block of another head count), each cell
-        into place (`kvflow.cells`)."""
+        layout, block size, or heads that lie otherwise in a block of another head count),
+        each cell into place (`kvflow.cells`), from `src.skip` tokens into the stream."""
         layout = self._layout()
         g = layout.geometries[layer]
         got = [len(f.buffer) for f in frames]
@@ -260,17 +270,25 @@ class ZmqTransport(PeerTransport):
                 f"frames of {got[:8]}; expected layer {layer}"
             )
         into, count = (0, g.heads) if h is None else (h.into, h.count)
-        if msg.cells and not token_major(g, into, count):
+        if msg.cells and (src.block_size or not token_major(g, into, count)):
             try:
                 idx = cell_index(g, job.block_ids, job.token_counts, into, count)
             except LayoutError as exc:
                 raise ChunkCorrupt(f"producer {address} sent cells: {exc}") from None
-            if got != [n * count * g.cell_bytes for n in job.token_counts]:
+            per, skip = count * g.cell_bytes, src.skip * count
+            fits = (
+                all(n % per == 0 for n in got) and sum(got) >= (skip + len(idx)) * g.cell_bytes
+                if src.block_size  # the producer's chunks, from its first block's start
+                else got == [n * per for n in job.token_counts]
+            )
+            if not fits:
                 raise ChunkCorrupt(f"producer {address} sent layer {layer} in {got[:8]} bytes")
-            ours, at = cells_of(layout.buffers[layer], g.cell_bytes), 0
-            for f in frames:
+            ours, at = cells_of(layout.buffers[layer], g.cell_bytes), -skip
+            for f in frames:  # frame cells [at, at + len) are our cells idx[at:...]
                 data = np.frombuffer(f.buffer, np.uint8).reshape(-1, g.cell_bytes)
-                ours[idx[at : at + len(data)]] = data
+                lo, hi = max(at, 0), min(at + len(data), len(idx))
+                if lo < hi:
+                    ours[idx[lo:hi]] = data[lo - at : hi - at]
                 at += len(data)
             return
         chunks = (
@@ -371,6 +389,12 @@ def _check_ipc_offer(
     """Refuse an offer this consumer cannot copy: another memory kind or host, other
     cells (or heads `h` it does not hold), other blocks."""
     here = ipc.host_id()
+    if src.block_size:
+        raise TransportError(
+            f"producer {address} has blocks of {src.block_size} tokens, this consumer "
+            f"{layout.block_size}: CUDA IPC pulls between equal block sizes only",
+            chunk=0,
+        )
     if layout.memory == "cpu":
         raise TransportError(
             f"producer {address} offers CUDA memory; this consumer's KV cache is in host "
