@@ -302,7 +302,7 @@ class SchedulerEngine:  # ~395 lines: one request's life in the scheduler (looku
         source, error = None, st.claim.error if st.claim is not None else ""
         if st.pd is not None:
             pd = st.pd
-            source = self._source(pd, chunks, [st.counts[i] for i in chunks])
+            source = peer_source(pd, self.block_size, chunks, [st.counts[i] for i in chunks])
             if source.block_size and chunks != list(range(chunks[0], chunks[-1] + 1)):
                 error = error or (  # a sliding window's null blocks
                     f"producer {pd.engine_id} has blocks of {pd.block_size} tokens, this "
@@ -436,26 +436,6 @@ class SchedulerEngine:  # ~395 lines: one request's life in the scheduler (looku
         self.runtime.submit(self.bus.emit, RequestFinished(req=req, lent=lend, blocks=blocks))
         return lend, params
 
-    def _source(self, pd: PdParams, chunks: list[int], counts: list[int]) -> PeerSource:
-        """Where this engine pulls `chunks` (of `counts` tokens) from: the producer's blocks
-        of the same chunks, or, of another block size, those holding the same tokens."""
-        if pd.block_size == self.block_size or not chunks:
-            ids, skip = [pd.block_ids[i] for i in chunks], 0
-        else:  # chunks are consecutive (full attention; checked by the caller)
-            start = chunks[0] * self.block_size
-            first, end = start // pd.block_size, -(-(start + sum(counts)) // pd.block_size)
-            ids, skip = pd.block_ids[first:end], start - first * pd.block_size
-        return PeerSource(
-            pd.engine_id,
-            pd.addresses,
-            pd.offer,
-            ids,
-            tp_size=pd.tp_size,
-            kv_heads=pd.shape.kv_heads,
-            block_size=0 if pd.block_size == self.block_size else pd.block_size,
-            skip=skip,
-        )
-
     def _refuse_pull(self, pd: PdParams) -> str:
         """Why this consumer cannot load `pd`'s blocks ("" if it can)."""
         can = self.transport.capabilities
@@ -550,3 +530,25 @@ class SchedulerEngine:  # ~395 lines: one request's life in the scheduler (looku
                 error=error,
             )
         )
+
+
+def peer_source(pd: PdParams, block_size: int, chunks: list[int], counts: list[int]) -> PeerSource:
+    """Where a consumer of blocks of `block_size` tokens pulls its `chunks` (of `counts`
+    tokens) from: the producer's blocks of the same chunks, or, of another block size,
+    those holding the same tokens (`chunks` consecutive: full attention)."""
+    if pd.block_size == block_size or not chunks:
+        ids, skip = [pd.block_ids[i] for i in chunks], 0
+    else:
+        start = chunks[0] * block_size
+        first, end = start // pd.block_size, -(-(start + sum(counts)) // pd.block_size)
+        ids, skip = pd.block_ids[first:end], start - first * pd.block_size
+    return PeerSource(
+        pd.engine_id,
+        pd.addresses,
+        pd.offer,
+        ids,
+        tp_size=pd.tp_size,
+        kv_heads=pd.shape.kv_heads,
+        block_size=0 if pd.block_size == block_size else pd.block_size,
+        skip=skip,
+    )
