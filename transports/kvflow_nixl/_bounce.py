@@ -35,6 +35,7 @@ __all__ = [
     "Piece",
     "bounce_cells",
     "scatter_cells",
+    "scatter_stream",
     "windows",
 ]
 
@@ -183,3 +184,24 @@ def scatter_cells(
     src_idx = bounce_cells(g, token_counts, first, count, base)
     dst_idx = cell_index(og, blocks, token_counts, at, count)
     cells_of(ours, og.cell_bytes)[dst_idx] = cells_of(buf, cell)[src_idx]
+
+
+def scatter_stream(
+    buf: memoryview,
+    g: LayerGeometry,
+    piece: tuple[int, int, int, Sequence[int]],
+    ours: memoryview,
+    cell: int,
+    dst: np.ndarray,
+    at: int,
+) -> None:
+    """A producer of another block size: copy the cells of one piece READ into `buf`
+    (`piece`: its base, first head, heads and its chunks' tokens; blocks of `g`) into our
+    layer `ours`, where they are cells `[at, ...)` of `dst` (every cell the load fills,
+    token-major: `cell_index`); cells before 0 or past `dst` (tokens we skip or do not
+    load) are left."""
+    base, first, count, token_counts = piece
+    src = bounce_cells(g, token_counts, first, count, base)
+    lo, hi = max(at, 0), min(at + len(src), len(dst))
+    if lo < hi:
+        cells_of(ours, cell)[dst[lo:hi]] = cells_of(buf, g.cell_bytes)[src[lo - at : hi - at]]

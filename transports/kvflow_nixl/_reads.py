@@ -6,20 +6,21 @@ PROC) before it is released.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import trio
 
-from kvflow.cells import head_copy_runs
+from kvflow.cells import cell_index, head_copy_runs
 from kvflow.layout import KVLayout, LayerGeometry, LayoutError, layout_mismatch
 from kvflow.pd.topology import HeadRead
 from kvflow.runtime import Backoff
 from kvflow.transport import ChunkCorrupt, LoadJob, TransferStuck, TransportError
 
 from . import _wire as wire
-from ._bounce import MANY_RUNS, Bounce, Piece, scatter_cells, windows
+from ._bounce import MANY_RUNS, Bounce, Piece, scatter_cells, scatter_stream, windows
 from ._descs import Table, release
 from ._remotes import Remote
 
@@ -70,15 +71,31 @@ class Reads:
 
     @staticmethod
     def _check_offer(job: LoadJob, peer: Remote, msg: wire.Blocks, layout: KVLayout) -> None:
-        """Refuse an offer of other chunks, or of blocks either side does not have."""
-        if msg.token_counts != job.token_counts or len(msg.block_ids) != len(job.block_ids):
+        """Refuse an offer of other chunks (of another block size: too few tokens), or of
+        blocks either side does not have."""
+        src = job.source
+        if src is not None and src.block_size:
+            if sum(msg.token_counts) < src.skip + sum(job.token_counts):
+                raise ChunkCorrupt(
+                    f"producer {peer.name} offers {sum(msg.token_counts)} tokens; {job.req} "
+                    f"expects {src.skip} it skips and {sum(job.token_counts)} it loads"
+                )
+        elif msg.token_counts != job.token_counts or len(msg.block_ids) != len(job.block_ids):
             raise ChunkCorrupt(
                 f"producer {peer.name} offers chunks of {msg.token_counts} tokens in blocks "
                 f"{msg.block_ids}; {job.req} expects {job.token_counts} in "
                 f"{len(job.block_ids)} blocks"
             )
+        tokens = src.block_size if src is not None and src.block_size else layout.block_size
         try:
-            for theirs, ours in zip(peer.table.geometries, layout.geometries, strict=True):
+            for i, (theirs, ours) in enumerate(
+                zip(peer.table.geometries, layout.geometries, strict=True)
+            ):
+                if not theirs.block_bytes and theirs.block_size != tokens:
+                    raise LayoutError(
+                        f"KV layouts differ (layer {i}): producer {theirs.describe()}, "
+                        f"consumer {ours.describe()}; the pull expects blocks of {tokens}"
+                    )
                 theirs.check_blocks(msg.block_ids, f"producer {peer.name}")
                 ours.check_blocks(job.block_ids, "consumer")
         except LayoutError as exc:
@@ -120,6 +137,18 @@ class Reads:
         # or some of their heads move cell by cell: through lists of this pull's own.
         packed = all(g.block_bytes for g in layout.geometries)
         same = self.heads is None and not layout_mismatch(peer.table.geometries, layout.geometries)
+        if job.source is not None and job.source.block_size:  # another block size
+            if not self._bounced(job, peer):
+                raise TransportError(
+                    f"producer {peer.name} has blocks of {job.source.block_size} tokens, this "
+                    f"consumer {layout.block_size}: nixl pulls between block sizes into host "
+                    "memory only",
+                    chunk=0,
+                )
+            assert self.bounce is not None
+            async with self.bounce.lock:
+                await self._read_bounced(job, peer, msg, landed)
+            return
         if not same and self._bounced(job, peer):
             assert self.bounce is not None
             async with self.bounce.lock:
@@ -171,6 +200,8 @@ class Reads:
         if self.bounce is None or not self.bounce.usable or "VRAM" in (self.memory, peer.memory):
             return False
         first, into, count = self._heads()
+        if job.source is not None and job.source.block_size:
+            return not any(g.block_bytes for g in self.layout.geometries)  # cells only
         n = max(job.token_counts)
         try:
             return any(
@@ -195,17 +226,26 @@ class Reads:
         if first + count > min(g.heads for g in theirs):
             raise TransportError(f"producer {peer.name} does not hold heads {first}..")
         ids = np.array(msg.block_ids, np.int64)
-        for window in windows(theirs, len(counts)):
+        skip = job.source.skip if job.source is not None and job.source.block_size else -1
+        starts = list(itertools.accumulate(msg.token_counts, initial=0))  # of their chunks
+        for window in windows(theirs, len(ids)):
             bases = await self._read_window(peer, window, ids, 0)
 
             def scatter(window: list[Piece] = window, bases: list[int] = bases) -> None:
                 for (layer, c0, c1), base in zip(window, bases, strict=True):
-                    mine = (self.layout.buffers[layer], ours[layer], job.block_ids[c0:c1], into)
-                    scatter_cells(buf, theirs[layer], base, first, count, counts[c0:c1], mine)
+                    tg, mine = theirs[layer], self.layout.buffers[layer]
+                    if skip < 0:  # their chunks are ours, one for one
+                        into_ours = (mine, ours[layer], job.block_ids[c0:c1], into)
+                        scatter_cells(buf, tg, base, first, count, counts[c0:c1], into_ours)
+                        continue
+                    dst = cell_index(ours[layer], job.block_ids, counts, into, count)
+                    at = (starts[c0] - skip) * count  # the piece's first cell, in `dst`
+                    piece = (base, first, count, msg.token_counts[c0:c1])
+                    scatter_stream(buf, tg, piece, mine, ours[layer].cell_bytes, dst, at)
 
             await trio.to_thread.run_sync(scatter)  # never abandoned: it writes our blocks
             for layer, _, c1 in window:
-                if c1 == len(counts):
+                if c1 == len(ids):
                     landed(layer)
 
     async def _read_window(

@@ -94,7 +94,7 @@ class RemoteAgents:
         if not msg.metadata or msg.regions is None:  # we forgot it while it answered
             raise TransportError(f"producer {address} sent no NIXL metadata for {msg.agent}")
         regions = msg.regions
-        why = peer_cells_problem(regions.geometries, layout.geometries)
+        why = peer_cells_problem(regions.geometries, layout.geometries, any_block_size=True)
         if why or len(regions.bases) != len(regions.geometries):
             raise ChunkCorrupt(f"producer {address}: {why or 'bad regions'}")
         self._forget(agent, address)

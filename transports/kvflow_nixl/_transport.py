@@ -187,7 +187,11 @@ class NixlTransport(PeerTransport):  # ~340 lines: the producer's lease of a pul
     name = "nixl"
     Options = NixlOptions
     capabilities = Capabilities(
-        store=False, peer=True, memory=frozenset({"cpu", "cuda"}), hetero_tp=True
+        store=False,
+        peer=True,
+        memory=frozenset({"cpu", "cuda"}),
+        hetero_tp=True,
+        hetero_blocks=True,
     )
     Pull = wire.Pull
     wire_version = wire.WIRE_VERSION
@@ -416,8 +420,6 @@ class NixlTransport(PeerTransport):  # ~340 lines: the producer's lease of a pul
     ) -> None:
         agent = self._require_agent()
         address = read.address
-        if src.block_size:  # the scheduler refuses it (no `hetero_blocks`)
-            raise TransportError("the nixl transport pulls between equal block sizes", chunk=0)
         sock = self.connect(address, wire.MAX_TO_CONSUMER_BYTES)
         reads = Reads(
             agent, self.options.backend, self._local_table(), self._bases, self._memory,
