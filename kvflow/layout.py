@@ -49,6 +49,9 @@ MAX_LAYER_BYTES = 1 << 48
 """No layer of a peer's geometry may span more (a bound on the strides it sends)."""
 MAX_PEER_BLOCKS = 1 << 22
 """Nor have more blocks (a consumer may prepare a descriptor per block)."""
+MAX_BLOCK_CELLS = 1 << 18
+"""Nor, in a block of another size than ours, more cells (tokens x heads): listing a
+block's runs costs that many."""
 
 
 class LayoutError(ValueError):
@@ -372,19 +375,21 @@ def peer_cells_problem(
     *,
     producer: bool = True,
     any_block_size: bool = False,
+    same_heads: bool = False,
 ) -> str:
     """Why cells cannot move between a peer's layers (`theirs`; `producer`: the
     producer's) and ours in any order or head count (`kvflow.cells`), checked in
     O(layers) without trusting them: "" when each is within bounds and holds cells of our
     size in blocks of our tokens (`any_block_size`: of any tokens; block-granular blocks:
-    heads of our size, or blocks of our shape)."""
+    heads of our size, or blocks of our shape), and, with `same_heads`, as many heads."""
     if len(theirs) != len(ours):
         p, c = (theirs, ours) if producer else (ours, theirs)
         return f"the producer has {len(p)} KV layers, the consumer {len(c)}"
     for i, (t, o) in enumerate(zip(theirs, ours, strict=True)):
         if not _in_bounds(t):
             return f"the peer's layer {i} has sizes or strides out of bounds"
-        tokens = t.block_size if any_block_size and not o.block_bytes else o.block_size
+        sane = t.block_size > 0 and t.block_size * t.heads <= MAX_BLOCK_CELLS  # costs bound
+        tokens = t.block_size if any_block_size and sane and not o.block_bytes else o.block_size
         same = (t.block_size, t.cell_bytes, bool(t.block_bytes)) == (
             tokens,
             o.cell_bytes,
@@ -395,7 +400,7 @@ def peer_cells_problem(
                 same = t.head_run_bytes() == o.head_run_bytes()
             except LayoutError:
                 same = False
-        if not same:
+        if not same or (same_heads and t.heads != o.heads):
             return _differ(i, *((t, o) if producer else (o, t)), True)
     return ""
 

@@ -98,7 +98,10 @@ class ZmqTransport(PeerTransport):
             return ""  # the consumer checks what it receives (each `Layer` describes it)
         if self._handles and msg.heads is None:
             return peer_layout_problem(msg.geometries, ours, cells=True, producer=False)
-        if why := peer_cells_problem(msg.geometries, ours, producer=False, any_block_size=True):
+        whole = msg.heads is None  # a consumer of our size: every head of ours
+        if why := peer_cells_problem(
+            msg.geometries, ours, producer=False, any_block_size=True, same_heads=whole
+        ):
             return why
         h = msg.heads
         if h is not None and h.first + h.count > min(g.heads for g in ours):
