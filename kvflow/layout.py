@@ -38,7 +38,6 @@ __all__ = [
     "block_geometry",
     "layout_mismatch",
     "peer_cells_problem",
-    "peer_head_problem",
     "peer_layout_problem",
     "view_extent",
     "view_geometry",
@@ -337,36 +336,6 @@ def peer_layout_problem(
             p, c = (t, o) if producer else (o, t)
             return _differ(i, p, c, cells)
     return layout_mismatch(*pair, cells=cells)
-
-
-def peer_head_problem(
-    theirs: Sequence[LayerGeometry], ours: Sequence[LayerGeometry], first: int, count: int
-) -> str:
-    """Why a producer of geometries `ours` cannot send heads `[first, first + count)` of
-    its blocks run by run into `count` heads of a consumer's blocks of geometries `theirs`
-    (a peer's: checked for bounds first); "" when it can."""
-    if len(theirs) != len(ours):
-        return f"the producer has {len(ours)} KV layers, the consumer {len(theirs)}"
-    for i, (t, o) in enumerate(zip(theirs, ours, strict=True)):
-        if not _in_bounds(t):
-            return f"the peer's layer {i} has sizes or strides out of bounds"
-        if not (first >= 0 and 0 < count <= t.heads and first + count <= o.heads):
-            return f"heads {first}..{first + count - 1} of layer {i} are not held here"
-        sizes = (t.block_size, t.cell_bytes, t.kernel_blocks, bool(t.block_bytes))
-        if sizes != (o.block_size, o.cell_bytes, o.kernel_blocks, bool(o.block_bytes)):
-            same = False  # compared before anything costs more than our own layout does
-        else:
-            try:
-                same = t.head_shape(count) == o.head_shape(count)
-            except LayoutError as exc:
-                return f"layer {i}: {exc}"
-        if not same:
-            return (
-                f"KV layouts differ (layer {i}): producer {o.describe()}, consumer "
-                f"{t.describe()}, in {count} head(s); give both instances the same "
-                "--block-size and VLLM_KV_CACHE_LAYOUT"
-            )
-    return ""
 
 
 def peer_cells_problem(

@@ -177,7 +177,7 @@ async def _load_window(
     keeps them; raise the failure at the earliest chunk (every piece of the chunks before
     it arrived, checked). A layer whose heads lie in a few long runs is read straight
     into them (`_read_spans`); one of many short runs (NHD: a run per token) is read
-    whole into a buffer, then copied by numpy (`_copy_heads`)."""
+    whole into a buffer, then copied by numpy (`kvflow.cells.copy_heads`)."""
     ours = transport.context.layout
     assert ours is not None
     errors: list[TransportError] = []
