@@ -137,23 +137,21 @@ class Reads:
         # or some of their heads move cell by cell: through lists of this pull's own.
         packed = all(g.block_bytes for g in layout.geometries)
         same = self.heads is None and not layout_mismatch(peer.table.geometries, layout.geometries)
-        if job.source is not None and job.source.block_size:  # another block size
-            if not self._bounced(job, peer):
+        other_blocks = job.source is not None and bool(job.source.block_size)
+        if other_blocks or not same:
+            bounced = self._bounced(job, peer)
+            if other_blocks and not bounced:
                 raise TransportError(
-                    f"producer {peer.name} has blocks of {job.source.block_size} tokens, this "
-                    f"consumer {layout.block_size}: nixl pulls between block sizes into host "
+                    f"producer {peer.name} has blocks of another size than this consumer's "
+                    f"({layout.block_size} tokens): nixl pulls between block sizes into host "
                     "memory only",
                     chunk=0,
                 )
-            assert self.bounce is not None
-            async with self.bounce.lock:
-                await self._read_bounced(job, peer, msg, landed)
-            return
-        if not same and self._bounced(job, peer):
-            assert self.bounce is not None
-            async with self.bounce.lock:
-                await self._read_bounced(job, peer, msg, landed)
-            return
+            if bounced:
+                assert self.bounce is not None
+                async with self.bounce.lock:
+                    await self._read_bounced(job, peer, msg, landed)
+                return
         full = [same and (packed or n >= layout.block_size) for n in job.token_counts]
         whole = [c for c, f in enumerate(full) if f]
         partial = [c for c, f in enumerate(full) if not f]
@@ -229,7 +227,7 @@ class Reads:
         skip = job.source.skip if job.source is not None and job.source.block_size else -1
         starts = list(itertools.accumulate(msg.token_counts, initial=0))  # of their chunks
         for window in windows(theirs, len(ids)):
-            bases = await self._read_window(peer, window, ids, 0)
+            bases = await self._read_window(peer, window, ids)
 
             def scatter(window: list[Piece] = window, bases: list[int] = bases) -> None:
                 for (layer, c0, c1), base in zip(window, bases, strict=True):
@@ -248,15 +246,13 @@ class Reads:
                 if c1 == len(ids):
                     landed(layer)
 
-    async def _read_window(
-        self, peer: Remote, window: list[Piece], ids: np.ndarray, at: int
-    ) -> list[int]:
-        """READ `window`'s producer blocks into the bounce buffer from `at`, run by run as
-        its prepared list holds them; where each piece starts."""
+    async def _read_window(self, peer: Remote, window: list[Piece], ids: np.ndarray) -> list[int]:
+        """READ `window`'s producer blocks into the bounce buffer, run by run as its
+        prepared list holds them; where each piece starts."""
         bounce = self.bounce
         assert bounce is not None
         theirs = peer.table.geometries
-        rows, remote, bases = [], [], []
+        rows, remote, bases, at = [], [], [], 0
         for layer, c0, c1 in window:
             remote.append(peer.table.index(layer, ids[c0:c1]))
             bases.append(at)
