@@ -90,9 +90,10 @@ class ZmqTransport(PeerTransport):
         return wire.encode(wire.Refused(req, why))
 
     def check_pull(self, msg: wire.Pull) -> str:
-        """Host memory: a consumer of cells of our size in blocks of our tokens (it converts
-        what it receives), asking for heads we hold. CUDA IPC: equal tensor parallel
-        sizes (the copy converts layouts)."""
+        """Host memory: a consumer of cells of our size, in blocks of any tokens, with our
+        heads or asking for some we hold (what its runs do not match it gets as cells,
+        `_as_cells`). CUDA IPC: the same cells in blocks of our tokens (the copy converts
+        layouts), and its heads of ours."""
         ours = self._layout().geometries
         if not msg.geometries and msg.heads is None:
             return ""  # the consumer checks what it receives (each `Layer` describes it)
@@ -114,8 +115,8 @@ class ZmqTransport(PeerTransport):
 
     def _as_cells(self, msg: wire.Pull) -> list[bool]:
         """Per layer, whether a pull gets the cells token-major (`Layer.cells`): its
-        consumer's runs of the heads it asks for are not ours (another layout or head
-        count); else the runs as they lie. A `LayoutError` when a block does not split."""
+        consumer's runs of the heads it asks for are not ours (another layout, head count
+        or block size); else the runs as they lie. A `LayoutError` when a block does not split."""
         ours = self._layout().geometries
         if not msg.geometries:
             return [False] * len(ours)
