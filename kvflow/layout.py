@@ -49,8 +49,7 @@ MAX_LAYER_BYTES = 1 << 48
 MAX_PEER_BLOCKS = 1 << 22
 """Nor have more blocks (a consumer may prepare a descriptor per block)."""
 MAX_BLOCK_CELLS = 1 << 18
-"""Nor, in a block of another size than ours, more cells (tokens x heads): listing a
-block's runs costs that many."""
+"""Nor more cells (tokens x heads) a block: listing a block's runs costs that many."""
 
 
 class LayoutError(ValueError):
@@ -189,7 +188,11 @@ class LayerGeometry(msgspec.Struct, frozen=True, kw_only=True):
         """What must match for `count` heads of a block of one cache to be copied run by
         run into `count` heads of a block of another (`block_shape` of a head slice)."""
         runs = tuple(n for _, n in self.head_runs(0, count, self.block_size or 1))
-        return (self.block_size, self.cell_bytes, self.kernel_blocks, bool(self.block_bytes), runs)
+        order = self.with_heads(count).order()  # runs of one size may hold cells otherwise
+        return (
+            self.block_size, self.cell_bytes, self.kernel_blocks, bool(self.block_bytes), runs,
+            order,
+        )  # fmt: skip
 
     def with_heads(self, count: int) -> LayerGeometry:
         """A block of this layout holding `count` heads, dense (one block): what a rank of
@@ -357,9 +360,10 @@ def peer_cells_problem(
     for i, (t, o) in enumerate(zip(theirs, ours, strict=True)):
         if not _in_bounds(t):
             return f"the peer's layer {i} has sizes or strides out of bounds"
-        sane = t.block_size > 0 and t.block_size * t.heads <= MAX_BLOCK_CELLS  # costs bound
-        tokens = t.block_size if any_block_size and sane and not o.block_bytes else o.block_size
-        same = (t.block_size, t.cell_bytes, bool(t.block_bytes)) == (
+        sane = max(t.block_size, 1) * t.heads <= MAX_BLOCK_CELLS  # listing its runs' cost
+        other = any_block_size and t.block_size > 0 and not o.block_bytes
+        tokens = t.block_size if other else o.block_size
+        same = sane and (t.block_size, t.cell_bytes, bool(t.block_bytes)) == (
             tokens,
             o.cell_bytes,
             bool(o.block_bytes),

@@ -303,7 +303,7 @@ class SchedulerEngine:  # ~395 lines: one request's life in the scheduler (looku
         if st.pd is not None:
             pd = st.pd
             source = peer_source(pd, self.block_size, chunks, [st.counts[i] for i in chunks])
-            if source.block_size and chunks != list(range(chunks[0], chunks[-1] + 1)):
+            if source.block_size and chunks and chunks != list(range(chunks[0], chunks[-1] + 1)):
                 error = error or (  # a sliding window's null blocks
                     f"producer {pd.engine_id} has blocks of {pd.block_size} tokens, this "
                     f"consumer {self.block_size}: a window with gaps is not pulled across them"

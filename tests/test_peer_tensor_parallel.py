@@ -108,25 +108,38 @@ def _job(layout: KVLayout, source: PeerSource, signalled: list[int]) -> LoadJob:
 
 
 def _heads(layout: KVLayout, blocks: list[int], first: int, count: int) -> list[bytes]:
-    return [
-        b"".join(
-            bytes(s)
-            for chunk in layout.head_spans(layer, blocks, COUNTS, first, count)
-            for s in chunk
-        )
-        for layer in range(layout.num_layers)
-    ]
+    """Per layer, heads `[first, first + count)` of `blocks` (COUNTS tokens), token by
+    token and head by head whatever the layout, read by address arithmetic; a
+    block-granular block's head runs whole."""
+    out = []
+    for g, buf in zip(layout.geometries, layout.buffers, strict=True):
+        data = bytearray()
+        for b, n in zip(blocks, COUNTS, strict=True):
+            base = b * g.block_stride
+            if g.block_bytes:
+                per = g.head_run_bytes()
+                data += buf[base + first * per : base + (first + count) * per]
+                continue
+            for t in range(n):
+                k, i = divmod(t, g.kernel_tokens)
+                for h in range(first, first + count):
+                    at = base + k * g.kernel_stride + h * g.head_stride + i * g.token_stride
+                    data += buf[at : at + g.cell_bytes]
+        out.append(bytes(data))
+    return out
 
 
-KINDS = ["block-granular", "hnd", "nhd"]
+KINDS = ["block-granular", "hnd", "nhd", "nhd-to-hnd", "hnd-to-nhd"]
+"""The producer's layout and the consumer's ("-to-": other layouts, converted too)."""
 
 
-@pytest.mark.parametrize("kind", KINDS)
-async def test_tp1_producer_to_tp2_consumer(make: Make, kind: str) -> None:
+@pytest.mark.parametrize("kinds", KINDS)
+async def test_tp1_producer_to_tp2_consumer(make: Make, kinds: str) -> None:
+    kind, _, theirs = kinds.partition("-to-")
     prod = _layout(HEADS, kind)
     fill_blocks(prod, SRC, seed=3)
     producer = await _open(make(prod, 0, 1))
-    ranks = [await _open(make(_layout(HEADS // 2, kind), r, 2)) for r in range(2)]
+    ranks = [await _open(make(_layout(HEADS // 2, theirs or kind), r, 2)) for r in range(2)]
     source = PeerSource("p", [producer.address], "p-req", SRC, tp_size=1, kv_heads=HEADS)
     outcome: list[str] = []
     released = trio.Event()
@@ -150,7 +163,7 @@ async def test_tp1_producer_to_tp2_consumer(make: Make, kind: str) -> None:
             await released.wait()
             nursery.cancel_scope.cancel()
     assert outcome == ["done"] and signalled == [0, 1, 2, 0, 1, 2]
-    if type(producer) is NixlTransport and kind == "nhd":  # a run a token: READ whole blocks
+    if type(producer) is NixlTransport and kinds == "nhd":  # a run a token: READ whole blocks
         assert all(r._bounce is not None and r._bounce.buf is not None for r in ranks)  # type: ignore[attr-defined]
     for r, rank in enumerate(ranks):
         cons = rank.context.layout
@@ -159,13 +172,14 @@ async def test_tp1_producer_to_tp2_consumer(make: Make, kind: str) -> None:
         assert got == _heads(prod, SRC, r * HEADS // 2, HEADS // 2), f"rank {r}'s heads"
 
 
-@pytest.mark.parametrize("kind", KINDS)
-async def test_tp2_producer_to_tp1_consumer(make: Make, kind: str) -> None:
+@pytest.mark.parametrize("kinds", KINDS)
+async def test_tp2_producer_to_tp1_consumer(make: Make, kinds: str) -> None:
+    kind, _, theirs = kinds.partition("-to-")
     prods = [_layout(HEADS // 2, kind) for _ in range(2)]
     for seed, p in enumerate(prods):
         fill_blocks(p, SRC, seed=seed + 10)
     producers = [await _open(make(p, r, 2)) for r, p in enumerate(prods)]
-    consumer = await _open(make(_layout(HEADS, kind), 0, 1))
+    consumer = await _open(make(_layout(HEADS, theirs or kind), 0, 1))
     addresses = [p.address for p in producers]
     source = PeerSource("p", addresses, "p-req", SRC, tp_size=2, kv_heads=HEADS)
     outcomes: list[str] = []

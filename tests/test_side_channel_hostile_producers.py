@@ -273,6 +273,7 @@ async def test_a_hostile_nixl_producer_gets_nothing_into_a_consumer(
     refused = lambda o, why: nwire.encode(nwire.Refused(o, why))  # noqa: E731
     cases: list[tuple[Answer, type[Exception], str]] = [
         (blocks(each(heads=4096, block_size=4096)), ChunkCorrupt, "KV layouts differ"),
+        (blocks(each(heads=1 << 22, head_stride=0)), ChunkCorrupt, "KV layouts differ"),
         (blocks(each(kernel_blocks=0)), ChunkCorrupt, "out of bounds"),
         (raw_10k, ChunkCorrupt, "10000 KV layers"),
         (blocks(each(block_stride=-1)), ChunkCorrupt, "out of bounds"),

@@ -75,6 +75,16 @@ class Reads:
         blocks either side does not have."""
         src = job.source
         if src is not None and src.block_size:
+            full, last = msg.token_counts[:-1], msg.token_counts[-1:]
+            if (
+                len(msg.token_counts) != len(msg.block_ids)
+                or any(n != src.block_size for n in full)
+                or any(not 0 < n <= src.block_size for n in last)
+            ):
+                raise ChunkCorrupt(
+                    f"producer {peer.name} offers chunks of {msg.token_counts[:8]} tokens in "
+                    f"{len(msg.block_ids)} blocks of {src.block_size}"
+                )
             if sum(msg.token_counts) < src.skip + sum(job.token_counts):
                 raise ChunkCorrupt(
                     f"producer {peer.name} offers {sum(msg.token_counts)} tokens; {job.req} "

@@ -108,7 +108,9 @@ class ZmqTransport(PeerTransport):
         if h is not None and h.first + h.count > min(g.heads for g in ours):
             return f"heads {h.first}..{h.first + h.count - 1} are not held here"
         try:
-            self._as_cells(msg)
+            for g, cells in zip(ours, self._as_cells(msg), strict=True):
+                if cells:  # what `_send` gathers: cells on a grid (never vLLM's CPU blocks)
+                    cell_index(g, [0], [1], 0, 1)
         except LayoutError as exc:
             return str(exc)
         return ""
