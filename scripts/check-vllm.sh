@@ -25,4 +25,4 @@ echo "check-vllm: kvflow against vLLM $got's Python code ($target)"
 PYTHONPATH="$target" "$PY" -m pytest -q -p no:cacheprovider -m '' \
   tests/test_vllm_versions.py tests/test_gpu_layouts.py tests/test_adapter.py \
   tests/test_vllm_scheduler.py tests/test_vllm_scheduler_pd.py tests/test_vllm_runner.py \
-  tests/test_hidden_states_io.py tests/test_topology.py
+  tests/test_hidden_states_io.py tests/test_topology.py tests/test_pp.py
