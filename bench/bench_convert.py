@@ -17,7 +17,8 @@ image of the same KV (untimed):
 - `converted`: the case's pull. `TP=1 -> TP=2`: rank 0 of a TP=2 consumer reads its 4
   heads of each block of a TP=1 producer. `TP=2 -> TP=1`: a TP=1 consumer reads both
   TP=2 producer ranks at once, each into its half. `NHD -> HND`: equal sizes, the
-  producer's cache NHD, the consumer's HND.
+  producer's cache NHD, the consumer's HND. `blocks 32 -> 16`: the producer's blocks
+  hold 32 tokens, the consumer's 16.
 - `same`: a producer of the consumer's own size and layout holding the same KV: the
   bytes that land are the same, nothing is converted.
 
@@ -53,21 +54,22 @@ TRANSPORTS: dict[str, tuple[type[PeerTransport], Any]] = {
     "zmq": (ZmqTransport, ZmqOptions),
     "nixl": (NixlTransport, NixlOptions),
 }
-# case: (layout kind, producer tp, consumer tp, producer kind)
+# case: (layout kind, producer tp, consumer tp, producer kind, producer block size)
 CASES = {
-    "CPU blocks, TP=1 -> TP=2": ("cpu", 1, 2, "cpu"),
-    "CPU blocks, TP=2 -> TP=1": ("cpu", 2, 1, "cpu"),
-    "NHD, TP=1 -> TP=2": ("nhd", 1, 2, "nhd"),
-    "NHD, TP=2 -> TP=1": ("nhd", 2, 1, "nhd"),
-    "NHD -> HND": ("hnd", 1, 1, "nhd"),
+    "CPU blocks, TP=1 -> TP=2": ("cpu", 1, 2, "cpu", BS),
+    "CPU blocks, TP=2 -> TP=1": ("cpu", 2, 1, "cpu", BS),
+    "NHD, TP=1 -> TP=2": ("nhd", 1, 2, "nhd", BS),
+    "NHD, TP=2 -> TP=1": ("nhd", 2, 1, "nhd", BS),
+    "NHD -> HND": ("hnd", 1, 1, "nhd", BS),
+    "NHD, blocks 32 -> 16": ("nhd", 1, 1, "nhd", 2 * BS),
 }
 
 
-def _layout(kind: str, heads: int, blocks: int) -> KVLayout:
+def _layout(kind: str, heads: int, blocks: int, bs: int = BS) -> KVLayout:
     return make_layout(
         num_layers=LAYERS,
         num_blocks=blocks,
-        block_size=BS,
+        block_size=bs,
         heads=heads,
         head_dim=128,
         block_granular=kind == "cpu",
@@ -77,7 +79,7 @@ def _layout(kind: str, heads: int, blocks: int) -> KVLayout:
 
 
 def _image(layout: KVLayout, blocks: list[int]) -> bytes:
-    counts = [BS] * len(blocks)
+    counts = [layout.block_size] * len(blocks)
     return b"".join(
         bytes(s)
         for layer in range(LAYERS)
@@ -86,8 +88,20 @@ def _image(layout: KVLayout, blocks: list[int]) -> bytes:
     )
 
 
-def _holding(whole: KVLayout, kind: str, tp: int, blocks: list[int]) -> list[KVLayout]:
-    """The ranks of a `tp`-sized cache of `kind` holding `whole`'s KV in `blocks`."""
+def _holding(
+    whole: KVLayout, kind: str, tp: int, blocks: list[int], bs: int = BS
+) -> list[KVLayout]:
+    """The ranks of a `tp`-sized cache of `kind` holding `whole`'s KV in `blocks` (of `bs`
+    tokens: NHD at TP=1 only when not `BS`, the first blocks)."""
+    if bs != BS:  # NHD, every head: a block's image is its tokens' in order
+        lay = _layout(kind, HEADS, 2 * len(blocks), bs)
+        for layer in range(LAYERS):
+            data = b"".join(bytes(s) for b in blocks for s in whole.spans(layer, b, BS))
+            step = len(data) * bs // (BS * len(blocks))
+            for j in range(len(data) // step):
+                (span,) = lay.spans(layer, j, bs)
+                span[:] = data[j * step : (j + 1) * step]
+        return [lay]
     out = []
     per = HEADS // tp
     for r in range(tp):
@@ -119,19 +133,24 @@ async def _pull(
     held: list[KVLayout],
     consumers: list[PeerTransport],
     req: str,
-    src: list[int],
     dst: list[int],
 ) -> float:
-    """Offer `src` on every producer rank, pull it into `dst` on every consumer rank at
-    once; the seconds from the first pull to the last byte landed."""
-    counts = [BS] * len(src)
+    """Offer the blocks holding the tokens on every producer rank, pull them into `dst`
+    on every consumer rank at once; the seconds from the first pull to the last byte
+    landed."""
+    counts = [BS] * len(dst)
+    p_bs = held[0].block_size
+    src = list(range(len(dst) * BS // p_bs))
     size = len(producers)
     async with trio.open_nursery() as offers:
         for p, lay in zip(producers, held, strict=True):
-            spans = lambda layer, lay=lay: lay.chunk_spans(layer, src, counts)  # noqa: E731
-            offers.start_soon(p.offer, Offer(req, src, counts, LAYERS, spans))
+            spans = lambda layer, lay=lay: lay.chunk_spans(layer, src, [p_bs] * len(src))  # noqa: E731
+            offers.start_soon(p.offer, Offer(req, src, [p_bs] * len(src), LAYERS, spans))
         await trio.testing.wait_all_tasks_blocked()
-        source = PeerSource("p", [p.address for p in producers], req, src, size, HEADS)
+        other = 0 if p_bs == BS else p_bs
+        source = PeerSource(
+            "p", [p.address for p in producers], req, src, size, HEADS, block_size=other
+        )
         t0 = time.perf_counter()
         async with trio.open_nursery() as pulls:
             for c in consumers:
@@ -148,14 +167,14 @@ async def _pull(
 
 async def _case(transport: str, case: str, blocks: int, repeats: int) -> dict[str, float]:
     cls, options = TRANSPORTS[transport]
-    kind, p_tp, c_tp, p_kind = CASES[case]
+    kind, p_tp, c_tp, p_kind, p_bs = CASES[case]
     src, dst = list(range(blocks)), list(range(blocks, 2 * blocks))
     whole = _layout("cpu" if kind == "cpu" else "nhd", HEADS, 2 * blocks)
     rng = np.random.default_rng(1)
     for buf in whole.buffers:
         np.frombuffer(buf, np.uint8)[:] = rng.integers(0, 256, len(buf), dtype=np.uint8)
     held = {
-        "converted": _holding(whole, p_kind, p_tp, src),
+        "converted": _holding(whole, p_kind, p_tp, src, p_bs),
         "same": _holding(whole, kind, c_tp, src),
     }
     want = [_image(lay, src) for lay in held["same"]]  # each consumer rank's own image
@@ -175,7 +194,7 @@ async def _case(transport: str, case: str, blocks: int, repeats: int) -> dict[st
                 for lay in ranks:  # poison: a pull that moves nothing is caught
                     for buf in lay.buffers:
                         np.frombuffer(buf, np.uint8)[:] = 0
-                took = await _pull(producers[side], held[side], consumers, f"{side}-{i}", src, dst)
+                took = await _pull(producers[side], held[side], consumers, f"{side}-{i}", dst)
                 if i:
                     times[side].append(took)
                 if [_image(lay, dst) for lay in ranks] != want:
