@@ -34,6 +34,7 @@ __all__ = [
     "copy_heads",
     "head_copy_runs",
     "positions",
+    "put_cells",
     "slices",
     "token_major",
 ]
@@ -109,6 +110,15 @@ def token_major(g: LayerGeometry, first: int, count: int) -> bool:
         and (count == 1 or g.head_stride == g.cell_bytes)
         and (g.block_size == 1 or g.token_stride == count * g.cell_bytes)
     )
+
+
+def put_cells(ours: np.ndarray, dst: np.ndarray, cells: np.ndarray, at: int) -> None:
+    """Write `cells`, stream cells `[at, at + len)` of a token-major stream, where they go
+    among `dst` (the cells of `ours` the stream fills, `cell_index` order); those before
+    0 or past `dst` (tokens skipped, or not loaded) are dropped."""
+    lo, hi = max(at, 0), min(at + len(cells), len(dst))
+    if lo < hi:
+        ours[dst[lo:hi]] = cells[lo - at : hi - at]
 
 
 def cells_of(buffer: memoryview, cell_bytes: int) -> np.ndarray:

@@ -15,7 +15,7 @@ import trio.testing
 
 from kvflow.layout import KVLayout, peer_cells_problem
 from kvflow.pd.peer_transport import PeerTransport
-from kvflow.testing.layouts import fill_blocks, make_layout
+from kvflow.testing.layouts import fill_blocks, make_layout, token_bytes
 from kvflow.transport import LoadJob, Offer, PeerSource, TransportContext, TransportError
 from kvflow_nixl import NixlOptions, NixlTransport
 from kvflow_zmq import ZmqOptions, ZmqTransport
@@ -109,22 +109,18 @@ def _job(layout: KVLayout, source: PeerSource, signalled: list[int]) -> LoadJob:
 
 def _heads(layout: KVLayout, blocks: list[int], first: int, count: int) -> list[bytes]:
     """Per layer, heads `[first, first + count)` of `blocks` (COUNTS tokens), token by
-    token and head by head whatever the layout, read by address arithmetic; a
+    token and head by head whatever the layout (`token_bytes`: address arithmetic); a
     block-granular block's head runs whole."""
     out = []
-    for g, buf in zip(layout.geometries, layout.buffers, strict=True):
+    for layer, g in enumerate(layout.geometries):
         data = bytearray()
         for b, n in zip(blocks, COUNTS, strict=True):
-            base = b * g.block_stride
-            if g.block_bytes:
-                per = g.head_run_bytes()
-                data += buf[base + first * per : base + (first + count) * per]
-                continue
-            for t in range(n):
-                k, i = divmod(t, g.kernel_tokens)
-                for h in range(first, first + count):
-                    at = base + k * g.kernel_stride + h * g.head_stride + i * g.token_stride
-                    data += buf[at : at + g.cell_bytes]
+            whole = token_bytes(layout, layer, b, n)  # a row a token (one: the block)
+            per = g.head_run_bytes() if g.block_bytes else g.cell_bytes
+            size = len(whole) if g.block_bytes else g.chunk_nbytes(1)
+            for at in range(0, len(whole), size):
+                row = whole[at : at + size]
+                data += row[first * per : (first + count) * per]
         out.append(bytes(data))
     return out
 

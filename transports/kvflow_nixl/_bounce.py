@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import trio
 
-from kvflow.cells import cell_index, cell_offsets, cells_of
+from kvflow.cells import cell_index, cell_offsets, cells_of, put_cells
 from kvflow.layout import LayerGeometry, LayoutError
 from kvflow.transport import TransportError
 
@@ -202,6 +202,4 @@ def scatter_stream(
     load) are left."""
     base, first, count, token_counts = piece
     src = bounce_cells(g, token_counts, first, count, base)
-    lo, hi = max(at, 0), min(at + len(src), len(dst))
-    if lo < hi:
-        cells_of(ours, cell)[dst[lo:hi]] = cells_of(buf, g.cell_bytes)[src[lo - at : hi - at]]
+    put_cells(cells_of(ours, cell), dst, cells_of(buf, g.cell_bytes)[src], at)

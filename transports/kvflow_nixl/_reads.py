@@ -6,6 +6,7 @@ PROC) before it is released.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -236,6 +237,11 @@ class Reads:
         ids = np.array(msg.block_ids, np.int64)
         skip = job.source.skip if job.source is not None and job.source.block_size else -1
         starts = list(itertools.accumulate(msg.token_counts, initial=0))  # of their chunks
+
+        @functools.cache
+        def dst_of(g: LayerGeometry) -> np.ndarray:  # one per geometry, not per piece
+            return cell_index(g, job.block_ids, counts, into, count)
+
         for window in windows(theirs, len(ids)):
             bases = await self._read_window(peer, window, ids)
 
@@ -246,7 +252,7 @@ class Reads:
                         into_ours = (mine, ours[layer], job.block_ids[c0:c1], into)
                         scatter_cells(buf, tg, base, first, count, counts[c0:c1], into_ours)
                         continue
-                    dst = cell_index(ours[layer], job.block_ids, counts, into, count)
+                    dst = dst_of(ours[layer])
                     at = (starts[c0] - skip) * count  # the piece's first cell, in `dst`
                     piece = (base, first, count, msg.token_counts[c0:c1])
                     scatter_stream(buf, tg, piece, mine, ours[layer].cell_bytes, dst, at)

@@ -19,7 +19,7 @@ import numpy as np
 import trio
 import zmq
 
-from kvflow.cells import cell_index, cells_of, token_major
+from kvflow.cells import cell_index, cells_of, put_cells, token_major
 from kvflow.layout import KVLayout, LayoutError, peer_cells_problem, peer_layout_problem
 from kvflow.pd.peer_transport import PeerOptions, PeerTransport
 from kvflow.pd.topology import HeadRead
@@ -290,11 +290,9 @@ class ZmqTransport(PeerTransport):
             if not fits:
                 raise ChunkCorrupt(f"producer {address} sent layer {layer} in {got[:8]} bytes")
             ours, at = cells_of(layout.buffers[layer], g.cell_bytes), -skip
-            for f in frames:  # frame cells [at, at + len) are our cells idx[at:...]
+            for f in frames:
                 data = np.frombuffer(f.buffer, np.uint8).reshape(-1, g.cell_bytes)
-                lo, hi = max(at, 0), min(at + len(data), len(idx))
-                if lo < hi:
-                    ours[idx[lo:hi]] = data[lo - at : hi - at]
+                put_cells(ours, idx, data, at)
                 at += len(data)
             return
         chunks = (
