@@ -104,11 +104,13 @@ class LayerGeometry(msgspec.Struct, frozen=True, kw_only=True):
         kernel = f" in {self.kernel_blocks} kernel blocks" if self.kernel_blocks > 1 else ""
         return f"{kind} block={self.block_size}{kernel} heads={self.heads} cell={self.cell_bytes}B"
 
-    def describe_cells(self) -> str:
-        """`describe()` of the token-major image of a block (any order of the same cells)."""
+    def describe_cells(self, block: bool = True) -> str:
+        """`describe()` of the token-major image of a block (any order of the same cells);
+        without `block`, of any run of tokens (a store's chunks: `kvflow.reblock`)."""
         if self.block_bytes:
             return self.describe()
-        return f"token-major block={self.block_size} heads={self.heads} cell={self.cell_bytes}B"
+        size = f" block={self.block_size}" if block else ""
+        return f"token-major{size} heads={self.heads} cell={self.cell_bytes}B"
 
     def runs(self, num_tokens: int) -> tuple[tuple[int, int], ...]:
         """(offset within a block, length) of the runs holding its first `num_tokens`
@@ -496,11 +498,12 @@ class KVLayout:
     def describe(self) -> str:
         """Stable text for chunk headers: what makes the bytes a store holds incompatible.
         Host memory is stored as it lies; device memory is staged token-major
-        (`kvflow.staging`), so only its cells count, not the order vLLM keeps them in."""
+        (`kvflow.staging`), so only its cells count, not the order vLLM keeps them in nor
+        its block size (chunks of any block size line up: `kvflow.reblock`)."""
         if self.memory == "cpu":
             kinds = sorted({g.describe() for g in self.geometries})
         else:
-            kinds = sorted({g.describe_cells() for g in self.geometries})
+            kinds = sorted({g.describe_cells(block=False) for g in self.geometries})
         return f"{self.memory};layers={self.num_layers};" + "|".join(kinds)
 
     block_size: int = 0

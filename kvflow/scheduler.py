@@ -42,6 +42,7 @@ from .pd.params import (
 )
 from .pd.security import Rejections, prompt_digest
 from .pd.topology import readers
+from .reblock import StoredRun, load_window, lookup_blocks
 from .reshape import lookup_sources, other_shapes
 from .runtime import GAVE_UP_THEN, KVFlowFatal, Runtime, given_up
 from .transport import PeerSource, Transport
@@ -77,6 +78,10 @@ class _Request:
     """Leading chunks the store holds; written by the lookup task."""
     sources: list[int] = field(default_factory=list)
     """Per hit chunk, the tensor-parallel size whose shards hold it (0: this engine's)."""
+    reblock: StoredRun | None = None
+    """The chunks of another block size holding every hit chunk (`kvflow.reblock`)."""
+    own_hits: int = 0
+    """With `reblock`: the leading chunks the store holds as this engine keys them."""
     stored_upto: int = 0
     """Chunks known to be in the store already; never saved again."""
     saved_upto: int = 0
@@ -97,7 +102,7 @@ class _Request:
         return sum(self.counts[: self.hit_chunks or 0])
 
 
-class SchedulerEngine:  # ~395 lines: one request's life in the scheduler (lookup, load,
+class SchedulerEngine:  # ~440 lines: one request's life in the scheduler (lookup, load,
     # save, offer) reads and writes one `_Request`; apart, each part would pass it around
     """Owns per-request connector state in the scheduler process."""
 
@@ -120,6 +125,7 @@ class SchedulerEngine:  # ~395 lines: one request's life in the scheduler (looku
         shape: ModelShape | None = None,
         null_block: int | None = None,
         pd_scope: str | None = None,
+        store_block_sizes: Sequence[int] = (),
     ) -> None:
         self.config = config
         self.transport = transport
@@ -139,12 +145,11 @@ class SchedulerEngine:  # ~395 lines: one request's life in the scheduler (looku
         """This engine's tensor and pipeline parallel sizes (a worker shard per rank)."""
         self.shape = shape or UNSET_SHAPE
         """This engine's model and KV cache, as P/D params carry it (`ModelShape`)."""
-        self._store_shapes = (
-            other_shapes(self.shape.kv_heads, tp_size, pp_size)
-            if transport.capabilities.store and transport.capabilities.reshape
-            else []
-        )
+        reshapes = transport.capabilities.store and transport.capabilities.reshape
+        self._store_shapes = other_shapes(self.shape.kv_heads, tp_size, pp_size) if reshapes else []
         """The other tensor-parallel sizes whose chunks a lookup looks for (`kvflow.reshape`)."""
+        self._store_blocks = list(store_block_sizes) if reshapes else []
+        """The other block sizes whose chunks a lookup looks for (`kvflow.reblock`)."""
         self.peer_addresses: list[str] = []
         """This engine's worker endpoints by shard, learned from the workers' handshake."""
         self.null_block = null_block
@@ -230,7 +235,7 @@ class SchedulerEngine:  # ~395 lines: one request's life in the scheduler (looku
             counts = chunk_token_counts(len(token_ids), self.block_size)[: len(keys)]
             st = self._reqs[req] = _Request(keys=keys, counts=counts, prompt_len=len(token_ids))
             self._start_lookup(req, st)  # overlap the lookup with the wait in the queue
-        if self.can_offer:  # a request pulled here may be offered on too (its digest)
+        if self.can_offer or self._store_blocks:  # an offer's digest; other block sizes' keys
             st.tokens, st.salt = token_ids, salt
 
     def knows(self, req: str) -> bool:
@@ -291,6 +296,7 @@ class SchedulerEngine:  # ~395 lines: one request's life in the scheduler (looku
         # chunks the store holds for another tensor-parallel size are saved again at this
         # engine's (then they load without conversion; decision 56)
         other = next((i for i, size in enumerate(st.sources) if size), None)
+        other = st.own_hits if st.reblock is not None else other
         st.stored_upto = max(st.stored_upto, (st.hit_chunks or 0) if other is None else other)
         if num_external <= 0 or st.load_planned:
             return
@@ -314,6 +320,7 @@ class SchedulerEngine:  # ~395 lines: one request's life in the scheduler (looku
                     "(its sliding window moved on)"
                 )
             st.pulled = st.pulled or not error  # a load failed here never reached it
+        stored, why = load_window(st.reblock, st.counts, chunks)
         spec = LoadSpec(
             req=req,
             keys=[st.keys[i] for i in chunks],
@@ -321,10 +328,11 @@ class SchedulerEngine:  # ~395 lines: one request's life in the scheduler (looku
             token_counts=[st.counts[i] for i in chunks],
             asynchronous=self.config.load_mode == "async" or source is not None,
             source=source,
-            error=error,
+            error=error or why,
             tp_sizes=[st.sources[i] if i < len(st.sources) else 0 for i in chunks]
-            if any(st.sources)
+            if any(st.sources) and stored is None
             else [],
+            stored=stored,
         )
         self._pending_loads.append(spec)
         self.runtime.submit(
@@ -516,6 +524,14 @@ class SchedulerEngine:  # ~395 lines: one request's life in the scheduler (looku
                     hits = len(st.sources)
                 else:
                     hits = await self.transport.lookup(st.keys)
+                if self._store_blocks and hits < len(st.keys):  # saved at other block sizes
+                    more, run = await lookup_blocks(
+                        self.transport, self.namespace, st.tokens, st.salt,
+                        self.config.save_partial_blocks, st.counts, self._store_blocks,
+                    )  # fmt: skip
+                    if more > hits:
+                        own = next((i for i, size in enumerate(st.sources) if size), hits)
+                        st.reblock, st.own_hits, hits = run, own, more
             except Exception as exc:  # a failed lookup is a miss, never a crash
                 error = f"{type(exc).__name__}: {exc}"
                 log.warning("kvflow lookup for %s failed: %s", req, error)

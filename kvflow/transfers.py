@@ -35,6 +35,7 @@ from .keys import ChunkKey
 from .layout import KVLayout
 from .lending import Lending
 from .metadata import LoadSpec, OfferSpec, SaveSpec, WorkerPlan
+from .reblock import load_reblocked
 from .reshape import load_reshaped
 from .runtime import Runtime, poll_until
 from .staging import HostStage, event_done
@@ -199,6 +200,8 @@ class _Load:
                         await event_done(self.after)  # so no scatter waits on vLLM's queue
                     if spec.tp_sizes:  # chunks saved at another tensor-parallel size
                         await load_reshaped(transport, self.job(), spec.tp_sizes)
+                    elif spec.stored is not None:  # saved at another block size
+                        await load_reblocked(transport, self.job(), spec.stored)
                     else:
                         await transport.load(self.job())
             self.error = ""

@@ -172,9 +172,10 @@ class Engine:
     sched_events: Recorder
     worker_events: Recorder
     worker_transport: Transport
+    block_size: int = BS
 
     def keys(self, tokens: Sequence[int]) -> list[ChunkKey]:
-        return chunk_keys(self.namespace, tokens, BS)
+        return chunk_keys(self.namespace, tokens, self.block_size)
 
 
 def transport_context(role: str, namespace: str, layout: KVLayout | None) -> TransportContext:
@@ -202,10 +203,15 @@ def engine_starter(make_runtime: MakeRuntime, store: Path) -> Callable[..., Engi
         worker_transport: TransportFactory = FsTransport,
         worker_clock: trio.abc.Clock | None = None,
         worker_runtime_cls: type[Runtime] = Runtime,
+        block_size: int = BS,
+        store_block_sizes: Sequence[int] = (),
     ) -> Engine:
         cfg = config or KVFlowConfig()
         layout = make_layout(
-            num_layers=LAYERS, num_blocks=NUM_BLOCKS, block_size=BS, block_granular=block_granular
+            num_layers=LAYERS,
+            num_blocks=NUM_BLOCKS,
+            block_size=block_size,
+            block_granular=block_granular,
         )
         if device:  # a stand-in for a CUDA cache: tensors only kvflow.staging copies from
             layout.memory = "cuda"
@@ -213,7 +219,7 @@ def engine_starter(make_runtime: MakeRuntime, store: Path) -> Callable[..., Engi
         ns = Fingerprint(
             model="kvflow-test",
             dtype="float32",
-            block_size=BS,
+            block_size=0 if device else block_size,  # a device cache's chunks: token-major
             num_layers=LAYERS,
             layout=layout.describe(),
             bytes_per_token=0,
@@ -226,7 +232,13 @@ def engine_starter(make_runtime: MakeRuntime, store: Path) -> Callable[..., Engi
         stransport = FsTransport(options, transport_context("scheduler", ns, None))
         open_transport(srt, stransport)
         sched = SchedulerEngine(
-            config=cfg, transport=stransport, runtime=srt, bus=sbus, namespace=ns, block_size=BS
+            config=cfg,
+            transport=stransport,
+            runtime=srt,
+            bus=sbus,
+            namespace=ns,
+            block_size=block_size,
+            store_block_sizes=store_block_sizes,
         )
 
         wrt = make_runtime(f"{name}-worker", cls=worker_runtime_cls, clock=worker_clock)
@@ -236,7 +248,7 @@ def engine_starter(make_runtime: MakeRuntime, store: Path) -> Callable[..., Engi
         open_transport(wrt, wtransport)
         worker = WorkerEngine(config=cfg, transport=wtransport, runtime=wrt, bus=wbus)
         worker.register(layout)
-        return Engine(sched, worker, layout, ns, srec, wrec, wtransport)
+        return Engine(sched, worker, layout, ns, srec, wrec, wtransport, block_size)
 
     return start
 

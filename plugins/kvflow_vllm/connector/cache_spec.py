@@ -36,6 +36,7 @@ __all__ = [
     "layout_from_tensors",
     "model_shape",
     "request_salt",
+    "stores_token_major",
 ]
 
 log = logging.getLogger("kvflow.vllm")
@@ -77,12 +78,15 @@ def fingerprint(
     load_format = str(getattr(vllm_config.load_config, "load_format", ""))
     if load_format == "dummy":
         extra += f";load_format={load_format}"
+    # Nor the block size where chunks are token-major: a store serves engines of any
+    # (`kvflow.reblock`); vLLM's CPU blocks do not split into tokens.
+    layout = _stored_layout(kv_cache_config)
     return Fingerprint(
         model=f"{mc.model}@{mc.revision or ''}",
         dtype=f"{mc.dtype}/{vllm_config.cache_config.cache_dtype}/{mc.quantization or ''}",
-        block_size=spec.block_size,
+        block_size=0 if layout == TOKEN_MAJOR else spec.block_size,
         num_layers=len(groups[group].layer_names),
-        layout=_stored_layout(kv_cache_config),
+        layout=layout,
         bytes_per_token=spec.page_size_bytes // spec.block_size * tp_ratio,
         extra=extra,
     )
@@ -204,6 +208,15 @@ def kv_events_on(vllm_config: VllmConfig, block_size: int, hash_block: int) -> b
     return events
 
 
+TOKEN_MAJOR = "token-major"
+
+
+def stores_token_major(kv_cache_config: KVCacheConfig) -> bool:
+    """Whether a store holds this engine's chunks token-major (a device cache): then it
+    loads chunks saved at other block sizes (`kvflow.reblock`)."""
+    return _stored_layout(kv_cache_config) == TOKEN_MAJOR
+
+
 def _stored_layout(kv_cache_config: KVCacheConfig) -> str:
     """The layout of the bytes a store holds: vLLM's CPU cache as it lies (blocks packed per
     instruction set); a device cache token-major, whatever vLLM's layout (staged: any
@@ -212,7 +225,7 @@ def _stored_layout(kv_cache_config: KVCacheConfig) -> str:
 
     if current_platform.is_cpu():
         return str(kv_cache_config.kv_cache_layout or "default")
-    return "token-major"
+    return TOKEN_MAJOR
 
 
 def layout_from_tensors(

@@ -15,11 +15,12 @@ from kvflow.config import KVFlowConfig
 from kvflow.lending import lent_at_finish
 from kvflow.metadata import WorkerPlan
 from kvflow.pd.params import PdParams, PdParamsError, join_groups, parse_pd_params
+from kvflow.reblock import other_block_sizes
 from kvflow.scheduler import ScheduledRequest, SchedulerEngine
 
 from ..extract_hidden_states import HiddenStatesPlanner, extracts_hidden_states
 from ..kv_events import KVEventTracker, KVFlowWorkerMeta
-from .cache_spec import model_shape, request_salt
+from .cache_spec import model_shape, request_salt, stores_token_major
 from .metadata import KVFlowHandshake, KVFlowMetadata
 
 if TYPE_CHECKING:
@@ -89,6 +90,9 @@ class KVFlowScheduler:
                 shape=model_shape(vllm_config, kv_cache_config, group),
                 null_block=_NULL_BLOCK if len(self.groups) > 1 else None,
                 pd_scope=scope,
+                store_block_sizes=other_block_sizes(conn.block_size)
+                if stores_token_major(kv_cache_config)
+                else (),
             )
             for transport, namespace, scope, group in zip(
                 conn.transports, conn.namespaces, conn.scopes, self.groups, strict=True
