@@ -7,6 +7,7 @@ labelled `cuda` whose staging runs as on a GPU."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import pytest
 
@@ -17,7 +18,7 @@ from kvflow.reblock import StoredRun, load_window, other_block_sizes
 from kvflow.scheduler import ScheduledRequest
 from kvflow.testing.layouts import token_bytes
 
-from .engine_harness import Engine, lookup, run_step, save_prompt
+from .engine_harness import Engine, lookup, run_step, save_prompt, stored_files
 
 PROMPT = list(range(300, 321))  # 21 tokens: blocks of 4 (5 and a partial 1), of 8 (2 and 5)
 
@@ -107,3 +108,24 @@ def test_windows_and_the_sizes_looked_for() -> None:
     assert "gaps" in load_window(run, [4] * 5 + [1], [1, 3])[1]
     assert other_block_sizes(16) == [32, 64, 128, 256]
     assert other_block_sizes(64) == [16, 32, 128, 256]
+
+
+def test_a_missing_chunk_fails_the_blocks_from_the_one_holding_it(
+    start_engine: Start, store: Path
+) -> None:
+    """Chunk 2 of 4 tokens (tokens 8..11) is gone after the lookup: the engine of 8 keeps
+    its first block and reports the rest failed (vLLM recomputes from there)."""
+    a, b = _engines(start_engine, 4, 8)
+    save_prompt(a, "p", PROMPT, [1, 2, 3, 4, 5, 6])
+    assert lookup(b, "q", PROMPT) == len(PROMPT) - 1
+    gone = a.keys(PROMPT)[2]
+    next(p for p in stored_files(store) if p.name.startswith(gone)).unlink()
+    blocks = [8, 9, 10]
+    b.sched.allocated("q", blocks, len(PROMPT) - 1)
+    plan = b.sched.plan(
+        [ScheduledRequest("q", 0, len(PROMPT), blocks, replace_blocks=True, token_ids=PROMPT)]
+    )
+    run_step(b, plan)
+    failed = b.worker_events.wait_for(TransferFailed, "q")
+    assert failed.direction == "load" and failed.block_ids == [9, 10], failed
+    assert gone in failed.reason
