@@ -170,17 +170,20 @@ BLOCK_SIZES = {
 }
 
 
-@pytest.mark.parametrize("kind", ["zmq", "nixl"])
+@pytest.mark.parametrize("kind", ["zmq", "zmq-ipc", "nixl"])
 @pytest.mark.parametrize("case", BLOCK_SIZES)
 @pytest.mark.parametrize("order", ["LBNHC-to-LBHNC", "LBHNC-to-LBNHC"])
 async def test_peers_convert_between_block_sizes(kind: str, case: str, order: str) -> None:
-    """A consumer of blocks of another size gets the producer's cells token-major (zmq)
-    or READs its whole blocks into the bounce buffer (nixl) and scatters them into its own
-    blocks, token for token, past tokens it already has."""
+    """A consumer of blocks of another size gets the producer's cells token-major (zmq),
+    copies them as one token stream device to device (CUDA IPC), or READs its whole
+    blocks into the bounce buffer (nixl), and scatters them into its own blocks, token
+    for token, past tokens it already has."""
     (p_bs, p_blocks, p_counts), (c_bs, c_blocks, c_counts), have = BLOCK_SIZES[case]
     p_name, c_name = order.split("-to-")
     prod = layout(block_size=p_bs, layout=p_name, num_blocks=9)
     cons = layout(block_size=c_bs, layout=c_name, num_blocks=9)
+    if kind == "zmq-ipc":
+        prod, cons = as_device(prod), as_device(cons)
     fill_blocks(prod, p_blocks, seed=3)
     fill_blocks(cons, c_blocks, seed=4)
     cls, options = PEERS[kind]

@@ -218,3 +218,40 @@ def copy_chunks(
         for (so, length), (do, _) in zip(g_src.runs(n), g_dst.runs(n), strict=True):
             s0, d0 = sb * g_src.block_stride + so, db * g_dst.block_stride + do
             dst[d0 : d0 + length].copy_(src[s0 : s0 + length], non_blocking=True)
+
+
+def copy_stream(
+    src: torch.Tensor,
+    g_src: LayerGeometry,
+    src_blocks: Sequence[int],
+    skip: int,
+    dst: torch.Tensor,
+    g_dst: LayerGeometry,
+    dst_blocks: Sequence[int],
+    token_counts: Sequence[int],
+    heads: tuple[int, int, int],
+) -> None:
+    """Queue the copy of a token stream between blocks of other sizes (one layer): the
+    tokens of `src_blocks` end to end from token `skip` on, `token_counts[i]` of them into
+    block `dst_blocks[i]`, heads (first, into, count) of theirs into ours; one gather
+    into the token-major order and one scatter out of it, nothing past the last
+    chunk's tokens written."""
+    first, into, count = heads
+    cell, total = g_src.cell_bytes, sum(token_counts)
+    src_cells = cell_view(src, g_src)[:, :, first : first + count]
+    si = torch.tensor(list(src_blocks), device=src.device)
+    picked = src_cells.index_select(0, si).permute(0, 1, 3, 2, 4)  # [k, kb, kt, heads, cell]
+    stream = picked.reshape(-1, count, cell)[skip : skip + total].to(dst.device)
+    dst_cells = cell_view(dst, g_dst)[:, :, into : into + count]
+    bs, kb, kt = g_dst.block_size, g_dst.kernel_blocks, g_dst.kernel_tokens
+    full = next((i for i, n in enumerate(token_counts) if n != bs), len(token_counts))
+    if full:
+        image = stream[: full * bs].reshape(full, kb, kt, count, cell).permute(0, 1, 3, 2, 4)
+        di = torch.tensor(list(dst_blocks[:full]), device=dst.device)
+        dst_cells.index_copy_(0, di, image)
+    t = full * bs
+    for b, n in zip(dst_blocks[full:], token_counts[full:], strict=True):  # token by token
+        for k in range(-(-n // kt)):
+            m = min(kt, n - k * kt)
+            dst_cells[b, k, :, :m].copy_(stream[t : t + m].transpose(0, 1), non_blocking=True)
+            t += m

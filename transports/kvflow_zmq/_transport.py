@@ -92,12 +92,15 @@ class ZmqTransport(PeerTransport):
     def check_pull(self, msg: wire.Pull) -> str:
         """Host memory: a consumer of cells of our size, in blocks of any tokens, with our
         heads or asking for some we hold (what its runs do not match it gets as cells,
-        `_as_cells`). CUDA IPC: the same cells in blocks of our tokens (the copy converts
-        layouts), and its heads of ours."""
+        `_as_cells`). CUDA IPC: the same cells (the copy converts layouts), in blocks of
+        our tokens, or of any as a token stream, and its heads of ours."""
         ours = self._layout().geometries
         if not msg.geometries and msg.heads is None:
             return ""  # the consumer checks what it receives (each `Layer` describes it)
-        if self._handles and msg.heads is None:
+        sized = all(
+            t.block_size == o.block_size for t, o in zip(msg.geometries, ours, strict=False)
+        )
+        if self._handles and msg.heads is None and sized:
             return peer_layout_problem(msg.geometries, ours, cells=True, producer=False)
         whole = msg.heads is None  # a consumer of our size: every head of ours
         if why := peer_cells_problem(
@@ -334,29 +337,40 @@ class ZmqTransport(PeerTransport):
             self._opened[address] = (first, [self._device.open(h) for h in msg.handles])
         theirs = self._opened[address][1]
         with self._device.stream(layout.tensors[0].device):  # ordered before the copies
-            index = ipc.index_tensors(
-                src.block_ids,
-                job.block_ids,
-                job.token_counts,
-                layout.geometries[0],
-                theirs[0].device,
-                layout.tensors[0].device,
+            index = (
+                None
+                if src.block_size
+                else ipc.index_tensors(
+                    src.block_ids,
+                    job.block_ids,
+                    job.token_counts,
+                    layout.geometries[0],
+                    theirs[0].device,
+                    layout.tensors[0].device,
+                )
             )
         queued: list[int] = []  # layers copied, not yet waited for
         for layer in range(job.num_layers):
             ours = layout.tensors[layer]
             with self._device.stream(ours.device):
-                ipc.copy_chunks(
-                    theirs[layer],
-                    msg.geometries[layer],
-                    ours,
-                    layout.geometries[layer],
-                    index,
-                    src.block_ids,
-                    job.block_ids,
-                    job.token_counts,
-                    heads,
-                )
+                if index is None:  # another block size: the tokens as one stream
+                    ipc.copy_stream(
+                        theirs[layer], msg.geometries[layer], src.block_ids, src.skip,
+                        ours, layout.geometries[layer], job.block_ids, job.token_counts,
+                        heads or (0, 0, layout.geometries[layer].heads),
+                    )  # fmt: skip
+                else:
+                    ipc.copy_chunks(
+                        theirs[layer],
+                        msg.geometries[layer],
+                        ours,
+                        layout.geometries[layer],
+                        index,
+                        src.block_ids,
+                        job.block_ids,
+                        job.token_counts,
+                        heads,
+                    )
             queued.append(layer)
             if job.layerwise or layer == job.num_layers - 1:  # else: one wait for all
                 await self._landed({layout.tensors[i].device for i in queued})
@@ -393,12 +407,6 @@ def _check_ipc_offer(
     """Refuse an offer this consumer cannot copy: another memory kind or host, other
     cells (or heads `h` it does not hold), other blocks."""
     here = ipc.host_id()
-    if src.block_size:
-        raise TransportError(
-            f"producer {address} has blocks of {src.block_size} tokens, this consumer "
-            f"{layout.block_size}: CUDA IPC pulls between equal block sizes only",
-            chunk=0,
-        )
     if layout.memory == "cpu":
         raise TransportError(
             f"producer {address} offers CUDA memory; this consumer's KV cache is in host "
@@ -409,14 +417,16 @@ def _check_ipc_offer(
             f"CUDA IPC needs producer and consumer on one host: {address} is on "
             f"{msg.host}, this consumer on {here}"
         )
-    if h is None:
+    if h is None and not src.block_size:
         why = peer_layout_problem(msg.geometries, layout.geometries, cells=True)
-    else:
-        why = peer_cells_problem(msg.geometries, layout.geometries) or next(
+    else:  # heads of theirs, or tokens of blocks of another size: cell by cell
+        other = bool(src.block_size)
+        first, count = (0, layout.geometries[0].heads) if h is None else (h.first, h.count)
+        why = peer_cells_problem(msg.geometries, layout.geometries, any_block_size=other) or next(
             (
-                f"its blocks do not hold heads {h.first}..{h.first + h.count - 1} as cells"
+                f"its blocks do not hold heads {first}..{first + count - 1} as cells"
                 for g in msg.geometries
-                if g.block_bytes or h.first + h.count > g.heads
+                if g.block_bytes or first + count > g.heads
             ),
             "",
         )
@@ -426,7 +436,18 @@ def _check_ipc_offer(
         h.nbytes < g.extent() for h, g in zip(msg.handles, msg.geometries, strict=False)
     ):
         raise ChunkCorrupt(f"producer {address}: its memory handles do not cover its layers")
-    if msg.block_ids != src.block_ids or len(job.block_ids) != len(src.block_ids):
+    tokens = sum(job.token_counts) + src.skip
+    if src.block_size and (
+        any(g.block_size != src.block_size for g in msg.geometries)
+        or len(src.block_ids) * src.block_size < tokens
+    ):
+        raise ChunkCorrupt(
+            f"producer {address}: its blocks of {src.block_size} tokens {src.block_ids[:8]} "
+            f"do not hold the {tokens} tokens asked for"
+        )
+    if msg.block_ids != src.block_ids or (
+        not src.block_size and len(job.block_ids) != len(src.block_ids)
+    ):
         raise ChunkCorrupt(
             f"producer {address} offers blocks {msg.block_ids}; the consumer asked for "
             f"{src.block_ids} into {len(job.block_ids)} blocks"
