@@ -3,6 +3,7 @@ device-to-device copy of the same blocks, in the same run.
 
     python bench/bench_cuda_ipc.py            # 32 layers x 512 blocks of 16 tokens
     python bench/bench_cuda_ipc.py --quick    # a few seconds; what the test suite runs
+    python bench/bench_cuda_ipc.py --consumer-layout LBHNC   # converted NHD -> HND
 
 A producer process (CUDA IPC handles do not open in the process that exported
 them) registers KV caches laid out as vLLM lays out FlashAttention's default (LBNHC,
@@ -42,11 +43,14 @@ from kvflow_zmq import ZmqOptions, ZmqTransport
 BLOCK, HEADS, HEAD_DIM = 16, 8, 128
 
 
-def make_layout(layers: int, blocks: int, seed: int) -> tuple[KVLayout, list[torch.Tensor]]:
-    """Caches laid out as vLLM's FlashAttention default (LBNHC) filled from `seed`, and
-    their views."""
+def make_layout(
+    layers: int, blocks: int, seed: int, order: str = "LBNHC"
+) -> tuple[KVLayout, list[torch.Tensor]]:
+    """Caches laid out as vLLM's FlashAttention default (LBNHC; or `order`) filled from
+    `seed`, and their views."""
     return device_layout(
         "cuda",
+        layout=order,
         num_layers=layers,
         num_blocks=blocks,
         block_size=BLOCK,
@@ -100,6 +104,12 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=12)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--layerwise", action="store_true", help="wait for each layer")
+    ap.add_argument(
+        "--consumer-layout",
+        default="LBNHC",
+        help="the consumer's KV layout (LBHNC: HND, converted on receive; the baseline "
+        "copies within it)",
+    )
     args = ap.parse_args()
     if args.quick:
         args.layers, args.blocks, args.requests = 4, 64, 3
@@ -112,7 +122,7 @@ def main() -> int:
     )
     proc.start()
     address = parent.recv()
-    layout, caches = make_layout(args.layers, args.blocks, seed=2)
+    layout, caches = make_layout(args.layers, args.blocks, seed=2, order=args.consumer_layout)
     _, expected = make_layout(args.layers, args.blocks, seed=1)  # the producer's bytes
     half = args.blocks // 2
     src_ids = list(range(half))
@@ -165,6 +175,7 @@ def main() -> int:
         "blocks_moved": half,
         "bytes_per_request": nbytes,
         "layerwise": args.layerwise,
+        "consumer_layout": args.consumer_layout,
         "first_pull_s": secs[0],
         "ipc_pull_gbs": ipc_gbs,
         "plain_d2d_gbs": plain_gbs,
@@ -176,6 +187,8 @@ def main() -> int:
     print(f"bytes equal: {'yes' if equal else 'NO'}")
     if not args.quick:
         name = "cuda_ipc_layerwise.json" if args.layerwise else "cuda_ipc.json"
+        if args.consumer_layout != "LBNHC":
+            name = name.replace(".json", f"_{args.consumer_layout}.json")
         out = Path(__file__).parent / "results" / name
         out.write_text(json.dumps(result, indent=2) + "\n")
     return 0 if equal and outcomes == ["done"] * args.requests else 1

@@ -138,12 +138,18 @@ def head_copy_runs(
     count: int,
     n: int,
     in_blocks: bool = False,
+    src_at: int = 0,
+    dst_at: int = 0,
 ) -> tuple[tuple[int, int, int], ...]:
     """(source offset, destination offset, length) of the byte runs that copy heads
     `[src_first, src_first + count)` of an `n`-token chunk of `src` into heads
     `[dst_first, dst_first + count)` of one of `dst`, in the destination's order:
-    offsets within the chunks' images, or within their blocks (`in_blocks`). A
-    `LayoutError` when the chunks hold other cells (sizes, tokens) or too few heads."""
+    offsets within the chunks' images, or within their blocks (`in_blocks`; then the
+    `n` tokens from token `src_at` of the source block to token `dst_at` on of the
+    destination's: blocks of other sizes). A `LayoutError` when the chunks hold other
+    cells (sizes, tokens) or too few heads."""
+    if (src_at or dst_at) and not in_blocks:
+        raise LayoutError("token offsets are within blocks only")
     where = cell_offsets if in_blocks else positions
     if bool(src.block_bytes) != bool(dst.block_bytes) or src.cell_bytes != dst.cell_bytes:
         raise LayoutError(f"cannot copy heads of {src.describe()} into {dst.describe()}")
@@ -151,8 +157,9 @@ def head_copy_runs(
         src_first + count > src.heads or dst_first + count > dst.heads
     ):
         raise LayoutError(f"heads out of range copying {src.describe()} into {dst.describe()}")
-    sp, su = where(src, n)
-    dp, du = where(dst, n)
+    sp, su = where(src, src_at + n)
+    dp, du = where(dst, dst_at + n)
+    sp, dp = sp[src_at:], dp[dst_at:]  # block-granular: one row, and no offsets
     if su != du:
         raise LayoutError(f"cannot copy heads of {src.describe()} into {dst.describe()}")
     s = sp[:, src_first : src_first + count].ravel()

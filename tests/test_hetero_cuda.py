@@ -1,10 +1,11 @@
-"""P/D between tensor-parallel sizes and KV layouts on CUDA caches: producer processes
-on this GPU (as vLLM's workers are) offer their blocks, and each consumer rank of
-another tensor-parallel size, in another layout, pulls exactly its heads device to
-device, over `zmq`'s CUDA IPC and over NIXL VRAM READs (UCX between processes); every
-cell of every head is compared with the producer's. Skipped without a GPU (the same
-pulls run on host memory everywhere: tests/test_peer_tensor_parallel.py, with CUDA
-IPC's copies through an in-process stand-in)."""
+"""P/D between tensor-parallel sizes, KV layouts and block sizes on CUDA caches:
+producer processes on this GPU (as vLLM's workers are) offer their blocks, and each
+consumer rank of another tensor-parallel size, layout or block size pulls exactly its
+heads' tokens device to device, over `zmq`'s CUDA IPC and over NIXL VRAM READs (UCX
+between processes); every cell of every head is compared with the producer's.
+Skipped without a GPU (the same pulls run on host memory everywhere:
+tests/test_peer_tensor_parallel.py and tests/test_peer_layouts.py, CUDA IPC's copies
+through an in-process stand-in, NIXL's device READs as strided READs of host memory)."""
 
 from __future__ import annotations
 
@@ -102,8 +103,6 @@ CASES = {  # name: (producer tp, consumer tp, producer order, consumer order, bl
 @pytest.mark.parametrize("case", list(CASES))
 async def test_each_consumer_rank_pulls_its_heads_device_to_device(name: str, case: str) -> None:
     p_tp, c_tp, p_order, c_order, (p_bs, c_bs) = CASES[case]
-    if name == "nixl" and p_bs != c_bs:
-        pytest.skip("nixl into device memory pulls between equal block sizes only")
     src, _, p_counts = BLOCKS_OF[p_bs]
     _, dst, counts = BLOCKS_OF[c_bs]
     spawn = mp.get_context("spawn")

@@ -20,16 +20,8 @@ from kvflow.transport import LoadJob, Offer, PeerSource, TransportContext, Trans
 from kvflow_nixl import NixlOptions, NixlTransport
 from kvflow_zmq import ZmqOptions, ZmqTransport
 
+from .nixl_standins import StridedNixl
 from .zmq_standins import StandInIpcZmq, as_device
-
-
-class StridedNixl(NixlTransport):
-    """READs every run of cells where it lies (no bounce buffer: as a device cache does)."""
-
-    async def register(self, layout: KVLayout) -> None:
-        await super().register(layout)
-        self._bounce = None
-
 
 TRANSPORTS: dict[str, tuple[type[PeerTransport], type]] = {
     "zmq": (ZmqTransport, ZmqOptions),

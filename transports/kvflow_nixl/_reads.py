@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import itertools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import trio
@@ -122,10 +122,18 @@ class Reads:
         starts = [0]
         if not chunks:
             return None, starts
+        src = job.source
+        if src is not None and src.block_size:  # every chunk: a token stream of their blocks
+            spans = stream_spans(
+                job.block_ids, job.token_counts, msg.block_ids, src.block_size, src.skip
+            )
+        else:
+            spans = [
+                Span(c, job.block_ids[c], msg.block_ids[c], job.token_counts[c]) for c in chunks
+            ]
         mine, theirs = _pair_descs(
-            self.bases, self.layout.geometries, job.block_ids,
-            peer.bases, peer.table.geometries, msg.block_ids,
-            [(c, job.token_counts[c]) for c in chunks], self.heads, peer.name,
+            self.bases, self.layout.geometries, peer.bases, peer.table.geometries,
+            spans, self.heads, peer.name,
         )  # fmt: skip
         for layer in mine:
             starts.append(starts[-1] + len(layer))
@@ -149,21 +157,15 @@ class Reads:
         packed = all(g.block_bytes for g in layout.geometries)
         same = self.heads is None and not layout_mismatch(peer.table.geometries, layout.geometries)
         other_blocks = job.source is not None and bool(job.source.block_size)
-        if other_blocks or not same:
-            bounced = self._bounced(job, peer)
-            if other_blocks and not bounced:
-                raise TransportError(
-                    f"producer {peer.name} has blocks of another size than this consumer's "
-                    f"({layout.block_size} tokens): nixl pulls between block sizes into host "
-                    "memory only",
-                    chunk=0,
-                )
-            if bounced:
-                assert self.bounce is not None
-                async with self.bounce.lock:
-                    await self._read_bounced(job, peer, msg, landed)
-                return
-        full = [same and (packed or n >= layout.block_size) for n in job.token_counts]
+        if (other_blocks or not same) and self._bounced(job, peer):
+            assert self.bounce is not None
+            async with self.bounce.lock:
+                await self._read_bounced(job, peer, msg, landed)
+            return
+        full = [
+            same and not other_blocks and (packed or n >= layout.block_size)
+            for n in job.token_counts
+        ]
         whole = [c for c, f in enumerate(full) if f]
         partial = [c for c, f in enumerate(full) if not f]
         theirs_ids = np.array([msg.block_ids[c] for c in whole], np.int64)
@@ -356,42 +358,72 @@ class Reads:
         return clean
 
 
+class Span(NamedTuple):
+    """Tokens `[their_at, their_at + tokens)` of their block `theirs` into tokens from
+    `our_at` on of our block `ours`, for our chunk `chunk`."""
+
+    chunk: int
+    ours: int
+    theirs: int
+    tokens: int
+    our_at: int = 0
+    their_at: int = 0
+
+
+def stream_spans(
+    our_blocks: Sequence[int],
+    counts: Sequence[int],
+    their_blocks: Sequence[int],
+    size: int,
+    skip: int,
+) -> list[Span]:
+    """The `Span`s moving a token stream out of their blocks of `size` tokens, from token
+    `skip` of the first, into our blocks holding `counts` tokens each."""
+    out, at = [], skip
+    for c, (ours, n) in enumerate(zip(our_blocks, counts, strict=True)):
+        done = 0
+        while done < n:
+            j, t = divmod(at, size)
+            m = min(n - done, size - t)
+            out.append(Span(c, ours, their_blocks[j], m, done, t))
+            done, at = done + m, at + m
+    return out
+
+
 def _pair_descs(
     our_bases: Sequence[tuple[int, int]],
     ours: Sequence[LayerGeometry],
-    our_blocks: Sequence[int],
     their_bases: Sequence[tuple[int, int]],
     theirs: Sequence[LayerGeometry],
-    their_blocks: Sequence[int],
-    chunks: Sequence[tuple[int, int]],
+    spans: Sequence[Span],
     heads: HeadRead | None,
     who: str,
 ) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """Per layer, the [address, length, device] rows (ours, theirs, pairwise equal in
-    length) moving heads `heads` (None: all) of each (chunk, tokens) of `chunks` from
-    their block into ours. A `TransportError` naming both layouts when the cells differ."""
-    by_tokens: dict[int, list[int]] = {}
-    for c, n in chunks:
-        by_tokens.setdefault(n, []).append(c)
+    length) moving heads `heads` (None: all) of each of `spans` from their block into
+    ours. A `TransportError` naming both layouts when the cells differ."""
+    by_tokens: dict[tuple[int, int, int], list[Span]] = {}
+    for sp in spans:
+        by_tokens.setdefault((sp.tokens, sp.our_at, sp.their_at), []).append(sp)
     mine: list[np.ndarray] = []
     their: list[np.ndarray] = []
     for og, tg, (ob, od), (tb, td) in zip(ours, theirs, our_bases, their_bases, strict=True):
         o_rows, t_rows = [], []
-        for n, cs in by_tokens.items():
+        for (n, o_tok, t_tok), group in by_tokens.items():
             first, into, count = (
                 (0, 0, og.heads) if heads is None else (heads.first, heads.into, heads.count)
             )
             try:
-                runs = head_copy_runs(tg, first, og, into, count, n, in_blocks=True)
+                runs = head_copy_runs(tg, first, og, into, count, n, True, t_tok, o_tok)
             except LayoutError as exc:
                 raise TransportError(
                     f"producer {who}: KV layouts differ: producer {tg.describe()}, consumer "
                     f"{og.describe()} ({exc})",
-                    chunk=cs[0],
+                    chunk=group[0].chunk,
                 ) from None
             r = np.array(runs, dtype=np.int64).reshape(-1, 3)
-            o_at = np.array([our_blocks[c] for c in cs], np.int64)[:, None] * og.block_stride
-            t_at = np.array([their_blocks[c] for c in cs], np.int64)[:, None] * tg.block_stride
+            o_at = np.array([sp.ours for sp in group], np.int64)[:, None] * og.block_stride
+            t_at = np.array([sp.theirs for sp in group], np.int64)[:, None] * tg.block_stride
             o_rows.append(_rows(ob + o_at + r[None, :, 1], r[:, 2], od))
             t_rows.append(_rows(tb + t_at + r[None, :, 0], r[:, 2], td))
         mine.append(np.concatenate(o_rows))
