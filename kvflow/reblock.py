@@ -22,6 +22,7 @@ from collections.abc import Sequence
 
 import msgspec
 import numpy as np
+import trio
 
 from .cells import slices
 from .keys import ChunkKey, chunk_keys, chunk_token_counts
@@ -81,18 +82,24 @@ async def lookup_blocks(
     sizes: Sequence[int],
 ) -> tuple[int, StoredRun | None]:
     """The most leading chunks of `counts` (this engine's) that the chunks of one of
-    `sizes` hold, and those chunks: one lookup a size, until one holds every chunk."""
-    best, found_run = 0, None
-    for size in sizes:
+    `sizes` hold, and those chunks: one lookup a size, all at once (a request waits for
+    the slowest, not for their sum)."""
+    runs: list[StoredRun] = []
+
+    async def look(size: int) -> None:
         keys = chunk_keys(namespace, token_ids, size, salt=salt, include_partial=partial)
-        found = await transport.lookup(keys)
-        theirs = chunk_token_counts(len(token_ids), size)[:found]
-        held = sum(theirs)
+        found = max(0, min(await transport.lookup(keys), len(keys)))
+        runs.append(StoredRun(size, keys[:found], chunk_token_counts(len(token_ids), size)[:found]))
+
+    async with trio.open_nursery() as nursery:
+        for size in sizes:
+            nursery.start_soon(look, size)
+    best, found_run = 0, None
+    for run in sorted(runs, key=lambda r: r.block_size):
+        held = sum(run.token_counts)
         ours = sum(1 for end in itertools.accumulate(counts) if end <= held)
         if ours > best:
-            best, found_run = ours, StoredRun(size, keys[:found], theirs)
-        if best == len(counts):
-            break
+            best, found_run = ours, run
     return best, found_run
 
 

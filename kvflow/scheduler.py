@@ -234,8 +234,10 @@ class SchedulerEngine:  # ~440 lines: one request's life in the scheduler (looku
             )
             counts = chunk_token_counts(len(token_ids), self.block_size)[: len(keys)]
             st = self._reqs[req] = _Request(keys=keys, counts=counts, prompt_len=len(token_ids))
+            if self._store_blocks:  # other block sizes' keys: before the lookup reads them
+                st.tokens, st.salt = token_ids, salt
             self._start_lookup(req, st)  # overlap the lookup with the wait in the queue
-        if self.can_offer or self._store_blocks:  # an offer's digest; other block sizes' keys
+        if self.can_offer:  # a request pulled here may be offered on too (its digest)
             st.tokens, st.salt = token_ids, salt
 
     def knows(self, req: str) -> bool:

@@ -65,6 +65,7 @@ from ..reshape import load_reshaped, lookup_sources, other_shapes, shard_name
 from ..transport import SaveJob, Transport, TransportError
 from .contract import ContractViolation, Promise, violated
 from .harness import Chunks, GatedSave, Harness, _all, _spans, expect_none_stored
+from .store_blocks import BlockSizeConformance
 from .suite import ConformanceSuite
 
 __all__ = [
@@ -78,7 +79,9 @@ __all__ = [
 ]
 
 
-class TransportConformance(ConformanceSuite):  # ~480 lines: one test per promise of the
+class TransportConformance(
+    BlockSizeConformance, ConformanceSuite
+):  # ~480 lines: one test per promise of the
     # contract; pytest collects them from this class
     """The store suite. Subclass and provide a `make_transport` fixture; see the module
     docstring."""

@@ -50,6 +50,11 @@ class Promise:
     CANCEL = "all methods are cancellable; a cancelled save leaves nothing visible"
     NAMESPACE = "a transport serves only its context's namespace; other namespaces see nothing"
     SHARDS = "each shard stores its own slice of a chunk; a lookup hit needs every shard"
+    REBLOCK = (
+        "with capabilities.reshape, a device cache finds and loads, token for token, the "
+        "chunks an engine of another block size saved (plain chunks of the same namespace: "
+        "kvflow.reblock)"
+    )
     RESHAPE = (
         "with capabilities.reshape, an engine of another tensor-parallel size finds and "
         "loads a chunk under the shards that saved it (lookup(keys, shards); the load "

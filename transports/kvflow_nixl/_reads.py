@@ -419,7 +419,7 @@ def _pair_descs(
                 raise TransportError(
                     f"producer {who}: KV layouts differ: producer {tg.describe()}, consumer "
                     f"{og.describe()} ({exc})",
-                    chunk=group[0].chunk,
+                    chunk=0,  # refused before any READ
                 ) from None
             r = np.array(runs, dtype=np.int64).reshape(-1, 3)
             o_at = np.array([sp.ours for sp in group], np.int64)[:, None] * og.block_stride

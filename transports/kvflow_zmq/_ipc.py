@@ -238,8 +238,10 @@ def copy_stream(
     chunk's tokens written."""
     first, into, count = heads
     cell, total = g_src.cell_bytes, sum(token_counts)
+    if not total:
+        return
     src_cells = cell_view(src, g_src)[:, :, first : first + count]
-    si = torch.tensor(list(src_blocks), device=src.device)
+    si = torch.tensor(list(src_blocks), dtype=torch.long, device=src.device)
     picked = src_cells.index_select(0, si).permute(0, 1, 3, 2, 4)  # [k, kb, kt, heads, cell]
     stream = picked.reshape(-1, count, cell)[skip : skip + total].to(dst.device)
     dst_cells = cell_view(dst, g_dst)[:, :, into : into + count]
@@ -247,7 +249,7 @@ def copy_stream(
     full = next((i for i, n in enumerate(token_counts) if n != bs), len(token_counts))
     if full:
         image = stream[: full * bs].reshape(full, kb, kt, count, cell).permute(0, 1, 3, 2, 4)
-        di = torch.tensor(list(dst_blocks[:full]), device=dst.device)
+        di = torch.tensor(list(dst_blocks[:full]), dtype=torch.long, device=dst.device)
         dst_cells.index_copy_(0, di, image)
     t = full * bs
     for b, n in zip(dst_blocks[full:], token_counts[full:], strict=True):  # token by token

@@ -422,7 +422,9 @@ def _check_ipc_offer(
     else:  # heads of theirs, or tokens of blocks of another size: cell by cell
         other = bool(src.block_size)
         first, count = (0, layout.geometries[0].heads) if h is None else (h.first, h.count)
-        why = peer_cells_problem(msg.geometries, layout.geometries, any_block_size=other) or next(
+        why = peer_cells_problem(
+            msg.geometries, layout.geometries, any_block_size=other, same_heads=h is None
+        ) or next(
             (
                 f"its blocks do not hold heads {first}..{first + count - 1} as cells"
                 for g in msg.geometries
