@@ -174,7 +174,7 @@ BLOCK_SIZES = {
 
 @pytest.mark.parametrize("kind", ["zmq", "zmq-ipc", "nixl", "nixl-strided"])
 @pytest.mark.parametrize("case", BLOCK_SIZES)
-@pytest.mark.parametrize("order", ["LBNHC-to-LBHNC", "LBHNC-to-LBNHC"])
+@pytest.mark.parametrize("order", ["LBNHC-to-LBHNC", "LBHNC-to-LBNHC", "LBNHC-to-LBNHC"])
 async def test_peers_convert_between_block_sizes(kind: str, case: str, order: str) -> None:
     """A consumer of blocks of another size gets the producer's cells token-major (zmq),
     copies them as one token stream device to device (CUDA IPC), or READs its whole

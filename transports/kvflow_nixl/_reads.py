@@ -211,14 +211,18 @@ class Reads:
         if self.bounce is None or not self.bounce.usable or "VRAM" in (self.memory, peer.memory):
             return False
         first, into, count = self._heads()
-        if job.source is not None and job.source.block_size:
-            return not any(g.block_bytes for g in self.layout.geometries)  # cells only
-        n = max(job.token_counts)
+        src = job.source
+        if src is not None and src.block_size:  # the pieces of blocks a token stream spans
+            cut = stream_spans(job.block_ids, job.token_counts, _ANY, src.block_size, src.skip)
+            pieces = {(sp.tokens, sp.their_at, sp.our_at) for sp in cut}
+        else:
+            pieces = {(max(job.token_counts), 0, 0)}
         try:
             return any(
                 not og.block_bytes
-                and len(head_copy_runs(tg, first, og, into, count, n, True)) > MANY_RUNS
+                and len(head_copy_runs(tg, first, og, into, count, n, True, t_at, o_at)) > MANY_RUNS
                 for tg, og in set(zip(peer.table.geometries, self.layout.geometries, strict=True))
+                for n, t_at, o_at in pieces
             )
         except LayoutError:
             return False  # refused, naming both, by the strided path
@@ -356,6 +360,10 @@ class Reads:
         xfers.clear()
         dlists.clear()
         return clean
+
+
+_ANY = range(1 << 62)
+"""Block ids standing for any (`stream_spans` for where the pieces lie, not which blocks)."""
 
 
 class Span(NamedTuple):
