@@ -295,11 +295,14 @@ class SchedulerEngine:  # ~440 lines: one request's life in the scheduler (looku
         if st is None:
             return
         st.block_ids = list(block_ids)
-        # chunks the store holds for another tensor-parallel size are saved again at this
-        # engine's (then they load without conversion; decision 56)
-        other = next((i for i, size in enumerate(st.sources) if size), None)
-        other = st.own_hits if st.reblock is not None else other
-        st.stored_upto = max(st.stored_upto, (st.hit_chunks or 0) if other is None else other)
+        # chunks the store holds for another tensor-parallel size or block size are saved
+        # again as this engine keys them (then they load without conversion; decisions 56
+        # and 58): only the leading chunks held as its own count as stored
+        if st.reblock is not None:
+            own = st.own_hits
+        else:
+            own = next((i for i, size in enumerate(st.sources) if size), st.hit_chunks or 0)
+        st.stored_upto = max(st.stored_upto, own)
         if num_external <= 0 or st.load_planned:
             return
         st.load_planned = True
