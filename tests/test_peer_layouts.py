@@ -26,7 +26,7 @@ from kvflow_zmq import ZmqOptions, ZmqTransport
 pytest.importorskip("nixl_cu12", reason="NIXL is an optional extra: kvflow[nixl]")
 from kvflow_nixl import NixlOptions, NixlTransport
 
-from .nixl_standins import StridedNixl
+from .nixl_standins import StridedNixl, TorchBounceNixl
 from .zmq_standins import InProcessDevice, StandInIpcZmq, as_device
 
 BS = 8
@@ -36,6 +36,7 @@ PEERS = {
     "nixl": (NixlTransport, NixlOptions),
     "zmq-ipc": (StandInIpcZmq, ZmqOptions),
     "nixl-strided": (StridedNixl, NixlOptions),  # device memory's READs, on host memory
+    "nixl-torch-bounce": (TorchBounceNixl, NixlOptions),  # and its bounce, on host memory
 }
 SAME = {name: {"layout": name} for name in LAYOUTS} | {
     "LBHNC-kernel4": {"layout": "LBHNC", "kernel_block_size": 4},
@@ -172,7 +173,7 @@ BLOCK_SIZES = {
 }
 
 
-@pytest.mark.parametrize("kind", ["zmq", "zmq-ipc", "nixl", "nixl-strided"])
+@pytest.mark.parametrize("kind", ["zmq", "zmq-ipc", "nixl", "nixl-strided", "nixl-torch-bounce"])
 @pytest.mark.parametrize("case", BLOCK_SIZES)
 @pytest.mark.parametrize("order", ["LBNHC-to-LBHNC", "LBHNC-to-LBNHC", "LBNHC-to-LBNHC"])
 async def test_peers_convert_between_block_sizes(kind: str, case: str, order: str) -> None:

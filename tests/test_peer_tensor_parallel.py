@@ -20,7 +20,7 @@ from kvflow.transport import LoadJob, Offer, PeerSource, TransportContext, Trans
 from kvflow_nixl import NixlOptions, NixlTransport
 from kvflow_zmq import ZmqOptions, ZmqTransport
 
-from .nixl_standins import StridedNixl
+from .nixl_standins import StridedNixl, TorchBounceNixl
 from .zmq_standins import StandInIpcZmq, as_device
 
 TRANSPORTS: dict[str, tuple[type[PeerTransport], type]] = {
@@ -28,9 +28,11 @@ TRANSPORTS: dict[str, tuple[type[PeerTransport], type]] = {
     "zmq-ipc": (StandInIpcZmq, ZmqOptions),  # CUDA IPC's copies, on host tensors
     "nixl": (NixlTransport, NixlOptions),
     "nixl-strided": (StridedNixl, NixlOptions),
+    "nixl-torch-bounce": (TorchBounceNixl, NixlOptions),
 }
 if not any(importlib.util.find_spec(m) for m in ("nixl", "nixl_cu12")):
-    del TRANSPORTS["nixl"], TRANSPORTS["nixl-strided"]  # NIXL is not installed
+    for name in ("nixl", "nixl-strided", "nixl-torch-bounce"):  # NIXL is not installed
+        del TRANSPORTS[name]
 
 BS, HEADS = 16, 4
 COUNTS = [16, 16, 9]

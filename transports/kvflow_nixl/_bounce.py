@@ -1,17 +1,20 @@
 """A consumer's bounce buffer: where a pull whose cells lie in many small runs (NHD
 blocks of another head count: a run per token; NHD against HND: a run per cell) READs
 the producer's whole blocks, run for run as the prepared lists hold them, then takes the
-cells it needs with one numpy gather and scatter per piece (`kvflow.cells`). One READ
-descriptor per block and run instead of one per token or cell: on one host UCX moves
-few large descriptors far faster than many small ones (bench/bench_convert.py).
+cells it needs with one gather and scatter per piece (`kvflow.cells`). One READ
+descriptor per block and run instead of one per token or cell: UCX moves few large
+descriptors far faster than many small ones (bench/bench_convert.py; on an H100, a
+strided READ per cell ran at 0.09x of an unconverted pull, bench_convert_cuda.py).
 
-Host memory only (a device cache keeps the strided READs). One registered region per
-consumer transport, `BOUNCE_BYTES`, allocated on first use and used by one pull at a
-time; a pull moves its layers through it in windows, each READ then scattered (in a
-thread: a READ on one host copies inside NIXL's call, in the loop's thread, and the two
-did not overlap when tried). A READ still in flight when a pull
-ends (cancelled) and does not leave PROC within the drain wait leaves the region broken:
-it is never used again (a later pull registers a new one).
+One registered region per consumer transport, `BOUNCE_BYTES`, in the memory of the
+consumer's cache, allocated on first use and used by one pull at a time; a pull moves
+its layers through it in windows, each READ then scattered: by numpy in a thread for
+host memory (a READ on one host copies inside NIXL's call, in the loop's thread, and
+the two did not overlap when tried), by torch on the device for device memory (queued,
+then waited for, shielded: it writes into our blocks and reads the region). A READ
+still in flight when a pull ends (cancelled) and does not leave PROC within the drain
+wait leaves the region broken: it is never used again (a later pull registers a new
+one).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ __all__ = [
     "Piece",
     "bounce_cells",
     "scatter_cells",
+    "scatter_on_device",
     "scatter_stream",
     "windows",
 ]
@@ -55,14 +59,19 @@ Piece = tuple[int, int, int]
 class Bounce:
     """The registered region (see the module text); `lock` gives it to one pull at a time."""
 
-    def __init__(self, agent: Any, backend: str) -> None:
+    def __init__(self, agent: Any, backend: str, device: Any = None) -> None:
         self.agent = agent
         self.backend = backend
+        self.device = device
+        """None: host memory, a numpy region; a torch device: a uint8 tensor there,
+        gathered and scattered by torch (`scatter_on_device`)."""
+        self.memory = "DRAM" if device is None or device.type == "cpu" else "VRAM"
+        self.device_id = 0 if device is None or device.index is None else int(device.index)
         self.lock = trio.Lock()
-        self.buf: np.ndarray | None = None
+        self.buf: Any = None
         self.address = 0
         self._reg: Any = None
-        self._broken: list[tuple[np.ndarray, Any]] = []
+        self._broken: list[tuple[Any, Any]] = []
         """Regions a READ may still write into: kept (registered, alive) until close."""
 
     @property
@@ -70,14 +79,21 @@ class Bounce:
         """False once `MAX_BROKEN` regions broke (pulls then READ cell runs directly)."""
         return len(self._broken) < MAX_BROKEN
 
-    def region(self) -> np.ndarray:
-        """The region, registered on first use."""
+    def region(self) -> Any:
+        """The region (a numpy array, or a torch tensor on `device`), registered on first
+        use."""
         if self.buf is None:
-            buf = np.empty(BOUNCE_BYTES, np.uint8)
-            address = int(buf.ctypes.data)
+            if self.device is None:
+                buf: Any = np.empty(BOUNCE_BYTES, np.uint8)
+                address = int(buf.ctypes.data)
+            else:
+                import torch
+
+                buf = torch.empty(BOUNCE_BYTES, dtype=torch.uint8, device=self.device)
+                address = int(buf.data_ptr())
             try:
                 self._reg = self.agent.register_memory(
-                    [(address, BOUNCE_BYTES, 0, "")], "DRAM", [self.backend]
+                    [(address, BOUNCE_BYTES, self.device_id, "")], self.memory, [self.backend]
                 )
             except Exception as exc:
                 raise TransportError(f"NIXL cannot register a bounce buffer: {exc}") from None
@@ -203,3 +219,31 @@ def scatter_stream(
     base, first, count, token_counts = piece
     src = bounce_cells(g, token_counts, first, count, base)
     put_cells(cells_of(ours, cell), dst, cells_of(buf, g.cell_bytes)[src], at)
+
+
+def scatter_on_device(
+    buf: Any,
+    g: LayerGeometry,
+    piece: tuple[int, int, int, Sequence[int]],
+    ours: Any,
+    dst: np.ndarray,
+    at: int,
+) -> None:
+    """`scatter_cells` and `scatter_stream` for torch tensors (the bounce region `buf` and
+    our flat uint8 layer `ours`, on one device): queue one gather of the piece's cells
+    READ from `piece[0]` on (its first head, heads and chunks' tokens; blocks of `g`) and
+    one scatter of them to cells `[at, ...)` of `dst` (`cell_index` order); cells before
+    0 or past `dst` are left."""
+    import torch
+
+    base, first, count, token_counts = piece
+    src = bounce_cells(g, token_counts, first, count, base)
+    lo, hi = max(at, 0), min(at + len(src), len(dst))
+    if lo >= hi:
+        return
+    s = torch.from_numpy(src[lo - at : hi - at]).to(buf.device)
+    d = torch.from_numpy(dst[lo:hi]).to(ours.device)
+    cell = g.cell_bytes
+    theirs = buf.as_strided((buf.numel() // cell, cell), (cell, 1), buf.storage_offset())
+    mine = ours.as_strided((ours.numel() // cell, cell), (cell, 1), ours.storage_offset())
+    mine.index_copy_(0, d, theirs.index_select(0, s))

@@ -18,10 +18,19 @@ from kvflow.cells import cell_index, head_copy_runs
 from kvflow.layout import KVLayout, LayerGeometry, LayoutError, layout_mismatch
 from kvflow.pd.topology import HeadRead
 from kvflow.runtime import Backoff
+from kvflow.staging import event_done
 from kvflow.transport import ChunkCorrupt, LoadJob, TransferStuck, TransportError
 
 from . import _wire as wire
-from ._bounce import MANY_RUNS, Bounce, Piece, scatter_cells, scatter_stream, windows
+from ._bounce import (
+    MANY_RUNS,
+    Bounce,
+    Piece,
+    scatter_cells,
+    scatter_on_device,
+    scatter_stream,
+    windows,
+)
 from ._descs import Table, release
 from ._remotes import Remote
 
@@ -64,7 +73,7 @@ class Reads:
         self.landed = landed
         """Called as each layer lands (default: the job's `layer_loaded`)."""
         self.bounce = bounce
-        """Host memory: where cells in many small runs are READ through (`_bounce`)."""
+        """Where cells in many small runs are READ through (`_bounce`)."""
         self.xfers: list[Any] = []
         """Every posted READ's handle, until drained."""
         self.dlists: list[Any] = []
@@ -207,8 +216,8 @@ class Reads:
 
     def _bounced(self, job: LoadJob, peer: Remote) -> bool:
         """Whether this pull's cells lie in so many small runs that it goes through the
-        bounce buffer (host memory on both sides)."""
-        if self.bounce is None or not self.bounce.usable or "VRAM" in (self.memory, peer.memory):
+        bounce buffer."""
+        if self.bounce is None or not self.bounce.usable:
             return False
         first, into, count = self._heads()
         src = job.source
@@ -231,11 +240,11 @@ class Reads:
         self, job: LoadJob, peer: Remote, msg: wire.Blocks, landed: Callable[[int], None]
     ) -> None:
         """READ the producer's whole blocks into the bounce buffer a window at a time and
-        scatter the cells of this pull's heads into ours, in a thread (the loop keeps
-        serving meanwhile); see `_bounce`."""
+        scatter the cells of this pull's heads into ours: host memory in a thread (the
+        loop keeps serving meanwhile), device memory by torch there; see `_bounce`."""
         bounce = self.bounce
         assert bounce is not None
-        buf = bounce.region().data
+        region = bounce.region()
         first, into, count = self._heads()
         theirs, ours, counts = peer.table.geometries, self.layout.geometries, job.token_counts
         if first + count > min(g.heads for g in theirs):
@@ -248,25 +257,49 @@ class Reads:
         def dst_of(g: LayerGeometry) -> np.ndarray:  # one per geometry, not per piece
             return cell_index(g, job.block_ids, counts, into, count)
 
+        def on_device(window: list[Piece], bases: list[int]) -> None:
+            for (layer, c0, c1), base in zip(window, bases, strict=True):
+                if skip < 0:  # their chunks are ours, one for one
+                    dst = cell_index(ours[layer], job.block_ids[c0:c1], counts[c0:c1], into, count)
+                    piece = (base, first, count, counts[c0:c1])
+                    scatter_on_device(region, theirs[layer], piece, self._tensor(layer), dst, 0)
+                    continue
+                at = (starts[c0] - skip) * count  # the piece's first cell, in `dst_of`
+                piece = (base, first, count, msg.token_counts[c0:c1])
+                mine = self._tensor(layer)
+                scatter_on_device(region, theirs[layer], piece, mine, dst_of(ours[layer]), at)
+
+        def on_host(window: list[Piece], bases: list[int]) -> None:
+            buf = region.data
+            for (layer, c0, c1), base in zip(window, bases, strict=True):
+                tg, mine = theirs[layer], self.layout.buffers[layer]
+                if skip < 0:
+                    into_ours = (mine, ours[layer], job.block_ids[c0:c1], into)
+                    scatter_cells(buf, tg, base, first, count, counts[c0:c1], into_ours)
+                    continue
+                at, cell = (starts[c0] - skip) * count, ours[layer].cell_bytes
+                piece = (base, first, count, msg.token_counts[c0:c1])
+                scatter_stream(buf, tg, piece, mine, cell, dst_of(ours[layer]), at)
+
         for window in windows(theirs, len(ids)):
             bases = await self._read_window(peer, window, ids)
-
-            def scatter(window: list[Piece] = window, bases: list[int] = bases) -> None:
-                for (layer, c0, c1), base in zip(window, bases, strict=True):
-                    tg, mine = theirs[layer], self.layout.buffers[layer]
-                    if skip < 0:  # their chunks are ours, one for one
-                        into_ours = (mine, ours[layer], job.block_ids[c0:c1], into)
-                        scatter_cells(buf, tg, base, first, count, counts[c0:c1], into_ours)
-                        continue
-                    dst = dst_of(ours[layer])
-                    at = (starts[c0] - skip) * count  # the piece's first cell, in `dst`
-                    piece = (base, first, count, msg.token_counts[c0:c1])
-                    scatter_stream(buf, tg, piece, mine, ours[layer].cell_bytes, dst, at)
-
-            await trio.to_thread.run_sync(scatter)  # never abandoned: it writes our blocks
+            if bounce.device is None:
+                await trio.to_thread.run_sync(on_host, window, bases)  # never abandoned
+            else:
+                on_device(window, bases)
+                with trio.CancelScope(shield=True):  # it reads the region, writes our blocks
+                    await event_done(_record(region.device))
             for layer, _, c1 in window:
                 if c1 == len(ids):
                     landed(layer)
+
+    def _tensor(self, layer: int) -> Any:
+        """Our layer as a flat uint8 torch tensor (host memory: over its buffer)."""
+        if self.layout.tensors:
+            return self.layout.tensors[layer]
+        import torch
+
+        return torch.frombuffer(self.layout.buffers[layer], dtype=torch.uint8)
 
     async def _read_window(self, peer: Remote, window: list[Piece], ids: np.ndarray) -> list[int]:
         """READ `window`'s producer blocks into the bounce buffer, run by run as its
@@ -280,11 +313,11 @@ class Reads:
             bases.append(at)
             for _, n in theirs[layer].block_runs():  # run-major, as `Table.index`
                 starts = bounce.address + at + np.arange(c1 - c0, dtype=np.int64) * n
-                rows.append(_rows(starts, np.array(n), 0))
+                rows.append(_rows(starts, np.array(n), bounce.device_id))
                 at += n * (c1 - c0)
         try:
             local = np.concatenate(rows).astype(np.uint64)
-            dl = self.agent.prep_xfer_dlist("", local, "DRAM", [self.backend])
+            dl = self.agent.prep_xfer_dlist("", local, bounce.memory, [self.backend])
         except Exception as exc:
             raise TransportError(f"NIXL cannot prepare the bounce READ: {exc}") from None
         self.dlists.append(dl)
@@ -443,3 +476,14 @@ def _rows(addresses: np.ndarray, lengths: np.ndarray, device: int) -> np.ndarray
     """[address, length, device] rows of a `[chunks, runs]` grid of addresses."""
     lengths = np.broadcast_to(lengths, addresses.shape).ravel()
     return np.stack([addresses.ravel(), lengths, np.full_like(lengths, device)], axis=1)
+
+
+def _record(device: Any) -> Any:
+    """A CUDA event after what is queued on `device`'s current stream; None elsewhere."""
+    if device.type != "cuda":
+        return None
+    import torch
+
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event

@@ -213,7 +213,7 @@ class NixlTransport(PeerTransport):  # ~340 lines: the producer's lease of a pul
         parallel size each pull the same request)."""
         self._reads_started = trio.Event()
         self._bounce: Bounce | None = None
-        """Host memory: where a pull of cells in many small runs READs whole blocks."""
+        """Where a pull of cells in many small runs READs whole blocks (`_bounce`)."""
 
     # -- lifecycle -----------------------------------------------------------
     async def open(self) -> None:
@@ -245,7 +245,8 @@ class NixlTransport(PeerTransport):  # ~340 lines: the producer's lease of a pul
                 f"{backend!r} plugin; plugins found: {', '.join(agent.get_plugin_list())}"
             )
         self._agent = agent  # from here on aclose() undoes what registration did
-        self._bounce = Bounce(agent, backend) if self._memory == "DRAM" else None
+        device = layout.tensors[0].device if self._memory == "VRAM" else None
+        self._bounce = Bounce(agent, backend, device)
         sizes = [len(b) for b in layout.buffers] or [int(t.numel()) for t in layout.tensors]
         regions = disjoint(self._bases, sizes)
         try:
