@@ -84,6 +84,13 @@ class KVFlowConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Cores for kvflow's worker threads, e.g. "1" or "2-3,6": for vLLM's CPU build,
     which pins each worker, and every thread it starts, to its compute cores. "": where
     vLLM put the worker."""
+    cpu_cache_gib: float = 0.0
+    """A host-memory tier in front of the store transport: this many GiB per engine, split
+    evenly over its workers (and KV cache groups), allocated at start (pinned where CUDA
+    is present). Saves give vLLM its blocks back once their bytes are there and are
+    written to the store from it; loads read it first. 0: no tier (`kvflow.tiers`)."""
+    cpu_cache_policy: Literal["s3fifo", "lru"] = "s3fifo"
+    """Which chunk a full host tier gives up (bench/bench_tier_policy.py compares them)."""
     options: dict[str, Any] = msgspec.field(default_factory=dict)
     """Options of the chosen transport, validated by the transport itself."""
 
@@ -118,6 +125,8 @@ class KVFlowConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ConfigError(
                 "kv_connector_extra_config['max_hold_s'] must be >= hold_timeout_s and lease_s"
             )
+        if not self.cpu_cache_gib >= 0:  # NaN too
+            raise ConfigError("kv_connector_extra_config['cpu_cache_gib'] must be >= 0")
         if self.max_concurrent_transfers < 1:
             raise ConfigError("kv_connector_extra_config['max_concurrent_transfers'] must be >= 1")
         if (cpus := self.cpus()) and not cpus <= (host := host_cpus()):

@@ -35,6 +35,7 @@ __all__ = [
     "StepBound",
     "StepPlanned",
     "TaskFailed",
+    "TierRead",
     "TransferDone",
     "TransferFailed",
     "decode_event",
@@ -152,6 +153,17 @@ class BlocksReleased(_Base):
     pass
 
 
+class TierRead(_Base):
+    """A load went through a host-memory tier (`kvflow.tiers`): `hits` chunks came from
+    it, `misses` from the store below, `promoted` of those were kept in it."""
+
+    tier: str
+    hits: int
+    misses: int
+    promoted: int
+    nbytes: int
+
+
 # either side
 class Rejected(_Base):
     """Input from outside that kvflow refused: P/D params (scheduler) or a side-channel
@@ -186,6 +198,7 @@ Event = (
     | TransferDone
     | TransferFailed
     | BlocksReleased
+    | TierRead
     | Rejected
     | TaskFailed
 )

@@ -316,6 +316,9 @@ class Flows:  # ~295 lines: a step's loads, saves and offers and how they affect
         memory (`kvflow.staging`)."""
         self._steps: dict[int, _Step] = {}
         self._limiters: dict[str, trio.CapacityLimiter] = {}
+        self._saves = 0
+        """Saves running, also those that gave their blocks back early (`SaveJob.release`)."""
+        self._saves_ended = trio.Event()
 
     def _require_layout(self) -> KVLayout:
         if self.layout is None:
@@ -472,9 +475,20 @@ class Flows:  # ~295 lines: a step's loads, saves and offers and how they affect
         layout = self._require_layout()
         spans = _SaveSpans(spec, layout, step, loads)
         nbytes = self._started(SaveStarted, spec, layout)
-        job = SaveJob(spec.req, spec.keys, spec.token_counts, layout.num_layers, spans.layer)
+        released = False
+
+        def release() -> None:  # the transport has the bytes elsewhere (a host tier)
+            nonlocal released
+            if not released:
+                released = True
+                self.lending.end(spec.req, scope)
+
+        job = SaveJob(
+            spec.req, spec.keys, spec.token_counts, layout.num_layers, spans.layer, release
+        )
         t0 = time.perf_counter()
         error, timed_out = "interrupted", False  # until the save ends one way or another
+        self._saves += 1
         try:
             with scope, trio.move_on_after(self.config.save_timeout_s) as deadline:
                 async with self._limiter("save"):  # which also bounds pinned staging memory
@@ -499,7 +513,10 @@ class Flows:  # ~295 lines: a step's loads, saves and offers and how they affect
             if (outcomes := self.reports.outcomes) is not None:  # before the release: vLLM
                 with self.reports.lock:  # may stop stepping then
                     (outcomes.unsaved if error else outcomes.saved).extend(spec.keys)
-            self.lending.end(spec.req, scope)
+            release()
+            self._saves -= 1
+            self._saves_ended.set()
+            self._saves_ended = trio.Event()
         self._ended(spec.req, "save", error, len(spec.keys), nbytes, t0, timed_out)
 
     def _ended(
@@ -584,4 +601,7 @@ class Flows:  # ~295 lines: a step's loads, saves and offers and how they affect
         await self.lending.ended(reqs)
 
     async def drained(self) -> None:
+        """Until no transfer uses vLLM's blocks and no save is still writing."""
         await self.lending.drained()
+        while self._saves:
+            await self._saves_ended.wait()

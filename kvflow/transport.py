@@ -130,6 +130,11 @@ class TransportContext:
     """Set by kvflow's vLLM adapter when vLLM publishes KV events: a store transport that
     deletes chunks to make room calls it with their namespace and keys (any thread)."""
 
+    tier_read: Callable[[str, int, int, int, int], None] | None = None
+    """Set by kvflow's worker: a host tier calls it (loop thread) after each load with
+    the request, the chunks it held, those read from the store below, those it kept
+    of them, and the bytes it copied out."""
+
     tp_rank: int = 0
     tp_size: int = 1
     pp_rank: int = 0
@@ -187,6 +192,10 @@ class SaveJob:
     token_counts: list[int]
     num_layers: int
     layer_spans: Callable[[int], Awaitable[list[list[memoryview]]]]
+    release: Callable[[], None] = lambda: None
+    """A transport that has copied every layer's bytes elsewhere (a host-memory tier)
+    may call this once: it reads the spans no more, and vLLM may have the blocks back
+    while the save goes on."""
 
     async def layer(self, layer: int) -> list[list[memoryview]]:
         """Spans of every chunk in `layer`, once that layer's KV is final."""

@@ -18,6 +18,7 @@ from kvflow.events import (
     BlocksAllocated,
     LoadStarted,
     LookupAnswered,
+    TierRead,
     TransferDone,
     TransferFailed,
 )
@@ -174,3 +175,26 @@ def test_async_load_mode_loads_between_steps_with_identical_tokens(run: Run) -> 
         (alloc,) = [e for e in ev if isinstance(e, BlocksAllocated)]
         assert alloc.external_tokens == len(prompt) - 1
         assert any(isinstance(e, TransferDone) and e.direction == "load" for e in ev), ev
+
+
+@pytest.mark.slow  # an engine process of its own
+def test_host_tier_promotes_store_loads_and_serves_them_from_host_memory(run: Run) -> None:
+    """`cpu_cache_gib` (kvflow.tiers): P1's first load comes from the store the cold engine
+    filled and is kept in host memory; the next P1, and P3's blocks shared with it, are
+    read from there. Tokens identical to the connector-less baseline."""
+    res = run_engine(
+        run.tmp, "tier", batches=[[P1], [P1, P3]],
+        extra_config=run.extra("tier", cpu_cache_gib=0.05),
+    )  # fmt: skip
+    (first,), (again, p3) = res.batches
+    for got, prompt, name in ((first, P1, "P1"), (again, P1, "P1 again"), (p3, P3, "P3")):
+        assert_same_generation(got, base(run, prompt), f"tier {name}")
+
+    def reads(got: GenResult) -> list[tuple[int, int, int]]:
+        ev = events_for(run.events("tier"), got)
+        return [(e.hits, e.misses, e.promoted) for e in ev if isinstance(e, TierRead)]
+
+    assert reads(first) == [(0, 7, 7)], "every chunk from the store, each kept"
+    assert reads(again) == [(7, 0, 0)], "every chunk from host memory"
+    ((hits, misses, _),) = reads(p3)
+    assert hits == 3 and misses == -(-len(P3) // BLOCK) - 3, "P1's three blocks from memory"

@@ -30,6 +30,7 @@ from kvflow.events import EventBus, Origin, Rejected
 from kvflow.reshape import shard_name
 from kvflow.runtime import Runtime
 from kvflow.stats import StatsCollector
+from kvflow.tiers import with_host_tier
 from kvflow.transport import (
     Transport,
     TransportContext,
@@ -106,6 +107,13 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
         self.engine_id = str(ktc.engine_id)
         self.groups = transfer_groups(kv_cache_config)  # each its keys, transport, engine
         store = self.transport_cls.capabilities.store
+        caps = self.transport_cls.capabilities
+        if self.config.cpu_cache_gib and (not caps.store or caps.peer):
+            raise ConfigError(
+                f"KVFlowConnector: kv_connector_extra_config['cpu_cache_gib']: transport "
+                f"{name!r} is a peer transport; a host tier goes in front of a store "
+                f"transport (valid choices: {', '.join(store_transports())})"
+            )
         self.config = fit_config(self.config, vllm_config, kv_cache_config, self.groups, store)
         self.block_size = kv_cache_config.kv_cache_groups[self.groups[0]].kv_cache_spec.block_size
         self.hash_block = getattr(kv_cache_config, "hash_block_size", None) or self.block_size
@@ -151,6 +159,9 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
                 kv_heads=kv_heads,
             )
             transport = self.transport_cls(self.options, ctx)
+            if self.config.cpu_cache_gib and side.role == "worker":
+                share = self.config.cpu_cache_gib * 2**30 / len(self.shards) / len(heads)
+                transport = with_host_tier(transport, int(share), self.config.cpu_cache_policy)
             self.runtime.add_closer(transport.aclose)  # also after a failed open: what it
             try:  # opened (a socket, a context) would hold the process at exit
                 self.runtime.call(transport.open, timeout=60.0)
@@ -314,3 +325,16 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._to_worker.get_block_ids_with_load_errors()
+
+
+def store_transports() -> list[str]:
+    """The installed transports a host tier can front (stores, not peers)."""
+    out = []
+    for name in sorted(available_transports()):
+        try:
+            caps = load_transport(name).capabilities
+        except Exception:  # a broken plugin is named where it is chosen
+            continue
+        if caps.store and not caps.peer:
+            out.append(name)
+    return out

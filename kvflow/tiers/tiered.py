@@ -1,0 +1,234 @@
+"""A host-memory tier in front of a store transport (`cpu_cache_gib`; decision 61).
+
+`HostTier` wraps the configured store transport (its name, options and capabilities)
+and keeps a `HostCache` on each worker:
+
+- **save**: each layer's chunk bytes are copied into cache slots as vLLM computes them;
+  then the job's `release()` hands vLLM its blocks back, and the chunks are written to
+  the store from the cache (a save still returns only once the store holds them, so
+  what a save returns is visible to every instance, as before). While written back the
+  chunks are pinned. With no slot free of pins, the save writes through from vLLM's
+  blocks, as without the tier.
+- **load**: chunks the cache holds are copied from it; the others are loaded from the
+  store at the same time, layer by layer, and promoted into the cache before their
+  layer is signalled (after the signal the layer is vLLM's again).
+- **lookup** asks the store: a chunk in the cache is also in the store (or was, until
+  the store gave it up: then it is a miss, as without the tier).
+
+The scheduler's instance holds no cache (it only looks up).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+import trio
+
+from ..keys import ChunkKey
+from ..layout import KVLayout
+from ..transport import LoadJob, SaveJob, Transport, TransportError
+from .host import HostCache
+
+__all__ = ["HostTier", "with_host_tier"]
+
+
+def with_host_tier(inner: Transport, nbytes: int, policy: str) -> Transport:
+    """`inner` behind a host-memory tier of `nbytes` per worker (a class named, described
+    and capable as `inner`'s)."""
+    cls = type(inner)
+    tier = type(
+        f"HostTier_{cls.__name__}",
+        (HostTier,),
+        {"name": cls.name, "Options": cls.Options, "capabilities": cls.capabilities},
+    )
+    return tier(inner, nbytes, policy)
+
+
+class HostTier(Transport):
+    """See the module text."""
+
+    def __init__(self, inner: Transport, nbytes: int, policy: str) -> None:
+        super().__init__(inner.options, inner.context)
+        self.inner = inner
+        self.nbytes = nbytes
+        self.policy = policy
+        self.cache: HostCache | None = None
+        """The worker's cache (None on the scheduler, and until `register`)."""
+
+    async def open(self) -> None:
+        await self.inner.open()
+
+    async def register(self, layout: KVLayout) -> None:
+        await self.inner.register(layout)
+        self.context.layout = layout
+        slot = sum(
+            layout.image(i).chunk_nbytes(layout.block_size) for i in range(layout.num_layers)
+        )
+        self.cache = HostCache(self.nbytes, slot, self.policy)
+
+    async def aclose(self) -> None:
+        self.cache = None
+        await self.inner.aclose()
+
+    async def lookup(self, keys: Sequence[ChunkKey], *shards: Any) -> int:
+        return await self.inner.lookup(keys, *shards)
+
+    # -- save --------------------------------------------------------------------
+    async def save(self, job: SaveJob) -> None:
+        cache = self.cache
+        slots = [] if cache is None else [cache.reserve() for _ in job.keys]
+        if cache is None or None in slots:  # no room: through, as without the tier
+            for slot in slots:
+                if slot is not None and cache is not None:
+                    cache.unreserve(slot)
+            await self.inner.save(job)
+            return
+        taken = [s for s in slots if s is not None]
+        sizes = await self._copy_in(cache, job, taken)
+        for key, slot, size in zip(job.keys, taken, sizes, strict=True):
+            cache.commit(key, slot, size)
+            cache.pin(key)
+        try:
+            job.release()  # vLLM may have its blocks back
+            from_cache = SaveJob(
+                job.req, list(job.keys), list(job.token_counts), job.num_layers,
+                self._spans_of(cache, job.keys),
+            )  # fmt: skip
+            await self.inner.save(from_cache)
+        finally:
+            for key in job.keys:
+                cache.unpin(key)
+
+    async def _copy_in(self, cache: HostCache, job: SaveJob, slots: list[int]) -> list[list[int]]:
+        """Copy each layer's chunks into `slots` as it is given; each chunk's layer sizes.
+        The slots go back if the save ends before every layer is in."""
+        sizes: list[list[int]] = [[] for _ in slots]
+        done = False
+        try:
+            for layer in range(job.num_layers):
+                chunks = await job.layer(layer)
+                for c, runs in enumerate(chunks):
+                    at = sum(sizes[c])
+                    n = sum(len(r) for r in runs)
+                    if at + n > cache.slot_bytes:
+                        raise TransportError(f"chunk {c} exceeds a host tier slot", chunk=c)
+                    view = cache.view(slots[c])
+                    for r in runs:
+                        view[at : at + len(r)] = r
+                        at += len(r)
+                    sizes[c].append(n)
+                await trio.lowlevel.checkpoint()
+            done = True
+        finally:
+            if not done:
+                for slot in slots:
+                    cache.unreserve(slot)
+        return sizes
+
+    @staticmethod
+    def _spans_of(cache: HostCache, keys: Sequence[ChunkKey]) -> Any:
+        """A `SaveJob.layer_spans` over the cached chunks of `keys` (pinned)."""
+        entries = [cache.entry(k) for k in keys]
+
+        async def layer_spans(layer: int) -> list[list[memoryview]]:
+            out = []
+            for e in entries:
+                at = sum(e.sizes[:layer])
+                out.append([cache.view(e.slot)[at : at + e.sizes[layer]]])
+            return out
+
+        return layer_spans
+
+    # -- load --------------------------------------------------------------------
+    async def load(self, job: LoadJob) -> None:
+        cache = self.cache
+        if cache is None or job.shard not in ("", self.context.shard) or job.layout is not None:
+            await self.inner.load(job)  # another shard's bytes: the store's
+            return
+        spans = [job.spans(layer) for layer in range(job.num_layers)]
+        sizes = [tuple(sum(len(r) for r in s[c]) for s in spans) for c in range(len(job.keys))]
+        held = {}
+        for c, key in enumerate(job.keys):
+            entry = cache.get(key)
+            if entry is not None and entry.sizes == sizes[c]:
+                held[c] = entry
+                cache.pin(key)
+        missing = [c for c in range(len(job.keys)) if c not in held]
+        promote = {}
+        for c in missing:
+            if sum(sizes[c]) <= cache.slot_bytes and (slot := cache.reserve()) is not None:
+                promote[c] = slot
+        done = False
+        try:
+            await self._load_from_both(cache, job, spans, held, missing, promote)
+            done = True
+            if self.context.tier_read is not None:
+                nbytes = sum(sum(e.sizes) for e in held.values())
+                self.context.tier_read(job.req, len(held), len(missing), len(promote), nbytes)
+        finally:
+            for c in held:
+                cache.unpin(job.keys[c])
+            for c, slot in promote.items():
+                if done:
+                    cache.commit(job.keys[c], slot, sizes[c])
+                else:
+                    cache.unreserve(slot)
+
+    async def _load_from_both(
+        self,
+        cache: HostCache,
+        job: LoadJob,
+        spans: list[list[list[memoryview]]],
+        held: dict[int, Any],
+        missing: list[int],
+        promote: dict[int, int],
+    ) -> None:
+        """Chunks `held` from the cache, `missing` ones from the store at the same time,
+        each layer signalled once both landed (and promoted ones copied into their
+        slots)."""
+        landed = [trio.Event() for _ in range(job.num_layers)]
+        sub = LoadJob(
+            job.req, [job.keys[c] for c in missing], [job.token_counts[c] for c in missing],
+            job.num_layers, lambda i: [spans[i][c] for c in missing],
+            lambda i: landed[i].set(), None,
+            [job.block_ids[c] for c in missing] if job.block_ids else [], job.layerwise,
+        )  # fmt: skip
+
+        failed: list[TransportError] = []
+
+        async def from_store() -> None:
+            try:
+                await self.inner.load(sub)
+            except TransportError as exc:  # its chunk numbers are the job's `missing`
+                exc.chunk = missing[min(exc.chunk, len(missing) - 1)]
+                failed.append(exc)
+                nursery.cancel_scope.cancel()
+
+        async with trio.open_nursery() as nursery:
+            if missing:
+                nursery.start_soon(from_store)
+            for layer in range(job.num_layers):
+                for c, entry in held.items():
+                    at = sum(entry.sizes[:layer])
+                    src = cache.view(entry.slot)[at : at + entry.sizes[layer]]
+                    for r, o in zip(spans[layer][c], _offsets(spans[layer][c]), strict=True):
+                        r[:] = src[o : o + len(r)]
+                cache.counters.bytes_out += sum(e.sizes[layer] for e in held.values())
+                if missing:
+                    await landed[layer].wait()
+                for c, slot in promote.items():
+                    at = sum(sum(len(r) for r in spans[i][c]) for i in range(layer))
+                    view = cache.view(slot)
+                    for r, o in zip(spans[layer][c], _offsets(spans[layer][c]), strict=True):
+                        view[at + o : at + o + len(r)] = r
+                job.layer_loaded(layer)
+                await trio.lowlevel.checkpoint()
+        if failed:
+            raise failed[0]
+
+
+def _offsets(runs: list[memoryview]) -> list[int]:
+    """Where each run starts in the runs laid end to end."""
+    return list(itertools.accumulate((len(r) for r in runs[:-1]), initial=0))
