@@ -33,6 +33,9 @@ from typing import Any
 HERE = Path(__file__).parent
 RESULTS = HERE / "results"
 DOCS = HERE.parent / "docs" / "benchmarks.md"
+TRACES = HERE / "traces"
+"""Prefix traces `bench_tier.py` replays besides its own (not in git: Mooncake's, see
+docs/benchmarks.md)."""
 
 
 def _has_cuda() -> bool:
@@ -44,12 +47,17 @@ def _has_cuda() -> bool:
         return False
 
 
+def _trace_args() -> list[str]:
+    return [a for t in sorted(TRACES.glob("*.jsonl")) for a in ("--trace", str(t))]
+
+
 # name: (script and its arguments, whether --quick applies, what it needs)
 BENCHES: dict[str, tuple[list[str], bool, Callable[[], str]]] = {
     "fs-io": (["bench_fs_io.py"], True, lambda: ""),
     "hooks": (["bench_hooks.py"], False, lambda: ""),
     "reshape": (["bench_reshape.py"], True, lambda: ""),
     "convert": (["bench_convert.py"], True, lambda: ""),
+    "tier": (["bench_tier.py", *_trace_args()], True, lambda: ""),
     "engines": (["bench_engines.py"], True, lambda: ""),
     "zmq": (["bench_zmq.py"], True, lambda: ""),
     "zmq-channels": (["bench_zmq.py", "--channels"], True, lambda: ""),
@@ -119,6 +127,25 @@ def convert_table(d: dict[str, Any]) -> list[str]:
     head = ["transport", "pull", "same shape GB/s", "converted GB/s", "converted / same"]
     keys = ("same", "converted", "ratio")
     rows = [[r["transport"], r["case"], *(f"{r[k]:.2f}" for k in keys)] for r in d["rows"]]
+    return _table(head, rows)
+
+
+def tier_policy_table(d: dict[str, Any]) -> list[str]:
+    head = ["trace", "cache (share of its chunks)", "LRU hit ratio", "S3-FIFO hit ratio"]
+    rows = [
+        [r["trace"], f"{r['share']:.0%} ({r['slots']})", f"{r['lru']:.3f}", f"{r['s3fifo']:.3f}"]
+        for r in d["policy"]
+    ]
+    return _table(head, rows)
+
+
+def tier_load_table(d: dict[str, Any]) -> list[str]:
+    r = d["load"]
+    head = ["load of 128 MiB", "GB/s", "/ plain copy"]
+    rows = [
+        ["from the host tier", f"{r['tier']:.2f}", f"{r['ratio']:.2f}"],
+        ["plain copy of the same bytes", f"{r['copy']:.2f}", "1.00"],
+    ]
     return _table(head, rows)
 
 
@@ -201,6 +228,8 @@ TABLES: dict[str, tuple[str, Callable[[dict[str, Any]], list[str]], str]] = {
     "hooks": ("hooks", hooks_table, ""),
     "reshape": ("reshape", reshape_table, ""),
     "convert": ("convert", convert_table, ""),
+    "tier-policy": ("tier", tier_policy_table, ""),
+    "tier-load": ("tier", tier_load_table, ""),
     "engines-miss": ("engines", miss_table, "miss"),
     "engines-hit": ("engines", hit_table, "hit"),
     "zmq": ("zmq", zmq_table, ""),

@@ -68,13 +68,19 @@ class LRU:
 
 
 class S3FIFO:
-    """S3-FIFO: keys enter a small FIFO (a tenth of the capacity); a key read while there
+    """S3-FIFO: keys enter a small FIFO (`small_share` of the capacity); a key read while there
     moves to the main FIFO when it reaches the head, one never read is dropped and
     remembered in a ghost FIFO; a key inserted again while remembered goes to the main
     FIFO directly. The main FIFO gives a key read since it last passed the head another
-    round (its count, at most 3, goes down by one) and drops one that was not."""
+    round (its count, at most 3, goes down by one) and drops one that was not.
 
-    def __init__(self, capacity: int, small_share: float = 0.1) -> None:
+    The paper's small queue is a tenth of the cache. A prefix cache's chunks are read
+    again a conversation turn later, often past a tenth of the cache: replaying
+    Mooncake's conversation trace, a tenth lost to LRU at caches of 10-25 % of its
+    chunks, half won or tied everywhere but 25 % (-0.008), and gained most at small
+    caches (bench/bench_tier.py; docs/benchmarks.md)."""
+
+    def __init__(self, capacity: int, small_share: float = 0.5) -> None:
         self.capacity = capacity
         self.small_cap = max(1, int(capacity * small_share))
         self._small: OrderedDict[Hashable, int] = OrderedDict()

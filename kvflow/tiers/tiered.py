@@ -162,7 +162,7 @@ class HostTier(Transport):
                 promote[c] = slot
         done = False
         try:
-            await self._load_from_both(cache, job, spans, held, missing, promote)
+            await self._load_from_both(cache, job, (spans, sizes), held, missing, promote)
             done = True
             if self.context.tier_read is not None:
                 nbytes = sum(sum(e.sizes) for e in held.values())
@@ -180,14 +180,15 @@ class HostTier(Transport):
         self,
         cache: HostCache,
         job: LoadJob,
-        spans: list[list[list[memoryview]]],
+        where: tuple[list[list[list[memoryview]]], list[tuple[int, ...]]],
         held: dict[int, Any],
         missing: list[int],
         promote: dict[int, int],
     ) -> None:
         """Chunks `held` from the cache, `missing` ones from the store at the same time,
         each layer signalled once both landed (and promoted ones copied into their
-        slots)."""
+        slots); `where`: each layer's spans of each chunk, and each chunk's layer sizes."""
+        spans, sizes = where
         landed = [trio.Event() for _ in range(job.num_layers)]
         sub = LoadJob(
             job.req, [job.keys[c] for c in missing], [job.token_counts[c] for c in missing],
@@ -209,26 +210,28 @@ class HostTier(Transport):
         async with trio.open_nursery() as nursery:
             if missing:
                 nursery.start_soon(from_store)
+            held_at = {c: (cache.view(e.slot), _offsets(e.sizes)) for c, e in held.items()}
+            promoted_at = {c: (cache.view(s), _offsets(sizes[c])) for c, s in promote.items()}
             for layer in range(job.num_layers):
-                for c, entry in held.items():
-                    at = sum(entry.sizes[:layer])
-                    src = cache.view(entry.slot)[at : at + entry.sizes[layer]]
-                    for r, o in zip(spans[layer][c], _offsets(spans[layer][c]), strict=True):
-                        r[:] = src[o : o + len(r)]
+                for c, (view, starts) in held_at.items():
+                    at = starts[layer]
+                    for r in spans[layer][c]:
+                        r[:] = view[at : at + len(r)]
+                        at += len(r)
                 cache.counters.bytes_out += sum(e.sizes[layer] for e in held.values())
                 if missing:
                     await landed[layer].wait()
-                for c, slot in promote.items():
-                    at = sum(sum(len(r) for r in spans[i][c]) for i in range(layer))
-                    view = cache.view(slot)
-                    for r, o in zip(spans[layer][c], _offsets(spans[layer][c]), strict=True):
-                        view[at + o : at + o + len(r)] = r
+                for c, (view, starts) in promoted_at.items():
+                    at = starts[layer]
+                    for r in spans[layer][c]:
+                        view[at : at + len(r)] = r
+                        at += len(r)
                 job.layer_loaded(layer)
                 await trio.lowlevel.checkpoint()
         if failed:
             raise failed[0]
 
 
-def _offsets(runs: list[memoryview]) -> list[int]:
-    """Where each run starts in the runs laid end to end."""
-    return list(itertools.accumulate((len(r) for r in runs[:-1]), initial=0))
+def _offsets(sizes: Sequence[int]) -> list[int]:
+    """Where each of `sizes` starts when laid end to end."""
+    return list(itertools.accumulate(sizes[:-1], initial=0))
