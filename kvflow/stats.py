@@ -25,6 +25,7 @@ from .events import (
     RequestFinished,
     SaveStarted,
     TaskFailed,
+    TierRead,
     TransferDone,
     TransferFailed,
 )
@@ -49,6 +50,7 @@ def empty() -> dict[str, Any]:
     data["transfers"] = []  # [direction, nbytes, start, end] per finished transfer
     data["rejected"] = {}  # reason -> inputs from outside refused (kvflow.pd.security)
     data["task_restarts"] = {}  # task -> restarts of a supervised task (kvflow.runtime)
+    data["tiers"] = {}  # tier -> {outcome: chunks loaded, "bytes": bytes} (kvflow.tiers)
     return data
 
 
@@ -60,6 +62,11 @@ def merge(into: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
     for field in ("rejected", "task_restarts"):
         mine = into.setdefault(field, {})
         for name, n in other.get(field, {}).items():
+            mine[name] = mine.get(name, 0) + n
+    tiers = into.setdefault("tiers", {})
+    for tier, counts in other.get("tiers", {}).items():
+        mine = tiers.setdefault(tier, {})
+        for name, n in counts.items():
             mine[name] = mine.get(name, 0) + n
     return into
 
@@ -80,6 +87,9 @@ def reduce(data: dict[str, Any]) -> dict[str, int | float]:
     out: dict[str, int | float] = {c: data.get(c, 0) for c in COUNTERS}
     out["rejected"] = sum(data.get("rejected", {}).values())
     out["task_restarts"] = sum(data.get("task_restarts", {}).values())
+    for tier, counts in data.get("tiers", {}).items():
+        for name, n in counts.items():
+            out[f"tier_{tier}_{name}"] = n
     for d in DIRECTIONS:
         mine = [t for t in data.get("transfers", []) if t[0] == d]
         nbytes = sum(t[1] for t in mine)
@@ -95,6 +105,7 @@ def is_empty(data: dict[str, Any]) -> bool:
         not data.get("transfers")
         and not data.get("rejected")
         and not data.get("task_restarts")
+        and not data.get("tiers")
         and not any(data.get(c, 0) for c in COUNTERS)
     )
 
@@ -110,6 +121,7 @@ _COUNTED = frozenset(
         RequestFinished,
         Rejected,
         TaskFailed,
+        TierRead,
     }
 )
 
@@ -157,6 +169,15 @@ class StatsCollector:
                 d["rejected"][event.reason] = d["rejected"].get(event.reason, 0) + 1
             elif isinstance(event, TaskFailed) and not event.given_up:
                 d["task_restarts"][event.task] = d["task_restarts"].get(event.task, 0) + 1
+            elif isinstance(event, TierRead):
+                t = d["tiers"].setdefault(event.tier, {})
+                for name, n in (
+                    ("hits", event.hits),
+                    ("misses", event.misses),
+                    ("promoted", event.promoted),
+                    ("bytes", event.nbytes),
+                ):
+                    t[name] = t.get(name, 0) + n
             elif isinstance(event, RequestFinished) and event.lent:
                 d["requests_lent"] += 1
 

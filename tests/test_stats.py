@@ -17,6 +17,7 @@ from kvflow.events import (
     LookupRequested,
     RequestFinished,
     SaveStarted,
+    TierRead,
     TransferDone,
     TransferFailed,
 )
@@ -123,3 +124,39 @@ def test_prometheus_metrics_observe_histograms_and_counters() -> None:
     assert get("vllm:kvflow_tokens_total", load) == 150  # a P/D pull is no lookup hit
     assert get("vllm:kvflow_tokens_total", {"engine": "0", "direction": "send"}) == 0
     assert get("vllm:kvflow_timeouts_total", {"engine": "0"}) == 1
+
+
+def test_host_tier_reads_reach_prometheus_by_tier_and_outcome() -> None:
+    """`TierRead` events (kvflow.tiers) from two workers, merged as vLLM merges them, become
+    `vllm:kvflow_tier_chunks_total{tier,outcome}` and `vllm:kvflow_tier_bytes_total`."""
+    from kvflow_vllm.connector import KVFlowConnector
+
+    registry = CollectorRegistry()
+
+    def bound(cls: type[Any]) -> type[Any]:
+        class Bound(cls):
+            def __init__(self, *a: Any, **k: Any) -> None:
+                super().__init__(*a, registry=registry, **k)
+
+        return Bound
+
+    workers = []
+    for hits, misses in ((5, 2), (3, 0)):
+        c = stats.StatsCollector()
+        c(TierRead(req="r", tier="cpu", hits=hits, misses=misses, promoted=misses, nbytes=hits))
+        c(TierRead(req="x", tier="disk", hits=1, misses=0, promoted=0, nbytes=1))  # not ours
+        workers.append(c.take())
+    merged = stats.merge(stats.empty(), workers[0])
+    merged = stats.merge(merged, workers[1])
+    assert stats.reduce(merged)["tier_cpu_hits"] == 8
+    types = {Gauge: bound(Gauge), Counter: bound(Counter), Histogram: bound(Histogram)}
+    config: Any = SimpleNamespace(kv_transfer_config=None)
+    prom = KVFlowConnector.build_prom_metrics(config, types, ["engine"], {0: ["0"]})
+    prom.observe(merged, 0)
+    get = registry.get_sample_value
+    cpu = {"engine": "0", "tier": "cpu"}
+    assert get("vllm:kvflow_tier_chunks_total", {**cpu, "outcome": "hit"}) == 8
+    assert get("vllm:kvflow_tier_chunks_total", {**cpu, "outcome": "miss"}) == 2
+    assert get("vllm:kvflow_tier_chunks_total", {**cpu, "outcome": "promoted"}) == 2
+    assert get("vllm:kvflow_tier_bytes_total", cpu) == 8
+    assert get("vllm:kvflow_tier_bytes_total", {"engine": "0", "tier": "disk"}) is None

@@ -59,6 +59,10 @@ COUNTED = {
 }
 
 
+TIERS = ("cpu",)
+"""kvflow's tiers (`kvflow.tiers`): the only label values a worker's report may add."""
+
+
 class KVFlowPromMetrics(KVConnectorPromMetrics):
     def __init__(
         self,
@@ -128,6 +132,18 @@ class KVFlowPromMetrics(KVConnectorPromMetrics):
             labelnames=[*labelnames, "task"],
         )
 
+        self.tier_chunks = counter(
+            name="vllm:kvflow_tier_chunks",
+            documentation="Chunks loads found in a kvflow host-memory tier (outcome=hit), "
+            "read from the store below it (miss), and kept in the tier (promoted), by tier",
+            labelnames=[*labelnames, "tier", "outcome"],
+        )
+        self.tier_bytes = counter(
+            name="vllm:kvflow_tier_bytes",
+            documentation="Bytes loads copied out of a kvflow host-memory tier, by tier",
+            labelnames=[*labelnames, "tier"],
+        )
+
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for direction, nbytes, start, end in transfer_stats_data.get("transfers", []):
             self.seconds[engine_idx][direction].observe(end - start)
@@ -145,3 +161,11 @@ class KVFlowPromMetrics(KVConnectorPromMetrics):
         for task, value in transfer_stats_data.get("task_restarts", {}).items():
             if isinstance(task, str) and len(task) <= 64:  # kvflow's own task names
                 self.restarts.labels(*values, task).inc(value)
+        for tier, counts in transfer_stats_data.get("tiers", {}).items():
+            if tier not in TIERS:
+                continue
+            for outcome, key in (("hit", "hits"), ("miss", "misses"), ("promoted", "promoted")):
+                if value := counts.get(key, 0):
+                    self.tier_chunks.labels(*values, tier, outcome).inc(value)
+            if value := counts.get("bytes", 0):
+                self.tier_bytes.labels(*values, tier).inc(value)
