@@ -90,7 +90,7 @@ class KVFlowConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     is present). Saves give vLLM its blocks back once their bytes are there and are
     written to the store from it; loads read it first. 0: no tier (`kvflow.tiers`)."""
     cpu_cache_policy: Literal["s3fifo", "lru"] = "s3fifo"
-    """Which chunk a full host tier gives up (bench/bench_tier_policy.py compares them)."""
+    """Which chunk a full host tier gives up (bench/bench_tier.py compares them)."""
     options: dict[str, Any] = msgspec.field(default_factory=dict)
     """Options of the chosen transport, validated by the transport itself."""
 

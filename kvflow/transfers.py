@@ -510,13 +510,16 @@ class Flows:  # ~295 lines: a step's loads, saves and offers and how they affect
             step.saves_left -= 1
             if step.saves_left == 0:
                 self._steps.pop(step_no, None)
-            if (outcomes := self.reports.outcomes) is not None:  # before the release: vLLM
-                with self.reports.lock:  # may stop stepping then
-                    (outcomes.unsaved if error else outcomes.saved).extend(spec.keys)
-            release()
-            self._saves -= 1
-            self._saves_ended.set()
-            self._saves_ended = trio.Event()
+            try:
+                if (outcomes := self.reports.outcomes) is not None:  # before the release:
+                    with self.reports.lock:  # vLLM may stop stepping then (a save that
+                        # gave its blocks back early reports at its end all the same)
+                        (outcomes.unsaved if error else outcomes.saved).extend(spec.keys)
+                release()
+            finally:
+                self._saves -= 1
+                self._saves_ended.set()
+                self._saves_ended = trio.Event()
         self._ended(spec.req, "save", error, len(spec.keys), nbytes, t0, timed_out)
 
     def _ended(

@@ -275,7 +275,9 @@ class WorkerEngine:  # ~310 lines: every call vLLM's thread makes, each bounded,
 
     def preempt(self, reqs: list[str]) -> None:
         """Cancel every save of `reqs` and wait, at most `preempt_timeout_s`, until they no
-        longer read the blocks vLLM is about to reuse; one still running stores nothing."""
+        longer read the blocks vLLM is about to reuse; one still running stores nothing.
+        A save that already gave its blocks back (a host tier holds its bytes:
+        `SaveJob.release`) is not cancelled: it reads none of vLLM's blocks any more."""
         if reqs and self.runtime.running:
             try:
                 self.runtime.call(

@@ -5,7 +5,8 @@ heads' tokens device to device, over `zmq`'s CUDA IPC and over NIXL VRAM READs (
 between processes); every cell of every head is compared with the producer's.
 Skipped without a GPU (the same pulls run on host memory everywhere:
 tests/test_peer_tensor_parallel.py and tests/test_peer_layouts.py, CUDA IPC's copies
-through an in-process stand-in, NIXL's device READs as strided READs of host memory)."""
+through an in-process stand-in, NIXL's device READs as strided READs of host memory and
+its device bounce buffer with torch scattering host tensors)."""
 
 from __future__ import annotations
 

@@ -171,6 +171,53 @@ async def test_the_cache_never_holds_more_than_its_bound_and_keeps_pinned_chunks
     await tier.aclose()
 
 
+class FailingFs(FsTransport):
+    """fs whose loads fail at once, naming their first chunk (as a store that lost its
+    connection does)."""
+
+    async def load(self, job: LoadJob) -> None:
+        raise ChunkMissing("the store is gone", chunk=0)
+
+
+async def test_a_store_that_fails_at_once_leaves_the_cached_chunks_before_it_whole(
+    tmp_path: Path,
+) -> None:
+    """Chunk 0 from the cache, chunk 1 from a store that fails before anything: the
+    error names chunk 1, so chunk 0 must be whole in every layer (vLLM keeps it)."""
+    kv = kv_layout()
+    fill_blocks(kv, [1], seed=2)
+    want = blocks_bytes(kv, [1])
+    tier = await opened(
+        with_host_tier(FailingFs(FsOptions(path=str(tmp_path)), ctx(kv)), 4 * MiB, "lru"), kv
+    )
+    await tier.save(save_job(kv, ["a"], [1], []))
+    fill_blocks(kv, [13, 14], seed=7)
+    with pytest.raises(ChunkMissing) as info:
+        await tier.load(load_job(kv, ["a", "d"], [13, 14]))
+    assert info.value.chunk == 1
+    assert blocks_bytes(kv, [13]) == want, "every layer of the cached chunk landed"
+    await tier.aclose()
+
+
+async def test_a_save_larger_than_the_room_left_writes_through_and_evicts_nothing(
+    tmp_path: Path,
+) -> None:
+    kv = kv_layout()
+    slot = sum(kv.geometries[i].chunk_nbytes(4) for i in range(3))
+    tier = await opened(
+        with_host_tier(FsTransport(FsOptions(path=str(tmp_path)), ctx(kv)), 4 * slot, "s3fifo"), kv
+    )
+    assert isinstance(tier, HostTier) and tier.cache is not None
+    fill_blocks(kv, list(range(9)), seed=4)
+    await tier.save(save_job(kv, ["a", "b", "c", "d"], [0, 1, 2, 3], []))
+    released: list[str] = []
+    await tier.save(save_job(kv, ["e", "f", "g", "h", "i"], [4, 5, 6, 7, 8], released))
+    assert released == [] and tier.cache.counters.evicted == 0
+    assert all(tier.cache.get(k(n)) for n in "abcd"), "the four cached chunks stay"
+    assert await tier.lookup([k(n) for n in "efghi"]) == 5, "the store has the big save"
+    await tier.aclose()
+
+
 def test_s3fifo_keeps_hot_prefixes_through_a_scan_where_lru_loses_them() -> None:
     """A few hot keys read again and again, then a scan of one-off keys as long as the
     cache: S3-FIFO keeps the hot keys in its main queue, LRU gives them up."""

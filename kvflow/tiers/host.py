@@ -1,8 +1,10 @@
-"""A bounded cache of chunks in host memory: one region allocated at start (pinned when
-CUDA is present), cut into slots of one full chunk's bytes (every layer), and an index
-of which chunk each slot holds. Nothing is ever allocated past the region: a full cache
-gives up a chunk its `Policy` picks, never one that is pinned (being read or written
-back), and when every chunk is pinned it takes no new one.
+"""A bounded cache of chunks in host memory: one region allocated at start (pinned with
+`cudaHostRegister` where CUDA is present: exactly its size, where torch's pinned
+allocator would round up to a power of two), cut into slots of one full chunk's bytes
+(every layer), and an index of which chunk each slot holds. Nothing is ever allocated
+past the region: a full cache gives up a chunk its `Policy` picks, never one that is
+pinned (being read or written back), and when too few chunks are free of pins it takes
+no new one.
 
 One `HostCache` per transport instance: it holds its worker's shard of each chunk (the
 ranks of an engine each hold their own slice, none another's).
@@ -13,7 +15,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
@@ -56,7 +57,7 @@ class HostCache:
 
     def __post_init__(self) -> None:
         self.slots = self.nbytes // self.slot_bytes if self.slot_bytes else 0
-        self.region = _allocate(self.slots * self.slot_bytes)
+        self.region, self._pinned = _allocate(self.slots * self.slot_bytes)
         self._free = list(range(self.slots - 1, -1, -1))
         self._index: dict[Hashable, Entry] = {}
         self._policy: Policy = POLICIES[self.policy_name](max(self.slots, 1))
@@ -66,15 +67,21 @@ class HostCache:
     def __len__(self) -> int:
         return len(self._index)
 
-    def get(self, key: Hashable) -> Entry | None:
-        """The chunk's entry, counted as read (None: not held)."""
+    def get(self, key: Hashable, sizes: Sequence[int] | None = None) -> Entry | None:
+        """The chunk's entry, counted as read (None: not held, or held with other layer
+        sizes than `sizes`)."""
         entry = self._index.get(key)
-        if entry is None:
+        if entry is None or (sizes is not None and entry.sizes != tuple(sizes)):
             self.counters.misses += 1
             return None
         self._policy.touch(key)
         self.counters.hits += 1
         return entry
+
+    def room(self, n: int) -> bool:
+        """Whether `n` slots can be had now (free, or holding a chunk no one pins)."""
+        free = len(self._free)
+        return free >= n or free + sum(k not in self._pins for k in self._index) >= n
 
     def entry(self, key: Hashable) -> Entry:
         """A held chunk's entry (not counted as read)."""
@@ -94,17 +101,19 @@ class HostCache:
         self._reserved.add(slot)
         return slot
 
-    def commit(self, key: Hashable, slot: int, sizes: Sequence[int]) -> None:
+    def commit(self, key: Hashable, slot: int, sizes: Sequence[int]) -> bool:
         """The chunk's bytes are in `slot` (reserved): index it. A chunk already held
-        (another save of the same bytes) keeps its slot; this one goes back."""
+        (another save or load of the same key: the same bytes, keys name their content)
+        keeps its slot, and this one goes back (False)."""
         self._reserved.remove(slot)
         if key in self._index:
             self._free.append(slot)
-            return
+            return False
         self._index[key] = Entry(slot, tuple(sizes))
         self._policy.insert(key)
         self.counters.stored += 1
         self.counters.bytes_in += sum(sizes)
+        return True
 
     def unreserve(self, slot: int) -> None:
         """A reserved slot's write did not complete: it is free again."""
@@ -118,23 +127,38 @@ class HostCache:
         if (left := self._pins.pop(key) - 1) > 0:
             self._pins[key] = left
 
+    def close(self) -> None:
+        """Unpin the region (it is freed with the cache)."""
+        _unpin(self._pinned)
+        self._pinned = 0
+
     def view(self, slot: int) -> memoryview:
         """The slot's bytes."""
         return self.region[slot * self.slot_bytes : (slot + 1) * self.slot_bytes]
 
 
-def _allocate(nbytes: int) -> memoryview:
-    """The cache's region: pinned host memory where CUDA is present (copies to and from
-    a GPU then need no staging of their own), else plain pages (touched on first use)."""
-    buf: Any
+def _allocate(nbytes: int) -> tuple[memoryview, int]:
+    """The cache's region, and its address if it was pinned (`cudaHostRegister`, where
+    CUDA is present: copies to and from a GPU then need no staging of their own); else
+    plain pages, touched on first use."""
+    buf = np.empty(nbytes, np.uint8)
+    pinned = 0
     try:
         import torch
 
-        if torch.cuda.is_available():
-            buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy()
-        else:
-            buf = np.empty(nbytes, np.uint8)
+        if nbytes and torch.cuda.is_available():
+            address = int(buf.ctypes.data)
+            rc = torch.cuda.cudart().cudaHostRegister(address, nbytes, 0)
+            if int(rc) != 0:
+                raise RuntimeError(f"cudaHostRegister returned {rc}")
+            pinned = address
     except Exception as exc:  # no pinned memory to spare: plain pages still serve
-        log.warning("kvflow host tier: %d bytes of pinned memory not available (%s)", nbytes, exc)
-        buf = np.empty(nbytes, np.uint8)
-    return memoryview(buf).cast("B")
+        log.warning("kvflow host tier: %d bytes not pinned (%s)", nbytes, exc)
+    return buf.data.cast("B"), pinned
+
+
+def _unpin(address: int) -> None:
+    if address:
+        import torch
+
+        torch.cuda.cudart().cudaHostUnregister(address)

@@ -3,7 +3,7 @@
 FIFO of keys recently dropped from the small one). A prefix cache sees scans (one-off
 prompts, each chunk saved once and never read again) next to a few hot prefixes; S3-FIFO
 lets a scan pass through the small queue without pushing the hot prefixes out, where LRU
-would (bench/bench_tier_policy.py replays a trace of both; docs/benchmarks.md).
+would (bench/bench_tier.py replays a trace of both; docs/benchmarks.md).
 
 A policy holds keys only. The tier asks it for a victim, passing the keys it must not
 give up now (a chunk being written back or read).

@@ -7,13 +7,14 @@ and keeps a `HostCache` on each worker:
   then the job's `release()` hands vLLM its blocks back, and the chunks are written to
   the store from the cache (a save still returns only once the store holds them, so
   what a save returns is visible to every instance, as before). While written back the
-  chunks are pinned. With no slot free of pins, the save writes through from vLLM's
-  blocks, as without the tier.
+  chunks are pinned. When the cache cannot give every chunk of a save a slot (too few
+  free of pins), the save writes through from vLLM's blocks, as without the tier, and
+  evicts nothing.
 - **load**: chunks the cache holds are copied from it; the others are loaded from the
-  store at the same time, layer by layer, and promoted into the cache before their
-  layer is signalled (after the signal the layer is vLLM's again).
-- **lookup** asks the store: a chunk in the cache is also in the store (or was, until
-  the store gave it up: then it is a miss, as without the tier).
+  store at the same time, layer by layer, and, where a slot can be had, kept in the
+  cache before their layer is signalled (after the signal the layer is vLLM's again).
+- **lookup** asks the store. A chunk whose write-back failed stays in the cache but is a
+  miss for the scheduler, as it is without the tier.
 
 The scheduler's instance holds no cache (it only looks up).
 """
@@ -21,6 +22,7 @@ The scheduler's instance holds no cache (it only looks up).
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -32,6 +34,8 @@ from ..transport import LoadJob, SaveJob, Transport, TransportError
 from .host import HostCache
 
 __all__ = ["HostTier", "with_host_tier"]
+
+log = logging.getLogger("kvflow.tiers")
 
 
 def with_host_tier(inner: Transport, nbytes: int, policy: str) -> Transport:
@@ -66,10 +70,20 @@ class HostTier(Transport):
         slot = sum(
             layout.image(i).chunk_nbytes(layout.block_size) for i in range(layout.num_layers)
         )
-        self.cache = HostCache(self.nbytes, slot, self.policy)
+        # pinning gigabytes takes a while: not on the loop's thread
+        self.cache = await trio.to_thread.run_sync(HostCache, self.nbytes, slot, self.policy)
+        if not self.cache.slots:
+            log.warning(
+                "kvflow host tier: %d bytes for this worker hold no chunk of %d bytes; "
+                "raise cpu_cache_gib (the tier holds nothing)",
+                self.nbytes,
+                slot,
+            )
 
     async def aclose(self) -> None:
-        self.cache = None
+        if self.cache is not None:
+            self.cache.close()
+            self.cache = None
         await self.inner.aclose()
 
     async def lookup(self, keys: Sequence[ChunkKey], *shards: Any) -> int:
@@ -78,14 +92,14 @@ class HostTier(Transport):
     # -- save --------------------------------------------------------------------
     async def save(self, job: SaveJob) -> None:
         cache = self.cache
-        slots = [] if cache is None else [cache.reserve() for _ in job.keys]
-        if cache is None or None in slots:  # no room: through, as without the tier
-            for slot in slots:
-                if slot is not None and cache is not None:
-                    cache.unreserve(slot)
+        if cache is None or not cache.room(len(job.keys)):  # through, as without the tier
             await self.inner.save(job)
             return
-        taken = [s for s in slots if s is not None]
+        taken: list[int] = []
+        for _ in job.keys:
+            slot = cache.reserve()
+            assert slot is not None  # `room` said so, and nothing ran in between
+            taken.append(slot)
         sizes = await self._copy_in(cache, job, taken)
         for key, slot, size in zip(job.keys, taken, sizes, strict=True):
             cache.commit(key, slot, size)
@@ -151,8 +165,7 @@ class HostTier(Transport):
         sizes = [tuple(sum(len(r) for r in s[c]) for s in spans) for c in range(len(job.keys))]
         held = {}
         for c, key in enumerate(job.keys):
-            entry = cache.get(key)
-            if entry is not None and entry.sizes == sizes[c]:
+            if (entry := cache.get(key, sizes[c])) is not None:
                 held[c] = entry
                 cache.pin(key)
         missing = [c for c in range(len(job.keys)) if c not in held]
@@ -164,17 +177,18 @@ class HostTier(Transport):
         try:
             await self._load_from_both(cache, job, (spans, sizes), held, missing, promote)
             done = True
-            if self.context.tier_read is not None:
-                nbytes = sum(sum(e.sizes) for e in held.values())
-                self.context.tier_read(job.req, len(held), len(missing), len(promote), nbytes)
         finally:
             for c in held:
                 cache.unpin(job.keys[c])
+            kept = 0
             for c, slot in promote.items():
                 if done:
-                    cache.commit(job.keys[c], slot, sizes[c])
+                    kept += cache.commit(job.keys[c], slot, sizes[c])
                 else:
                     cache.unreserve(slot)
+        if self.context.tier_read is not None:
+            nbytes = sum(sum(e.sizes) for e in held.values())
+            self.context.tier_read(job.req, len(held), len(missing), kept, nbytes)
 
     async def _load_from_both(
         self,
@@ -198,6 +212,17 @@ class HostTier(Transport):
         )  # fmt: skip
 
         failed: list[TransportError] = []
+        held_at = {c: (cache.view(e.slot), _offsets(e.sizes)) for c, e in held.items()}
+        promoted_at = {c: (cache.view(s), _offsets(sizes[c])) for c, s in promote.items()}
+        copied = 0  # layers whose held chunks are copied
+
+        def copy_held(layer: int) -> None:
+            for c, (view, starts) in held_at.items():
+                at = starts[layer]
+                for r in spans[layer][c]:
+                    r[:] = view[at : at + len(r)]
+                    at += len(r)
+            cache.counters.bytes_out += sum(e.sizes[layer] for e in held.values())
 
         async def from_store() -> None:
             try:
@@ -210,15 +235,9 @@ class HostTier(Transport):
         async with trio.open_nursery() as nursery:
             if missing:
                 nursery.start_soon(from_store)
-            held_at = {c: (cache.view(e.slot), _offsets(e.sizes)) for c, e in held.items()}
-            promoted_at = {c: (cache.view(s), _offsets(sizes[c])) for c, s in promote.items()}
             for layer in range(job.num_layers):
-                for c, (view, starts) in held_at.items():
-                    at = starts[layer]
-                    for r in spans[layer][c]:
-                        r[:] = view[at : at + len(r)]
-                        at += len(r)
-                cache.counters.bytes_out += sum(e.sizes[layer] for e in held.values())
+                copy_held(layer)
+                copied = layer + 1
                 if missing:
                     await landed[layer].wait()
                 for c, (view, starts) in promoted_at.items():
@@ -228,7 +247,9 @@ class HostTier(Transport):
                         at += len(r)
                 job.layer_loaded(layer)
                 await trio.lowlevel.checkpoint()
-        if failed:
+        if failed:  # the chunks before the one that failed are intact: held ones too
+            for layer in range(copied, job.num_layers):
+                copy_held(layer)
             raise failed[0]
 
 

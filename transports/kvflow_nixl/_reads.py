@@ -286,9 +286,11 @@ class Reads:
             if bounce.device is None:
                 await trio.to_thread.run_sync(on_host, window, bases)  # never abandoned
             else:
-                on_device(window, bases)
-                with trio.CancelScope(shield=True):  # it reads the region, writes our blocks
-                    await event_done(_record(region.device))
+                try:
+                    on_device(window, bases)
+                finally:  # what was queued reads the region and writes our blocks
+                    with trio.CancelScope(shield=True):
+                        await event_done(_record(region.device))
             for layer, _, c1 in window:
                 if c1 == len(ids):
                     landed(layer)
