@@ -48,7 +48,8 @@ def _has_cuda() -> bool:
 
 
 def _trace_args() -> list[str]:
-    return [a for t in sorted(TRACES.glob("*.jsonl")) for a in ("--trace", str(t))]
+    traces = sorted(TRACES.glob("*.jsonl"))  # relative: the scripts run in the repository
+    return [a for t in traces for a in ("--trace", str(t.relative_to(HERE.parent)))]
 
 
 # name: (script and its arguments, whether --quick applies, what it needs)
