@@ -22,7 +22,9 @@ Engines (vLLM's defaults otherwise, prefix caching on):
   off the compute core vLLM pins its worker, and kvflow's threads with it, to; miss
   path only;
 - `kvflow layer`: `kvflow` with vLLM's prefix caching off, so kvflow loads inside the
-  step, layer by layer (`load_mode` layer); hit path only.
+  step, layer by layer (`load_mode` layer); hit path only;
+- `kvflow cpu tier`: `kvflow` with a 2 GiB host-memory tier in front of `fs`
+  (`cpu_cache_gib`): its warm loads come from host memory, in this same process.
 
 Every engine takes a whole prompt in one step (`max_num_batched_tokens` = the longest
 prompt): ExampleConnector saves each prefill chunk over the last one, and a prompt
@@ -106,6 +108,7 @@ def engine_configs(tmp: Path) -> dict[str, dict[str, Any]]:
     kvflow = {"options": {"path": str(tmp / "kvflow"), "max_gb": 0}}
     layer = {"options": {"path": str(tmp / "kvflow-layer"), "max_gb": 0}}
     cpus = {"options": {"path": str(tmp / "kvflow-cpus"), "max_gb": 0}, "worker_cpus": "1"}
+    tier = {"options": {"path": str(tmp / "kvflow-tier"), "max_gb": 0}, "cpu_cache_gib": 2}
     return {
         "no connector": {"kv_transfer_config": None},
         "no-op connector": {
@@ -118,6 +121,7 @@ def engine_configs(tmp: Path) -> dict[str, dict[str, Any]]:
         },
         "kvflow": {"kv_transfer_config": kv("KVFlowConnector", kvflow)},
         "kvflow worker_cpus=1": {"kv_transfer_config": kv("KVFlowConnector", cpus)},
+        "kvflow cpu tier": {"kv_transfer_config": kv("KVFlowConnector", tier)},
         "kvflow layer": {
             "kv_transfer_config": kv("KVFlowConnector", layer),
             "enable_prefix_caching": False,
@@ -131,8 +135,9 @@ MISS_ENGINES = (
     "ExampleConnector",
     "kvflow",
     "kvflow worker_cpus=1",
+    "kvflow cpu tier",
 )
-HIT_ENGINES = ("no connector", "ExampleConnector", "kvflow", "kvflow layer")
+HIT_ENGINES = ("no connector", "ExampleConnector", "kvflow", "kvflow layer", "kvflow cpu tier")
 
 
 def start_engines(tmp: Path, model: str) -> dict[str, Any]:
@@ -163,7 +168,8 @@ def wait_saved(tmp: Path, engine: str, prompts: list[list[int]]) -> None:
 
     if not engine.startswith("kvflow"):
         return  # ExampleConnector saves inside the step; no connector saves nothing
-    store = tmp / {"kvflow": "kvflow", "kvflow layer": "kvflow-layer"}.get(engine, "kvflow-cpus")
+    stores = {"kvflow": "kvflow", "kvflow layer": "kvflow-layer", "kvflow cpu tier": "kvflow-tier"}
+    store = tmp / stores.get(engine, "kvflow-cpus")
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         namespaces = [d for d in store.iterdir() if d.is_dir()] if store.is_dir() else []

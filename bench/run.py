@@ -167,7 +167,7 @@ def miss_table(d: dict[str, Any]) -> list[str]:
 
 def hit_table(d: dict[str, Any]) -> list[str]:
     t, g = d["hit"]["ttft_ms"], d["hit"]["effective_gbs"]
-    order = ["no connector", "ExampleConnector", "kvflow", "kvflow layer"]
+    order = ["no connector", "ExampleConnector", "kvflow", "kvflow layer", "kvflow cpu tier"]
     engines = [e for e in order if e in next(iter(t.values()))]
     head = ["prompt"] + [f"{'recompute' if e == 'no connector' else e} TTFT ms" for e in engines]
     head += ["kvflow GB/s", "ExampleConnector GB/s"]
