@@ -3,8 +3,8 @@ a fresh one through the `fs` transport.
 
 Engines are started once for the module (each start is ~30 s on two cores):
 a baseline without any connector, a cold kvflow engine that saves, a warm one
-that loads (policy `recompute`), one under policy `fail`, and one with a bad
-config.
+that loads (policy `recompute`, a host-memory tier in front of the store), one under
+policy `fail`, and one with a bad config.
 """
 
 from __future__ import annotations
@@ -81,9 +81,10 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
     f5.write_bytes(bytes(data))
     f6 = r.chunk_file(P6, 2)
     f6.write_bytes(f6.read_bytes()[:5000])
-    r.warm = run_engine(
-        r.tmp, "warm", batches=[[P1], [P3, P4, P2], [P5, P6]], extra_config=r.extra("warm")
-    )
+    r.warm = run_engine(  # with a host-memory tier in front of the store
+        r.tmp, "warm", batches=[[P1], [P3, P4, P2], [P5, P6]],
+        extra_config=r.extra("warm", cpu_cache_gib=0.05),
+    )  # fmt: skip
     return r
 
 
@@ -127,6 +128,22 @@ def test_batch_mixing_partial_hit_miss_and_full_hit(run: Run) -> None:
     assert not [e for e in events_for(run.events("warm"), p4) if isinstance(e, LoadStarted)]
     (a2,) = [e for e in events_for(run.events("warm"), p2) if isinstance(e, BlocksAllocated)]
     assert a2.external_tokens == len(P2) - 1
+
+
+def test_the_host_tier_keeps_what_the_store_served_and_serves_it_again(run: Run) -> None:
+    """`cpu_cache_gib` (kvflow.tiers): P1's load comes from the store the cold engine
+    filled, every chunk kept in host memory; P3's three blocks shared with P1 then come
+    from host memory alone. (Tokens: the tests above.)"""
+
+    def reads(got: GenResult) -> list[tuple[int, int, int]]:
+        ev = events_for(run.events("warm"), got)
+        return [(e.hits, e.misses, e.promoted) for e in ev if isinstance(e, TierRead)]
+
+    (p1,) = run.warm.batches[0]
+    p3, p4, _ = run.warm.batches[1]
+    assert reads(p1) == [(0, 7, 7)], "every chunk from the store, each kept"
+    assert reads(p3) == [(3, 0, 0)], "P1's three blocks, from host memory"
+    assert reads(p4) == [], "a miss loads nothing"
 
 
 def test_corrupt_and_truncated_files_recompute_identically(run: Run) -> None:
@@ -175,26 +192,3 @@ def test_async_load_mode_loads_between_steps_with_identical_tokens(run: Run) -> 
         (alloc,) = [e for e in ev if isinstance(e, BlocksAllocated)]
         assert alloc.external_tokens == len(prompt) - 1
         assert any(isinstance(e, TransferDone) and e.direction == "load" for e in ev), ev
-
-
-@pytest.mark.slow  # an engine process of its own
-def test_host_tier_promotes_store_loads_and_serves_them_from_host_memory(run: Run) -> None:
-    """`cpu_cache_gib` (kvflow.tiers): P1's first load comes from the store the cold engine
-    filled and is kept in host memory; the next P1, and P3's blocks shared with it, are
-    read from there. Tokens identical to the connector-less baseline."""
-    res = run_engine(
-        run.tmp, "tier", batches=[[P1], [P1, P3]],
-        extra_config=run.extra("tier", cpu_cache_gib=0.05),
-    )  # fmt: skip
-    (first,), (again, p3) = res.batches
-    for got, prompt, name in ((first, P1, "P1"), (again, P1, "P1 again"), (p3, P3, "P3")):
-        assert_same_generation(got, base(run, prompt), f"tier {name}")
-
-    def reads(got: GenResult) -> list[tuple[int, int, int]]:
-        ev = events_for(run.events("tier"), got)
-        return [(e.hits, e.misses, e.promoted) for e in ev if isinstance(e, TierRead)]
-
-    assert reads(first) == [(0, 7, 7)], "every chunk from the store, each kept"
-    assert reads(again) == [(7, 0, 0)], "every chunk from host memory"
-    ((hits, misses, _),) = reads(p3)
-    assert hits == 3 and misses == -(-len(P3) // BLOCK) - 3, "P1's three blocks from memory"
