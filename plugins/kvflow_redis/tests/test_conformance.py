@@ -16,8 +16,10 @@ from kvflow import (
     ChunkCorrupt,
     LoadJob,
     SaveJob,
+    Transport,
     TransportContext,
     TransportError,
+    with_host_tier,
 )
 from kvflow.testing import TransportConformance, make_layout
 from kvflow_redis import RedisOptions, RedisTransport
@@ -40,6 +42,20 @@ class TestRedisConformance(TransportConformance):
 
         def make(context: TransportContext) -> RedisTransport:
             return RedisTransport(options, context)
+
+        return make
+
+
+class TestRedisUnderHostTierConformance(TransportConformance):
+    """The same promises with kvflow's host-memory tier in front (`cpu_cache_gib`)."""
+
+    @pytest.fixture
+    def make_transport(self, redis_url: str) -> Callable[[TransportContext], Transport]:
+        options = RedisOptions(url=redis_url, key_prefix=_prefix())
+
+        def make(context: TransportContext) -> Transport:
+            redis = RedisTransport(options, context)
+            return with_host_tier(redis, 4 << 20, "s3fifo") if context.role == "worker" else redis
 
         return make
 
