@@ -54,6 +54,11 @@ def kv_layout() -> KVLayout:
     return make_layout(num_layers=3, num_blocks=16, block_size=4, heads=2)
 
 
+def slot_bytes(kv: KVLayout) -> int:
+    """A full chunk's bytes over every layer: one slot of the tier."""
+    return sum(kv.geometries[i].chunk_nbytes(4) for i in range(kv.num_layers))
+
+
 async def opened(t: Transport, kv: KVLayout | None) -> Transport:
     await t.open()
     if kv is not None:
@@ -145,7 +150,7 @@ async def test_the_cache_never_holds_more_than_its_bound_and_keeps_pinned_chunks
     tmp_path: Path,
 ) -> None:
     kv = kv_layout()
-    slot = sum(kv.geometries[i].chunk_nbytes(4) for i in range(3))
+    slot = slot_bytes(kv)
     fs = GatedFs(FsOptions(path=str(tmp_path)), ctx(kv))
     fs.gate = trio.Event()
     tier = await opened(with_host_tier(fs, 3 * slot + slot // 2, "s3fifo"), kv)
@@ -203,7 +208,7 @@ async def test_a_save_larger_than_the_room_left_writes_through_and_evicts_nothin
     tmp_path: Path,
 ) -> None:
     kv = kv_layout()
-    slot = sum(kv.geometries[i].chunk_nbytes(4) for i in range(3))
+    slot = slot_bytes(kv)
     tier = await opened(
         with_host_tier(FsTransport(FsOptions(path=str(tmp_path)), ctx(kv)), 4 * slot, "s3fifo"), kv
     )
