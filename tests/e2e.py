@@ -8,9 +8,9 @@ from typing import Any
 from kvflow.eventlog import read_event_log
 from kvflow.events import Event
 from kvflow_vllm.engine_process import GenResult, Scenario, ScenarioResult, spawn_engine
-from kvflow_vllm.serving import ServingEngine
+from kvflow_vllm.serving import ServingEngine, close_all
 
-__all__ = ["ServingEngine", "assert_same_generation", "events_for", "run_engine"]
+__all__ = ["ServingEngine", "assert_same_generation", "close_all", "events_for", "run_engine"]
 
 
 def run_engine(tmp: Path, name: str, **scenario: Any) -> ScenarioResult:

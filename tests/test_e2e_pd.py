@@ -18,7 +18,7 @@ import pytest
 from kvflow.events import BlocksAllocated, Event, TransferDone, TransferFailed
 from kvflow_vllm.engine_process import GenResult
 
-from .e2e import ServingEngine, assert_same_generation, events_for
+from .e2e import ServingEngine, assert_same_generation, close_all, events_for
 
 pytestmark = pytest.mark.engine
 
@@ -74,8 +74,7 @@ def engines(
             engine.wait_ready()
         yield producer, consumer, strict, tmp  # type: ignore[misc]
     finally:
-        for engine in (producer, consumer, strict):
-            engine.close()
+        close_all((producer, consumer, strict))
 
 
 def _events(tmp: Path, engine: str, result: GenResult) -> list[Event]:

@@ -28,7 +28,7 @@ from kvflow.events import (
 )
 from kvflow_vllm.engine_process import GenResult, ScenarioResult, model_dir
 
-from .e2e import ServingEngine, assert_same_generation, events_for, run_engine
+from .e2e import ServingEngine, assert_same_generation, close_all, events_for, run_engine
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -168,8 +168,7 @@ def test_prefill_decode_pulls_every_group(run: Run, transport: str) -> None:
         for name in (f"{transport}-producer", f"{transport}-consumer"):
             assert TURNED_OFF not in run.log(name), f"{name}: hybrid manager turned off"
     finally:
-        producer.close()
-        consumer.close()
+        close_all((producer, consumer))
 
 
 def _swapped_groups_are_computed_not_loaded(

@@ -24,6 +24,7 @@ import zmq
 from kvflow.pd.proxy import PREFILL_PARAMS, PdProxy
 from kvflow.pd.security import keygen
 from kvflow_vllm.apiserver import ApiServer, post
+from kvflow_vllm.serving import close_all
 
 from .servers import assert_same
 
@@ -97,8 +98,7 @@ def pd(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory)
     finally:
         if proxy is not None:
             proxy.close()
-        prefill.close()
-        decode.close()
+        close_all((prefill, decode))
 
 
 def _loaded(m: dict[str, float]) -> tuple[float, float, float]:

@@ -21,7 +21,7 @@ import pytest
 
 from kvflow.events import LoadStarted, TransferDone, TransferFailed
 
-from .e2e import ServingEngine, assert_same_generation, events_for, run_engine
+from .e2e import ServingEngine, assert_same_generation, close_all, events_for, run_engine
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -92,8 +92,7 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, obje
             e.wait_ready()
         yield {**started, "tmp": tmp}
     finally:
-        for e in started.values():
-            e.close()
+        close_all(started.values())
 
 
 def test_tp2_to_tp2_pulls_each_ranks_heads(engines: dict[str, object]) -> None:

@@ -159,9 +159,15 @@ class ApiServer:
     def log_text(self) -> str:
         return self.log.read_text(errors="replace")
 
+    def stop(self) -> None:
+        """Ask the server to shut down (SIGTERM); `close` waits for it."""
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+
     def close(self, timeout: float = 60) -> None:
         if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.stop()
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:

@@ -15,14 +15,15 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 
 from .engine_process import GenResult, Scenario
 
-__all__ = ["ServingEngine"]
+__all__ = ["ServingEngine", "close_all"]
 
 
 class ServingEngine:
@@ -94,12 +95,31 @@ class ServingEngine:
                 p.kill()
         self.proc.wait(30)
 
+    def stop(self) -> None:
+        """Ask the engine to shut down (its stdin ends); `close` waits for it."""
+        if self.proc.poll() is None and self.proc.stdin is not None and not self.proc.stdin.closed:
+            self.proc.stdin.close()
+
     def close(self) -> None:
         if self.proc.poll() is None:
-            assert self.proc.stdin is not None
-            self.proc.stdin.close()
+            self.stop()
             try:
                 self.proc.wait(60)
             except subprocess.TimeoutExpired:
                 self.kill()
         self._log.close()
+
+
+class Stoppable(Protocol):
+    def stop(self) -> None: ...
+    def close(self) -> None: ...
+
+
+def close_all(engines: Iterable[Stoppable]) -> None:
+    """Shut several engines or servers (`ApiServer`) down at once: each takes seconds
+    to drain and exit."""
+    engines = list(engines)
+    for e in engines:
+        e.stop()
+    for e in engines:
+        e.close()
