@@ -60,15 +60,17 @@ def merge(into: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
         into[c] = into.get(c, 0) + other.get(c, 0)
     into.setdefault("transfers", []).extend(other.get("transfers", []))
     for field in ("rejected", "task_restarts"):
-        mine = into.setdefault(field, {})
-        for name, n in other.get(field, {}).items():
-            mine[name] = mine.get(name, 0) + n
+        _add(into.setdefault(field, {}), other.get(field, {}))
     tiers = into.setdefault("tiers", {})
     for tier, counts in other.get("tiers", {}).items():
-        mine = tiers.setdefault(tier, {})
-        for name, n in counts.items():
-            mine[name] = mine.get(name, 0) + n
+        _add(tiers.setdefault(tier, {}), counts)
     return into
+
+
+def _add(into: dict[str, int], other: dict[str, int]) -> None:
+    """Add `other`'s counts to `into`'s, name by name."""
+    for name, n in other.items():
+        into[name] = into.get(name, 0) + n
 
 
 def busy_seconds(intervals: Iterable[tuple[float, float]]) -> float:
@@ -170,14 +172,13 @@ class StatsCollector:
             elif isinstance(event, TaskFailed) and not event.given_up:
                 d["task_restarts"][event.task] = d["task_restarts"].get(event.task, 0) + 1
             elif isinstance(event, TierRead):
-                t = d["tiers"].setdefault(event.tier, {})
-                for name, n in (
-                    ("hits", event.hits),
-                    ("misses", event.misses),
-                    ("promoted", event.promoted),
-                    ("bytes", event.nbytes),
-                ):
-                    t[name] = t.get(name, 0) + n
+                counts = {
+                    "hits": event.hits,
+                    "misses": event.misses,
+                    "promoted": event.promoted,
+                    "bytes": event.nbytes,
+                }
+                _add(d["tiers"].setdefault(event.tier, {}), counts)
             elif isinstance(event, RequestFinished) and event.lent:
                 d["requests_lent"] += 1
 

@@ -79,9 +79,9 @@ class HostCache:
         return entry
 
     def room(self, n: int) -> bool:
-        """Whether `n` slots can be had now (free, or holding a chunk no one pins)."""
-        free = len(self._free)
-        return free >= n or free + sum(k not in self._pins for k in self._index) >= n
+        """Whether `n` slots can be had now (free, or holding a chunk no one pins: every
+        pinned chunk is held, since a pinned chunk is never evicted)."""
+        return len(self._free) + len(self._index) - len(self._pins) >= n
 
     def entry(self, key: Hashable) -> Entry:
         """A held chunk's entry (not counted as read)."""
@@ -121,6 +121,8 @@ class HostCache:
         self._free.append(slot)
 
     def pin(self, key: Hashable) -> None:
+        """Keep a held chunk from eviction until as many `unpin`s."""
+        assert key in self._index
         self._pins[key] = self._pins.get(key, 0) + 1
 
     def unpin(self, key: Hashable) -> None:

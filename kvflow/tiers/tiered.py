@@ -128,10 +128,7 @@ class HostTier(Transport):
                     n = sum(len(r) for r in runs)
                     if at + n > cache.slot_bytes:
                         raise TransportError(f"chunk {c} exceeds a host tier slot", chunk=c)
-                    view = cache.view(slots[c])
-                    for r in runs:
-                        view[at : at + len(r)] = r
-                        at += len(r)
+                    _to_slot(cache.view(slots[c]), at, runs)
                     sizes[c].append(n)
                 await trio.lowlevel.checkpoint()
             done = True
@@ -144,14 +141,10 @@ class HostTier(Transport):
     @staticmethod
     def _spans_of(cache: HostCache, keys: Sequence[ChunkKey]) -> Any:
         """A `SaveJob.layer_spans` over the cached chunks of `keys` (pinned)."""
-        entries = [cache.entry(k) for k in keys]
+        entries = [(cache.view(e.slot), e.sizes, _offsets(e.sizes)) for e in map(cache.entry, keys)]
 
         async def layer_spans(layer: int) -> list[list[memoryview]]:
-            out = []
-            for e in entries:
-                at = sum(e.sizes[:layer])
-                out.append([cache.view(e.slot)[at : at + e.sizes[layer]]])
-            return out
+            return [[view[at[layer] : at[layer] + sizes[layer]]] for view, sizes, at in entries]
 
         return layer_spans
 
@@ -218,10 +211,7 @@ class HostTier(Transport):
 
         def copy_held(layer: int) -> None:
             for c, (view, starts) in held_at.items():
-                at = starts[layer]
-                for r in spans[layer][c]:
-                    r[:] = view[at : at + len(r)]
-                    at += len(r)
+                _from_slot(view, starts[layer], spans[layer][c])
             cache.counters.bytes_out += sum(e.sizes[layer] for e in held.values())
 
         async def from_store() -> None:
@@ -241,10 +231,7 @@ class HostTier(Transport):
                 if missing:
                     await landed[layer].wait()
                 for c, (view, starts) in promoted_at.items():
-                    at = starts[layer]
-                    for r in spans[layer][c]:
-                        view[at : at + len(r)] = r
-                        at += len(r)
+                    _to_slot(view, starts[layer], spans[layer][c])
                 job.layer_loaded(layer)
                 await trio.lowlevel.checkpoint()
         if failed:  # the chunks before the one that failed are intact: held ones too
@@ -256,3 +243,17 @@ class HostTier(Transport):
 def _offsets(sizes: Sequence[int]) -> list[int]:
     """Where each of `sizes` starts when laid end to end."""
     return list(itertools.accumulate(sizes[:-1], initial=0))
+
+
+def _to_slot(view: memoryview, at: int, runs: list[memoryview]) -> None:
+    """Copy `runs`, end to end, into a slot's `view` from byte `at` on."""
+    for r in runs:
+        view[at : at + len(r)] = r
+        at += len(r)
+
+
+def _from_slot(view: memoryview, at: int, runs: list[memoryview]) -> None:
+    """Fill `runs`, in order, from a slot's `view` from byte `at` on."""
+    for r in runs:
+        r[:] = view[at : at + len(r)]
+        at += len(r)

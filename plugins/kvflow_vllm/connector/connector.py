@@ -106,7 +106,6 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
             raise ConfigError(f"KVFlowConnector: {exc}") from None
         self.engine_id = str(ktc.engine_id)
         self.groups = transfer_groups(kv_cache_config)  # each its keys, transport, engine
-        store = self.transport_cls.capabilities.store
         caps = self.transport_cls.capabilities
         if self.config.cpu_cache_gib and (not caps.store or caps.peer):
             raise ConfigError(
@@ -114,7 +113,7 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
                 f"{name!r} is a peer transport; a host tier goes in front of a store "
                 f"transport (valid choices: {', '.join(store_transports())})"
             )
-        self.config = fit_config(self.config, vllm_config, kv_cache_config, self.groups, store)
+        self.config = fit_config(self.config, vllm_config, kv_cache_config, self.groups, caps.store)
         self.block_size = kv_cache_config.kv_cache_groups[self.groups[0]].kv_cache_spec.block_size
         self.hash_block = getattr(kv_cache_config, "hash_block_size", None) or self.block_size
         self.events = kv_events_on(vllm_config, self.block_size, self.hash_block)
