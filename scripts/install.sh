@@ -30,9 +30,10 @@ if ! "$PY" -c "import vllm" >/dev/null 2>&1; then
   fi
 fi
 pip install -e ".[test,nixl]"
-# The example third-party transport (its own package, found through its entry point)
-# and the Redis server its tests start; without the server those tests skip.
-pip install --no-deps -e plugins/kvflow_redis
+# The example third-party transport (its own package, found through its entry point, with
+# its Redis client, coredis) and the Redis server its tests start (standalone, a cluster,
+# sentinels, TLS: Debian's redis-server has them all); without the server those tests skip.
+pip install -e plugins/kvflow_redis
 if ! command -v redis-server >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
   sudo=""; [ "$(id -u)" = 0 ] || sudo="sudo"
   { $sudo apt-get install -y -qq redis-server || { $sudo apt-get update -qq &&

@@ -205,7 +205,9 @@ def engine_starter(make_runtime: MakeRuntime, store: Path) -> Callable[..., Engi
         worker_runtime_cls: type[Runtime] = Runtime,
         block_size: int = BS,
         store_block_sizes: Sequence[int] = (),
+        transport: Callable[[TransportContext], Transport] | None = None,
     ) -> Engine:
+        """`transport(context)`: each side's transport instead of `fs`."""
         cfg = config or KVFlowConfig()
         layout = make_layout(
             num_layers=LAYERS,
@@ -229,7 +231,8 @@ def engine_starter(make_runtime: MakeRuntime, store: Path) -> Callable[..., Engi
         srt = make_runtime(f"{name}-sched")
         sbus, srec = EventBus(Origin(name, "scheduler")), Recorder()
         sbus.subscribe(srec)
-        stransport = FsTransport(options, transport_context("scheduler", ns, None))
+        sctx = transport_context("scheduler", ns, None)
+        stransport = transport(sctx) if transport else FsTransport(options, sctx)
         open_transport(srt, stransport)
         sched = SchedulerEngine(
             config=cfg,
@@ -244,7 +247,8 @@ def engine_starter(make_runtime: MakeRuntime, store: Path) -> Callable[..., Engi
         wrt = make_runtime(f"{name}-worker", cls=worker_runtime_cls, clock=worker_clock)
         wbus, wrec = EventBus(Origin(name, "worker")), Recorder()
         wbus.subscribe(wrec)
-        wtransport = worker_transport(options, transport_context("worker", ns, layout))
+        wctx = transport_context("worker", ns, layout)
+        wtransport = transport(wctx) if transport else worker_transport(options, wctx)
         open_transport(wrt, wtransport)
         worker = WorkerEngine(config=cfg, transport=wtransport, runtime=wrt, bus=wbus)
         worker.register(layout)

@@ -6,9 +6,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from collections.abc import Iterator, Sequence
-from typing import Any
+import os
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from typing import Any, TypeVar
 
+import coredis
+import coredis.exceptions
 import msgspec
 import trio
 
@@ -30,37 +33,51 @@ from kvflow import (
     layer_hash,
 )
 
+from ._client import NETWORK_ERRORS, TLS, BadURL, Holder, Mode, Target, build, parse_url
 from ._format import decode_trailer, encode_trailer
-from ._resp import (
-    MAX_BULK,
-    Address,
-    BadURL,
-    Buffer,
-    Connection,
-    Pool,
-    RedisError,
-    encode,
-    network_error,
-    parse_url,
-)
+from ._guard import MAX_BULK, Limits
 
 log = logging.getLogger("kvflow.redis")
+T = TypeVar("T")
 
 _WHERE = "kv_connector_extra_config['options']"
 LOAD_WINDOW_BYTES = 16 << 20
-"""A load asks for more layers only while fewer bytes than this are requested and unread."""
+"""A load has at most this many bytes of layers requested and not yet read (at least one
+layer); a save sends its values in pipelines of about this many bytes."""
+MAX_LAYERS_IN_FLIGHT = 4
 
 
 class RedisOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Options of the `redis` transport (`kv_connector_extra_config["options"]`)."""
 
     url: str = "redis://127.0.0.1:6379/0"
-    """The server: `redis://[[user]:password@]host[:port][/db]` or
-    `unix://[[user]:password@]/path/to/redis.sock[?db=N]`. Every engine (scheduler and
-    workers, on every machine) that should share the cache names the same server and db."""
+    """`redis://[[user]:password@]host[:port][/db]`, `rediss://...` (TLS) or
+    `unix://[[user]:password@]/path/to/redis.sock[?db=N]`; for `mode` `cluster` or
+    `sentinel`, the nodes or sentinels to start from, comma-separated:
+    `redis://h1:7000,h2:7000`. Every engine (scheduler and workers, on every machine)
+    that should share the cache names the same deployment and db."""
+    mode: Mode = "standalone"
+    """`standalone` (one server), `cluster` (a Redis Cluster: keys spread over its
+    shards by hash slot, pipelines split per shard) or `sentinel` (the primary that the
+    sentinels in `url` name for `sentinel_master`, followed across failovers)."""
+    sentinel_master: str = "mymaster"
+    """`mode: sentinel`: the name of the monitored primary."""
+    password_env: str = ""
+    """The name of an environment variable holding the password (the ACL user's, with
+    the user in `url`), so that no secret sits in the configuration; it overrides a
+    password in `url`."""
+    tls_ca_file: str = ""
+    """`rediss://`: the CA certificates that sign the server's (default: the system's)."""
+    tls_cert_file: str = ""
+    """`rediss://`: a client certificate (PEM), for servers that require one."""
+    tls_key_file: str = ""
+    """`rediss://`: the client certificate's key, if not in `tls_cert_file`."""
+    tls_check_hostname: bool = True
+    """`rediss://`: check that the server's certificate names the host in `url`."""
     key_prefix: str = "kvflow:"
-    """Prepended to every key (`<prefix><namespace>:<chunk key>:<shard>`), to share a
-    server with other data or keep deployments apart."""
+    """Prepended to every key (`<prefix>{<namespace>:<chunk key>}:<shard>`), to share a
+    server with other data or keep deployments apart. No braces: the part in braces is
+    the hash tag that keeps a chunk's shards in one cluster slot."""
     ttl_s: float = 0.0
     """Expire a chunk this many seconds after its last save (`SET ... PX`). 0: never; the
     server's `maxmemory-policy allkeys-lru` evicts instead (see the README)."""
@@ -68,8 +85,8 @@ class RedisOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Check each layer's XXH3-64 on load before vLLM may use it (a mismatch is a load
     error that vLLM recomputes, never wrong tokens). The hash is always written."""
     max_connections: int = 16
-    """Connections per transport instance (each engine process has one per worker and
-    one in its scheduler); one transfer uses one connection, more wait for a free one."""
+    """Connections per transport instance and server (each engine process has one
+    instance per worker and one in its scheduler)."""
     timeout_s: float = 10.0
     """Connecting, and any wait for the server to take or send bytes, fails after this
     long (a hung server becomes a transfer error, not a stalled engine)."""
@@ -83,9 +100,11 @@ class RedisTransport(Transport):
     def __init__(self, options: RedisOptions, context: TransportContext) -> None:
         super().__init__(options, context)
         self.options: RedisOptions = options
-        self.addr: Address | None = None
-        self._pool: Pool | None = None
-        self._max_bulk = MAX_BULK
+        self.target: Target | None = None
+        self.limits = Limits()
+        self._holder: Holder | None = None
+        self._restart = trio.Lock()
+        self._layout_stale = False
 
     # -- lifecycle ---------------------------------------------------------
     async def open(self) -> None:
@@ -96,53 +115,113 @@ class RedisTransport(Transport):
             raise TransportError(f"{_WHERE}['timeout_s'] must be a positive number of seconds")
         if not (o.ttl_s >= 0 and math.isfinite(o.ttl_s)):
             raise TransportError(f"{_WHERE}['ttl_s'] must be >= 0 (0: no expiry)")
+        if "{" in o.key_prefix or "}" in o.key_prefix:
+            raise TransportError(
+                f"{_WHERE}['key_prefix'] must not contain braces ({o.key_prefix!r}): the "
+                "transport puts each chunk's hash tag in braces"
+            )
+        if o.password_env and o.password_env not in os.environ:
+            raise TransportError(
+                f"{_WHERE}['password_env']: the environment variable {o.password_env!r} is not set"
+            )
         try:
-            self.addr = parse_url(o.url)
+            self.target = parse_url(o.url)
         except BadURL as exc:
             raise TransportError(f"{_WHERE}['url']: {exc}") from None
-        name = f"kvflow-{self.context.role}-{self.context.shard}"
-        self._pool = Pool(self.addr, o.max_connections, o.timeout_s, name)
-        self._pool.max_bulk = self._max_bulk
-        try:
-            async with self._pool.connection() as conn:
-                policy = await conn.pipeline([("CONFIG", "GET", "maxmemory-policy")])
-        except BaseException as raised:
-            self._pool.close()
-            err = network_error(raised)
-            if err is None:
-                raise
-            raise TransportError(
-                f"{_WHERE}['url']: cannot use the redis server at {self.addr.redacted()} "
-                f"({_describe(err, o.timeout_s)})"
-            ) from None
-        reply = policy[0]
-        if isinstance(reply, list) and len(reply) == 2 and reply[1] == b"noeviction":
+        for name in ("tls_ca_file", "tls_cert_file", "tls_key_file"):
+            path = getattr(o, name)
+            if path and not os.path.isfile(path):
+                raise TransportError(f"{_WHERE}['{name}']: no such file {path!r}")
+        with self._errors("connect", where="url"):
+            await self._start()
+            policy = await self._maxmemory_policy()
+        if policy == b"noeviction":
             log.warning(
                 "kvflow redis: %s has maxmemory-policy noeviction: saves fail once it is "
                 "full; set allkeys-lru (see the kvflow-redis README)",
-                self.addr.redacted(),
+                self.where,
             )
+
+    async def _start(self) -> None:
+        """Build the client and hold it open (again, after its tasks failed)."""
+        o, target = self.options, self.target
+        assert target is not None
+        tls = TLS(o.tls_ca_file, o.tls_cert_file, o.tls_key_file, o.tls_check_hostname)
+        try:
+            client, enter = build(
+                target,
+                o.mode,
+                master=o.sentinel_master,
+                password=os.environ.get(o.password_env) if o.password_env else None,
+                tls=tls,
+                limits=self.limits,
+                max_connections=o.max_connections,
+                timeout_s=o.timeout_s,
+                name=f"kvflow-{self.context.role}-{self.context.shard}",
+            )
+        except (BadURL, OSError, ValueError) as exc:
+            raise TransportError(f"{_WHERE}['url']: {exc}") from None
+        holder = Holder(client, enter)
+        await self._within(holder.start)
+        self._holder = holder
+
+    async def _maxmemory_policy(self) -> bytes | None:
+        """The server's eviction policy; None where CONFIG is not allowed (ACL users,
+        managed services that rename it) or not routed (a cluster)."""
+        await self._within(self.client.ping)
+        if self.options.mode == "cluster":
+            return None
+        try:
+            config = await self._within(lambda: self.client.config_get([b"maxmemory-policy"]))
+        except coredis.exceptions.ResponseError:
+            return None
+        for value in _leaves(config):
+            return value
+        return None
 
     async def register(self, layout: KVLayout) -> None:
         """Also bounds the replies this transport reads: no bulk longer than a value it
         writes (a hostile or broken server's `$<huge>` fails at once, unbuffered)."""
         await super().register(layout)
-        self._max_bulk = max(MAX_BULK, _largest_value(self.context, layout))
-        if self._pool is not None:
-            self._pool.max_bulk = self._max_bulk
+        self.limits.max_bulk = max(MAX_BULK, _largest_value(self.context, layout))
 
     async def aclose(self) -> None:
-        if self._pool is not None:
-            self._pool.close()
+        if self._holder is not None:
+            await self._holder.stop()
 
     @property
-    def pool(self) -> Pool:
-        if self._pool is None:
+    def client(self) -> coredis.Redis[bytes] | coredis.RedisCluster[bytes]:
+        if self._holder is None:
             raise TransportError("the redis transport is not open")
-        return self._pool
+        return self._holder.client
+
+    @property
+    def where(self) -> str:
+        return self.target.redacted() if self.target else self.options.url
+
+    async def _ready(self) -> None:
+        """Start the client again if its tasks ended (a failure inside coredis); in a
+        cluster, read its layout again after a request failed on the network (coredis
+        does so only after several errors, and a failover would fail requests to the
+        dead master until then)."""
+        if self._holder is not None and self._holder.alive and not self._layout_stale:
+            return
+        async with self._restart:
+            if self._holder is None or not self._holder.alive:
+                log.warning("kvflow redis: the client to %s stopped; starting it again", self.where)
+                await self._start()
+            client = self.client
+            if self._layout_stale and isinstance(client, coredis.RedisCluster):
+                self._layout_stale = False
+                await self._within(client.connection_pool.cluster_layout.initialize)
+
+    def _pipeline(self) -> Any:
+        return self.client.pipeline(transaction=False, raise_on_error=False)
 
     @contextlib.contextmanager
-    def _errors(self, what: str, chunk: int = 0, key: ChunkKey = "") -> Iterator[None]:
+    def _errors(
+        self, what: str, chunk: int = 0, key: ChunkKey = "", where: str = ""
+    ) -> Iterator[None]:
         """Network and server failures as `TransportError`s naming the server."""
         try:
             yield
@@ -150,32 +229,75 @@ class RedisTransport(Transport):
             exc = network_error(raised)
             if exc is None:
                 raise
-            where = self.addr.redacted() if self.addr else self.options.url
+            option = f"{_WHERE}['{where}']: cannot use the redis server at " if where else ""
             raise TransportError(
-                f"redis {what} at {where}: {_describe(exc, self.options.timeout_s)}",
+                f"{option or f'redis {what} at '}{self.where}"
+                f"{' (' if where else ': '}{_describe(exc, self.options.timeout_s)}"
+                f"{')' if where else ''}",
                 chunk=chunk,
                 key=key,
             ) from raised
 
+    async def _run(self, what: str, queue: Any) -> list[Any]:
+        """One pipeline (`queue(pipe)` queues its commands), its replies: values or the
+        error each command got."""
+
+        async def run() -> list[Any]:
+            async with self._pipeline() as pipe:
+                queue(pipe)
+            return list(pipe.results or ())
+
+        with self._errors(what):
+            await self._ready()
+            try:
+                return await self._within(run)
+            except NETWORK_ERRORS:
+                if self.options.mode != "cluster":
+                    raise
+            # a node gone (a master failed over?): once more, on the cluster's layout as
+            # it is now (every command here may run twice: a SET names the same bytes)
+            self._layout_stale = True
+            await self._ready()
+            return await self._within(run)
+
+    async def _within(self, fn: Callable[[], Awaitable[T]]) -> T:
+        """`fn()` within `timeout_s`. coredis reports a connection attempt that was
+        cancelled as a `ConnectionError`: the cancellation is what the caller gets (a
+        `trio.TooSlowError` past `timeout_s`)."""
+        failure = None
+        with trio.CancelScope(deadline=trio.current_time() + self.options.timeout_s) as scope:
+            try:
+                return await fn()
+            except BaseException as exc:
+                if network_error(exc) is None:
+                    raise
+                if not scope.cancel_called:
+                    if trio.current_effective_deadline() == -math.inf:
+                        await trio.lowlevel.checkpoint()  # an outer cancellation: raise it
+                    raise
+                failure = exc
+        await trio.lowlevel.checkpoint()  # the caller's own cancellation, if any, first
+        raise trio.TooSlowError from failure
+
     # -- keys --------------------------------------------------------------
     def key(self, key: ChunkKey, shard: str | None = None) -> bytes:
+        """`<prefix>{<namespace>:<key>}:<shard>`: every shard of a chunk in one slot."""
         ctx = self.context
-        return f"{self.options.key_prefix}{ctx.namespace}:{key}:{shard or ctx.shard}".encode()
+        return f"{self.options.key_prefix}{{{ctx.namespace}:{key}}}:{shard or ctx.shard}".encode()
 
     # -- lookup ------------------------------------------------------------
     async def lookup(self, keys: Sequence[ChunkKey], shards: Sequence[str] = ()) -> int:
         """One round trip: `EXISTS` of each of `shards`' values (default: this engine's),
-        per key, pipelined.
+        per key, pipelined (one command per key: its shards share a hash slot).
 
         EXISTS does not touch a value's LRU clock: only loads keep a chunk warm."""
         if not keys:
             return 0
         shards = shards or self.context.shards
-        cmds = [("EXISTS", *(self.key(k, s) for s in shards)) for k in keys]
-        with self._errors("lookup"):
-            replies = await self.pool.pipeline(cmds)
+        names = [[self.key(k, s) for s in shards] for k in keys]
+        replies = await self._run("lookup", lambda pipe: [pipe.exists(n) for n in names])
         for i, reply in enumerate(replies):
-            if isinstance(reply, RedisError):
+            if isinstance(reply, BaseException):
                 raise TransportError(f"redis lookup: {reply}", chunk=i, key=keys[i])
             if reply != len(shards):
                 return i
@@ -184,20 +306,19 @@ class RedisTransport(Transport):
     # -- save --------------------------------------------------------------
     async def save(self, job: SaveJob) -> None:
         """Each chunk not stored yet becomes one `SET`, sent once every layer is final,
-        straight from the KV spans (no copy on this side). Redis applies a SET only once
-        its whole value arrived: a chunk is never visible half-written, and a save cut
-        short (cancelled, connection lost) leaves no trace of the chunk in flight."""
+        in pipelines of about `LOAD_WINDOW_BYTES`. Redis applies a SET only once its whole
+        value arrived: a chunk is never visible half-written, and a save cut short
+        (cancelled, connection lost) leaves no trace of the chunk in flight."""
         layout = self.context.layout
         assert layout is not None, "redis save needs registered KV caches"
         keys = [self.key(k) for k in job.keys]
         ttl_ms = round(self.options.ttl_s * 1000)
-        with self._errors("save"):
-            present = await self.pool.pipeline([("EXISTS", k) for k in keys])
+        present = await self._run("save", lambda pipe: [pipe.exists([k]) for k in keys])
         todo = [c for c, p in enumerate(present) if p != 1]  # an error reply: write it again
+        if ttl_ms and len(todo) < len(keys):  # a key names the same bytes forever: keep longer
+            kept = [keys[c] for c in range(len(keys)) if c not in todo]
+            await self._run("save", lambda pipe: [pipe.pexpire(k, ttl_ms) for k in kept])
         if not todo:
-            if ttl_ms:  # a key names the same bytes forever: just keep them longer
-                with self._errors("save"):
-                    await self.pool.pipeline([("PEXPIRE", k, ttl_ms) for k in keys])
             return
         spans: list[list[list[memoryview]]] = []  # [layer][todo index] -> spans
         hashes: list[list[int]] = []  # [layer][todo index]
@@ -206,7 +327,7 @@ class RedisTransport(Transport):
             chosen = [layer_spans[c] for c in todo]
             spans.append(chosen)
             hashes.append(await trio.to_thread.run_sync(_hashes, chosen))
-        cmds: list[tuple[Any, ...]] = []
+        batch: list[tuple[int, bytes]] = []
         for j, c in enumerate(todo):
             header = ChunkHeader(
                 key=job.keys[c],
@@ -217,29 +338,31 @@ class RedisTransport(Transport):
                 layer_hash=[hashes[i][j] for i in range(job.num_layers)],
                 layout=layout.describe(),
             )
-            value: list[Buffer] = [s for i in range(job.num_layers) for s in spans[i][j]]
-            value.append(encode_trailer(header))
-            cmds.append(
-                ("SET", keys[c], value, "PX", ttl_ms) if ttl_ms else ("SET", keys[c], value)
-            )
-        if ttl_ms:
-            cmds += [("PEXPIRE", keys[c], ttl_ms) for c in range(len(keys)) if c not in todo]
-        with self._errors("save"):
-            replies = await self.pool.pipeline(cmds)
-        for j, c in enumerate(todo):
-            if isinstance(replies[j], RedisError):
+            parts = [s for i in range(job.num_layers) for s in spans[i][j]]
+            batch.append((c, b"".join([*parts, encode_trailer(header)])))
+            if sum(len(v) for _, v in batch) >= LOAD_WINDOW_BYTES or j == len(todo) - 1:
+                chunks = [c for c, _ in batch]
+                await self._set(job, [(keys[c], v) for c, v in batch], chunks, ttl_ms)
+                batch = []
+
+    async def _set(
+        self, job: SaveJob, values: list[tuple[bytes, bytes]], chunks: list[int], ttl_ms: int
+    ) -> None:
+        px = ttl_ms or None
+        replies = await self._run("save", lambda pipe: [pipe.set(k, v, px=px) for k, v in values])
+        for c, reply in zip(chunks, replies, strict=True):
+            if isinstance(reply, BaseException):
                 raise TransportError(
-                    f"redis save of chunk {c} ({job.keys[c]}): {replies[j]}",
-                    chunk=c,
-                    key=job.keys[c],
+                    f"redis save of chunk {c} ({job.keys[c]}): {reply}", chunk=c, key=job.keys[c]
                 )
 
     # -- load --------------------------------------------------------------
     async def load(self, job: LoadJob) -> None:
-        """Two round trips on one connection: first every chunk's length and trailer
-        (checked against this layout), then, pipelined in layer order, one `GETRANGE` per
-        layer and chunk, read straight into the KV spans. A layer's hashes are checked in a
-        thread while the next layer streams in, and `layer_loaded(i)` follows its check."""
+        """First every chunk's length and trailer in one round trip (checked against this
+        layout), then each layer's bytes, one pipelined `GETRANGE` per chunk, up to
+        `MAX_LAYERS_IN_FLIGHT` layers (and `LOAD_WINDOW_BYTES`) requested ahead. A layer
+        is copied into its spans and its hashes checked in a thread while the next layers
+        arrive, and `layer_loaded(i)` follows its check, in layer order."""
         layout = job.layout or self.context.layout  # another shape's chunk: as it lies
         assert layout is not None, "redis load needs registered KV caches"
         n, num_layers = len(job.keys), job.num_layers
@@ -247,62 +370,52 @@ class RedisTransport(Transport):
         sizes = [[layout.chunk_nbytes(i, t) for i in range(num_layers)] for t in job.token_counts]
         found: list[ChunkFailure | None] = []
         bad: list[bytes] = []  # values that failed validation, deleted afterwards
-        with self._errors("load"):
-            async with self.pool.connection() as conn:
-                headers = await self._headers(conn, job, keys, sizes, found, bad)
-                intact = _intact(found, n)
-                layers: list[list[Buffer]] = [[] for _ in range(num_layers)]
-                offsets = [0] * intact
-                for i in range(num_layers):
-                    for c in range(intact):
-                        end = offsets[c] + sizes[c][i]
-                        encode("GETRANGE", keys[c], offsets[c], end - 1, out=layers[i])
-                        offsets[c] = end
-                # Redis runs a pipeline's commands as fast as they arrive and buffers their
-                # replies: asking for every layer at once would hold the whole request in
-                # its output buffer (server memory) and deliver layer 0 only after it has
-                # copied all of it. A window of layers in flight keeps the stream moving.
-                layer_nbytes = max(
-                    (sum(s[i] for s in sizes[:intact]) for i in range(num_layers)), default=0
-                )
-                window = trio.Semaphore(max(1, LOAD_WINDOW_BYTES // max(1, layer_nbytes)))
-                async with trio.open_nursery() as nursery:
-                    if intact:
-                        nursery.start_soon(self._send_layers, conn, layers, window)
-                    prev = trio.Event()
-                    prev.set()
-                    for i in range(num_layers):
-                        layer_spans = job.spans(i)[:intact] if intact else []
-                        await self._read_layer(conn, i, layer_spans, sizes, found)
-                        if intact:
-                            window.release()
-                        done = trio.Event()
-                        nursery.start_soon(
-                            self._check_then_signal, job, i, layer_spans, headers, keys,
-                            found, bad, prev, done,
-                        )  # fmt: skip
-                        prev = done
+        headers = await self._headers(job, keys, sizes, found, bad)
+        intact = _intact(found, n)
+        starts = [[sum(s[:i]) for i in range(num_layers)] for s in sizes[:intact]]
+        layer_nbytes = max(
+            (sum(s[i] for s in sizes[:intact]) for i in range(num_layers)), default=0
+        )
+        ahead = max(1, min(MAX_LAYERS_IN_FLIGHT, LOAD_WINDOW_BYTES // max(1, layer_nbytes)))
+
+        async def fetch(i: int) -> list[Any]:
+            if not intact:
+                return []
+            return await self._run(
+                "load",
+                lambda pipe: [
+                    pipe.getrange(keys[c], starts[c][i], starts[c][i] + sizes[c][i] - 1)
+                    for c in range(intact)
+                ],
+            )
+
+        async with trio.open_nursery() as nursery:
+            pending = [_Later(nursery, fetch, i) for i in range(min(ahead, num_layers))]
+            prev = trio.Event()
+            prev.set()
+            for i in range(num_layers):
+                values = await pending[i].result()
+                if i + ahead < num_layers:
+                    pending.append(_Later(nursery, fetch, i + ahead))
+                done = trio.Event()
+                layer_spans = job.spans(i)[:intact] if intact else []
+                nursery.start_soon(
+                    self._fill_check_signal, job, i, values, layer_spans, sizes, headers, keys,
+                    found, bad, prev, done,
+                )  # fmt: skip
+                prev = done
         failure = first_failure(found)
         if bad:
             with trio.move_on_after(self.options.timeout_s), contextlib.suppress(Exception):
                 # a corrupt value would fail every later load of its key: drop it so the
                 # next save of the key writes it again
-                await self.pool.pipeline([("DEL", k) for k in bad])
+                await self._run("delete", lambda pipe: [pipe.delete([k]) for k in bad])
                 log.warning("kvflow redis: deleted %d corrupt chunk value(s)", len(bad))
         if failure is not None:
             raise failure.error(job.keys[failure.chunk])
 
-    @staticmethod
-    async def _send_layers(
-        conn: Connection, layers: list[list[Buffer]], window: trio.Semaphore
-    ) -> None:
-        for bufs in layers:
-            await window.acquire()
-            await conn.send(bufs)
-
     async def _headers(
         self,
-        conn: Connection,
         job: LoadJob,
         keys: list[bytes],
         sizes: list[list[int]],
@@ -310,10 +423,13 @@ class RedisTransport(Transport):
         bad: list[bytes],
     ) -> list[ChunkHeader]:
         """Every chunk's trailer, checked, up to the first bad chunk (recorded in `found`)."""
-        cmds: list[tuple[Any, ...]] = []
-        for k, s in zip(keys, sizes, strict=True):
-            cmds += [("STRLEN", k), ("GETRANGE", k, sum(s), -1)]
-        replies = await conn.pipeline(cmds)
+
+        def queue(pipe: Any) -> None:
+            for k, s in zip(keys, sizes, strict=True):
+                pipe.strlen(k)
+                pipe.getrange(k, sum(s), -1)
+
+        replies = await self._run("load", queue)
         headers: list[ChunkHeader] = []
         for c, key in enumerate(job.keys):
             strlen, raw = replies[2 * c], replies[2 * c + 1]
@@ -321,8 +437,9 @@ class RedisTransport(Transport):
                 found.append(ChunkFailure(c, ChunkMissing, "not stored (never saved, or evicted)"))
                 break
             problem = ""
-            if isinstance(strlen, RedisError) or isinstance(raw, RedisError):
-                problem = f"not a chunk value ({strlen if isinstance(strlen, RedisError) else raw})"
+            if isinstance(strlen, BaseException) or isinstance(raw, BaseException):
+                error = strlen if isinstance(strlen, BaseException) else raw
+                problem = f"not a chunk value ({error})"
             else:
                 try:
                     h = decode_trailer(raw)
@@ -339,39 +456,13 @@ class RedisTransport(Transport):
             headers.append(h)
         return headers
 
-    async def _read_layer(
-        self,
-        conn: Connection,
-        layer: int,
-        layer_spans: list[list[memoryview]],
-        sizes: list[list[int]],
-        found: list[ChunkFailure | None],
-    ) -> None:
-        """Read the replies of one layer (one per intact chunk) into its spans."""
-        for c, spans in enumerate(layer_spans):
-            n = await conn.bulk_header()
-            want = sizes[c][layer]
-            if n == want:
-                await conn.read_into(spans)
-            else:  # the value went away (evicted, deleted) between the two round trips
-                if isinstance(n, int) and n > 0:
-                    await conn.skip(n)
-                found.append(
-                    ChunkFailure(
-                        c,
-                        ChunkMissing if n in (0, -1) else ChunkCorrupt,
-                        f"value changed during the load (layer {layer}: got "
-                        f"{n}, expected {want} bytes)",
-                    )
-                )
-            if isinstance(n, int) and n >= 0:
-                await conn.bulk_end()
-
-    async def _check_then_signal(
+    async def _fill_check_signal(
         self,
         job: LoadJob,
         layer: int,
+        values: list[Any],
         layer_spans: list[list[memoryview]],
+        sizes: list[list[int]],
         headers: list[ChunkHeader],
         keys: list[bytes],
         found: list[ChunkFailure | None],
@@ -379,19 +470,84 @@ class RedisTransport(Transport):
         after: trio.Event,
         done: trio.Event,
     ) -> None:
-        """Verify `layer`'s hashes, then signal it once every earlier layer was signalled."""
-        if self.options.verify and layer_spans:
-            hashes = await trio.to_thread.run_sync(_hashes, layer_spans)
-            for c, h in enumerate(hashes):
-                if h != headers[c].layer_hash[layer]:
-                    found.append(
-                        ChunkFailure(c, ChunkCorrupt, f"checksum mismatch in layer {layer}")
+        """Copy `layer`'s values into its spans and verify its hashes (in a thread), then
+        signal it once every earlier layer was signalled."""
+        for c, value in enumerate(values):
+            want = sizes[c][layer]
+            if not isinstance(value, bytes) or len(value) != want:
+                # the value went away (evicted, deleted) or changed between round trips
+                got = len(value) if isinstance(value, bytes) else value
+                found.append(
+                    ChunkFailure(
+                        c,
+                        ChunkMissing if not value else ChunkCorrupt,
+                        f"value changed during the load (layer {layer}: got {got}, "
+                        f"expected {want} bytes)",
                     )
-                    bad.append(keys[c])
-                    break
+                )
+                values, layer_spans = values[:c], layer_spans[:c]
+                break
+        verify = self.options.verify
+        hashes = await trio.to_thread.run_sync(_fill, values, layer_spans, verify)
+        for c, h in enumerate(hashes):
+            if h != headers[c].layer_hash[layer]:
+                found.append(ChunkFailure(c, ChunkCorrupt, f"checksum mismatch in layer {layer}"))
+                bad.append(keys[c])
+                break
         await after.wait()
         job.layer_loaded(layer)
         done.set()
+
+
+class _Later:
+    """`fetch(i)` started now in `nursery`; its result awaited later."""
+
+    def __init__(self, nursery: trio.Nursery, fetch: Any, i: int) -> None:
+        self._done = trio.Event()
+        self._value: list[Any] = []
+        nursery.start_soon(self._run, fetch, i)
+
+    async def _run(self, fetch: Any, i: int) -> None:
+        self._value = await fetch(i)
+        self._done.set()
+
+    async def result(self) -> list[Any]:
+        await self._done.wait()
+        return self._value
+
+
+def _fill(values: list[bytes], spans: list[list[memoryview]], verify: bool) -> list[int]:
+    """Copy each chunk's value into its spans; their hashes if `verify`."""
+    for value, chunk_spans in zip(values, spans, strict=True):
+        at = 0
+        for span in chunk_spans:
+            span[:] = value[at : at + len(span)]
+            at += len(span)
+    return [layer_hash(s) for s in spans] if verify else []
+
+
+def _leaves(reply: Any) -> Iterator[bytes]:
+    """The values of a CONFIG GET reply: a map, or (a cluster's) a map per node."""
+    if isinstance(reply, dict):
+        for value in reply.values():
+            yield from _leaves(value)
+    elif isinstance(reply, bytes | str):
+        yield reply.encode() if isinstance(reply, str) else reply
+
+
+def network_error(exc: BaseException) -> BaseException | None:
+    """The first network or server error `exc` stands for (also inside an exception group
+    that holds nothing else), or None when it is something else (a cancellation, a bug)."""
+    if isinstance(exc, NETWORK_ERRORS):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        match, rest = exc.split(NETWORK_ERRORS)
+        if match is not None and rest is None:
+            leaf: BaseException = match
+            while isinstance(leaf, BaseExceptionGroup):
+                leaf = leaf.exceptions[0]
+            return leaf
+    return None
 
 
 def _largest_value(context: TransportContext, layout: KVLayout) -> int:
@@ -420,9 +576,13 @@ def _hashes(spans: list[list[memoryview]]) -> list[int]:
 
 
 def _describe(exc: BaseException, timeout_s: float | None = None) -> str:
-    if isinstance(exc, trio.TooSlowError):
+    while isinstance(exc, coredis.exceptions.ConnectionError) and exc.__cause__ is not None:
+        exc = exc.__cause__  # "Unable to establish a connection": say why
+    if isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        return _describe(exc.exceptions[0], timeout_s)
+    if isinstance(exc, trio.TooSlowError | TimeoutError):
         return "no answer within timeout_s" + (f"={timeout_s}" if timeout_s else "")
-    if isinstance(exc, RedisError):
+    if isinstance(exc, coredis.exceptions.ResponseError):
         return f"server error: {exc}"
     if isinstance(exc, OSError) and exc.strerror:
         return exc.strerror

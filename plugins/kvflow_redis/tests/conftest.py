@@ -1,35 +1,24 @@
-"""A real `redis-server` for the tests: started once per session on a free loopback port
-(no persistence), killed at the end. Set `KVFLOW_REDIS_URL` to test against a server you
-run yourself instead."""
+"""Real Redis deployments for the tests, started once per session on free loopback ports
+(no persistence) and killed at the end (`servers.py`). Set `KVFLOW_REDIS_URL` to test
+against a standalone server you run yourself instead."""
 
 from __future__ import annotations
 
 import os
 import shutil
-import socket
-import subprocess
-import time
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-START_TIMEOUT_S = 20.0
+sys.path.insert(0, str(Path(__file__).parent))
+import servers
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _ping(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
-            s.sendall(b"*1\r\n$4\r\nPING\r\n")
-            return s.recv(64).startswith(b"+PONG")
-    except OSError:
-        return False
+def _needs_server() -> None:
+    if servers.binary() is None:
+        pytest.skip("redis-server is not installed (Debian: apt-get install -y redis-server)")
 
 
 @pytest.fixture(scope="session")
@@ -38,33 +27,34 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     if url := os.environ.get("KVFLOW_REDIS_URL"):
         yield url
         return
-    binary = shutil.which("redis-server") or shutil.which("valkey-server")
-    if binary is None:
-        pytest.skip("redis-server is not installed (Debian: apt-get install -y redis-server)")
-    work: Path = tmp_path_factory.mktemp("redis")
-    port = _free_port()
-    args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(work)]
-    args += ["--save", "", "--appendonly", "no"]  # no persistence
-    args += ["--maxmemory", "1gb", "--maxmemory-policy", "allkeys-lru"]
-    log = open(work / "redis.log", "wb")  # noqa: SIM115 - closed at teardown
-    proc = subprocess.Popen(
-        args,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not _ping(port):
-            if proc.poll() is not None:
-                raise RuntimeError(
-                    f"redis-server exited with {proc.returncode}: "
-                    + (work / "redis.log").read_text(errors="replace")[-2000:]
-                )
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"redis-server did not answer PING within {START_TIMEOUT_S} s")
-            time.sleep(0.05)
-        yield f"redis://127.0.0.1:{port}/0"
-    finally:
-        proc.kill()
-        proc.wait(timeout=10)
-        log.close()
+    _needs_server()
+    with servers.standalone(tmp_path_factory.mktemp("redis")) as d:
+        yield d.url
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[servers.Deployment]:
+    """A Redis Cluster of 3 masters with one replica each (`url` names two of them)."""
+    _needs_server()
+    with servers.cluster(tmp_path_factory.mktemp("cluster")) as d:
+        yield d
+
+
+@pytest.fixture(scope="session")
+def redis_sentinel(tmp_path_factory: pytest.TempPathFactory) -> Iterator[servers.Deployment]:
+    """A primary (`servers[0]`), its replica and three sentinels (`url` names them);
+    the primary's name is `kvflow`."""
+    _needs_server()
+    with servers.sentinel(tmp_path_factory.mktemp("sentinel")) as d:
+        yield d
+
+
+@pytest.fixture(scope="session")
+def redis_tls(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    """URL (`rediss://`) of a TLS-only server, and its CA certificate."""
+    _needs_server()
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed (it makes the test certificates)")
+    work = tmp_path_factory.mktemp("tls")
+    with servers.tls(work) as d:
+        yield d.url, work / "certs" / "ca.crt"

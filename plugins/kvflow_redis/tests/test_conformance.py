@@ -23,7 +23,8 @@ from kvflow import (
 )
 from kvflow.testing import TransportConformance, make_layout
 from kvflow_redis import RedisOptions, RedisTransport
-from kvflow_redis._resp import MAX_BULK, Pool, ProtocolError, encode, parse_url
+from kvflow_redis._client import parse_url
+from kvflow_redis._guard import MAX_BULK, MAX_ELEMENTS, READ_SIZE, Framer, ProtocolError
 
 pytestmark = pytest.mark.trio
 
@@ -85,18 +86,11 @@ async def test_bad_options_fail_at_open_naming_the_option(
     assert f"kv_connector_extra_config['options']{names}" in str(err.value)
 
 
-async def test_wrong_password_fails_at_open(redis_url: str) -> None:
-    url = redis_url.replace("redis://", "redis://:nope@")
-    t = RedisTransport(RedisOptions(url=url), _context())
-    with pytest.raises(TransportError, match=r"\['url'\].*:\*\*\*@"):
-        await t.open()
-
-
 async def test_url_forms() -> None:
-    a = parse_url("redis://u:p%40ss@cache.internal:6380/3")
-    assert (a.host, a.port, a.db, a.username, a.password) == (
-        "cache.internal",
-        6380,
+    a = parse_url("rediss://u:p%40ss@cache.internal:6380/3")
+    assert (a.tls, a.hosts, a.db, a.username, a.password) == (
+        True,
+        (("cache.internal", 6380),),
         3,
         "u",
         "p@ss",
@@ -104,14 +98,18 @@ async def test_url_forms() -> None:
     assert "p@ss" not in a.redacted()
     u = parse_url("unix:///run/redis/redis.sock?db=2")
     assert (u.path, u.db) == ("/run/redis/redis.sock", 2)
+    c = parse_url("redis://10.0.0.1:7000,[::1]:7001,cache")
+    assert c.hosts == (("10.0.0.1", 7000), ("::1", 7001), ("cache", 6379))
 
 
-async def _raw(url: str, *cmds: tuple[object, ...]) -> list[object]:
-    pool = Pool(parse_url(url), 1, 5.0, "test")
+@contextlib.asynccontextmanager
+async def _opened(url: str) -> AsyncIterator[RedisTransport]:
+    t = RedisTransport(RedisOptions(url=url), _context())
+    await t.open()
     try:
-        return await pool.pipeline(cmds)
+        yield t
     finally:
-        pool.close()
+        await t.aclose()
 
 
 async def _saved(redis_url: str, ttl_s: float = 0.0) -> tuple[RedisTransport, LoadJob]:
@@ -138,18 +136,18 @@ async def test_corrupt_value_fails_its_chunk_and_is_deleted(redis_url: str) -> N
     try:
         key = t.key("k1")
         # flip one byte in the payload of chunk 1
-        (value,) = await _raw(redis_url, ("GET", key))
+        value = await t.client.get(key)
         assert isinstance(value, bytes)
-        await _raw(redis_url, ("SETRANGE", key, 5, bytes([value[5] ^ 0xFF])))
+        await t.client.setrange(key, 5, bytes([value[5] ^ 0xFF]))
         with pytest.raises(ChunkCorrupt, match="checksum mismatch") as err:
             await t.load(load)
         assert err.value.chunk == 1
         assert await t.lookup(["k0", "k1", "k2"]) == 1, "the corrupt value was deleted"
         # truncated value
         key2 = t.key("k2")
-        (v2,) = await _raw(redis_url, ("GET", key2))
+        v2 = await t.client.get(key2)
         assert isinstance(v2, bytes)
-        await _raw(redis_url, ("SET", key2, v2[:-30]))
+        await t.client.set(key2, v2[:-30])
         load.keys = ["k0", "k2"]
         load.token_counts = [4, 2]
         with pytest.raises(ChunkCorrupt) as err:
@@ -162,7 +160,7 @@ async def test_corrupt_value_fails_its_chunk_and_is_deleted(redis_url: str) -> N
 async def test_ttl_sets_an_expiry(redis_url: str) -> None:
     t, _ = await _saved(redis_url, ttl_s=100)
     try:
-        (ms,) = await _raw(redis_url, ("PTTL", t.key("k0")))
+        ms = await t.client.pttl(t.key("k0"))
         assert isinstance(ms, int) and 90_000 < ms <= 100_000
     finally:
         await t.aclose()
@@ -171,9 +169,10 @@ async def test_ttl_sets_an_expiry(redis_url: str) -> None:
 async def test_unreachable_server_mid_run_is_a_transport_error(redis_url: str) -> None:
     t, load = await _saved(redis_url)
     try:
-        t.addr = parse_url("redis://127.0.0.1:1/0")
-        t.pool.close()
-        t._pool = Pool(t.addr, 2, 2.0, "test")
+        # the server moves away: the client is started again, toward the new address
+        t.target = parse_url("redis://127.0.0.1:1/0")
+        assert t._holder is not None
+        await t._holder.stop()
         with pytest.raises(TransportError, match=r"redis lookup at redis://127\.0\.0\.1:1/0"):
             await t.lookup(["k0"])
         with pytest.raises(TransportError, match="redis load"):
@@ -199,16 +198,12 @@ async def test_server_side_timeout_is_bounded(redis_url: str) -> None:
 
 @contextlib.asynccontextmanager
 async def hostile_server(answer: bytes) -> AsyncIterator[str]:
-    """A server on a real socket that completes the handshake (CLIENT SETNAME, PING), then
-    answers the next command with `answer` and holds the connection open; its URL."""
+    """A server on a real socket that answers the client's first command (the handshake's
+    HELLO) with `answer` and holds the connection open; its URL."""
 
     async def serve(stream: trio.SocketStream) -> None:
-        got = b""
         with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-            while b"PING\r\n" not in got:
-                got += await stream.receive_some()
-            await stream.send_all(b"+OK\r\n+PONG\r\n")
-            await stream.receive_some()  # the next command
+            await stream.receive_some()  # the first command
             view = memoryview(answer)
             for i in range(0, len(view), 1 << 16):  # until the client hangs up
                 await stream.send_all(view[i : i + (1 << 16)])
@@ -223,9 +218,12 @@ async def hostile_server(answer: bytes) -> AsyncIterator[str]:
 
 
 HOSTILE = {
-    "huge bulk": (b"$1073741824\r\n", r"a bulk reply of 1073741824 \(at most 65536"),
-    "huge array": (b"*100000000\r\n:1\r\n", r"an array reply of 100000000 \(at most 1024"),
-    "deep nesting": (b"*1\r\n" * 100_000, r"arrays nested deeper than 4"),
+    "huge bulk": (b"$1073741824\r\n", r"a bulk reply of 1073741824 bytes \(at most 65536"),
+    "huge array": (
+        b"*100000000\r\n:1\r\n",
+        rf"an array reply of 100000000 \(at most {MAX_ELEMENTS}",
+    ),
+    "deep nesting": (b"*1\r\n" * 100_000, r"arrays nested deeper than 8"),
     "endless line": (b"+" + b"x" * (8 << 20), r"a reply line longer than 65536 bytes"),
     "no number": (b"$1x\r\n", r"not a number in the reply line b'\$1x'"),
 }
@@ -235,8 +233,8 @@ HOSTILE = {
 async def test_a_hostile_reply_fails_fast_with_bounded_memory(case: str) -> None:
     """A server that declares a 1 GiB bulk or 10^8 elements, nests arrays 100 000 deep,
     or sends 8 MiB without a line end: the client refuses at once, naming the bound,
-    holding at most a few hundred KiB (it used to allocate the bulk, wait out
-    `timeout_s`, recurse until RecursionError, or buffer every byte)."""
+    holding about one socket read (`READ_SIZE`, 4 MiB), before coredis parses any of it
+    (unguarded, it buffers what the server sends until `timeout_s`)."""
     answer, message = HOSTILE[case]
     async with hostile_server(answer) as url:
         t = RedisTransport(RedisOptions(url=url, timeout_s=30), _context())
@@ -247,7 +245,7 @@ async def test_a_hostile_reply_fails_fast_with_bounded_memory(case: str) -> None
             peak = tracemalloc.get_traced_memory()[1]
         finally:
             tracemalloc.stop()
-    assert peak < 4 << 20, f"{peak} bytes held for one hostile reply"
+    assert peak < 2 * READ_SIZE, f"{peak} bytes held for one hostile reply"
 
 
 @pytest.mark.parametrize("block_granular", [False, True])
@@ -269,7 +267,7 @@ async def test_the_bulk_bound_covers_the_largest_value_written(
     await t.open()
     try:
         await t.register(layout)
-        limit = t.pool.max_bulk
+        limit = t.limits.max_bulk
         assert limit > MAX_BULK  # 1 MiB chunks: the bound grew with the layout
 
         async def layer_spans(i: int) -> list[list[memoryview]]:
@@ -277,19 +275,11 @@ async def test_the_bulk_bound_covers_the_largest_value_written(
 
         key = "ab" * 16
         await t.save(SaveJob("r", [key], [64], 4, layer_spans))
-        (strlen,) = await t.pool.pipeline([("STRLEN", t.key(key))])
-        assert isinstance(strlen, int) and strlen <= limit < strlen + 1024
-        (value,) = await t.pool.pipeline([("GET", t.key(key))])
+        strlen = await t.client.strlen(t.key(key))
+        assert strlen <= limit < strlen + 1024
+        value = await t.client.get(t.key(key))  # read through the guard
         assert isinstance(value, bytes) and len(value) == strlen
     finally:
         await t.aclose()
-    async with hostile_server(b"$%d\r\n" % (limit + 1)) as url:
-        pool = Pool(parse_url(url), 1, 30.0, "test")
-        pool.max_bulk = limit
-        try:
-            async with pool.connection() as conn:
-                await conn.send(encode("GETRANGE", "k", 0, -1))
-                with pytest.raises(ProtocolError, match=f"a bulk reply of {limit + 1} "):
-                    await conn.bulk_header()
-        finally:
-            pool.close()
+    with pytest.raises(ProtocolError, match=f"a bulk reply of {limit + 1} "):
+        Framer(t.limits).feed(b"$%d\r\n" % (limit + 1))
