@@ -23,6 +23,8 @@ import json
 import os
 import platform
 import re
+import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -67,6 +69,11 @@ BENCHES: dict[str, tuple[list[str], bool, Callable[[], str]]] = {
         ["bench_nixl.py", "--layerwise", "--out", str(RESULTS / "nixl-layerwise.json")],
         True,
         lambda: "",
+    ),
+    "redis": (
+        ["../plugins/kvflow_redis/bench/bench_redis.py"],
+        True,
+        lambda: "" if shutil.which("redis-server") else "redis-server is not installed",
     ),
     "cuda-ipc": (
         ["bench_cuda_ipc.py"],
@@ -223,6 +230,40 @@ def nixl_table(d: dict[str, Any]) -> list[str]:
     return _table(head, rows)
 
 
+def redis_table(d: dict[str, Any]) -> list[str]:
+    med = statistics.median
+    c, t, k = d["client"], d["transport"], d["cluster"]
+    one_mib, request = 64 << 20, 128 << 20  # 64 x 1 MiB values; 64 chunks x 2 MiB
+
+    def row(what: str, nbytes: int, new: list[float], old: list[float]) -> list[str]:
+        return [what, f"{nbytes / med(new) / 1e9:.2f}", f"{nbytes / med(old) / 1e9:.2f}",
+                f"{med(old) / med(new):.2f}x"]  # fmt: skip
+
+    rows = [
+        row("SET x 64, pipelined", one_mib, c["coredis SET"], c["old SET"]),
+        row("MGET of 64", one_mib, c["coredis MGET"], c["old MGET"]),
+        row("MGET (old: GET into buffers)", one_mib, c["coredis MGET"], c["old GET into buffers"]),
+        row("transport save, 128 MiB", request, t["coredis save"], t["old save"]),
+        row("transport load, 128 MiB, verified", request, t["coredis load"], t["old load"]),
+    ]
+    first = [
+        "first layer signalled (ms)",
+        f"{med(t['coredis first layer']) * 1e3:.0f}",
+        f"{med(t['old first layer']) * 1e3:.0f}",
+        "",
+    ]
+    agg = 4 * 16 * 2 * (2 << 20)  # 4 workers, 16 chunks of 2 MiB, saved then loaded
+    cluster = [
+        "4 workers at once: 3-master cluster vs one server (GB/s)",
+        f"{agg / med(k['cluster']) / 1e9:.2f}",
+        f"{agg / med(k['one server']) / 1e9:.2f}",
+        f"{med(k['one server']) / med(k['cluster']):.2f}x",
+    ]
+    head = ["GB/s (10^9 B/s), medians", "coredis", f"old client ({d['baseline_ref']})", "ratio"]
+    note = f"commit {d['commit']}, {len(t['coredis save'])} repeats, A-B-B-A"
+    return [*_table(head, [*rows, first, cluster]), "", f"_{note}_"]
+
+
 # table name in docs: (results file, renderer, section of the file it shows)
 TABLES: dict[str, tuple[str, Callable[[dict[str, Any]], list[str]], str]] = {
     "fs-io": ("fs-io", fs_io_table, ""),
@@ -238,6 +279,7 @@ TABLES: dict[str, tuple[str, Callable[[dict[str, Any]], list[str]], str]] = {
     "zmq-channels-us": ("zmq-channels", zmq_micro_table, ""),
     "nixl": ("nixl", nixl_table, ""),
     "nixl-layerwise": ("nixl-layerwise", nixl_table, ""),
+    "redis": ("redis", redis_table, ""),
 }
 
 
