@@ -259,8 +259,8 @@ def redis_table(d: dict[str, Any]) -> list[str]:
         f"{agg / med(k['one server']) / 1e9:.2f}",
         f"{med(k['one server']) / med(k['cluster']):.2f}x",
     ]
-    head = ["GB/s (10^9 B/s), medians", "coredis", f"old client ({d['baseline_ref']})", "ratio"]
-    note = f"commit {d['commit']}, {len(t['coredis save'])} repeats, A-B-B-A"
+    head = ["GB/s (10^9 B/s)", "coredis", f"old client ({d['baseline_ref']})", "coredis / old"]
+    note = f"commit {d['commit']}; medians of {len(t['coredis save'])} samples a side, A-B-B-A"
     return [*_table(head, [*rows, first, cluster]), "", f"_{note}_"]
 
 
