@@ -15,6 +15,8 @@ process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) so the script can read vLLM's block
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import os
 import random
 import shutil
@@ -40,11 +42,19 @@ def prompts(rng: random.Random, unique: int) -> list[list[int]]:
     ]
 
 
-def references(work: Path, ps: list[list[int]]) -> list[list[int]]:
+def references(work: Path, ps: list[list[int]], cache: Path | None) -> list[list[int]]:
+    """What an engine without kvflow generates for `ps`; kept in `cache` (a JSON file,
+    keyed by the prompts) so that runs over the same prompts start that engine once."""
     from kvflow_vllm.engine_process import Scenario, spawn_engine
 
-    result = spawn_engine(work, "reference", Scenario(batches=[ps], connector=False))
-    return [r.tokens for r in result.batches[0]]
+    key = hashlib.sha256(json.dumps(ps).encode()).hexdigest()
+    known = json.loads(cache.read_text()) if cache is not None and cache.exists() else {}
+    if key not in known:
+        result = spawn_engine(work, "reference", Scenario(batches=[ps], connector=False))
+        known[key] = [r.tokens for r in result.batches[0]]
+        if cache is not None:
+            cache.write_text(json.dumps(known))
+    return [list(tokens) for tokens in known[key]]
 
 
 def inject(rng: random.Random, store: Path) -> str:
@@ -166,12 +176,16 @@ def main() -> int:
     ap.add_argument("--no-prefix-caching", action="store_true", help="vLLM's own prefix cache off")
     ap.add_argument("--store", type=Path, default=None, help="default: a temporary directory")
     ap.add_argument("--event-log", default="", help="kvflow's event log (JSON lines)")
+    ap.add_argument(
+        "--references", type=Path, default=None,
+        help="a JSON file keeping the connector-less engine's tokens across runs",
+    )  # fmt: skip
     args = ap.parse_args()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     work = Path(tempfile.mkdtemp(prefix="kvflow-soak-"))
     store = args.store or work / "kv"
     ps = prompts(random.Random(args.seed), args.unique)
-    want = references(work, ps)
+    want = references(work, ps, args.references)
     t0 = time.monotonic()
     soak = Soak(args, store)
     soak.run(ps, want)
