@@ -36,6 +36,7 @@ __all__ = [
     "StepPlanned",
     "TaskFailed",
     "TierRead",
+    "TierWrite",
     "TransferDone",
     "TransferFailed",
     "decode_event",
@@ -155,12 +156,27 @@ class BlocksReleased(_Base):
 
 class TierRead(_Base):
     """A load went through a host-memory tier (`kvflow.tiers`): `hits` chunks came from
-    it, `misses` from the store below, `promoted` of those were kept in it."""
+    it, `misses` from the store below, `promoted` of those were kept in it, `evicted`
+    chunks were dropped from it to make room for them."""
 
     tier: str
     hits: int
     misses: int
     promoted: int
+    nbytes: int
+    evicted: int = 0
+
+
+class TierWrite(_Base):
+    """A save went through a host-memory tier: `stored` chunks were copied into it (then
+    vLLM got its blocks back, and the store below got them from the tier), `evicted`
+    chunks were dropped from it to make room; `through`: chunks it had no room for,
+    saved to the store directly. `nbytes`: bytes copied in."""
+
+    tier: str
+    stored: int
+    through: int
+    evicted: int
     nbytes: int
 
 
@@ -199,6 +215,7 @@ Event = (
     | TransferFailed
     | BlocksReleased
     | TierRead
+    | TierWrite
     | Rejected
     | TaskFailed
 )

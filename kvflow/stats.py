@@ -26,6 +26,7 @@ from .events import (
     SaveStarted,
     TaskFailed,
     TierRead,
+    TierWrite,
     TransferDone,
     TransferFailed,
 )
@@ -50,7 +51,7 @@ def empty() -> dict[str, Any]:
     data["transfers"] = []  # [direction, nbytes, start, end] per finished transfer
     data["rejected"] = {}  # reason -> inputs from outside refused (kvflow.pd.security)
     data["task_restarts"] = {}  # task -> restarts of a supervised task (kvflow.runtime)
-    data["tiers"] = {}  # tier -> {outcome: chunks loaded, "bytes": bytes} (kvflow.tiers)
+    data["tiers"] = {}  # tier -> {outcome: chunks, "bytes"/"bytes_in": bytes} (kvflow.tiers)
     return data
 
 
@@ -124,6 +125,8 @@ _COUNTED = frozenset(
         Rejected,
         TaskFailed,
         TierRead,
+        TierWrite,
+        TierWrite,
     }
 )
 
@@ -176,7 +179,16 @@ class StatsCollector:
                     "hits": event.hits,
                     "misses": event.misses,
                     "promoted": event.promoted,
+                    "evicted": event.evicted,
                     "bytes": event.nbytes,
+                }
+                _add(d["tiers"].setdefault(event.tier, {}), counts)
+            elif isinstance(event, TierWrite):
+                counts = {
+                    "stored": event.stored,
+                    "through": event.through,
+                    "evicted": event.evicted,
+                    "bytes_in": event.nbytes,
                 }
                 _add(d["tiers"].setdefault(event.tier, {}), counts)
             elif isinstance(event, RequestFinished) and event.lent:

@@ -130,10 +130,9 @@ class TransportContext:
     """Set by kvflow's vLLM adapter when vLLM publishes KV events: a store transport that
     deletes chunks to make room calls it with their namespace and keys (any thread)."""
 
-    tier_read: Callable[[str, int, int, int, int], None] | None = None
-    """Set by kvflow's worker: a host tier calls it (loop thread) after each load with
-    the request, the chunks it held, those read from the store below, those it kept
-    of them, and the bytes it copied out."""
+    tier_event: Callable[[Any], None] | None = None
+    """Set by kvflow's worker: a host tier calls it (loop thread) with a
+    `kvflow.events.TierRead` after each load and a `TierWrite` after each save."""
 
     tp_rank: int = 0
     tp_size: int = 1

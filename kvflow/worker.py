@@ -27,7 +27,7 @@ import time
 
 from . import transfers
 from .config import KVFlowConfig
-from .events import BlocksReleased, CachesRegistered, EventBus, TaskFailed, TierRead
+from .events import BlocksReleased, CachesRegistered, EventBus, TaskFailed
 from .keys import ChunkKey
 from .layout import KVLayout, LayoutError
 from .lending import Lending
@@ -77,7 +77,7 @@ class WorkerEngine:  # ~310 lines: every call vLLM's thread makes, each bounded,
         self._lending = Lending(lambda req: self.bus.emit(BlocksReleased(req=req)))
         """Whose blocks kvflow uses, and when vLLM may have them back."""
         self._reports = Reports(report_chunks)
-        transport.context.tier_read = self._tier_read
+        transport.context.tier_event = self.bus.emit
         self._flows = Flows(
             config=config,
             transport=transport,
@@ -89,13 +89,6 @@ class WorkerEngine:  # ~310 lines: every call vLLM's thread makes, each bounded,
         # what vLLM still waits for, should the loop die
         self._open_async: dict[str, list[int]] = {}
         self._gone = False
-
-    def _tier_read(self, req: str, hits: int, misses: int, promoted: int, nbytes: int) -> None:
-        self.bus.emit(
-            TierRead(
-                req=req, tier="cpu", hits=hits, misses=misses, promoted=promoted, nbytes=nbytes
-            )
-        )
 
     @property
     def layout(self) -> KVLayout | None:

@@ -9,11 +9,13 @@ import random
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
 import trio.testing
 
+from kvflow.events import TierRead, TierWrite
 from kvflow.layout import KVLayout
 from kvflow.testing.conformance import TransportConformance
 from kvflow.testing.layouts import fill_blocks, make_layout
@@ -95,7 +97,9 @@ def blocks_bytes(kv: KVLayout, blocks: list[int]) -> list[bytes]:
 async def test_a_save_gives_the_blocks_back_before_the_store_has_them(tmp_path: Path) -> None:
     kv = kv_layout()
     fill_blocks(kv, [1, 2], seed=1)
+    events: list[Any] = []
     fs = GatedFs(FsOptions(path=str(tmp_path)), ctx(kv))
+    fs.context.tier_event = events.append
     fs.gate = trio.Event()
     tier = await opened(with_host_tier(fs, 4 * MiB, "s3fifo"), kv)
     scheduler = await opened(
@@ -124,11 +128,9 @@ async def test_loads_come_from_host_memory_and_misses_are_promoted(tmp_path: Pat
     want = blocks_bytes(kv, [1, 2, 3])
     plain = await opened(FsTransport(FsOptions(path=str(tmp_path)), ctx(kv)), kv)
     await plain.save(save_job(kv, ["c"], [3], []))  # saved by another engine: the store's
-    reads: list[tuple[int, int, int]] = []
+    events: list[Any] = []
     tiered_ctx = ctx(kv)
-    tiered_ctx.tier_read = lambda req, hits, misses, promoted, nbytes: reads.append(
-        (hits, misses, promoted)
-    )
+    tiered_ctx.tier_event = events.append
     tier = await opened(
         with_host_tier(FsTransport(FsOptions(path=str(tmp_path)), tiered_ctx), 4 * MiB, "lru"), kv
     )
@@ -138,7 +140,10 @@ async def test_loads_come_from_host_memory_and_misses_are_promoted(tmp_path: Pat
     shutil.rmtree(tmp_path)  # the store is gone: what the tier holds still loads
     await tier.load(load_job(kv, ["a", "b", "c"], [10, 11, 12]))
     assert blocks_bytes(kv, [10, 11, 12]) == want
+    reads = [(e.hits, e.misses, e.promoted) for e in events if isinstance(e, TierRead)]
     assert reads == [(2, 1, 1), (3, 0, 0)]
+    (write,) = [e for e in events if isinstance(e, TierWrite)]
+    assert (write.stored, write.through, write.evicted) == (2, 0, 0)
     with pytest.raises(ChunkMissing) as info:
         await tier.load(load_job(kv, ["a", "d"], [13, 14]))
     assert info.value.chunk == 1, "the chunk the store lacks, numbered as in the job"
@@ -151,7 +156,9 @@ async def test_the_cache_never_holds_more_than_its_bound_and_keeps_pinned_chunks
 ) -> None:
     kv = kv_layout()
     slot = slot_bytes(kv)
+    events: list[Any] = []
     fs = GatedFs(FsOptions(path=str(tmp_path)), ctx(kv))
+    fs.context.tier_event = events.append
     fs.gate = trio.Event()
     tier = await opened(with_host_tier(fs, 3 * slot + slot // 2, "s3fifo"), kv)
     assert isinstance(tier, HostTier) and tier.cache is not None
@@ -173,6 +180,9 @@ async def test_the_cache_never_holds_more_than_its_bound_and_keeps_pinned_chunks
         await tier.save(save_job(kv, [f"k{i}"], [i], []))
         assert len(cache) <= 3
     assert cache.counters.evicted >= 10 - 3
+    writes = [e for e in events if isinstance(e, TierWrite)]
+    assert sum(e.evicted for e in writes) == cache.counters.evicted, "every eviction reported"
+    assert [e.through for e in writes] == [0, 1] + [0] * 10, "'s' was written through"
     await tier.aclose()
 
 

@@ -110,7 +110,8 @@ SAMPLES: list[Event] = [
     ev.TransferDone(req="r", direction="save", chunks=2, nbytes=1024, elapsed_s=0.5),
     ev.TransferFailed(req="r", direction="load", reason="x", block_ids=[1, 2], timed_out=True),
     ev.BlocksReleased(req="r"),
-    ev.TierRead(req="r", tier="cpu", hits=2, misses=1, promoted=1, nbytes=2048),
+    ev.TierRead(req="r", tier="cpu", hits=2, misses=1, promoted=1, nbytes=2048, evicted=1),
+    ev.TierWrite(req="r", tier="cpu", stored=2, through=0, evicted=1, nbytes=2048),
     ev.Rejected(reason="prompt", detail="the params were made for another prompt"),
     ev.TaskFailed(task="zmq:serve", error="OSError: the side channel is gone", given_up=True),
 ]

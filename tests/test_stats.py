@@ -18,6 +18,7 @@ from kvflow.events import (
     RequestFinished,
     SaveStarted,
     TierRead,
+    TierWrite,
     TransferDone,
     TransferFailed,
 )
@@ -126,9 +127,10 @@ def test_prometheus_metrics_observe_histograms_and_counters() -> None:
     assert get("vllm:kvflow_timeouts_total", {"engine": "0"}) == 1
 
 
-def test_host_tier_reads_reach_prometheus_by_tier_and_outcome() -> None:
-    """`TierRead` events (kvflow.tiers) from two workers, merged as vLLM merges them, become
-    `vllm:kvflow_tier_chunks_total{tier,outcome}` and `vllm:kvflow_tier_bytes_total`."""
+def test_host_tier_reads_and_writes_reach_prometheus_by_tier_and_outcome() -> None:
+    """`TierRead` and `TierWrite` events (kvflow.tiers) from two workers, merged as vLLM
+    merges them, become `vllm:kvflow_tier_chunks_total{tier,outcome}` and
+    `vllm:kvflow_tier_bytes_total{tier,direction}`."""
     from kvflow_vllm.connector import KVFlowConnector
 
     registry = CollectorRegistry()
@@ -145,6 +147,7 @@ def test_host_tier_reads_reach_prometheus_by_tier_and_outcome() -> None:
         c = stats.StatsCollector()
         c(TierRead(req="r", tier="cpu", hits=hits, misses=misses, promoted=misses, nbytes=hits))
         c(TierRead(req="x", tier="disk", hits=1, misses=0, promoted=0, nbytes=1))  # not ours
+        c(TierWrite(req="s", tier="cpu", stored=4, through=1, evicted=misses, nbytes=40))
         workers.append(c.take())
     merged = stats.merge(stats.empty(), workers[0])
     merged = stats.merge(merged, workers[1])
@@ -158,5 +161,10 @@ def test_host_tier_reads_reach_prometheus_by_tier_and_outcome() -> None:
     assert get("vllm:kvflow_tier_chunks_total", {**cpu, "outcome": "hit"}) == 8
     assert get("vllm:kvflow_tier_chunks_total", {**cpu, "outcome": "miss"}) == 2
     assert get("vllm:kvflow_tier_chunks_total", {**cpu, "outcome": "promoted"}) == 2
-    assert get("vllm:kvflow_tier_bytes_total", cpu) == 8
-    assert get("vllm:kvflow_tier_bytes_total", {"engine": "0", "tier": "disk"}) is None
+    assert get("vllm:kvflow_tier_chunks_total", {**cpu, "outcome": "stored"}) == 8
+    assert get("vllm:kvflow_tier_chunks_total", {**cpu, "outcome": "through"}) == 2
+    assert get("vllm:kvflow_tier_chunks_total", {**cpu, "outcome": "evicted"}) == 2
+    assert get("vllm:kvflow_tier_bytes_total", {**cpu, "direction": "load"}) == 8
+    assert get("vllm:kvflow_tier_bytes_total", {**cpu, "direction": "save"}) == 80
+    disk = {"engine": "0", "tier": "disk", "direction": "load"}
+    assert get("vllm:kvflow_tier_bytes_total", disk) is None

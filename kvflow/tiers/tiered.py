@@ -28,10 +28,14 @@ from typing import Any
 
 import trio
 
+from ..events import TierRead, TierWrite
 from ..keys import ChunkKey
 from ..layout import KVLayout
 from ..transport import LoadJob, SaveJob, Transport, TransportError
 from .host import HostCache
+
+TIER = "cpu"
+"""The tier's name in events, stats and metrics (`vllm:kvflow_tier_*{tier="cpu"}`)."""
 
 __all__ = ["HostTier", "with_host_tier"]
 
@@ -94,16 +98,31 @@ class HostTier(Transport):
         cache = self.cache
         if cache is None or not cache.room(len(job.keys)):  # through, as without the tier
             await self.inner.save(job)
+            if cache is not None:
+                self._emit(
+                    TierWrite(
+                        req=job.req, tier=TIER, stored=0, through=len(job.keys), evicted=0, nbytes=0
+                    )
+                )
             return
+        evicted = cache.counters.evicted
         taken: list[int] = []
         for _ in job.keys:
             slot = cache.reserve()
             assert slot is not None  # `room` said so, and nothing ran in between
             taken.append(slot)
+        evicted = cache.counters.evicted - evicted  # (no await since: this save's own)
         sizes = await self._copy_in(cache, job, taken)
         for key, slot, size in zip(job.keys, taken, sizes, strict=True):
             cache.commit(key, slot, size)
             cache.pin(key)
+        nbytes = sum(sum(s) for s in sizes)
+        stored = len(job.keys)
+        self._emit(
+            TierWrite(
+                req=job.req, tier=TIER, stored=stored, through=0, evicted=evicted, nbytes=nbytes
+            )
+        )
         try:
             job.release()  # vLLM may have its blocks back
             from_cache = SaveJob(
@@ -162,10 +181,12 @@ class HostTier(Transport):
                 held[c] = entry
                 cache.pin(key)
         missing = [c for c in range(len(job.keys)) if c not in held]
+        evicted = cache.counters.evicted
         promote = {}
         for c in missing:
             if sum(sizes[c]) <= cache.slot_bytes and (slot := cache.reserve()) is not None:
                 promote[c] = slot
+        evicted = cache.counters.evicted - evicted  # (no await since: this load's own)
         done = False
         try:
             await self._load_from_both(cache, job, (spans, sizes), held, missing, promote)
@@ -179,9 +200,17 @@ class HostTier(Transport):
                     kept += cache.commit(job.keys[c], slot, sizes[c])
                 else:
                     cache.unreserve(slot)
-        if self.context.tier_read is not None:
-            nbytes = sum(sum(e.sizes) for e in held.values())
-            self.context.tier_read(job.req, len(held), len(missing), kept, nbytes)
+        nbytes = sum(sum(e.sizes) for e in held.values())
+        self._emit(
+            TierRead(
+                req=job.req, tier=TIER, hits=len(held), misses=len(missing), promoted=kept,
+                nbytes=nbytes, evicted=evicted,
+            )
+        )  # fmt: skip
+
+    def _emit(self, event: TierRead | TierWrite) -> None:
+        if self.context.tier_event is not None:
+            self.context.tier_event(event)
 
     async def _load_from_both(
         self,

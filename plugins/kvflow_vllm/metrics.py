@@ -61,6 +61,25 @@ COUNTED = {
 
 TIERS = ("cpu",)
 """kvflow's tiers (`kvflow.tiers`): the only label values a worker's report may add."""
+TIER_OUTCOMES = (
+    ("hit", "hits"),
+    ("miss", "misses"),
+    ("promoted", "promoted"),
+    ("stored", "stored"),
+    ("through", "through"),
+    ("evicted", "evicted"),
+)
+"""`vllm:kvflow_tier_chunks_total`'s outcome label, and the stats key it counts."""
+TIER_CHUNKS = (
+    "Chunks of a kvflow host-memory tier, by tier and outcome: loads found them in it (hit), "
+    "read them from the store below (miss) and kept those (promoted); saves copied them "
+    "into it (stored) or, without room, wrote them to the store directly (through); "
+    "dropped from it to make room (evicted)"
+)
+TIER_BYTES = (
+    "Bytes loads copied out of a kvflow host-memory tier (direction=load) and saves copied "
+    "into it (direction=save), by tier"
+)
 
 
 class KVFlowPromMetrics(KVConnectorPromMetrics):
@@ -134,14 +153,13 @@ class KVFlowPromMetrics(KVConnectorPromMetrics):
 
         self.tier_chunks = counter(
             name="vllm:kvflow_tier_chunks",
-            documentation="Chunks loads found in a kvflow host-memory tier (outcome=hit), "
-            "read from the store below it (miss), and kept in the tier (promoted), by tier",
+            documentation=TIER_CHUNKS,
             labelnames=[*labelnames, "tier", "outcome"],
         )
         self.tier_bytes = counter(
             name="vllm:kvflow_tier_bytes",
-            documentation="Bytes loads copied out of a kvflow host-memory tier, by tier",
-            labelnames=[*labelnames, "tier"],
+            documentation=TIER_BYTES,
+            labelnames=[*labelnames, "tier", "direction"],
         )
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
@@ -164,8 +182,9 @@ class KVFlowPromMetrics(KVConnectorPromMetrics):
         for tier, counts in transfer_stats_data.get("tiers", {}).items():
             if tier not in TIERS:
                 continue
-            for outcome, key in (("hit", "hits"), ("miss", "misses"), ("promoted", "promoted")):
+            for outcome, key in TIER_OUTCOMES:
                 if value := counts.get(key, 0):
                     self.tier_chunks.labels(*values, tier, outcome).inc(value)
-            if value := counts.get("bytes", 0):
-                self.tier_bytes.labels(*values, tier).inc(value)
+            for direction, key in (("load", "bytes"), ("save", "bytes_in")):
+                if value := counts.get(key, 0):
+                    self.tier_bytes.labels(*values, tier, direction).inc(value)

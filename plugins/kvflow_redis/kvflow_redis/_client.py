@@ -224,13 +224,15 @@ class Holder:
         self.client = client
         self._enter = enter
         self._entered = trio.Event()
-        self._stop = trio.Event()
         self._stopped = trio.Event()
+        self._scope = trio.CancelScope()
         self._failure: BaseException | None = None
 
     async def start(self) -> None:
         trio.lowlevel.spawn_system_task(self._hold, name="kvflow-redis client")
         await self._entered.wait()
+        if isinstance(self._failure, trio.Cancelled):  # stopped, or the trio run ends
+            raise RuntimeError("the redis client was stopped while it started")
         if self._failure is not None:
             raise self._failure
 
@@ -239,17 +241,19 @@ class Holder:
         return self._entered.is_set() and not self._stopped.is_set()
 
     async def stop(self) -> None:
-        self._stop.set()
+        """Leave the client's context (also while it is still being entered)."""
+        self._scope.cancel()
         with trio.move_on_after(10):
             await self._stopped.wait()
 
     async def _hold(self) -> None:
         try:
-            async with contextlib.AsyncExitStack() as stack:
-                for context in self._enter:
-                    await stack.enter_async_context(context)
-                self._entered.set()
-                await self._stop.wait()
+            with self._scope:
+                async with contextlib.AsyncExitStack() as stack:
+                    for context in self._enter:
+                        await stack.enter_async_context(context)
+                    self._entered.set()
+                    await trio.sleep_forever()
         except BaseException as exc:  # a system task must not raise
             self._failure = exc
         finally:

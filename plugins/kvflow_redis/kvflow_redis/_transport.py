@@ -134,7 +134,11 @@ class RedisTransport(Transport):
                 raise TransportError(f"{_WHERE}['{name}']: no such file {path!r}")
         with self._errors("connect", where="url"):
             await self._start()
-            policy = await self._maxmemory_policy()
+            try:
+                policy = await self._maxmemory_policy()
+            except BaseException:
+                await self.aclose()
+                raise
         if policy == b"noeviction":
             log.warning(
                 "kvflow redis: %s has maxmemory-policy noeviction: saves fail once it is "
@@ -162,7 +166,12 @@ class RedisTransport(Transport):
         except (BadURL, OSError, ValueError) as exc:
             raise TransportError(f"{_WHERE}['url']: {exc}") from None
         holder = Holder(client, enter)
-        await self._within(holder.start)
+        try:
+            await self._within(holder.start)
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                await holder.stop()
+            raise
         self._holder = holder
 
     async def _maxmemory_policy(self) -> bytes | None:
@@ -229,14 +238,13 @@ class RedisTransport(Transport):
             exc = network_error(raised)
             if exc is None:
                 raise
-            option = f"{_WHERE}['{where}']: cannot use the redis server at " if where else ""
-            raise TransportError(
-                f"{option or f'redis {what} at '}{self.where}"
-                f"{' (' if where else ': '}{_describe(exc, self.options.timeout_s)}"
-                f"{')' if where else ''}",
-                chunk=chunk,
-                key=key,
-            ) from raised
+            detail, at = _describe(exc, self.options.timeout_s), self.where
+            text = (
+                f"{_WHERE}['{where}']: cannot use the redis server at {at} ({detail})"
+                if where
+                else f"redis {what} at {at}: {detail}"
+            )
+            raise TransportError(text, chunk=chunk, key=key) from raised
 
     async def _run(self, what: str, queue: Any) -> list[Any]:
         """One pipeline (`queue(pipe)` queues its commands), its replies: values or the
