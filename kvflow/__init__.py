@@ -6,7 +6,8 @@ The core (this package) imports no vLLM module: the vLLM adapter lives in
 What this module exports is the public API (pinned by `tests/test_public_api.py`):
 what a transport author implements and is handed (`Transport`, its jobs, context,
 layout and errors, the `PeerTransport` base and its helpers), kvflow's configuration,
-and `with_host_tier` (a store behind the host-memory tier, to test it there). The
+`with_host_tier` (a store behind the host-memory tier, to test it there) and `stacked`
+(stores one below another, as the `tiers` option stacks them). The
 conformance suites are in `kvflow.testing` (extra `kvflow[testing]`). Everything
 else is kvflow's own and may change.
 """
@@ -17,7 +18,7 @@ from .keys import ChunkKey
 from .layout import KVLayout, LayerGeometry, LayoutError
 from .pd.offers import HeldOffers, NotHeld, Renew, answer_renew, renew_at, select_blocks
 from .pd.peer_transport import PeerOptions, PeerTransport
-from .tiers import with_host_tier
+from .tiers import stacked, with_host_tier
 from .transport import (
     Capabilities,
     ChunkCorrupt,
@@ -71,5 +72,6 @@ __all__ = [
     "layer_hash",
     "renew_at",
     "select_blocks",
+    "stacked",
     "with_host_tier",
 ]

@@ -17,6 +17,7 @@ import msgspec
 __all__ = [
     "ConfigError",
     "KVFlowConfig",
+    "TierConfig",
     "channel_of",
     "default_cache_dir",
     "host_cpus",
@@ -32,6 +33,13 @@ Role = Literal["kv_both", "kv_producer", "kv_consumer"]
 
 class ConfigError(ValueError):
     """A bad `kv_connector_extra_config`; the message names the key."""
+
+
+class TierConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """One store below `transport` (an item of `tiers`)."""
+
+    transport: str
+    options: dict[str, Any] = msgspec.field(default_factory=dict)
 
 
 class KVFlowConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -93,6 +101,11 @@ class KVFlowConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Which chunk a full host tier gives up (bench/bench_tier.py compares them)."""
     options: dict[str, Any] = msgspec.field(default_factory=dict)
     """Options of the chosen transport, validated by the transport itself."""
+    tiers: list[TierConfig] = msgspec.field(default_factory=list)
+    """Store transports below `transport`, fastest first, each `{"transport": name,
+    "options": {...}}`: lookups find a chunk in any, saves go to all, loads read the
+    highest that holds it and copy what came from below into the tier above
+    (`kvflow.tiers.stacked`)."""
 
     def cpus(self) -> set[int]:
         """`worker_cpus` as core ids (empty: unset)."""
@@ -194,12 +207,20 @@ def parse_config(raw: dict[str, Any] | None, *, transports: list[str]) -> KVFlow
             f"kv_connector_extra_config['transport']: {cfg.transport!r} is not an installed "
             f"transport; valid choices: {', '.join(sorted(transports))}"
         )
+    for i, tier in enumerate(cfg.tiers):
+        if tier.transport not in transports:
+            raise ConfigError(
+                f"kv_connector_extra_config['tiers'][{i}]['transport']: {tier.transport!r} is "
+                f"not an installed transport; valid choices: {', '.join(sorted(transports))}"
+            )
     return cfg
 
 
-def parse_options(raw: dict[str, Any], typ: type[S], transport: str) -> S:
-    """Validate a transport's `options` against its Options Struct."""
-    return _convert(raw, typ, f"kv_connector_extra_config['options'] (transport {transport!r})")
+def parse_options(raw: dict[str, Any], typ: type[S], transport: str, where: str = "") -> S:
+    """Validate a transport's `options` against its Options Struct (`where`: the key
+    holding them, if not `options`)."""
+    key = where or "kv_connector_extra_config['options']"
+    return _convert(raw, typ, f"{key} (transport {transport!r})")
 
 
 def default_cache_dir() -> Path:

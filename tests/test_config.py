@@ -238,3 +238,28 @@ def test_a_key_that_cannot_be_read_is_an_error_naming_key_file_and_keygen(
         parse_config({"channel": "tls"}, transports=["fs"])
     with pytest.raises(ConfigError, match="max_hold_s"):
         parse_config({"max_hold_s": 10.0}, transports=["fs"])
+
+
+def test_tiers_below_the_store_are_checked_at_start_naming_the_key() -> None:
+    """`tiers` (kvflow.tiers.stacked): each names an installed store transport and its
+    options; anything else fails at start naming `['tiers'][i]` and the valid choices."""
+    from kvflow_vllm.connector.connector import lower_tiers
+
+    installed = list(available_transports())
+    with pytest.raises(ConfigError, match=r"\['tiers'\]\[0\]\['transport'\]: 'ftp'.*fs"):
+        parse_config({"tiers": [{"transport": "ftp"}]}, transports=installed)
+    with pytest.raises(ConfigError, match=r"\['tiers'\].*unknown field `nope`.*tiers\[0\]"):
+        parse_config({"tiers": [{"transport": "fs", "nope": 1}]}, transports=installed)
+    peer = parse_config({"tiers": [{"transport": "zmq"}]}, transports=installed)
+    with pytest.raises(ConfigError, match=r"\['tiers'\]\[0\]\['transport'\]: 'zmq' is not a store"):
+        lower_tiers(peer, FsTransport)
+    bad = parse_config(
+        {"tiers": [{"transport": "fs", "options": {"path": 3}}]}, transports=installed
+    )
+    with pytest.raises(ConfigError, match=r"\['tiers'\]\[0\]\['options'\].*path"):
+        lower_tiers(bad, FsTransport)
+    ok = parse_config(
+        {"tiers": [{"transport": "fs", "options": {"path": "/tmp/x"}}]}, transports=installed
+    )
+    ((cls, options),) = lower_tiers(ok, FsTransport)
+    assert cls is FsTransport and options.path == "/tmp/x"

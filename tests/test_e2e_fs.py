@@ -81,10 +81,10 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
     f5.write_bytes(bytes(data))
     f6 = r.chunk_file(P6, 2)
     f6.write_bytes(f6.read_bytes()[:5000])
-    r.warm = run_engine(  # with a host-memory tier in front of the store
-        r.tmp, "warm", batches=[[P1], [P3, P4, P2], [P5, P6]],
-        extra_config=r.extra("warm", cpu_cache_gib=0.05),
-    )  # fmt: skip
+    warm = r.extra("warm", cpu_cache_gib=0.05)  # a host-memory tier over two stores:
+    warm["options"] = {"path": str(r.tmp / "near")}  # an empty one (a local disk), over
+    warm["tiers"] = [{"transport": "fs", "options": {"path": str(r.cache)}}]  # the cold's
+    r.warm = run_engine(r.tmp, "warm", batches=[[P1], [P3, P4, P2], [P5, P6]], extra_config=warm)
     return r
 
 
@@ -135,15 +135,28 @@ def test_the_host_tier_keeps_what_the_store_served_and_serves_it_again(run: Run)
     filled, every chunk kept in host memory; P3's three blocks shared with P1 then come
     from host memory alone. (Tokens: the tests above.)"""
 
-    def reads(got: GenResult) -> list[tuple[int, int, int]]:
-        ev = events_for(run.events("warm"), got)
-        return [(e.hits, e.misses, e.promoted) for e in ev if isinstance(e, TierRead)]
-
     (p1,) = run.warm.batches[0]
     p3, p4, _ = run.warm.batches[1]
-    assert reads(p1) == [(0, 7, 7)], "every chunk from the store, each kept"
-    assert reads(p3) == [(3, 0, 0)], "P1's three blocks, from host memory"
-    assert reads(p4) == [], "a miss loads nothing"
+    assert reads(run, p1, "cpu") == [(0, 7, 7)], "every chunk from the store, each kept"
+    assert reads(run, p3, "cpu") == [(3, 0, 0)], "P1's three blocks, from host memory"
+    assert reads(run, p4, "cpu") == [], "a miss loads nothing"
+
+
+def reads(run: Run, got: GenResult, tier: str) -> list[tuple[int, int, int]]:
+    ev = events_for(run.events("warm"), got)
+    return [
+        (e.hits, e.misses, e.promoted) for e in ev if isinstance(e, TierRead) and e.tier == tier
+    ]
+
+
+def test_a_store_below_serves_what_the_one_above_lacks_and_fills_it(run: Run) -> None:
+    """`tiers` (kvflow.tiers.stacked): the warm engine's own store starts empty; P1 comes
+    from the cold engine's store below it, and is copied into its own as it lands."""
+    (p1,) = run.warm.batches[0]
+    assert reads(run, p1, "fs") == [(0, 7, 7)]
+    (ns,) = [d for d in (run.tmp / "near").iterdir() if d.is_dir()]
+    near = {f.name.split(".")[0] for f in ns.rglob("*.kv")}
+    assert set(chunk_keys(ns.name, P1, BLOCK)) <= near
 
 
 def test_corrupt_and_truncated_files_recompute_identically(run: Run) -> None:

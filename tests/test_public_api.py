@@ -50,6 +50,7 @@ PUBLIC = [  # a change here is a change of kvflow's API: say so in the changelog
     "layer_hash",
     "renew_at",
     "select_blocks",
+    "stacked",
     "with_host_tier",
 ]
 

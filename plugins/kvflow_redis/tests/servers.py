@@ -141,17 +141,22 @@ def cluster(work: Path, masters: int = 3) -> Iterator[Deployment]:
             capture_output=True,
             timeout=60,
         )
-        for n in nodes:
-            wait_for("the cluster", lambda n=n: cluster_ok(n.port), d.servers)
+        for n in nodes:  # every node agrees: slots covered, each master has its replica
+            wait_for("the cluster", lambda n=n: cluster_ok(n.port, masters), d.servers)
         d.url = "redis://" + ",".join(addresses[:2])  # the client discovers the rest
         yield d
     finally:
         d.close()
 
 
-def cluster_ok(port: int) -> bool:
+def cluster_ok(port: int, replicas: int = 0) -> bool:
+    """The node at `port` sees every slot served, and at least `replicas` replicas."""
     try:
-        return b"cluster_state:ok" in command(port, "CLUSTER", "INFO")
+        if b"cluster_state:ok" not in command(port, "CLUSTER", "INFO"):
+            return False
+        lines = command(port, "CLUSTER", "NODES").split(b"\n")[1:]
+        flags = [line.split()[2] for line in lines if len(line.split()) > 2]
+        return sum(b"slave" in f.split(b",") for f in flags) >= replicas
     except OSError:
         return False
 

@@ -8,9 +8,11 @@ import itertools
 import os
 import tracemalloc
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 
 import pytest
 import trio
+from kvflow_fs import FsOptions, FsTransport
 
 from kvflow import (
     ChunkCorrupt,
@@ -19,6 +21,7 @@ from kvflow import (
     Transport,
     TransportContext,
     TransportError,
+    stacked,
     with_host_tier,
 )
 from kvflow.testing import TransportConformance, make_layout
@@ -43,6 +46,23 @@ class TestRedisConformance(TransportConformance):
 
         def make(context: TransportContext) -> RedisTransport:
             return RedisTransport(options, context)
+
+        return make
+
+
+class TestFsOverRedisConformance(TransportConformance):
+    """The same promises with `fs` stacked over redis (the `tiers` option: a local disk in
+    front of the shared cache)."""
+
+    @pytest.fixture
+    def make_transport(
+        self, redis_url: str, tmp_path: Path
+    ) -> Callable[[TransportContext], Transport]:
+        options = RedisOptions(url=redis_url, key_prefix=_prefix())
+
+        def make(context: TransportContext) -> Transport:
+            near = FsTransport(FsOptions(path=str(tmp_path / "near")), context)
+            return stacked([near, RedisTransport(options, context)])
 
         return make
 

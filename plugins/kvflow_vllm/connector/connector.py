@@ -30,7 +30,7 @@ from kvflow.events import EventBus, Origin, Rejected
 from kvflow.reshape import shard_name
 from kvflow.runtime import Runtime
 from kvflow.stats import StatsCollector
-from kvflow.tiers import with_host_tier
+from kvflow.tiers import stacked, with_host_tier
 from kvflow.transport import (
     Transport,
     TransportContext,
@@ -101,6 +101,7 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
             name = self.config.transport
             self.transport_cls = load_transport(name)
             self.options = parse_options(self.config.options, self.transport_cls.Options, name)
+            self.tiers = lower_tiers(self.config, self.transport_cls)
             channel = channel_of(self.config)
         except (ConfigError, TransportNotFound) as exc:
             raise ConfigError(f"KVFlowConnector: {exc}") from None
@@ -157,7 +158,9 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
                 pp_rank=pp_rank,
                 kv_heads=kv_heads,
             )
-            transport = self.transport_cls(self.options, ctx)
+            transport = stacked(
+                [self.transport_cls(self.options, ctx), *(cls(o, ctx) for cls, o in self.tiers)]
+            )
             if self.config.cpu_cache_gib and side.role == "worker":
                 share = self.config.cpu_cache_gib * 2**30 / len(self.shards) / len(heads)
                 transport = with_host_tier(transport, int(share), self.config.cpu_cache_policy)
@@ -324,6 +327,25 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._to_worker.get_block_ids_with_load_errors()
+
+
+def lower_tiers(config: KVFlowConfig, upper: type[Transport]) -> list[tuple[type[Transport], Any]]:
+    """Each of `config.tiers` as its transport class and parsed options; a ConfigError
+    naming the key where one is not a store (or `transport` is not, with tiers below)."""
+    out: list[tuple[type[Transport], Any]] = []
+    for i, tier in enumerate(config.tiers):
+        where = f"kv_connector_extra_config['tiers'][{i}]['options']"
+        cls = load_transport(tier.transport)
+        for key, c in (("['transport']", upper), (f"['tiers'][{i}]['transport']", cls)):
+            if not c.capabilities.store or c.capabilities.peer:
+                raise ConfigError(
+                    f"kv_connector_extra_config{key}: {c.name!r} is not a store transport; "
+                    f"stores stack (valid choices: {', '.join(store_transports())})"
+                )
+        out.append(
+            (cls, parse_options(tier.options, cls.Options, tier.transport, f"{where}['options']"))
+        )
+    return out
 
 
 def store_transports() -> list[str]:

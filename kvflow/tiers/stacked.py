@@ -1,0 +1,233 @@
+"""Stores one below another (`tiers` in kvflow's configuration; decision 63): e.g. `fs`
+on a local NVMe in front of `redis` shared by many machines, and the host-memory tier in
+front of both.
+
+`stacked([upper, lower, ...])` is one store transport built of two or more (each any
+installed store transport); a stack of three is `upper` over the stack of the rest:
+
+- **lookup**: the longest run of leading chunks each of which some tier holds (asked
+  concurrently, then again from where the longest answer stopped). A tier that fails
+  to answer counts as holding nothing; all failing is an error.
+- **save**: every tier saves the chunks at once, from vLLM's blocks (or the host tier's
+  slots); the save returns when all did. Only the upper tier's failure fails it (its
+  lookups say what it holds); a lower tier's is logged: the chunk is still found in the
+  upper one.
+- **load**: the upper tier's leading run of chunks (one lookup) is loaded from it while
+  the rest come from below at the same time, and each layer is signalled once both
+  landed; what came from below is saved into the upper tier as it lands (`promoted`),
+  before the load returns (vLLM owns the blocks again once it has). Each load is a
+  `TierRead` of the upper tier's name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import trio
+
+from ..events import TierRead
+from ..keys import ChunkKey
+from ..layout import KVLayout
+from ..transport import Capabilities, LoadJob, SaveJob, Transport, TransportError
+
+__all__ = ["StackedStore", "stacked"]
+
+log = logging.getLogger("kvflow.tiers")
+
+
+def stacked(tiers: Sequence[Transport]) -> Transport:
+    """`tiers[0]` over `tiers[1]` over ...: one store (named and optioned as `tiers[0]`,
+    capable of what all of them are)."""
+    if len(tiers) == 1:
+        return tiers[0]
+    upper, lower = tiers[0], stacked(tiers[1:])
+    a, b = type(upper).capabilities, type(lower).capabilities
+    caps = Capabilities(
+        store=True, peer=False, memory=a.memory & b.memory, reshape=a.reshape and b.reshape
+    )
+    cls = type(
+        f"Stacked_{type(upper).__name__}",
+        (StackedStore,),
+        {"name": type(upper).name, "Options": type(upper).Options, "capabilities": caps},
+    )
+    return cls(upper, lower)
+
+
+class StackedStore(Transport):
+    """See the module text."""
+
+    def __init__(self, upper: Transport, lower: Transport) -> None:
+        super().__init__(upper.options, upper.context)
+        self.upper, self.lower = upper, lower
+
+    @property
+    def tier(self) -> str:
+        return type(self.upper).name
+
+    async def open(self) -> None:
+        await self.upper.open()
+        try:
+            await self.lower.open()
+        except BaseException:
+            await self.upper.aclose()
+            raise
+
+    async def register(self, layout: KVLayout) -> None:
+        await self.upper.register(layout)
+        await self.lower.register(layout)
+        self.context.layout = layout
+
+    async def aclose(self) -> None:
+        try:
+            await self.upper.aclose()
+        finally:
+            await self.lower.aclose()
+
+    # -- lookup ------------------------------------------------------------------
+    async def lookup(self, keys: Sequence[ChunkKey], *shards: Any) -> int:
+        found = 0
+        while found < len(keys):
+            rest = keys[found:]
+            answers = await self._both(lambda t, rest=rest: t.lookup(rest, *shards))
+            if all(isinstance(a, TransportError) for a in answers):
+                raise answers[0]
+            best = max((a for a in answers if isinstance(a, int)), default=0)
+            if not best:
+                break
+            found += best
+        return found
+
+    async def _both(self, call: Any) -> list[Any]:
+        """`call(upper)` and `call(lower)` at once: each its answer or its TransportError."""
+        out: list[Any] = [None, None]
+
+        async def one(i: int, t: Transport) -> None:
+            try:
+                out[i] = await call(t)
+            except TransportError as exc:
+                log.warning("kvflow tier %s: %s", type(t).name, exc)
+                out[i] = exc
+
+        with _cancelled_as_one():
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(one, 0, self.upper)
+                nursery.start_soon(one, 1, self.lower)
+        return out
+
+    # -- save --------------------------------------------------------------------
+    async def save(self, job: SaveJob) -> None:
+        def sub() -> SaveJob:  # the blocks are read until both saves end: no early release
+            return SaveJob(job.req, job.keys, job.token_counts, job.num_layers, job.layer_spans)
+
+        upper, _ = await self._both(lambda t: t.save(sub()))  # a lower failure: logged
+        if isinstance(upper, TransportError):
+            raise upper
+
+    # -- load --------------------------------------------------------------------
+    async def load(self, job: LoadJob) -> None:
+        try:
+            held = await self.upper.lookup(job.keys, *([job.shard] if job.shard else []))
+        except TransportError as exc:
+            log.warning("kvflow tier %s: %s", self.tier, exc)
+            held = 0
+        n = len(job.keys)
+        if held >= n:
+            await self.upper.load(job)
+            self._emit(TierRead(req=job.req, tier=self.tier, hits=n, misses=0, promoted=0,
+                                nbytes=0))  # fmt: skip
+            return
+        landed = [[trio.Event() for _ in range(job.num_layers)] for _ in range(2)]
+        parts = [range(0, held), range(held, n)]
+
+        def part(p: int) -> LoadJob:
+            idx = parts[p]
+            return LoadJob(
+                job.req, [job.keys[c] for c in idx], [job.token_counts[c] for c in idx],
+                job.num_layers, lambda i: [job.spans(i)[c] for c in idx],
+                lambda i: landed[p][i].set(), job.source,
+                [job.block_ids[c] for c in idx] if job.block_ids else [], job.layerwise,
+                job.shard, job.layout,
+            )  # fmt: skip
+
+        promoted = await self._load_parts(job, part, landed, held)
+        self._emit(TierRead(req=job.req, tier=self.tier, hits=held, misses=n - held,
+                            promoted=promoted, nbytes=0))  # fmt: skip
+
+    async def _load_parts(
+        self, job: LoadJob, part: Any, landed: list[list[trio.Event]], held: int
+    ) -> int:
+        """Part 0 from the upper tier, part 1 from below and into the upper tier, each layer
+        signalled once both landed; the chunks promoted."""
+        failed: list[TransportError] = []
+        promoted = 0
+        promoting = trio.CancelScope()
+
+        async def load(p: int, t: Transport) -> None:
+            try:
+                await t.load(part(p))
+            except TransportError as exc:
+                exc.chunk += held if p else 0  # numbered as in the job
+                failed.append(exc)
+                if p == 0:  # nothing past its chunk matters
+                    nursery.cancel_scope.cancel()
+                else:  # the upper part, all before it, loads on: it must end intact
+                    promoting.cancel()
+                    for event in landed[1]:
+                        event.set()  # no layer waits for it any more
+
+        async def promote() -> None:
+            nonlocal promoted
+            below = part(1)
+
+            async def layer(i: int) -> list[list[memoryview]]:
+                await landed[1][i].wait()
+                return below.spans(i)
+
+            save = SaveJob(job.req, below.keys, below.token_counts, job.num_layers, layer)
+            with promoting:
+                try:
+                    await self.upper.save(save)
+                    promoted = len(below.keys)
+                except TransportError as exc:
+                    log.warning("kvflow tier %s: promotion failed: %s", self.tier, exc)
+
+        with _cancelled_as_one():
+            async with trio.open_nursery() as nursery:
+                if held:
+                    nursery.start_soon(load, 0, self.upper)
+                nursery.start_soon(load, 1, self.lower)
+                if not job.shard and job.layout is None:  # another shape's bytes stay below
+                    nursery.start_soon(promote)
+                for i in range(job.num_layers):
+                    if held:
+                        await landed[0][i].wait()
+                    await landed[1][i].wait()
+                    if failed:
+                        break
+                    job.layer_loaded(i)
+        if failed:
+            raise min(failed, key=lambda e: e.chunk)
+        return promoted
+
+    def _emit(self, event: TierRead) -> None:
+        if self.context.tier_event is not None:
+            self.context.tier_event(event)
+
+
+@contextlib.contextmanager
+def _cancelled_as_one() -> Iterator[None]:
+    """A nursery's cancellation as one `trio.Cancelled`, not a group of its tasks' (what
+    a cancelled transfer must raise)."""
+    try:
+        yield
+    except BaseExceptionGroup as group:
+        cancelled, rest = group.split(trio.Cancelled)
+        if cancelled is None or rest is not None:
+            raise
+        first: BaseException = cancelled
+        while isinstance(first, BaseExceptionGroup):
+            first = first.exceptions[0]
+        raise first from None
