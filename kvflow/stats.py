@@ -85,6 +85,15 @@ def busy_seconds(intervals: Iterable[tuple[float, float]]) -> float:
     return total
 
 
+TIER_COUNTS: dict[type, dict[str, str]] = {
+    TierRead: {"hits": "hits", "misses": "misses", "promoted": "promoted", "evicted": "evicted",
+               "bytes": "nbytes"},
+    TierWrite: {"stored": "stored", "through": "through", "evicted": "evicted",
+                "bytes_in": "nbytes"},
+}  # fmt: skip
+"""A tier event's counts in `tiers[tier]`: stats key -> event field."""
+
+
 def reduce(data: dict[str, Any]) -> dict[str, int | float]:
     """The interval in a few numbers, for vLLM's periodic log line."""
     out: dict[str, int | float] = {c: data.get(c, 0) for c in COUNTERS}
@@ -174,22 +183,9 @@ class StatsCollector:
                 d["rejected"][event.reason] = d["rejected"].get(event.reason, 0) + 1
             elif isinstance(event, TaskFailed) and not event.given_up:
                 d["task_restarts"][event.task] = d["task_restarts"].get(event.task, 0) + 1
-            elif isinstance(event, TierRead):
-                counts = {
-                    "hits": event.hits,
-                    "misses": event.misses,
-                    "promoted": event.promoted,
-                    "evicted": event.evicted,
-                    "bytes": event.nbytes,
-                }
-                _add(d["tiers"].setdefault(event.tier, {}), counts)
-            elif isinstance(event, TierWrite):
-                counts = {
-                    "stored": event.stored,
-                    "through": event.through,
-                    "evicted": event.evicted,
-                    "bytes_in": event.nbytes,
-                }
+            elif isinstance(event, TierRead | TierWrite):
+                fields = TIER_COUNTS[type(event)].items()
+                counts = {key: getattr(event, field) for key, field in fields}
                 _add(d["tiers"].setdefault(event.tier, {}), counts)
             elif isinstance(event, RequestFinished) and event.lent:
                 d["requests_lent"] += 1

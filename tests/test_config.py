@@ -256,7 +256,9 @@ def test_tiers_below_the_store_are_checked_at_start_naming_the_key() -> None:
     bad = parse_config(
         {"tiers": [{"transport": "fs", "options": {"path": 3}}]}, transports=installed
     )
-    with pytest.raises(ConfigError, match=r"\['tiers'\]\[0\]\['options'\].*path"):
+    with pytest.raises(
+        ConfigError, match=r"\['tiers'\]\[0\]\['options'\] \(transport 'fs'\).*path"
+    ):
         lower_tiers(bad, FsTransport)
     ok = parse_config(
         {"tiers": [{"transport": "fs", "options": {"path": "/tmp/x"}}]}, transports=installed

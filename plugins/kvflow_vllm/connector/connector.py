@@ -331,20 +331,26 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
 
 def lower_tiers(config: KVFlowConfig, upper: type[Transport]) -> list[tuple[type[Transport], Any]]:
     """Each of `config.tiers` as its transport class and parsed options; a ConfigError
-    naming the key where one is not a store (or `transport` is not, with tiers below)."""
+    naming the key where one is not a store (or `transport` is not, with tiers below), or
+    cannot do what `transport` does (kvflow plans with `transport`'s capabilities)."""
     out: list[tuple[type[Transport], Any]] = []
     for i, tier in enumerate(config.tiers):
-        where = f"kv_connector_extra_config['tiers'][{i}]['options']"
+        where = f"kv_connector_extra_config['tiers'][{i}]"
         cls = load_transport(tier.transport)
-        for key, c in (("['transport']", upper), (f"['tiers'][{i}]['transport']", cls)):
+        for key, c in (("kv_connector_extra_config", upper), (where, cls)):
             if not c.capabilities.store or c.capabilities.peer:
                 raise ConfigError(
-                    f"kv_connector_extra_config{key}: {c.name!r} is not a store transport; "
-                    f"stores stack (valid choices: {', '.join(store_transports())})"
+                    f"{key}['transport']: {c.name!r} is not a store transport; stores stack (valid "
+                    f"choices: {', '.join(store_transports())})"
                 )
-        out.append(
-            (cls, parse_options(tier.options, cls.Options, tier.transport, f"{where}['options']"))
-        )
+        mine, theirs = upper.capabilities, cls.capabilities
+        if not mine.memory <= theirs.memory or (mine.reshape and not theirs.reshape):
+            raise ConfigError(
+                f"{where}['transport']: {cls.name!r} moves less than {upper.name!r} "
+                "(memory kinds, or loads across TP sizes and block sizes): it cannot be "
+                "below it"
+            )
+        out.append((cls, parse_options(tier.options, cls.Options, cls.name, f"{where}['options']")))
     return out
 
 
