@@ -70,6 +70,11 @@ BENCHES: dict[str, tuple[list[str], bool, Callable[[], str]]] = {
         True,
         lambda: "",
     ),
+    "ttft-tiers": (
+        ["bench_ttft_tiers.py"],
+        True,
+        lambda: "" if shutil.which("redis-server") else "redis-server is not installed",
+    ),
     "redis": (
         ["../plugins/kvflow_redis/bench/bench_redis.py"],
         True,
@@ -264,6 +269,21 @@ def redis_table(d: dict[str, Any]) -> list[str]:
     return [*_table(head, [*rows, first, cluster]), "", f"_{note}_"]
 
 
+def ttft_tiers_table(d: dict[str, Any]) -> list[str]:
+    sources = ("recompute", "host tier", "fs", "redis")
+    rows = []
+    for n in d["lengths"]:
+        ms = {
+            s: 1e3 * statistics.median(r[s][str(n)]["ttft_s"] for r in d["runs"]) for s in sources
+        }
+        rows.append([f"{n}", *(f"{ms[s]:.0f}" for s in sources),
+                     *(f"{ms['recompute'] / ms[s]:.0f}x" for s in sources[1:])])  # fmt: skip
+    head = ["prompt tokens", *(f"{s} TTFT (ms)" for s in sources)]
+    head += [f"{s} vs recompute" for s in sources[1:]]
+    note = f"commit {d['commit']}; medians of {len(d['runs'])} repeats, fresh prompts each"
+    return [*_table(head, rows), "", f"_{note}_"]
+
+
 # table name in docs: (results file, renderer, section of the file it shows)
 TABLES: dict[str, tuple[str, Callable[[dict[str, Any]], list[str]], str]] = {
     "fs-io": ("fs-io", fs_io_table, ""),
@@ -280,6 +300,7 @@ TABLES: dict[str, tuple[str, Callable[[dict[str, Any]], list[str]], str]] = {
     "nixl": ("nixl", nixl_table, ""),
     "nixl-layerwise": ("nixl-layerwise", nixl_table, ""),
     "redis": ("redis", redis_table, ""),
+    "ttft-tiers": ("ttft-tiers", ttft_tiers_table, ""),
 }
 
 
