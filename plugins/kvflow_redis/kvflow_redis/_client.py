@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import ssl
 from contextlib import AbstractAsyncContextManager
 from typing import Any, Literal
@@ -181,8 +180,12 @@ def build(
         location, cls = UnixDomainSocketLocation(target.path), UnixDomainSocketConnection
         kwargs.pop("ssl_context")
     else:
-        (host,) = target.hosts or (("127.0.0.1", 6379),)
-        location, cls = TCPLocation(*host), TCPConnection
+        if len(target.hosts) > 1:
+            raise BadURL(
+                "a standalone server is one host:port; several name a cluster's nodes or "
+                "sentinels (set 'mode')"
+            )
+        location, cls = TCPLocation(*target.hosts[0]), TCPConnection
     single = ConnectionPool(
         connection_class=guarded(cls, limits),
         location=location,
@@ -211,10 +214,6 @@ def _guarded_sentinel_pool(limits: Limits) -> type[SentinelConnectionPool]:
             return conn
 
     return GuardedSentinelPool
-
-
-def password_from_env(variable: str) -> str | None:
-    return os.environ.get(variable) if variable else None
 
 
 class Holder:

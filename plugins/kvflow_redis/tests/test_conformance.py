@@ -91,6 +91,8 @@ def _context(role: str = "worker") -> TransportContext:
         (RedisOptions(url="http://127.0.0.1:6379"), "['url']"),
         (RedisOptions(url="redis://"), "['url']"),
         (RedisOptions(url="redis://127.0.0.1:6379/zero"), "['url']"),
+        (RedisOptions(url="redis://h1:7000,h2:7000"), "['url']"),  # several: mode cluster
+        (RedisOptions(key_prefix="a{b}:"), "['key_prefix']"),
         (RedisOptions(url="redis://127.0.0.1:1/0", timeout_s=2), "['url']"),
         (RedisOptions(max_connections=0), "['max_connections']"),
         (RedisOptions(timeout_s=0), "['timeout_s']"),
