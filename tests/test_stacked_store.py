@@ -108,7 +108,7 @@ async def test_a_load_takes_what_the_upper_tier_holds_and_promotes_the_rest(
         await t.aclose()
 
 
-async def test_a_lookup_spans_chunks_spread_over_the_tiers(tmp_path: Path) -> None:
+async def test_a_lookup_counts_what_a_load_would_read_from_each_tier(tmp_path: Path) -> None:
     layout = _layout()
     keys = [f"{c}" * 32 for c in "abcdef"]
     upper = await _opened(_fs(tmp_path / "upper", _context()), layout)
@@ -118,7 +118,12 @@ async def test_a_lookup_spans_chunks_spread_over_the_tiers(tmp_path: Path) -> No
     stack = await _opened(
         stacked([_fs(tmp_path / "upper", _context()), _fs(tmp_path / "lower", _context())]), layout
     )
-    assert await stack.lookup(keys) == 4
+    # a load reads the upper tier's leading run (a, b) from it and the rest from below
+    # (c; d, held above only past the gap, is not read): the lookup counts as much
+    assert await stack.lookup(keys) == 3
+    fill_blocks(layout, [0, 1, 2], seed=5)
+    await lower.save(_save(layout, keys[:3], [0, 1, 2]))  # the common case: below has all
+    assert await stack.lookup(keys) == 3
     for t in (stack, upper, lower):
         await t.aclose()
 
@@ -155,3 +160,48 @@ async def test_a_lower_tier_that_is_down_costs_only_what_it_alone_held(tmp_path:
         await stack.load(_load(layout, [*keys, "c" * 32], [4, 5, 6], []))
     assert err.value.chunk == 2, "the chunks the upper tier held loaded; the third failed"
     await stack.aclose()
+
+
+async def test_a_chunk_that_fails_below_is_not_copied_up(tmp_path: Path) -> None:
+    """The lower copy of chunk 1 is corrupt: the load fails there, chunk 0 is copied into
+    the upper tier, chunk 1 never is (its spans hold unverified bytes)."""
+    layout = _layout()
+    fill_blocks(layout, [0, 1], seed=3)
+    keys = ["a" * 32, "b" * 32]
+    lower = await _opened(_fs(tmp_path / "lower", _context()), layout)
+    await lower.save(_save(layout, keys, [0, 1]))
+    (bad,) = [f for f in (tmp_path / "lower").rglob("*.kv") if f.name.startswith("b")]
+    data = bytearray(bad.read_bytes())
+    data[-200] ^= 0xFF
+    bad.write_bytes(bytes(data))
+    upper_path = tmp_path / "upper"
+    stack = await _opened(
+        stacked([_fs(upper_path, _context()), _fs(tmp_path / "lower", _context())]), layout
+    )
+    with pytest.raises(TransportError) as err:
+        await stack.load(_load(layout, keys, [2, 3], []))
+    assert err.value.chunk == 1
+    upper = await _opened(_fs(upper_path, _context()), layout)
+    assert await upper.lookup(keys) == 1, "chunk 0 promoted, the corrupt chunk 1 not"
+    for t in (stack, upper, lower):
+        await t.aclose()
+
+
+async def test_a_load_of_another_shard_reads_the_upper_tier_that_holds_it(tmp_path: Path) -> None:
+    """`LoadJob.shard` (another tensor-parallel size's chunk): the upper tier is asked
+    about that shard, so a chunk only it holds loads from it."""
+    layout = _layout()
+    fill_blocks(layout, [0], seed=4)
+    want = _bytes(layout, [0])
+    other = TransportContext("e", "worker", "ns", "tp1of2pp0", ["tp0of2pp0", "tp1of2pp0"])
+    writer = await _opened(_fs(tmp_path / "upper", other), layout)
+    await writer.save(_save(layout, ["a" * 32], [0]))
+    stack = await _opened(
+        stacked([_fs(tmp_path / "upper", _context()), _fs(tmp_path / "lower", _context())]), layout
+    )
+    job = _load(layout, ["a" * 32], [1], [])
+    job.shard = "tp1of2pp0"
+    await stack.load(job)
+    assert _bytes(layout, [1]) == want
+    for t in (stack, writer):
+        await t.aclose()

@@ -88,17 +88,21 @@ class StackedStore(Transport):
 
     # -- lookup ------------------------------------------------------------------
     async def lookup(self, keys: Sequence[ChunkKey], *shards: Any) -> int:
-        found = 0
-        while found < len(keys):
-            rest = keys[found:]
-            answers = await self._both(lambda t, rest=rest: t.lookup(rest, *shards))
-            if all(isinstance(a, TransportError) for a in answers):
-                raise answers[0]
-            best = max((a for a in answers if isinstance(a, int)), default=0)
-            if not best:
-                break
-            found += best
-        return found
+        """The upper tier's leading run, then the lower tier's from there: what a load
+        reads from each (a chunk only the upper tier holds past a gap does not count)."""
+        upper, lower = await self._both(lambda t: t.lookup(keys, *shards))
+        if isinstance(upper, TransportError) and isinstance(lower, TransportError):
+            raise upper
+        held = 0 if isinstance(upper, TransportError) else upper
+        if isinstance(lower, int) and lower >= held:
+            return lower  # the lower tier holds the rest of the run too
+        if held == len(keys) or isinstance(lower, TransportError):
+            return held
+        try:
+            return held + await self.lower.lookup(keys[held:], *shards)
+        except TransportError as exc:
+            log.warning("kvflow tier %s: %s", type(self.lower).name, exc)
+            return held
 
     async def _both(self, call: Any) -> list[Any]:
         """`call(upper)` and `call(lower)` at once: each its answer or its TransportError."""
@@ -111,7 +115,7 @@ class StackedStore(Transport):
                 log.warning("kvflow tier %s: %s", type(t).name, exc)
                 out[i] = exc
 
-        with _cancelled_as_one():
+        with one_error():
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(one, 0, self.upper)
                 nursery.start_soon(one, 1, self.lower)
@@ -129,7 +133,7 @@ class StackedStore(Transport):
     # -- load --------------------------------------------------------------------
     async def load(self, job: LoadJob) -> None:
         try:
-            held = await self.upper.lookup(job.keys, *([job.shard] if job.shard else []))
+            held = await self.upper.lookup(job.keys, *([[job.shard]] if job.shard else []))
         except TransportError as exc:
             log.warning("kvflow tier %s: %s", self.tier, exc)
             held = 0
@@ -159,11 +163,11 @@ class StackedStore(Transport):
     async def _load_parts(
         self, job: LoadJob, part: Any, landed: list[list[trio.Event]], held: int
     ) -> int:
-        """Part 0 from the upper tier, part 1 from below and into the upper tier, each layer
-        signalled once both landed; the chunks promoted."""
+        """Part 0 from the upper tier, part 1 from below, each layer signalled once both
+        landed; then the chunks of part 1 that arrived intact are saved into the upper
+        tier, before the load returns (vLLM's blocks are ours until then, and a chunk a
+        failed load left unverified is never promoted). The chunks promoted."""
         failed: list[TransportError] = []
-        promoted = 0
-        promoting = trio.CancelScope()
 
         async def load(p: int, t: Transport) -> None:
             try:
@@ -174,33 +178,14 @@ class StackedStore(Transport):
                 if p == 0:  # nothing past its chunk matters
                     nursery.cancel_scope.cancel()
                 else:  # the upper part, all before it, loads on: it must end intact
-                    promoting.cancel()
                     for event in landed[1]:
                         event.set()  # no layer waits for it any more
 
-        async def promote() -> None:
-            nonlocal promoted
-            below = part(1)
-
-            async def layer(i: int) -> list[list[memoryview]]:
-                await landed[1][i].wait()
-                return below.spans(i)
-
-            save = SaveJob(job.req, below.keys, below.token_counts, job.num_layers, layer)
-            with promoting:
-                try:
-                    await self.upper.save(save)
-                    promoted = len(below.keys)
-                except TransportError as exc:
-                    log.warning("kvflow tier %s: promotion failed: %s", self.tier, exc)
-
-        with _cancelled_as_one():
+        with one_error():
             async with trio.open_nursery() as nursery:
                 if held:
                     nursery.start_soon(load, 0, self.upper)
                 nursery.start_soon(load, 1, self.lower)
-                if not job.shard and job.layout is None:  # another shape's bytes stay below
-                    nursery.start_soon(promote)
                 for i in range(job.num_layers):
                     if held:
                         await landed[0][i].wait()
@@ -208,8 +193,25 @@ class StackedStore(Transport):
                     if failed:
                         break
                     job.layer_loaded(i)
-        if failed:
-            raise min(failed, key=lambda e: e.chunk)
+        first = min(failed, key=lambda e: e.chunk) if failed else None
+        intact = len(job.keys) if first is None else first.chunk
+        promoted = 0
+        if intact > held and not job.shard and job.layout is None:  # another shape's: below
+            below = part(1)
+            keep = intact - held
+
+            async def spans(i: int) -> list[list[memoryview]]:
+                return below.spans(i)[:keep]
+
+            save = SaveJob(job.req, below.keys[:keep], below.token_counts[:keep],
+                           job.num_layers, spans)  # fmt: skip
+            try:
+                await self.upper.save(save)
+                promoted = keep
+            except TransportError as exc:
+                log.warning("kvflow tier %s: promotion failed: %s", self.tier, exc)
+        if first is not None:
+            raise first
         return promoted
 
     def _emit(self, event: TierRead) -> None:
@@ -218,16 +220,23 @@ class StackedStore(Transport):
 
 
 @contextlib.contextmanager
-def _cancelled_as_one() -> Iterator[None]:
-    """A nursery's cancellation as one `trio.Cancelled`, not a group of its tasks' (what
-    a cancelled transfer must raise)."""
+def one_error() -> Iterator[None]:
+    """A nursery's failure as one exception, not a group of its tasks': the first
+    `TransportError` by chunk where its tasks raised only those and cancellations, or
+    one `trio.Cancelled` where they were all cancelled (what a transfer must raise)."""
     try:
         yield
     except BaseExceptionGroup as group:
-        cancelled, rest = group.split(trio.Cancelled)
-        if cancelled is None or rest is not None:
+        leaves = list(_leaves(group))
+        errors = [e for e in leaves if isinstance(e, TransportError)]
+        if not all(isinstance(e, TransportError | trio.Cancelled) for e in leaves):
             raise
-        first: BaseException = cancelled
-        while isinstance(first, BaseExceptionGroup):
-            first = first.exceptions[0]
-        raise first from None
+        raise (min(errors, key=lambda e: e.chunk) if errors else leaves[0]) from None
+
+
+def _leaves(group: BaseExceptionGroup[Any]) -> Iterator[BaseException]:
+    for exc in group.exceptions:
+        if isinstance(exc, BaseExceptionGroup):
+            yield from _leaves(exc)
+        else:
+            yield exc
