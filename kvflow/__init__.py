@@ -33,6 +33,7 @@ from .transport import (
     Transport,
     TransportContext,
     TransportError,
+    one_error,
 )
 from .zmqio import BadFrame
 
@@ -70,6 +71,7 @@ __all__ = [
     "answer_renew",
     "first_failure",
     "layer_hash",
+    "one_error",
     "renew_at",
     "select_blocks",
     "stacked",

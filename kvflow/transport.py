@@ -13,9 +13,10 @@ same way for built-ins and third parties.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -45,6 +46,7 @@ __all__ = [
     "TransportNotFound",
     "available_transports",
     "load_transport",
+    "one_error",
 ]
 
 ENTRY_POINT_GROUP = "kvflow.transports"
@@ -367,3 +369,26 @@ def load_transport(name: str) -> type[Transport]:
     if not (isinstance(cls, type) and issubclass(cls, Transport)):
         raise TransportNotFound(f"entry point {name!r} does not name a kvflow Transport subclass")
     return cls
+
+
+@contextlib.contextmanager
+def one_error() -> Iterator[None]:
+    """A nursery's failure as one exception, not a group of its tasks': the first
+    `TransportError` by chunk where its tasks raised only those and cancellations, or
+    one `trio.Cancelled` where they were all cancelled (what a transfer must raise)."""
+    try:
+        yield
+    except BaseExceptionGroup as group:
+        leaves = list(_leaves(group))
+        errors = [e for e in leaves if isinstance(e, TransportError)]
+        if not all(isinstance(e, TransportError | trio.Cancelled) for e in leaves):
+            raise
+        raise (min(errors, key=lambda e: e.chunk) if errors else leaves[0]) from None
+
+
+def _leaves(group: BaseExceptionGroup[Any]) -> Iterator[BaseException]:
+    for exc in group.exceptions:
+        if isinstance(exc, BaseExceptionGroup):
+            yield from _leaves(exc)
+        else:
+            yield exc

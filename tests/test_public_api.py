@@ -48,6 +48,7 @@ PUBLIC = [  # a change here is a change of kvflow's API: say so in the changelog
     "answer_renew",
     "first_failure",
     "layer_hash",
+    "one_error",
     "renew_at",
     "select_blocks",
     "stacked",

@@ -21,9 +21,8 @@ installed store transport); a stack of three is `upper` over the stack of the re
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import trio
@@ -31,7 +30,7 @@ import trio
 from ..events import TierRead
 from ..keys import ChunkKey
 from ..layout import KVLayout
-from ..transport import Capabilities, LoadJob, SaveJob, Transport, TransportError
+from ..transport import Capabilities, LoadJob, SaveJob, Transport, TransportError, one_error
 
 __all__ = ["StackedStore", "stacked"]
 
@@ -217,26 +216,3 @@ class StackedStore(Transport):
     def _emit(self, event: TierRead) -> None:
         if self.context.tier_event is not None:
             self.context.tier_event(event)
-
-
-@contextlib.contextmanager
-def one_error() -> Iterator[None]:
-    """A nursery's failure as one exception, not a group of its tasks': the first
-    `TransportError` by chunk where its tasks raised only those and cancellations, or
-    one `trio.Cancelled` where they were all cancelled (what a transfer must raise)."""
-    try:
-        yield
-    except BaseExceptionGroup as group:
-        leaves = list(_leaves(group))
-        errors = [e for e in leaves if isinstance(e, TransportError)]
-        if not all(isinstance(e, TransportError | trio.Cancelled) for e in leaves):
-            raise
-        raise (min(errors, key=lambda e: e.chunk) if errors else leaves[0]) from None
-
-
-def _leaves(group: BaseExceptionGroup[Any]) -> Iterator[BaseException]:
-    for exc in group.exceptions:
-        if isinstance(exc, BaseExceptionGroup):
-            yield from _leaves(exc)
-        else:
-            yield exc

@@ -45,66 +45,108 @@ class Limits:
 
 
 class Framer:
-    """The RESP framing of one connection's inbound stream, followed incrementally."""
+    """The RESP framing of one connection's inbound stream, followed incrementally: every
+    line ends in CRLF and holds what its type promises (a number, a boolean, a double,
+    UTF-8 text); every bulk body is followed by CRLF; a reply (with all it nests) holds at
+    most `MAX_ELEMENTS` elements and `max_bulk` + `MAX_LINE` + 1 MiB bytes."""
 
     def __init__(self, limits: Limits) -> None:
         self.limits = limits
         self.line = bytearray()  # a header line not yet complete
-        self.skip = 0  # bytes of a blob body (and its CRLF) still to come
+        self.skip = 0  # bytes of a blob body still to come
+        self.crlf = 0  # bytes of the CRLF after a blob body still to come
+        self.text: bytearray | None = None  # a bulk error's or verbatim string's body
+        self.verbatim = False
         self.stack: list[list[int]] = []  # per open aggregate: [elements left, is attribute]
+        self.elements = 0  # of the reply being read
+        self.nbytes = 0
 
     def feed(self, data: bytes) -> None:
         i, n = 0, len(data)
         while i < n:
             if self.skip:
                 take = min(self.skip, n - i)
+                if self.text is not None:
+                    self.text += data[i : i + take]
                 self.skip -= take
                 i += take
-                if not self.skip:
-                    self._element_done()
-                continue
-            end = data.find(b"\n", i, i + MAX_LINE + 2 - len(self.line))
-            if end < 0:
-                self.line += data[i : i + MAX_LINE + 2]
-                if len(self.line) > MAX_LINE + 1:
-                    raise ProtocolError(f"a reply line longer than {MAX_LINE} bytes")
-                return
-            self.line += data[i:end]
-            i = end + 1
-            line = bytes(self.line)
-            self.line.clear()
-            self._header(line[:-1] if line.endswith(b"\r") else line)
+            elif self.crlf:
+                if data[i] != b"\r\n"[2 - self.crlf]:
+                    raise ProtocolError("a bulk reply not followed by CRLF")
+                self.crlf -= 1
+                i += 1
+                if not self.crlf:
+                    self._blob_done()
+            else:
+                i = self._line(data, i)
+
+    def _line(self, data: bytes, i: int) -> int:
+        """Take a header line's bytes from `data[i:]`; where the next part starts."""
+        end = data.find(b"\n", i, i + MAX_LINE + 2 - len(self.line))
+        if end < 0:
+            self.line += data[i : i + MAX_LINE + 2]
+            if len(self.line) > MAX_LINE + 1:
+                raise ProtocolError(f"a reply line longer than {MAX_LINE} bytes")
+            return len(data)
+        self.line += data[i:end]
+        line = bytes(self.line)
+        self.line.clear()
+        if not line.endswith(b"\r"):
+            raise ProtocolError(f"a reply line not ended by CRLF: {line[:32]!r}")
+        self._header(line[:-1])
+        return end + 1
+
+    def _count(self, nbytes: int) -> None:
+        self.elements += 1
+        self.nbytes += nbytes
+        budget = self.limits.max_bulk + MAX_LINE + (1 << 20)
+        if self.elements > MAX_ELEMENTS:
+            raise ProtocolError(f"a reply of more than {MAX_ELEMENTS} elements")
+        if self.nbytes > budget:
+            raise ProtocolError(f"a reply of more than {budget} bytes")
 
     def _header(self, line: bytes) -> None:
         if not line:
             raise ProtocolError("an empty reply line")
         kind = line[0]
+        self._count(len(line))
         if kind in _SIMPLE:
+            _check_simple(kind, line)
             self._element_done()
         elif kind in _BLOBS:
-            size = _number(line)
-            if size == -1:  # RESP2 null
-                self._element_done()
-            elif not 0 <= size <= self.limits.max_bulk:
-                raise ProtocolError(
-                    f"a bulk reply of {size} bytes (at most {self.limits.max_bulk} accepted)"
-                )
-            else:
-                self.skip = size + 2
+            self._blob(kind, _number(line))
         elif kind in _AGGREGATES:
             count = _number(line)
-            if count == -1:
+            if count in (-1, 0):  # RESP2's null, or empty
                 self._element_done()
             elif not 0 <= count <= MAX_ELEMENTS:
                 raise ProtocolError(f"an array reply of {count} (at most {MAX_ELEMENTS} accepted)")
-            elif count == 0:
-                self._element_done()
             elif len(self.stack) >= MAX_DEPTH:
                 raise ProtocolError(f"arrays nested deeper than {MAX_DEPTH}")
             else:
                 self.stack.append([count * _AGGREGATES[kind], kind == ord("|")])
         else:
             raise ProtocolError(f"not a RESP reply line: {line[:32]!r}")
+
+    def _blob(self, kind: int, size: int) -> None:
+        text = kind != ord("$")  # a bulk error or a verbatim string: text, kept short
+        limit = MAX_LINE if text else self.limits.max_bulk
+        if size == -1:  # RESP2's null
+            self._element_done()
+            return
+        if not 0 <= size <= limit:
+            raise ProtocolError(f"a bulk reply of {size} bytes (at most {limit} accepted)")
+        self._count(size)
+        self.skip, self.crlf = size, 2
+        self.text = bytearray() if text else None
+        self.verbatim = kind == ord("=")
+
+    def _blob_done(self) -> None:
+        if self.text is not None:
+            body, self.text = bytes(self.text), None
+            if not _utf8(body) or (self.verbatim and body[3:4] != b":"):
+                raise ProtocolError(f"a malformed bulk error or verbatim string: {body[:32]!r}")
+        self._element_done()
 
     def _element_done(self) -> None:
         while self.stack:
@@ -115,6 +157,44 @@ class Framer:
             self.stack.pop()
             if top[1]:  # an attribute annotates the element that follows: not one itself
                 return
+        self.elements = self.nbytes = 0  # the reply is complete
+
+
+def _check_simple(kind: int, line: bytes) -> None:
+    """A one-line element holds what its type says (coredis would fail on it with an
+    error that is not a connection error)."""
+    body = line[1:]
+    if kind == ord(":"):
+        _number(line)
+        return
+    if kind == ord("("):
+        ok = (body[1:] if body[:1] == b"-" else body).isdigit()
+    elif kind == ord(","):
+        ok = _is_float(body)
+    elif kind == ord("#"):
+        ok = body in (b"t", b"f")
+    elif kind == ord("_"):
+        ok = not body
+    else:  # + and -: text
+        ok = _utf8(body)
+    if not ok:
+        raise ProtocolError(f"a malformed reply line: {line[:32]!r}")
+
+
+def _is_float(body: bytes) -> bool:
+    try:
+        float(body)
+    except ValueError:
+        return False
+    return True
+
+
+def _utf8(data: bytes) -> bool:
+    try:
+        data.decode()
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def _number(line: bytes) -> int:

@@ -14,6 +14,7 @@ import coredis
 import coredis.exceptions
 import msgspec
 import trio
+from coredis.exceptions import ResponseError
 
 from kvflow import (
     BadHeader,
@@ -31,6 +32,7 @@ from kvflow import (
     TransportError,
     first_failure,
     layer_hash,
+    one_error,
 )
 
 from ._client import NETWORK_ERRORS, TLS, BadURL, Holder, Mode, Target, build, parse_url
@@ -105,6 +107,7 @@ class RedisTransport(Transport):
         self._holder: Holder | None = None
         self._restart = trio.Lock()
         self._layout_stale = False
+        self._closed = False
 
     # -- lifecycle ---------------------------------------------------------
     async def open(self) -> None:
@@ -195,6 +198,7 @@ class RedisTransport(Transport):
         self.limits.max_bulk = max(MAX_BULK, _largest_value(self.context, layout))
 
     async def aclose(self) -> None:
+        self._closed = True
         if self._holder is not None:
             await self._holder.stop()
 
@@ -215,6 +219,8 @@ class RedisTransport(Transport):
         dead master until then)."""
         if self._holder is not None and self._holder.alive and not self._layout_stale:
             return
+        if self._closed:
+            raise TransportError("the redis transport is closed")
         async with self._restart:
             if self._holder is None or not self._holder.alive:
                 log.warning("kvflow redis: the client to %s stopped; starting it again", self.where)
@@ -253,7 +259,11 @@ class RedisTransport(Transport):
         async def run() -> list[Any]:
             async with self._pipeline() as pipe:
                 queue(pipe)
-            return list(pipe.results or ())
+            replies = list(pipe.results or ())
+            for reply in replies:  # a cluster pipeline reports a node it lost as a reply
+                if isinstance(reply, NETWORK_ERRORS) and not isinstance(reply, ResponseError):
+                    raise reply
+            return replies
 
         with self._errors(what):
             await self._ready()
@@ -397,21 +407,22 @@ class RedisTransport(Transport):
                 ],
             )
 
-        async with trio.open_nursery() as nursery:
-            pending = [_Later(nursery, fetch, i) for i in range(min(ahead, num_layers))]
-            prev = trio.Event()
-            prev.set()
-            for i in range(num_layers):
-                values = await pending[i].result()
-                if i + ahead < num_layers:
-                    pending.append(_Later(nursery, fetch, i + ahead))
-                done = trio.Event()
-                layer_spans = job.spans(i)[:intact] if intact else []
-                nursery.start_soon(
-                    self._fill_check_signal, job, i, values, layer_spans, sizes, headers, keys,
-                    found, bad, prev, done,
-                )  # fmt: skip
-                prev = done
+        with one_error():
+            async with trio.open_nursery() as nursery:
+                pending = [_Later(nursery, fetch, i) for i in range(min(ahead, num_layers))]
+                prev = trio.Event()
+                prev.set()
+                for i in range(num_layers):
+                    values = await pending[i].result()
+                    if i + ahead < num_layers:
+                        pending.append(_Later(nursery, fetch, i + ahead))
+                    done = trio.Event()
+                    layer_spans = job.spans(i)[:intact] if intact else []
+                    nursery.start_soon(
+                        self._fill_check_signal, job, i, values, layer_spans, sizes, headers, keys,
+                        found, bad, prev, done,
+                    )  # fmt: skip
+                    prev = done
         failure = first_failure(found)
         if bad:
             with trio.move_on_after(self.options.timeout_s), contextlib.suppress(Exception):

@@ -248,6 +248,10 @@ HOSTILE = {
     "deep nesting": (b"*1\r\n" * 100_000, r"arrays nested deeper than 8"),
     "endless line": (b"+" + b"x" * (8 << 20), r"a reply line longer than 65536 bytes"),
     "no number": (b"$1x\r\n", r"not a number in the reply line b'\$1x'"),
+    "bare LF": (b"+OK\n" + b"$3\r\nabc\r\n" * 1000, r"a reply line not ended by CRLF"),
+    "not an integer": (b":abc\r\n", r"not a number in the reply line b':abc'"),
+    "bulk without CRLF": (b"$3\r\nabcXY", r"a bulk reply not followed by CRLF"),
+    "not UTF-8": (b"-\xff\xfe\r\n", r"a malformed reply line"),
 }
 
 
