@@ -15,7 +15,7 @@ from kvflow.events import TierRead
 from kvflow.layout import KVLayout
 from kvflow.testing.conformance import TransportConformance
 from kvflow.testing.layouts import fill_blocks, make_layout
-from kvflow.tiers import StackedStore, stacked, with_host_tier
+from kvflow.tiers import StackedStore, stack_of, stacked, with_host_tier
 from kvflow.transport import LoadJob, SaveJob, Transport, TransportContext, TransportError
 from kvflow_fs import FsOptions, FsTransport
 
@@ -205,3 +205,42 @@ async def test_a_load_of_another_shard_reads_the_upper_tier_that_holds_it(tmp_pa
     assert _bytes(layout, [1]) == want
     for t in (stack, writer):
         await t.aclose()
+
+
+async def test_only_the_lowest_tier_reports_what_it_evicted(tmp_path: Path) -> None:
+    """`stack_of` (what the connector builds): the top tier evicting a chunk loses
+    nothing (it is below too), so only the lowest tier's evictions reach `evicted`, the
+    callback vLLM's KV events hang on."""
+    layout = _layout()
+    fill_blocks(layout, list(range(6)), seed=6)
+    chunk_bytes = 1024 + layout.nbytes([4])  # a header, then the payload
+    capped = FsOptions(path=str(tmp_path / "upper"), max_gb=2.5 * chunk_bytes / (1 << 30))
+    ctx = _context()
+    stack = stack_of(
+        [(FsTransport, capped), (FsTransport, FsOptions(path=str(tmp_path / "low")))], ctx
+    )
+    evicted: list[str] = []
+    stack.context.evicted = lambda ns, keys: evicted.extend(keys)
+    stack = await _opened(stack, layout)
+    keys = [f"{c}" * 32 for c in "abcdef"]
+    for k, b in zip(keys, range(6), strict=True):
+        await stack.save(_save(layout, [k], [b]))
+    assert isinstance(stack, StackedStore) and isinstance(stack.upper, FsTransport)
+    await stack.upper.chores_done()
+    upper = await _opened(_fs(tmp_path / "upper", _context()), layout)
+    assert await upper.lookup(keys[:1]) == 0, "the capped top tier evicted the oldest"
+    assert await stack.lookup(keys) == 6 and evicted == [], "all below: nothing announced"
+    for t in (stack, upper):
+        await t.aclose()
+    capped.path = str(tmp_path / "low2")  # now the lowest tier is the capped one
+    low = stack_of(
+        [(FsTransport, FsOptions(path=str(tmp_path / "up2"))), (FsTransport, capped)], ctx
+    )
+    low.context.evicted = lambda ns, keys: evicted.extend(keys)
+    low = await _opened(low, layout)
+    for k, b in zip(keys, range(6), strict=True):
+        await low.save(_save(layout, [k], [b]))
+    assert isinstance(low, StackedStore) and isinstance(low.lower, FsTransport)
+    await low.lower.chores_done()  # fs evicts in a chore after the save
+    assert keys[0] in evicted, "the lowest tier's evictions are announced"
+    await low.aclose()

@@ -4,7 +4,7 @@ stacked one below another (`stacked`)."""
 
 from .host import HostCache, TierCounters
 from .policy import LRU, POLICIES, S3FIFO
-from .stacked import StackedStore, stacked
+from .stacked import StackedStore, stack_of, stacked
 from .tiered import HostTier, with_host_tier
 
 __all__ = [
@@ -15,6 +15,7 @@ __all__ = [
     "HostTier",
     "StackedStore",
     "TierCounters",
+    "stack_of",
     "stacked",
     "with_host_tier",
 ]

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import trio
@@ -30,9 +31,17 @@ import trio
 from ..events import TierRead
 from ..keys import ChunkKey
 from ..layout import KVLayout
-from ..transport import Capabilities, LoadJob, SaveJob, Transport, TransportError, one_error
+from ..transport import (
+    Capabilities,
+    LoadJob,
+    SaveJob,
+    Transport,
+    TransportContext,
+    TransportError,
+    one_error,
+)
 
-__all__ = ["StackedStore", "stacked"]
+__all__ = ["StackedStore", "stack_of", "stacked"]
 
 log = logging.getLogger("kvflow.tiers")
 
@@ -55,11 +64,25 @@ def stacked(tiers: Sequence[Transport]) -> Transport:
     return cls(upper, lower)
 
 
+def stack_of(parts: Sequence[tuple[type[Transport], Any]], context: TransportContext) -> Transport:
+    """Each (transport class, options) of `parts`, top first, stacked. Each tier but the
+    lowest gets a copy of `context`; the lowest gets `context`, the stack's own, so what
+    kvflow's adapter sets on it reaches that tier only: a chunk the top tier evicts is
+    still below, one the lowest evicts is gone (vLLM's KV events announce that one)."""
+    last = len(parts) - 1
+    return stacked(
+        [
+            cls(opts, context if i == last else replace(context))
+            for i, (cls, opts) in enumerate(parts)
+        ]
+    )
+
+
 class StackedStore(Transport):
     """See the module text."""
 
     def __init__(self, upper: Transport, lower: Transport) -> None:
-        super().__init__(upper.options, upper.context)
+        super().__init__(upper.options, lower.context)
         self.upper, self.lower = upper, lower
 
     @property

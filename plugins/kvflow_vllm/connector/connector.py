@@ -30,7 +30,7 @@ from kvflow.events import EventBus, Origin, Rejected
 from kvflow.reshape import shard_name
 from kvflow.runtime import Runtime
 from kvflow.stats import StatsCollector
-from kvflow.tiers import stacked, with_host_tier
+from kvflow.tiers import stack_of, with_host_tier
 from kvflow.transport import (
     Transport,
     TransportContext,
@@ -158,9 +158,7 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
                 pp_rank=pp_rank,
                 kv_heads=kv_heads,
             )
-            transport = stacked(
-                [self.transport_cls(self.options, ctx), *(cls(o, ctx) for cls, o in self.tiers)]
-            )
+            transport = stack_of([(self.transport_cls, self.options), *self.tiers], ctx)
             if self.config.cpu_cache_gib and side.role == "worker":
                 share = self.config.cpu_cache_gib * 2**30 / len(self.shards) / len(heads)
                 transport = with_host_tier(transport, int(share), self.config.cpu_cache_policy)
