@@ -45,7 +45,7 @@ def one_repeat(work: Path, redis_url: str, lengths: list[int], seed: int) -> dic
     from kvflow_vllm.engine_process import Scenario, model_dir, spawn_engine
 
     rng = random.Random(seed)
-    prompts = [[rng.randrange(3, 30000) for _ in range(n)] for n in lengths]
+    prompts = [[rng.randrange(3, 1000) for _ in range(n)] for n in lengths]  # vocab: 1024
     model = model_dir("bench-llama")
     store = work / f"fs-{seed}"
     redis = {"transport": "redis", "options": {"url": redis_url, "key_prefix": f"b{seed}:"}}
