@@ -13,7 +13,8 @@ run one at a time (`one_by_one`), vLLM's prefix cache off, every engine process 
   the prompts twice: the first time it computes and saves them (to its host tier, the
   fs directory and the redis-server), the second time they load from host memory;
 - `fs`, `redis`: a fresh engine process on that store alone loads what the first saved
-  (fs from the page cache: the files were just written; redis over loopback).
+  (fs from the page cache: the files were just written; redis over loopback, a
+  server with `maxmemory 4gb`, emptied before each repeat).
 
 TTFT is vLLM's own first-token latency of the request. Every warm run's tokens are
 compared with the recompute run's (a mismatch fails the benchmark). Writes every
@@ -96,8 +97,10 @@ def main() -> None:
     repeats = 2 if args.quick else args.repeats
     work = Path(tempfile.mkdtemp(prefix="kvflow-ttft-tiers-"))
     runs = []
-    with servers.standalone(work / "redis") as redis:
+    # room for a repeat's 13k tokens of KV (64 KiB each): its LRU must not evict them
+    with servers.standalone(work / "redis", maxmemory="4gb") as redis:
         for r in range(repeats):
+            servers.command(redis.servers[0].port, "FLUSHALL")
             runs.append(one_repeat(work, redis.url, lengths, seed=r))
             print(f"repeat {r + 1}/{repeats}: " + ", ".join(
                 f"{s} {1e3 * runs[-1][s][str(lengths[-1])]['ttft_s']:.0f} ms" for s in SOURCES

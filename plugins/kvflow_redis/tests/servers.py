@@ -112,8 +112,8 @@ def server(work: Path, name: str, *extra: str) -> Server:
 
 
 @contextlib.contextmanager
-def standalone(work: Path) -> Iterator[Deployment]:
-    s = server(work, "standalone").start()
+def standalone(work: Path, maxmemory: str = "1gb") -> Iterator[Deployment]:
+    s = server(work, "standalone", "--maxmemory", maxmemory).start()
     d = Deployment([s], f"redis://127.0.0.1:{s.port}/0")
     try:
         wait_for("redis-server", lambda: answers(s.port), d.servers)
