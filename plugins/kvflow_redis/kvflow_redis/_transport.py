@@ -14,7 +14,7 @@ import coredis
 import coredis.exceptions
 import msgspec
 import trio
-from coredis.exceptions import ResponseError
+from coredis.exceptions import WrongTypeError
 
 from kvflow import (
     BadHeader,
@@ -260,9 +260,9 @@ class RedisTransport(Transport):
             async with self._pipeline() as pipe:
                 queue(pipe)
             replies = list(pipe.results or ())
-            for reply in replies:  # a cluster pipeline reports a node it lost as a reply
-                if isinstance(reply, NETWORK_ERRORS) and not isinstance(reply, ResponseError):
-                    raise reply
+            for reply in replies:  # a node lost, CLUSTERDOWN, OOM, a replica's READONLY:
+                if isinstance(reply, Exception) and not isinstance(reply, WrongTypeError):
+                    raise reply  # the request failed, not the key (only WRONGTYPE is the key's)
             return replies
 
         with self._errors(what):
