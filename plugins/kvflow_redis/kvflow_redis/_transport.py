@@ -234,9 +234,7 @@ class RedisTransport(Transport):
         return self.client.pipeline(transaction=False, raise_on_error=False)
 
     @contextlib.contextmanager
-    def _errors(
-        self, what: str, chunk: int = 0, key: ChunkKey = "", where: str = ""
-    ) -> Iterator[None]:
+    def _errors(self, what: str, where: str = "") -> Iterator[None]:
         """Network and server failures as `TransportError`s naming the server."""
         try:
             yield
@@ -250,7 +248,7 @@ class RedisTransport(Transport):
                 if where
                 else f"redis {what} at {at}: {detail}"
             )
-            raise TransportError(text, chunk=chunk, key=key) from raised
+            raise TransportError(text) from raised
 
     async def _run(self, what: str, queue: Any) -> list[Any]:
         """One pipeline (`queue(pipe)` queues its commands), its replies: values or the
@@ -314,9 +312,7 @@ class RedisTransport(Transport):
         shards = shards or self.context.shards
         names = [[self.key(k, s) for s in shards] for k in keys]
         replies = await self._run("lookup", lambda pipe: [pipe.exists(n) for n in names])
-        for i, reply in enumerate(replies):
-            if isinstance(reply, BaseException):
-                raise TransportError(f"redis lookup: {reply}", chunk=i, key=keys[i])
+        for i, reply in enumerate(replies):  # (an error reply fails `_run`)
             if reply != len(shards):
                 return i
         return len(keys)
@@ -332,7 +328,7 @@ class RedisTransport(Transport):
         keys = [self.key(k) for k in job.keys]
         ttl_ms = round(self.options.ttl_s * 1000)
         present = await self._run("save", lambda pipe: [pipe.exists([k]) for k in keys])
-        todo = [c for c, p in enumerate(present) if p != 1]  # an error reply: write it again
+        todo = [c for c, p in enumerate(present) if p != 1]
         if ttl_ms and len(todo) < len(keys):  # a key names the same bytes forever: keep longer
             kept = [keys[c] for c in range(len(keys)) if c not in todo]
             await self._run("save", lambda pipe: [pipe.pexpire(k, ttl_ms) for k in kept])
@@ -345,7 +341,8 @@ class RedisTransport(Transport):
             chosen = [layer_spans[c] for c in todo]
             spans.append(chosen)
             hashes.append(await trio.to_thread.run_sync(_hashes, chosen))
-        batch: list[tuple[int, bytes]] = []
+        batch: list[tuple[bytes, bytes]] = []  # (key, value) of the SETs sent next
+        first = size = 0  # the batch's first chunk (numbered as in the job), its bytes
         for j, c in enumerate(todo):
             header = ChunkHeader(
                 key=job.keys[c],
@@ -357,22 +354,24 @@ class RedisTransport(Transport):
                 layout=layout.describe(),
             )
             parts = [s for i in range(job.num_layers) for s in spans[i][j]]
-            batch.append((c, b"".join([*parts, encode_trailer(header)])))
-            if sum(len(v) for _, v in batch) >= LOAD_WINDOW_BYTES or j == len(todo) - 1:
-                chunks = [c for c, _ in batch]
-                await self._set(job, [(keys[c], v) for c, v in batch], chunks, ttl_ms)
-                batch = []
+            first = first if batch else c
+            batch.append((keys[c], b"".join([*parts, encode_trailer(header)])))
+            size += len(batch[-1][1])
+            if size >= LOAD_WINDOW_BYTES or j == len(todo) - 1:
+                await self._set(job, batch, first, ttl_ms)
+                batch, size = [], 0
 
     async def _set(
-        self, job: SaveJob, values: list[tuple[bytes, bytes]], chunks: list[int], ttl_ms: int
+        self, job: SaveJob, values: list[tuple[bytes, bytes]], first: int, ttl_ms: int
     ) -> None:
+        """One pipeline of SETs; its failure names `first`, its first chunk (the batches
+        before it are stored)."""
         px = ttl_ms or None
-        replies = await self._run("save", lambda pipe: [pipe.set(k, v, px=px) for k, v in values])
-        for c, reply in zip(chunks, replies, strict=True):
-            if isinstance(reply, BaseException):
-                raise TransportError(
-                    f"redis save of chunk {c} ({job.keys[c]}): {reply}", chunk=c, key=job.keys[c]
-                )
+        try:
+            await self._run("save", lambda pipe: [pipe.set(k, v, px=px) for k, v in values])
+        except TransportError as exc:
+            exc.chunk, exc.key = first, job.keys[first]
+            raise
 
     # -- load --------------------------------------------------------------
     async def load(self, job: LoadJob) -> None:
