@@ -135,7 +135,6 @@ _COUNTED = frozenset(
         TaskFailed,
         TierRead,
         TierWrite,
-        TierWrite,
     }
 )
 

@@ -171,6 +171,11 @@ class TransportContext:
             raise TransportError(f"producer {src.engine_id}: too few addresses", chunk=0)
         return [PeerRead(stage[r.rank], r, count[r.rank]) for r in reads]
 
+    def emit_tier_event(self, event: Any) -> None:
+        """`tier_event(event)`, if set."""
+        if self.tier_event is not None:
+            self.tier_event(event)
+
 
 @dataclass(frozen=True)
 class PeerRead:

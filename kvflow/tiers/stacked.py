@@ -5,18 +5,23 @@ front of both.
 `stacked([upper, lower, ...])` is one store transport built of two or more (each any
 installed store transport); a stack of three is `upper` over the stack of the rest:
 
-- **lookup**: the longest run of leading chunks each of which some tier holds (asked
-  concurrently, then again from where the longest answer stopped). A tier that fails
-  to answer counts as holding nothing; all failing is an error.
+- **lookup**: the upper tier's leading run of chunks, then the lower tier's run from
+  there: exactly what a load reads from each (both asked at once; the lower again from
+  the run's end only when its first answer stopped short of it). A tier that fails to
+  answer counts as holding nothing; both failing is an error.
 - **save**: every tier saves the chunks at once, from vLLM's blocks (or the host tier's
   slots); the save returns when all did. Only the upper tier's failure fails it (its
   lookups say what it holds); a lower tier's is logged: the chunk is still found in the
   upper one.
 - **load**: the upper tier's leading run of chunks (one lookup) is loaded from it while
   the rest come from below at the same time, and each layer is signalled once both
-  landed; what came from below is saved into the upper tier as it lands (`promoted`),
-  before the load returns (vLLM owns the blocks again once it has). Each load is a
-  `TierRead` of the upper tier's name.
+  landed. Then the chunks that came from below intact are saved into the upper tier
+  (`promoted`), before the load returns (vLLM owns the blocks again once it has; a chunk
+  a failed load did not deliver is never copied up). Each load is a `TierRead` of the
+  upper tier's name.
+
+`stack_of` builds a stack from transport classes and options, giving the lowest tier
+the stack's context (vLLM's KV events follow its evictions) and each tier above a copy.
 """
 
 from __future__ import annotations
@@ -162,11 +167,18 @@ class StackedStore(Transport):
         n = len(job.keys)
         if held >= n:
             await self.upper.load(job)
-            self._emit(TierRead(req=job.req, tier=self.tier, hits=n, misses=0, promoted=0,
-                                nbytes=0))  # fmt: skip
-            return
+            promoted = 0
+        else:
+            promoted = await self._load_split(job, held)
+        read = TierRead(req=job.req, tier=self.tier, hits=held, misses=n - held,
+                        promoted=promoted, nbytes=0)  # fmt: skip
+        self.context.emit_tier_event(read)
+
+    async def _load_split(self, job: LoadJob, held: int) -> int:
+        """The first `held` chunks from the upper tier, the rest from below (`_load_parts`);
+        the chunks promoted."""
         landed = [[trio.Event() for _ in range(job.num_layers)] for _ in range(2)]
-        parts = [range(0, held), range(held, n)]
+        parts = [range(0, held), range(held, len(job.keys))]
 
         def part(p: int) -> LoadJob:
             idx = parts[p]
@@ -178,9 +190,7 @@ class StackedStore(Transport):
                 job.shard, job.layout,
             )  # fmt: skip
 
-        promoted = await self._load_parts(job, part, landed, held)
-        self._emit(TierRead(req=job.req, tier=self.tier, hits=held, misses=n - held,
-                            promoted=promoted, nbytes=0))  # fmt: skip
+        return await self._load_parts(job, part, landed, held)
 
     async def _load_parts(
         self, job: LoadJob, part: Any, landed: list[list[trio.Event]], held: int
@@ -235,7 +245,3 @@ class StackedStore(Transport):
         if first is not None:
             raise first
         return promoted
-
-    def _emit(self, event: TierRead) -> None:
-        if self.context.tier_event is not None:
-            self.context.tier_event(event)

@@ -99,7 +99,7 @@ class HostTier(Transport):
         if cache is None or not cache.room(len(job.keys)):  # through, as without the tier
             await self.inner.save(job)
             if cache is not None:
-                self._emit(
+                self.context.emit_tier_event(
                     TierWrite(
                         req=job.req, tier=TIER, stored=0, through=len(job.keys), evicted=0, nbytes=0
                     )
@@ -118,7 +118,7 @@ class HostTier(Transport):
             cache.pin(key)
         nbytes = sum(sum(s) for s in sizes)
         stored = len(job.keys)
-        self._emit(
+        self.context.emit_tier_event(
             TierWrite(
                 req=job.req, tier=TIER, stored=stored, through=0, evicted=evicted, nbytes=nbytes
             )
@@ -201,16 +201,12 @@ class HostTier(Transport):
                 else:
                     cache.unreserve(slot)
         nbytes = sum(sum(e.sizes) for e in held.values())
-        self._emit(
+        self.context.emit_tier_event(
             TierRead(
                 req=job.req, tier=TIER, hits=len(held), misses=len(missing), promoted=kept,
                 nbytes=nbytes, evicted=evicted,
             )
         )  # fmt: skip
-
-    def _emit(self, event: TierRead | TierWrite) -> None:
-        if self.context.tier_event is not None:
-            self.context.tier_event(event)
 
     async def _load_from_both(
         self,
