@@ -3,15 +3,17 @@ to read, and how a rank takes its heads from them.
 
 A store keeps each rank's slice of a chunk under that rank's shard (`shard_name`):
 the KV heads the rank holds (`kvflow.pd.topology.held_heads`), its bytes as they lie
-(a device cache token-major). The namespace does not depend on the tensor-parallel size,
-so an engine of another size computes the same chunk keys. Its scheduler looks up its
-own shards first, then, from the first chunk they miss, the shards of each other size
-in `STORE_TP_SIZES` that splits the model's heads (`other_shapes`), and says per chunk
-which size holds it (`lookup_sources`, `LoadSpec.tp_sizes`). A worker reads the shards
-holding its heads (`plan_reads`, as a P/D consumer does) into images shaped as the
-saving rank's (`KVLayout.with_heads`), checked as any load checks them (the job names
-the shard and the layout): each stored byte lands where its head goes in this rank's
-blocks (`head_copy_runs`), or in scratch when this rank does not hold that head.
+(a device cache token-major); ranks that replicate heads (more ranks than KV heads;
+MLA) keep them once, under the first of them (`kvflow.replicas`). The namespace does
+not depend on the tensor-parallel size, so an engine of another size computes the same
+chunk keys. Its scheduler looks up its own shards first, then, from the first chunk
+they miss, the shards of each other size in `STORE_TP_SIZES` that splits the model's
+heads (`other_shapes`), and says per chunk which size holds it (`lookup_sources`,
+`LoadSpec.tp_sizes`). A worker reads the shards holding its heads (`plan_reads`, as a
+P/D consumer does, but from the first replica of a replicated head) into images shaped
+as the saving rank's (`KVLayout.with_heads`), checked as any load checks them (the job
+names the shard and the layout): each stored byte lands where its head goes in this
+rank's blocks (`head_copy_runs`), or in scratch when this rank does not hold that head.
 
 Nothing is converted when the sizes match: those chunks load as they always did.
 """
@@ -73,7 +75,7 @@ def other_shapes(kv_heads: int, tp_size: int, pp_size: int) -> list[StoreShape]:
         if size == tp_size or kv_heads < 1:
             continue
         try:
-            count = readers(kv_heads, size, tp_size)
+            count = readers(kv_heads, size, tp_size, spread=False)
         except TopologyError:
             continue
         shards = [shard_name(r, size, p) for p in range(pp_size) for r in range(size) if count[r]]
@@ -150,7 +152,7 @@ async def _load_other(transport: Transport, job: LoadJob, tp_size: int) -> None:
     ctx, layout = transport.context, transport.context.layout
     assert layout is not None, "a store loads into registered KV caches"
     try:
-        reads = plan_reads(ctx.kv_heads, tp_size, ctx.tp_size, ctx.tp_rank)
+        reads = plan_reads(ctx.kv_heads, tp_size, ctx.tp_size, ctx.tp_rank, spread=False)
         held = [len(held_heads(ctx.kv_heads, tp_size, r.rank)) for r in reads]
         shapes = [layout.with_heads(c) for c in held]
     except (TopologyError, LayoutError) as exc:

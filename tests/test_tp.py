@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from kvflow.events import LoadStarted, TransferDone, TransferFailed
+from kvflow.events import LoadStarted, TierRead, TransferDone, TransferFailed
+from kvflow_vllm.engine_process import model_dir
 
 from .e2e import ServingEngine, assert_same_generation, close_all, events_for, run_engine
 
@@ -77,6 +78,33 @@ def test_a_store_serves_engines_of_either_tensor_parallel_size(tmp_path: Path) -
         loaded = {e.origin.rank: e.tokens for e in events if isinstance(e, LoadStarted)}
         assert set(loaded) == ranks and min(loaded.values()) >= len(prompt) - 1, loaded
         assert not [e for e in events if isinstance(e, TransferFailed)], events
+
+
+def test_ranks_that_replicate_a_head_store_it_once(tmp_path: Path) -> None:
+    """TP=2 over a model of one KV head (`tiny-mqa`): both ranks hold the same head. The
+    store gets one file per chunk (rank 0's, `kvflow.replicas`); rank 0 holds it in its
+    host tier, rank 1 none and reads the file; the warm request decodes as the cold."""
+    log = tmp_path / "mqa.events.jsonl"
+    extra = {"options": {"path": str(tmp_path / "kv")}, "event_log": str(log), "cpu_cache_gib": 0.1}
+    run = run_engine(
+        tmp_path,
+        "mqa",
+        batches=[[PROMPTS[2]], [PROMPTS[2]]],  # cold (saved), then warm (loaded)
+        tensor_parallel_size=2,
+        model=model_dir("tiny-mqa"),
+        extra_config=extra,
+    )
+    (cold,), (warm,) = run.batches
+    assert_same_generation(warm, cold, "TP=2 over one KV head, loaded")
+    files = Counter(f.name.split(".")[1] for f in (tmp_path / "kv").rglob("*.kv"))
+    assert set(files) == {"tp0of2pp0"}, files
+    events = events_for(log, warm)
+    loaded = {e.origin.rank: e.tokens for e in events if isinstance(e, LoadStarted)}
+    assert set(loaded) == {0, 1} and min(loaded.values()) >= len(PROMPTS[2]) - 1, loaded
+    reads = [(e.origin.rank, e.hits, e.misses) for e in events if isinstance(e, TierRead)]
+    chunks = -(-len(PROMPTS[2]) // 32)
+    assert reads == [(0, chunks, 0)], f"only rank 0 has a host tier, holding all: {reads}"
+    assert not [e for e in events if isinstance(e, TransferFailed)], events
 
 
 @pytest.fixture(scope="module")

@@ -12,14 +12,15 @@ a producer rank that holds it (spreading replicas over consumer ranks), as vLLM'
 This module is arithmetic only: `plan_reads` answers for one consumer rank;
 `readers` says how many consumer ranks read each producer rank (a producer hands a
 request's blocks back once all of them are done; one no consumer rank reads is released
-at once).
+at once). A store keeps replicated heads once, under the first rank holding them
+(`first_replica`), so reads from a store (`spread=False`) take that rank's.
 """
 
 from __future__ import annotations
 
 import msgspec
 
-__all__ = ["HeadRead", "TopologyError", "held_heads", "plan_reads", "readers"]
+__all__ = ["HeadRead", "TopologyError", "first_replica", "held_heads", "plan_reads", "readers"]
 
 
 class TopologyError(ValueError):
@@ -55,16 +56,26 @@ def held_heads(heads: int, tp_size: int, tp_rank: int) -> range:
     return range(head, head + 1)
 
 
+def first_replica(heads: int, tp_size: int, tp_rank: int) -> int:
+    """The first rank of `tp_size` holding the heads rank `tp_rank` holds: `tp_rank`
+    itself unless heads are replicated (`tp_size > heads`; MLA: rank 0)."""
+    held_heads(heads, tp_size, tp_rank)  # a shape that splits, or TopologyError
+    replicas = max(1, tp_size // heads)
+    return tp_rank - tp_rank % replicas
+
+
 def plan_reads(
-    heads: int, producer_tp: int, consumer_tp: int, consumer_rank: int
+    heads: int, producer_tp: int, consumer_tp: int, consumer_rank: int, spread: bool = True
 ) -> list[HeadRead]:
     """The reads that fill consumer rank `consumer_rank`'s heads, fewest first: each
     distinct head once, consecutive heads of one producer rank in one read. `heads` is
-    the model's number of KV heads (1 for MLA: every rank holds the latent)."""
+    the model's number of KV heads (1 for MLA: every rank holds the latent). A head the
+    producer replicates is read from a replica chosen by the consumer's rank (`spread`,
+    for peers: each holds it), else from the first (a store holds only that one)."""
     want = held_heads(heads, consumer_tp, consumer_rank)
     reads: list[HeadRead] = []
     for into, head in enumerate(want):
-        rank = _source(heads, producer_tp, head, consumer_rank)
+        rank = _source(heads, producer_tp, head, consumer_rank if spread else 0)
         first = head - held_heads(heads, producer_tp, rank).start
         last = reads[-1] if reads else None
         if last and last.rank == rank and last.first + last.count == first:
@@ -83,10 +94,12 @@ def _source(heads: int, producer_tp: int, head: int, consumer_rank: int) -> int:
     return head * replicas + consumer_rank % replicas
 
 
-def readers(heads: int, producer_tp: int, consumer_tp: int) -> list[int]:
-    """How many consumer ranks read each producer rank (0: none; its offer is released)."""
+def readers(heads: int, producer_tp: int, consumer_tp: int, spread: bool = True) -> list[int]:
+    """How many consumer ranks read each producer rank (0: none; its offer is released).
+    `spread` as for `plan_reads`."""
     count = [0] * producer_tp
     for r in range(consumer_tp):
-        for rank in {read.rank for read in plan_reads(heads, producer_tp, consumer_tp, r)}:
+        plan = plan_reads(heads, producer_tp, consumer_tp, r, spread)
+        for rank in {read.rank for read in plan}:
             count[rank] += 1
     return count

@@ -27,6 +27,7 @@ from kvflow.config import ConfigError, KVFlowConfig, channel_of, parse_config, p
 from kvflow.event_stream import start_publisher
 from kvflow.eventlog import JsonlEventLog
 from kvflow.events import EventBus, Origin, Rejected
+from kvflow.replicas import as_replica, store_shards
 from kvflow.reshape import shard_name
 from kvflow.runtime import Runtime
 from kvflow.stats import StatsCollector
@@ -142,14 +143,19 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
         heads = [
             model_shape(self._vllm_config, self._kv_cache_config, g).kv_heads for g in self.groups
         ]
+        caps = self.transport_cls.capabilities
+        store = caps.store and not caps.peer
         self.transports: list[Transport] = []  # per KV cache group, as namespaces, scopes
         for namespace, kv_heads in zip(self.namespaces, heads, strict=True):
+            own, shards = shard, self.shards
+            if store:  # replicated heads are stored once (`kvflow.replicas`)
+                own, shards = store_shards(kv_heads, tp, pp, self.tp_rank, pp_rank)
             ctx = TransportContext(
                 engine_id=self.engine_id,
                 role=side.role,
                 namespace=namespace,
-                shard=shard,
-                shards=self.shards,
+                shard=own,
+                shards=shards,
                 channel=channel,
                 rejected=self._rejected,
                 progress_timeout_s=self.config.progress_timeout_s,
@@ -159,8 +165,10 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
                 kv_heads=kv_heads,
             )
             transport = stack_of([(self.transport_cls, self.options), *self.tiers], ctx)
-            if self.config.cpu_cache_gib and side.role == "worker":
-                share = self.config.cpu_cache_gib * 2**30 / len(self.shards) / len(heads)
+            if side.role == "worker" and own != shard:  # another rank saves these heads
+                transport = as_replica(transport)  # (behind its host tier)
+            elif side.role == "worker" and self.config.cpu_cache_gib:
+                share = self.config.cpu_cache_gib * 2**30 / len(shards) / len(heads)
                 transport = with_host_tier(transport, int(share), self.config.cpu_cache_policy)
             self.runtime.add_closer(transport.aclose)  # also after a failed open: what it
             try:  # opened (a socket, a context) would hold the process at exit
