@@ -11,10 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvflow.events import TierRead
 from kvflow.keys import chunk_keys
 from kvflow.layout import KVLayout
 from kvflow.staging import HostStage
 from kvflow.testing.layouts import device_layout
+from kvflow.tiers import HostTier, with_host_tier
 from kvflow.transport import LoadJob, SaveJob, TransportContext
 from kvflow_fs import FsOptions, FsTransport
 
@@ -93,3 +95,50 @@ async def test_fs_saves_and_loads_a_device_cache_through_host_staging(
         assert torch.equal(d[others], b[others])
     await saver.aclose()
     await loader.aclose()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+async def test_the_host_tier_holds_a_device_caches_chunks_in_pinned_memory(
+    tmp_path: Path, device: str
+) -> None:
+    """`cpu_cache_gib` in front of `fs` with a device cache: its region is pinned where
+    CUDA is present (`cudaHostRegister`), a save lands there through host staging, and a
+    load is served from it (the store's files are gone by then) into other blocks."""
+    layout, caches = vllm_layout(device, "LBNHC", 100, seed=3)
+    before = [c.clone() for c in caches]
+    events: list[object] = []
+    ctx = TransportContext("e", "worker", "ns", "tp0of1pp0", ["tp0of1pp0"], layout)
+    ctx.tier_event = events.append
+    tier = with_host_tier(FsTransport(FsOptions(path=str(tmp_path)), ctx), 8 << 20, "s3fifo")
+    await tier.open()
+    await tier.register(layout)
+    assert isinstance(tier, HostTier) and tier.cache is not None and tier.cache.slots >= 3
+    region = torch.frombuffer(tier.cache.region, dtype=torch.uint8)
+    assert region.is_pinned() == torch.cuda.is_available(), "pinned where CUDA is present"
+    keys = chunk_keys("host-tier", list(range(sum(COUNTS))), BS)
+    out = HostStage(layout, [3, 40, 7], COUNTS)
+
+    async def spans(layer: int) -> list[list[memoryview]]:
+        await out.gather(layer)
+        return out.spans(layer)
+
+    await tier.save(SaveJob("s", keys, COUNTS, LAYERS, spans))
+    for f in tmp_path.rglob("*.kv"):
+        f.unlink()
+    into = HostStage(layout, [90, 0, 51], COUNTS)
+    after = None
+    if device == "cuda":
+        after = torch.cuda.Event()
+        after.record()
+    await tier.load(
+        LoadJob("l", keys, COUNTS, LAYERS, into.spans, lambda i: into.scatter(i, after))
+    )
+    if device == "cuda":
+        torch.cuda.synchronize()
+    (read,) = [e for e in events if isinstance(e, TierRead)]
+    assert (read.hits, read.misses) == (3, 0)
+    for c, b in zip(caches, before, strict=True):
+        for a, z, n in zip([3, 40, 7], [90, 0, 51], COUNTS, strict=True):
+            assert torch.equal(c[z, :, :n], b[a, :, :n]), (a, z)
+            assert torch.equal(c[z, :, n:], b[z, :, n:]), "past a partial block's tokens"
+    await tier.aclose()
