@@ -82,11 +82,15 @@ class TransferResults:
 @dataclass
 class ChunkOutcomes:
     """What became of chunks since the last `take_chunk_outcomes`: stored by a save, not
-    stored (the save failed or was dropped), deleted by the store to make room."""
+    stored (the save failed or was dropped), deleted by a tier to make room."""
 
-    saved: list[ChunkKey] = field(default_factory=list)
+    saved: list[tuple[list[ChunkKey], list[Transport]]] = field(default_factory=list)
+    """Each save's chunks and the tiers (transports) holding them: `SaveJob.stored_in`,
+    else the store saved to."""
     unsaved: list[ChunkKey] = field(default_factory=list)
-    evicted: list[ChunkKey] = field(default_factory=list)
+    evicted: list[tuple[str, list[ChunkKey]]] = field(default_factory=list)
+    """The medium of the tier that evicted chunks (named by whoever reports them), and
+    their keys."""
 
 
 class Reports:
@@ -514,7 +518,11 @@ class Flows:  # ~295 lines: a step's loads, saves and offers and how they affect
                 if (outcomes := self.reports.outcomes) is not None:  # before the release:
                     with self.reports.lock:  # vLLM may stop stepping then (a save that
                         # gave its blocks back early reports at its end all the same)
-                        (outcomes.unsaved if error else outcomes.saved).extend(spec.keys)
+                        if error:
+                            outcomes.unsaved.extend(spec.keys)
+                        else:
+                            tiers = job.stored_in or [self.transport]
+                            outcomes.saved.append((list(spec.keys), tiers))
                 release()
             finally:
                 self._saves -= 1

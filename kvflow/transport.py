@@ -202,6 +202,10 @@ class SaveJob:
     """A transport that has copied every layer's bytes elsewhere (a host-memory tier)
     may call this once: it reads the spans no more, and vLLM may have the blocks back
     while the save goes on."""
+    stored_in: list[Transport] = field(default_factory=list)
+    """Filled by stores built of stores (`kvflow.tiers`: a stack, the host tier): the
+    tiers that hold every chunk once `save` returned, top first; empty: the store saved
+    to (for vLLM's KV events, a medium per tier)."""
 
     async def layer(self, layer: int) -> list[list[memoryview]]:
         """Spans of every chunk in `layer`, once that layer's KV is final."""

@@ -250,11 +250,11 @@ class WorkerEngine:  # ~310 lines: every call vLLM's thread makes, each bounded,
             out, reports.outcomes = reports.outcomes, ChunkOutcomes()
         return out
 
-    def chunks_evicted(self, keys: list[ChunkKey]) -> None:
-        """The store deleted these chunks to make room (any thread)."""
+    def chunks_evicted(self, keys: list[ChunkKey], medium: str) -> None:
+        """The tier of `medium` deleted these chunks to make room (any thread)."""
         with self._reports.lock:
             if self._reports.outcomes is not None:
-                self._reports.outcomes.evicted.extend(keys)
+                self._reports.outcomes.evicted.append((medium, keys))
 
     def take_error_blocks(self) -> set[int]:
         """Block ids whose load failed since the last call (vLLM recomputes them)."""

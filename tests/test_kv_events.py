@@ -18,10 +18,11 @@ import msgspec
 import pytest
 import zmq
 
+from kvflow.config import KVFlowConfig, TierConfig
 from kvflow.keys import chunk_keys
 from kvflow.worker import ChunkOutcomes
 from kvflow_vllm.apiserver import free_port
-from kvflow_vllm.kv_events import ChunkReport, KVEventTracker, KVFlowWorkerMeta
+from kvflow_vllm.kv_events import ChunkReport, KVEventTracker, KVFlowWorkerMeta, media
 
 from . import vllm_harness as vh
 from .e2e import ServingEngine
@@ -53,19 +54,29 @@ def _prompt(n: int) -> list[int]:
     return [_rng.randrange(3, 1000) for _ in range(n)]
 
 
-def _tracker(workers: int = 2) -> tuple[KVEventTracker, Any, list[str]]:
+TIER_MEDIA = [MEDIUM, "kvflow:redis"]
+TIERS: list[Any] = [object(), object()]
+"""A worker's tiers (transports, told apart by `id`), and their media."""
+
+
+def _tracker(
+    workers: int = 2, media: list[str] = TIER_MEDIA[:1]
+) -> tuple[KVEventTracker, Any, list[str]]:
     """A tracker of a real vLLM request of 2.5 blocks whose save of every chunk (the
     last one partial) is planned, and its chunk keys."""
     bs = vh.BLOCK_SIZE
     request = vh.make_request("r", vh.prompt_of(1, bs * 5 // 2))
     keys = chunk_keys("ns", request.prompt_token_ids, bs)
-    tracker = KVEventTracker(medium=MEDIUM, block_size=bs, workers=workers, group=0)
+    tracker = KVEventTracker(media=media, block_size=bs, workers=workers, group=0)
     tracker.planned(request, keys, [bs, bs, bs // 2], keys, bs)
     return tracker, request, keys
 
 
-def _stored(keys: list[str], rank: int, **kw: list[str]) -> ChunkReport:
-    return ChunkReport.of(ChunkOutcomes(saved=keys, **kw), rank)
+def _stored(keys: list[str], rank: int, tiers: int = 1, **kw: Any) -> ChunkReport:
+    """A worker's report of a save of `keys` into its first `tiers` tiers."""
+    stored_in = TIERS[:tiers]
+    outcomes = ChunkOutcomes(saved=[(keys, stored_in)], **kw)
+    return ChunkReport.of(outcomes, rank, dict(zip(map(id, TIERS), TIER_MEDIA, strict=True)))
 
 
 def _hash(h: bytes) -> int:
@@ -94,7 +105,7 @@ def test_a_partial_block_is_never_announced_even_once_vllm_hashed_its_block() ->
     bs = vh.BLOCK_SIZE
     request = vh.make_request("r", vh.prompt_of(2, bs * 2))  # vLLM hashes both blocks
     keys = chunk_keys("ns", request.prompt_token_ids, bs)
-    tracker = KVEventTracker(medium=MEDIUM, block_size=bs, workers=1, group=0)
+    tracker = KVEventTracker(media=[MEDIUM], block_size=bs, workers=1, group=0)
     tracker.planned(request, keys, [bs, bs - 1], keys, bs)  # kvflow stores 2k-1 tokens
     tracker.report(_stored(keys, rank=0))
     assert [e.block_hashes for e in tracker.take()] == [[_hash(request.block_hashes[0])]]
@@ -119,20 +130,54 @@ def test_evictions_remove_announced_blocks_only() -> None:
     tracker, request, keys = _tracker(workers=1)
     tracker.report(_stored(keys[:1], rank=0))
     tracker.take()
-    tracker.report(ChunkReport.of(ChunkOutcomes(evicted=["x", keys[1], keys[0], keys[0]]), 0))
+    evicted = [(MEDIUM, ["x", keys[1], keys[0], keys[0]])]
+    tracker.report(ChunkReport.of(ChunkOutcomes(evicted=evicted), 0, {}))
     (removed,) = tracker.take()
     assert type(removed).__name__ == "BlockRemoved" and removed.medium == MEDIUM
     assert removed.block_hashes == [_hash(request.block_hashes[0])]
 
 
+def test_each_tier_announces_what_it_stored_and_evicted_under_its_medium() -> None:
+    """A save into a stack of two stores: a `BlockStored` per tier once every worker's
+    shard is in it (a lower tier that failed on one worker announces nothing); an
+    eviction removes the block from that tier's medium only."""
+    tracker, request, keys = _tracker(workers=2, media=TIER_MEDIA)
+    tracker.report(_stored(keys, rank=0, tiers=2).merge(_stored(keys, rank=1, tiers=1)))
+    events = tracker.take()
+    assert {e.medium for e in events} == {MEDIUM} and len(events) == 2  # two full blocks
+    tracker.report(_stored(keys, rank=1, tiers=2))  # rank 1's lower tier, later
+    assert [e.medium for e in tracker.take()] == ["kvflow:redis"] * 2
+    tracker.report(ChunkReport.of(ChunkOutcomes(evicted=[("kvflow:redis", keys[:1])]), 0, {}))
+    (removed,) = tracker.take()
+    assert (removed.medium, removed.block_hashes) == (
+        "kvflow:redis",
+        [_hash(request.block_hashes[0])],
+    )
+    tracker.report(_stored(keys, rank=0, tiers=0))  # a replica rank's save: no tier
+    assert tracker.take() == []
+
+
+def test_media_name_each_tier_top_first() -> None:
+    config = KVFlowConfig(
+        transport="fs",
+        cpu_cache_gib=1,
+        tiers=[TierConfig(transport="fs"), TierConfig(transport="redis")],
+    )
+    assert media(config) == ["kvflow:cpu", "kvflow:fs", "kvflow:fs.1", "kvflow:redis"]
+    assert media(KVFlowConfig(transport="fs")) == ["kvflow:fs"]
+
+
 def test_worker_reports_merge_over_workers_and_pickle_as_msgspec_bytes() -> None:
-    a = KVFlowWorkerMeta([ChunkReport({"k": [0]}, ["u"], []), ChunkReport()])
-    b = KVFlowWorkerMeta([ChunkReport({"k": [1], "j": [1]}, [], ["e"]), ChunkReport({"x": [1]})])
+    m = MEDIUM
+    a = KVFlowWorkerMeta([ChunkReport({m: {"k": [0]}}, ["u"], {}), ChunkReport()])
+    b = KVFlowWorkerMeta(
+        [ChunkReport({m: {"k": [1], "j": [1]}}, [], {m: ["e"]}), ChunkReport({m: {"x": [1]}})]
+    )
     both = pickle.loads(pickle.dumps(a.aggregate(b)))
     assert isinstance(both, KVFlowWorkerMeta)
     assert both.reports == [
-        ChunkReport({"k": [0, 1], "j": [1]}, ["u"], ["e"]),
-        ChunkReport({"x": [1]}),
+        ChunkReport({m: {"k": [0, 1], "j": [1]}}, ["u"], {m: ["e"]}),
+        ChunkReport({m: {"x": [1]}}),
     ]
     raw = pickle.dumps(a)  # a function and bytes: no kvflow class rides in pickle
     assert b"KVFlowWorkerMeta" not in raw and b"ChunkReport" not in raw
@@ -188,16 +233,17 @@ class Run:
         return ns / key[:2] / f"{key}.tp0of1pp0.kv"
 
 
-def _start(tmp: Path, name: str, store: Path, max_gb: float) -> Run:
+def _start(tmp: Path, name: str, store: Path, max_gb: float, **extra: Any) -> Run:
     """A live engine with KV events on, and a subscriber that has seen its first event."""
     port = free_port()
     r = Run()
     r.store, r.prompts = store, []
     r.stream = Stream(f"tcp://127.0.0.1:{port}")
+    options = {"path": str(store), "max_gb": max_gb}
     r.engine = ServingEngine(
         tmp,
         name,
-        extra_config={"transport": "fs", "options": {"path": str(store), "max_gb": max_gb}},
+        extra_config={"transport": "fs", "options": options, **extra},
         llm_args={
             "enable_prefix_caching": True,
             "kv_events_config": {
@@ -290,20 +336,32 @@ def test_evicted_chunks_are_announced_removed(run: Run) -> None:
 @pytest.mark.slow
 def test_engines_sharing_a_store_each_announce_what_they_wrote(run: Run) -> None:
     """Engine A stores P; B, on the same store, loads P and stores Q: P is on A's stream
-    only, Q on B's only."""
-    p, q = _prompt(300), _prompt(300)
+    only, Q on B's only. B's store is a stack (a host tier of 12 chunks, its own `fs`,
+    A's store below): it announces Q in each tier's medium; R's save evicts from the host
+    tier, announced in its medium only."""
+    p, q, r = _prompt(300), _prompt(300), _prompt(300)
     p_hashes, q_hashes = set(_vllm_hashes(p)), set(_vllm_hashes(q))
-    announced = lambda r: {e.block_hashes[0] for e in r.stream.stored(MEDIUM)}  # noqa: E731
+    announced = lambda r, m=MEDIUM: {e.block_hashes[0] for e in r.stream.stored(m)}  # noqa: E731
     run.ask(p)
     _wait(run, lambda: announced(run) >= p_hashes, "A did not announce P")
     run.engine.close()  # two engines on two cores would starve each other
-    b = _start(run.store.parent, "b", run.store, 1.0)
+    below = [{"transport": "fs", "options": {"path": str(run.store)}}]
+    b = _start(run.store.parent, "b", run.store.parent / "b", 1.0, tiers=below,
+               cpu_cache_gib=12 * 128 / 2**20)  # fmt: skip
     try:
         got = b.engine.ask(p, 4)
         assert got.cached_tokens == len(p) - 1, "B did not load A's chunks"
         b.ask(q)
-        _wait(b, lambda: announced(b) >= q_hashes, "B did not announce Q")
+        media = ["kvflow:cpu", MEDIUM, "kvflow:fs.1"]
+        _wait(b, lambda: all(announced(b, m) >= q_hashes for m in media), "B did not announce Q")
+        b.ask(r)  # 10 chunks into 12 slots holding Q's 10: Q's go
+        gone = lambda: b.stream.removed("kvflow:cpu") & q_hashes  # noqa: E731
+        _wait(b, gone, "B's host tier announced no eviction of Q")
     finally:
         b.engine.close()
+    # (a stream misses what was published before it connected: P, Q and R came after)
+    removed = b.stream.removed("kvflow:cpu") & (p_hashes | q_hashes | set(_vllm_hashes(r)))
+    assert removed <= announced(b, "kvflow:cpu"), "removed what the tier never announced"
+    assert not b.stream.removed(MEDIUM) and not b.stream.removed("kvflow:fs.1")
     assert not announced(b) & p_hashes, "B announced blocks A wrote"
     assert not announced(run) & q_hashes, "A announced blocks B wrote"

@@ -4,7 +4,7 @@ stacked one below another (`stacked`)."""
 
 from .host import HostCache, TierCounters
 from .policy import LRU, POLICIES, S3FIFO
-from .stacked import StackedStore, stack_of, stacked
+from .stacked import StackedStore, stack_of, stacked, tiers_of
 from .tiered import HostTier, with_host_tier
 
 __all__ = [
@@ -17,5 +17,6 @@ __all__ = [
     "TierCounters",
     "stack_of",
     "stacked",
+    "tiers_of",
     "with_host_tier",
 ]

@@ -63,6 +63,12 @@ class HostCache:
         self._policy: Policy = POLICIES[self.policy_name](max(self.slots, 1))
         self._pins: dict[Hashable, int] = {}
         self._reserved: set[int] = set()
+        self.victims: list[Hashable] = []
+        """Chunks evicted since their owner last took them (`take_victims`)."""
+
+    def take_victims(self) -> list[Hashable]:
+        victims, self.victims = self.victims, []
+        return victims
 
     def __len__(self) -> int:
         return len(self._index)
@@ -98,6 +104,7 @@ class HostCache:
                 return None
             slot = self._index.pop(victim).slot
             self.counters.evicted += 1
+            self.victims.append(victim)
         self._reserved.add(slot)
         return slot
 

@@ -21,7 +21,10 @@ installed store transport); a stack of three is `upper` over the stack of the re
   upper tier's name.
 
 `stack_of` builds a stack from transport classes and options, giving the lowest tier
-the stack's context (vLLM's KV events follow its evictions) and each tier above a copy.
+the stack's context and each tier above a copy, so that kvflow's adapter can hook each
+tier's evictions to its own medium in vLLM's KV events (`tiers_of` lists the tiers). A
+save says which tiers hold its chunks (`SaveJob.stored_in`: the upper tier, and the
+lower one unless its save failed).
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ from ..transport import (
     one_error,
 )
 
-__all__ = ["StackedStore", "stack_of", "stacked"]
+__all__ = ["StackedStore", "stack_of", "stacked", "tiers_of"]
 
 log = logging.getLogger("kvflow.tiers")
 
@@ -71,9 +74,8 @@ def stacked(tiers: Sequence[Transport]) -> Transport:
 
 def stack_of(parts: Sequence[tuple[type[Transport], Any]], context: TransportContext) -> Transport:
     """Each (transport class, options) of `parts`, top first, stacked. Each tier but the
-    lowest gets a copy of `context`; the lowest gets `context`, the stack's own, so what
-    kvflow's adapter sets on it reaches that tier only: a chunk the top tier evicts is
-    still below, one the lowest evicts is gone (vLLM's KV events announce that one)."""
+    lowest gets a copy of `context`; the lowest gets `context`, the stack's own. A hook
+    set on a tier's context (`evicted`) reaches that tier only."""
     last = len(parts) - 1
     return stacked(
         [
@@ -81,6 +83,22 @@ def stack_of(parts: Sequence[tuple[type[Transport], Any]], context: TransportCon
             for i, (cls, opts) in enumerate(parts)
         ]
     )
+
+
+def tiers_of(transport: Transport) -> list[Transport]:
+    """The tiers holding what `transport` saves, top first: the host tier, then each
+    store of a stack (a store alone: itself; a replica rank's store: none, it saves
+    nothing)."""
+    from ..replicas import ReplicaStore
+    from .tiered import HostTier
+
+    if isinstance(transport, ReplicaStore):
+        return []
+    if isinstance(transport, HostTier):
+        return [transport, *tiers_of(transport.inner)]
+    if isinstance(transport, StackedStore):
+        return [*tiers_of(transport.upper), *tiers_of(transport.lower)]
+    return [transport]
 
 
 class StackedStore(Transport):
@@ -153,9 +171,13 @@ class StackedStore(Transport):
         def sub() -> SaveJob:  # the blocks are read until both saves end: no early release
             return SaveJob(job.req, job.keys, job.token_counts, job.num_layers, job.layer_spans)
 
-        upper, _ = await self._both(lambda t: t.save(sub()))  # a lower failure: logged
+        jobs = {id(self.upper): sub(), id(self.lower): sub()}
+        upper, lower = await self._both(lambda t: t.save(jobs[id(t)]))  # lower's: logged
         if isinstance(upper, TransportError):
             raise upper
+        job.stored_in = jobs[id(self.upper)].stored_in or [self.upper]
+        if not isinstance(lower, TransportError):
+            job.stored_in += jobs[id(self.lower)].stored_in or [self.lower]
 
     # -- load --------------------------------------------------------------------
     async def load(self, job: LoadJob) -> None:

@@ -16,6 +16,10 @@ and keeps a `HostCache` on each worker:
 - **lookup** asks the store. A chunk whose write-back failed stays in the cache but is a
   miss for the scheduler, as it is without the tier.
 
+A save says which tiers hold its chunks (`SaveJob.stored_in`: this one and the store's,
+or only the store's when it wrote through), and what the cache evicts goes to the
+`evicted` hook, for vLLM's KV events (`kvflow:cpu`).
+
 The scheduler's instance holds no cache (it only looks up).
 """
 
@@ -23,7 +27,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import trio
@@ -64,6 +68,9 @@ class HostTier(Transport):
         self.policy = policy
         self.cache: HostCache | None = None
         """The worker's cache (None on the scheduler, and until `register`)."""
+        self.evicted: Callable[[list[ChunkKey]], None] | None = None
+        """Set by kvflow's vLLM adapter when vLLM publishes KV events: called with the
+        chunks this tier evicted (as `TransportContext.evicted` is by a store)."""
 
     async def open(self) -> None:
         await self.inner.open()
@@ -98,6 +105,7 @@ class HostTier(Transport):
         cache = self.cache
         if cache is None or not cache.room(len(job.keys)):  # through, as without the tier
             await self.inner.save(job)
+            job.stored_in = job.stored_in or [self.inner]
             if cache is not None:
                 self.context.emit_tier_event(
                     TierWrite(
@@ -112,6 +120,7 @@ class HostTier(Transport):
             assert slot is not None  # `room` said so, and nothing ran in between
             taken.append(slot)
         evicted = cache.counters.evicted - evicted  # (no await since: this save's own)
+        self._report_evicted(cache)
         sizes = await self._copy_in(cache, job, taken)
         for key, slot, size in zip(job.keys, taken, sizes, strict=True):
             cache.commit(key, slot, size)
@@ -130,9 +139,14 @@ class HostTier(Transport):
                 self._spans_of(cache, job.keys),
             )  # fmt: skip
             await self.inner.save(from_cache)
+            job.stored_in = [self, *(from_cache.stored_in or [self.inner])]
         finally:
             for key in job.keys:
                 cache.unpin(key)
+
+    def _report_evicted(self, cache: HostCache) -> None:
+        if (victims := cache.take_victims()) and self.evicted is not None:
+            self.evicted([str(k) for k in victims])
 
     async def _copy_in(self, cache: HostCache, job: SaveJob, slots: list[int]) -> list[list[int]]:
         """Copy each layer's chunks into `slots` as it is given; each chunk's layer sizes.
@@ -187,6 +201,7 @@ class HostTier(Transport):
             if sum(sizes[c]) <= cache.slot_bytes and (slot := cache.reserve()) is not None:
                 promote[c] = slot
         evicted = cache.counters.evicted - evicted  # (no await since: this load's own)
+        self._report_evicted(cache)
         done = False
         try:
             await self._load_from_both(cache, job, (spans, sizes), held, missing, promote)

@@ -2,13 +2,15 @@
 
 A router that places requests where their prefix is cached (llm-d, NVIDIA Dynamo)
 reads vLLM's `BlockStored` / `BlockRemoved` events. kvflow adds its own, with the
-engine's own block hashes and `medium="kvflow:<transport>"`, so a router can tell a
-block kvflow's store holds from one in vLLM's cache:
+engine's own block hashes and a medium per tier (`media`: `kvflow:cpu` for the host
+tier, `kvflow:<transport>` for each store), so a router can tell a block kvflow holds,
+and where, from one in vLLM's cache:
 
-- `BlockStored` once every worker (tensor x pipeline parallel rank) stored a block's
-  chunk; a chunk kvflow stores is one vLLM block (a partial last block has no vLLM
-  hash and no event);
-- `BlockRemoved` when the store deleted one of those chunks to make room.
+- `BlockStored` in a tier's medium once every saving worker (tensor x pipeline parallel
+  rank; replicas of a head save nothing) stored a block's chunk there; a chunk kvflow
+  stores is one vLLM block (a partial last block has no vLLM hash and no event);
+- `BlockRemoved` in a tier's medium when that tier deleted one of those chunks to make
+  room.
 
 Events are built in the scheduler (vLLM publishes from there, and `MultiConnector`
 forwards only the scheduler's events): workers report what their saves stored, failed
@@ -28,13 +30,14 @@ from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
+from kvflow.config import KVFlowConfig
 from kvflow.keys import ChunkKey
 from kvflow.worker import ChunkOutcomes
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
 
-__all__ = ["ChunkReport", "KVEventTracker", "KVFlowWorkerMeta", "events_enabled"]
+__all__ = ["ChunkReport", "KVEventTracker", "KVFlowWorkerMeta", "events_enabled", "media"]
 
 REMEMBERED = 1 << 18
 """Stored blocks remembered for their `BlockRemoved` (the oldest are forgotten first:
@@ -46,25 +49,51 @@ def events_enabled(vllm_config: Any) -> bool:
     return bool(kec is not None and kec.enable_kv_cache_events)
 
 
+def media(config: KVFlowConfig) -> list[str]:
+    """The `medium` of each tier kvflow saves to, top first, as its events name them:
+    `kvflow:cpu` for the host tier (`cpu_cache_gib`), `kvflow:<transport>` for each store
+    (`transport`, then `tiers`), `.<i>` after a name a store above has too (`i`: its
+    place among the stores, `transport` 0)."""
+    stores = [config.transport, *(t.transport for t in config.tiers)]
+    named = [f"kvflow:{n}" + (f".{i}" if n in stores[:i] else "") for i, n in enumerate(stores)]
+    return ["kvflow:cpu", *named] if config.cpu_cache_gib else named
+
+
 class ChunkReport(msgspec.Struct, array_like=True):
     """One KV cache group's chunk outcomes, merged over workers."""
 
-    saved: dict[str, list[int]] = {}
-    """Key -> the workers (shard ranks) that stored their shard of it."""
+    saved: dict[str, dict[str, list[int]]] = {}
+    """Medium -> key -> the workers (shard ranks) that stored their shard of it there."""
     unsaved: list[str] = []
-    evicted: list[str] = []
+    evicted: dict[str, list[str]] = {}
+    """Medium -> the keys a tier of it evicted."""
 
     @classmethod
-    def of(cls, outcomes: ChunkOutcomes | None, rank: int) -> ChunkReport:
+    def of(cls, outcomes: ChunkOutcomes | None, rank: int, tiers: dict[int, str]) -> ChunkReport:
+        """A worker's outcomes; `tiers`: the medium of each of its tiers (by `id`), whose
+        saves alone count (a replica rank's store is none: another rank saves for it)."""
         if outcomes is None:
             return cls()
-        return cls({k: [rank] for k in outcomes.saved}, outcomes.unsaved, outcomes.evicted)
+        saved: dict[str, dict[str, list[int]]] = {}
+        for keys, stored_in in outcomes.saved:
+            for tier in stored_in:
+                if (medium := tiers.get(id(tier))) is not None:
+                    saved.setdefault(medium, {}).update((k, [rank]) for k in keys)
+        evicted: dict[str, list[str]] = {}
+        for medium, keys in outcomes.evicted:
+            evicted.setdefault(medium, []).extend(keys)
+        return cls(saved, outcomes.unsaved, evicted)
 
     def merge(self, other: ChunkReport) -> ChunkReport:
-        saved = dict(self.saved)
-        for key, ranks in other.saved.items():
-            saved[key] = saved.get(key, []) + ranks
-        return ChunkReport(saved, self.unsaved + other.unsaved, self.evicted + other.evicted)
+        saved = {m: dict(by_key) for m, by_key in self.saved.items()}
+        for medium, by_key in other.saved.items():
+            mine = saved.setdefault(medium, {})
+            for key, ranks in by_key.items():
+                mine[key] = mine.get(key, []) + ranks
+        evicted = {m: list(keys) for m, keys in self.evicted.items()}
+        for medium, keys in other.evicted.items():
+            evicted.setdefault(medium, []).extend(keys)
+        return ChunkReport(saved, self.unsaved + other.unsaved, evicted)
 
     def is_empty(self) -> bool:
         return not (self.saved or self.unsaved or self.evicted)
@@ -96,18 +125,20 @@ def _meta_from_bytes(data: bytes) -> KVFlowWorkerMeta:
 
 class KVEventTracker:
     """One KV cache group's events, in the scheduler: what a planned save will store, the
-    workers' reports, the events ready for vLLM to publish."""
+    workers' reports, the events ready for vLLM to publish (one `BlockStored` per tier
+    that stored a block, with its medium; a `BlockRemoved` per tier that evicted it)."""
 
-    def __init__(self, *, medium: str, block_size: int, workers: int, group: int) -> None:
-        self.medium = medium
+    def __init__(self, *, media: list[str], block_size: int, workers: int, group: int) -> None:
+        self.media = media
         self.block_size = block_size
         self.workers = workers
+        """The workers a block's chunk has shards on (each stores its own)."""
         self.group = group
-        self._planned: dict[ChunkKey, tuple[BlockStored, set[int], set[str]]] = {}
-        """A chunk a save will store -> its event, the workers that stored it so far and
-        the requests whose saves store it."""
-        self._stored: OrderedDict[ChunkKey, int | bytes] = OrderedDict()
-        """Chunks announced as stored -> their block hash (for `BlockRemoved`)."""
+        self._planned: dict[ChunkKey, tuple[BlockStored, dict[str, set[int]], set[str]]] = {}
+        """A chunk a save will store -> its event, the workers that stored it so far in
+        each medium and the requests whose saves store it."""
+        self._stored: OrderedDict[tuple[str, ChunkKey], int | bytes] = OrderedDict()
+        """(medium, chunk) announced as stored -> its block hash (for `BlockRemoved`)."""
         self._events: list[KVCacheEvent] = []
 
     def planned(
@@ -141,35 +172,46 @@ class KVEventTracker:
                 token_ids=list(request.all_token_ids[start : start + self.block_size]),
                 block_size=self.block_size,
                 lora_id=lora.adapter_id if lora else None,
-                medium=self.medium,
+                medium=self.media[0],
                 lora_name=lora.name if lora else None,
                 group_idx=self.group,
             )
-            self._planned[key] = (event, set(), {req})
+            self._planned[key] = (event, {}, {req})
 
     def report(self, report: ChunkReport) -> None:
-        """What the workers' saves and stores did (one step's reports, merged)."""
+        """What the workers' saves and tiers did (one step's reports, merged)."""
         for key in report.unsaved:  # one shard missing: the chunk is not whole
             self._planned.pop(key, None)
-        for key, ranks in report.saved.items():
-            entry = self._planned.get(key)
-            if entry is None:
-                continue
-            event, done, _ = entry
-            done.update(ranks)
-            if len(done) < self.workers:
-                continue
+        for medium, by_key in report.saved.items():
+            for key, ranks in by_key.items():
+                self._stored_in(medium, key, ranks)
+        for medium, keys in report.evicted.items():
+            removed = [h for k in keys if (h := self._stored.pop((medium, k), None)) is not None]
+            if removed:
+                self._events.append(
+                    BlockRemoved(block_hashes=removed, medium=medium, group_idx=self.group)
+                )
+
+    def _stored_in(self, medium: str, key: ChunkKey, ranks: list[int]) -> None:
+        """Workers `ranks` stored their shard of a chunk in `medium`: once all have, its
+        `BlockStored` with that medium (once per medium)."""
+        entry = self._planned.get(key)
+        if entry is None:
+            return
+        event, done, _ = entry
+        by = done.setdefault(medium, set())
+        if len(by) >= self.workers:
+            return  # announced
+        by.update(ranks)
+        if len(by) < self.workers:
+            return
+        self._events.append(msgspec.structs.replace(event, medium=medium))
+        self._stored[(medium, key)] = event.block_hashes[0]
+        self._stored.move_to_end((medium, key))
+        if len(self._stored) > REMEMBERED:
+            self._stored.popitem(last=False)
+        if all(len(done.get(m, ())) >= self.workers for m in self.media):
             del self._planned[key]
-            self._events.append(event)
-            self._stored[key] = event.block_hashes[0]
-            self._stored.move_to_end(key)
-            if len(self._stored) > REMEMBERED:
-                self._stored.popitem(last=False)
-        removed = [h for key in report.evicted if (h := self._stored.pop(key, None)) is not None]
-        if removed:
-            self._events.append(
-                BlockRemoved(block_hashes=removed, medium=self.medium, group_idx=self.group)
-            )
 
     def forget(self, req: str) -> None:
         """`req`'s saves are over (its blocks went back to vLLM): what they did not

@@ -19,7 +19,7 @@ from kvflow.reblock import other_block_sizes
 from kvflow.scheduler import ScheduledRequest, SchedulerEngine
 
 from ..extract_hidden_states import HiddenStatesPlanner, extracts_hidden_states
-from ..kv_events import KVEventTracker, KVFlowWorkerMeta
+from ..kv_events import KVEventTracker, KVFlowWorkerMeta, media
 from .cache_spec import model_shape, request_salt, stores_token_major
 from .metadata import KVFlowHandshake, KVFlowMetadata
 
@@ -106,12 +106,12 @@ class KVFlowScheduler:
         self._trackers = (
             [
                 KVEventTracker(
-                    medium=f"kvflow:{self.config.transport}",
+                    media=media(self.config),
                     block_size=conn.block_size,
-                    workers=len(conn.shards),
+                    workers=len(transport.context.shards),  # the store's: replicas save none
                     group=g,
                 )
-                for g in self.groups
+                for g, transport in zip(self.groups, conn.transports, strict=True)
             ]
             if conn.events
             else []

@@ -5,6 +5,7 @@ states."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -17,6 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 from kvflow.config import ConfigError, KVFlowConfig
 from kvflow.cpu_pinning import pinned_neighbours
 from kvflow.hidden_states import hidden_context, hidden_layout
+from kvflow.tiers import HostTier, tiers_of
 from kvflow.transport import Transport, TransportError
 from kvflow.worker import WorkerEngine
 
@@ -27,7 +29,7 @@ from ..extract_hidden_states import (
     hidden_layer,
 )
 from ..groups import Pending
-from ..kv_events import ChunkReport, KVFlowWorkerMeta
+from ..kv_events import ChunkReport, KVFlowWorkerMeta, media
 from .cache_spec import check_spec, layer_specs, layout_from_tensors
 from .metadata import KVFlowHandshake, KVFlowMetadata
 
@@ -98,6 +100,8 @@ class KVFlowWorker:
         """A layer's engine and index in its group's layout (set at registration)."""
         self._rank = conn.rank
         """This worker's index in vLLM's shards (its KV events' reports say it)."""
+        self._media: list[dict[int, str]] = [{} for _ in self.workers]
+        """Per KV cache group, the medium of each tier (by `id`) for KV events."""
         if conn.events:
             self._report_evictions(conn.namespaces)
         self._sending = Pending()
@@ -116,19 +120,32 @@ class KVFlowWorker:
             )
 
     def _report_evictions(self, namespaces: list[str]) -> None:
-        """Hand what a transport's store evicted to the engine of its namespace (for
-        vLLM's KV events)."""
+        """Hand what each tier evicted to the engine of its namespace, named by the tier's
+        medium (for vLLM's KV events), and learn each tier's medium for its saves."""
         by_namespace = dict(zip(namespaces, self.workers, strict=True))
+        names = media(self.config)
+        tiers = [tiers_of(t) for t in self.transports]  # none on a replica rank
+        self._media = [{id(t): m for t, m in zip(ts, names, strict=False)} for ts in tiers]
 
-        def evicted(namespace: str, keys: list[str]) -> None:
-            if (worker := by_namespace.get(namespace)) is not None:
-                worker.chunks_evicted(keys)
+        def evicted(medium: str) -> Callable[[str, list[str]], None]:
+            def report(namespace: str, keys: list[str]) -> None:
+                if (worker := by_namespace.get(namespace)) is not None:
+                    worker.chunks_evicted(keys, medium)
 
-        for transport in self.transports:
-            transport.context.evicted = evicted
+            return report
+
+        for group_tiers, namespace in zip(tiers, namespaces, strict=True):
+            for tier, medium in zip(group_tiers, names, strict=False):
+                if isinstance(tier, HostTier):  # its own, for its namespace only
+                    tier.evicted = functools.partial(evicted(medium), namespace)
+                else:
+                    tier.context.evicted = evicted(medium)
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        reports = [ChunkReport.of(w.take_chunk_outcomes(), self._rank) for w in self.workers]
+        reports = [
+            ChunkReport.of(w.take_chunk_outcomes(), self._rank, tiers)
+            for w, tiers in zip(self.workers, self._media, strict=True)
+        ]
         if all(r.is_empty() for r in reports):
             return None
         return KVFlowWorkerMeta(reports)
