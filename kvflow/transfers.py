@@ -36,6 +36,7 @@ from .layout import KVLayout
 from .lending import Lending
 from .metadata import LoadSpec, OfferSpec, SaveSpec, WorkerPlan
 from .reblock import load_reblocked
+from .replicas import ReplicaStore
 from .reshape import load_reshaped
 from .runtime import Runtime, poll_until
 from .staging import HostStage, event_done
@@ -496,7 +497,7 @@ class Flows:  # ~295 lines: a step's loads, saves and offers and how they affect
         try:
             with scope, trio.move_on_after(self.config.save_timeout_s) as deadline:
                 async with self._limiter("save"):  # which also bounds pinned staging memory
-                    if self.staged:
+                    if self.staged and not isinstance(self.transport, ReplicaStore):
                         spans.stage = HostStage(layout, spec.block_ids, spec.token_counts)
                     await self.transport.save(job)
             error = ""

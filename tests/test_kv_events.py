@@ -21,6 +21,7 @@ import zmq
 from kvflow.config import KVFlowConfig, TierConfig
 from kvflow.keys import chunk_keys
 from kvflow.worker import ChunkOutcomes
+from kvflow_vllm import kv_events
 from kvflow_vllm.apiserver import free_port
 from kvflow_vllm.kv_events import ChunkReport, KVEventTracker, KVFlowWorkerMeta, media
 
@@ -118,12 +119,32 @@ def test_a_chunk_a_worker_failed_to_store_is_never_announced() -> None:
     assert [len(e.block_hashes) for e in tracker.take()] == [1]  # the first block only
 
 
-def test_a_request_whose_saves_are_over_is_forgotten() -> None:
+def test_a_report_after_the_blocks_went_back_still_counts_until_too_many_wait(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A host tier hands vLLM the blocks back before its write-back ends: the store's
+    report comes after `forget`. The oldest chunks past `RELEASED` are dropped."""
     tracker, _, keys = _tracker()
     tracker.report(_stored(keys, rank=0))
-    tracker.forget("r")  # its blocks went back to vLLM: rank 1's save never came
+    tracker.forget("r")
+    tracker.report(_stored(keys, rank=1))
+    assert len(tracker.take()) == 2
+    monkeypatch.setattr(kv_events, "RELEASED", 0)
+    tracker, _, keys = _tracker()
+    tracker.report(_stored(keys, rank=0))
+    tracker.forget("r")  # none may wait: rank 1's report finds nothing planned
     tracker.report(_stored(keys, rank=1))
     assert tracker.take() == []
+
+
+def test_a_chunk_evicted_before_every_worker_stored_it_is_never_announced_there() -> None:
+    """Rank 0's tier evicted a chunk before rank 1 stored it: it is not whole there."""
+    tracker, _, keys = _tracker(workers=2, media=TIER_MEDIA)
+    tracker.report(_stored(keys, rank=0, tiers=2))
+    tracker.report(ChunkReport.of(ChunkOutcomes(evicted=[(MEDIUM, keys[:1])]), 0, {}))
+    tracker.report(_stored(keys, rank=1, tiers=2))
+    events = tracker.take()
+    assert sorted(e.medium for e in events) == [MEDIUM, "kvflow:redis", "kvflow:redis"]
 
 
 def test_evictions_remove_announced_blocks_only() -> None:

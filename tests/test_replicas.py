@@ -4,6 +4,7 @@ engine over one KV head) is in tests/test_tp.py."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from kvflow.pd.topology import HeadRead, first_replica, plan_reads, readers
 from kvflow.replicas import ReplicaStore, as_replica, store_shards
 from kvflow.reshape import StoreShape, other_shapes
 from kvflow.testing.layouts import fill_blocks, make_layout
+from kvflow.tiers import stacked
 from kvflow.transport import LoadJob, SaveJob, TransportContext
 from kvflow_fs import FsOptions, FsTransport
 
@@ -28,6 +30,11 @@ def test_the_first_replica_of_each_head_holds_it_in_a_store() -> None:
     )
     assert store_shards(4, 2, 1, 1, 0) == ("tp1of2pp0", ["tp0of2pp0", "tp1of2pp0"])
     assert store_shards(0, 2, 1, 1, 0)[0] == "tp1of2pp0", "heads not known: each its own"
+    # decode context parallelism: ranks sharing a head hold other tokens of it
+    assert store_shards(1, 8, 1, 3, 0, context_parallel=8) == (
+        "tp3of8pp0",
+        [f"tp{r}of8pp0" for r in range(8)],
+    )
 
 
 def test_reads_from_a_store_take_the_first_replica_and_peers_spread() -> None:
@@ -86,4 +93,41 @@ async def test_a_replica_saves_nothing_and_loads_the_first_ranks_shard(tmp_path:
     await replica.load(LoadJob("r", keys, [4, 4], layout.num_layers, spans, seen.append))
     assert _bytes(layout, dst) == _bytes(ranks[0][1], [0, 1]) and seen == [0, 1]
     for t in (sched, *(s for s, _ in ranks)):
+        await t.aclose()
+
+
+@pytest.mark.trio
+async def test_a_replica_reads_a_stack_without_copying_into_its_upper_tier(
+    tmp_path: Path,
+) -> None:
+    """The first replica saved below only (e.g. another machine's store): a replica's
+    load reads it from there and writes nothing into the tier above (its shard is the
+    first replica's, whose own loads copy it up)."""
+    keys = ["c" * 32, "d" * 32]
+    own, shards = store_shards(1, 2, 1, 0, 0)
+    layout = _layout(seed=4)
+    ctx = TransportContext("e", "worker", "ns", own, shards, layout, tp_rank=0, tp_size=2)
+    lower = FsTransport(FsOptions(path=str(tmp_path / "lower")), ctx)
+    await lower.open()
+
+    async def spans(i: int) -> list[list[memoryview]]:
+        return layout.chunk_spans(i, [0, 1], [4, 4])
+
+    await lower.save(SaveJob("r", keys, [4, 4], layout.num_layers, spans))
+    own, shards = store_shards(1, 2, 1, 1, 0)
+    mine = _layout(seed=4)
+    ctx = TransportContext("e", "worker", "ns", own, shards, mine, tp_rank=1, tp_size=2)
+    fs = lambda d: FsTransport(FsOptions(path=str(tmp_path / d)), replace(ctx))  # noqa: E731
+    replica = as_replica(stacked([fs("upper"), fs("lower")]))
+    await replica.open()
+    await replica.register(mine)
+    seen: list[int] = []
+    dst = [4, 5]
+    await replica.load(
+        LoadJob("r", keys, [4, 4], mine.num_layers, lambda i: mine.chunk_spans(i, dst, [4, 4]),
+                seen.append)
+    )  # fmt: skip
+    assert _bytes(mine, dst) == _bytes(layout, [0, 1]) and seen == [0, 1]
+    assert not list((tmp_path / "upper").rglob("*.kv")), "the replica copied chunks up"
+    for t in (lower, replica):
         await t.aclose()

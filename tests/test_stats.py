@@ -168,3 +168,37 @@ def test_host_tier_reads_and_writes_reach_prometheus_by_tier_and_outcome() -> No
     assert get("vllm:kvflow_tier_bytes_total", {**cpu, "direction": "save"}) == 80
     disk = {"engine": "0", "tier": "disk", "direction": "load"}
     assert get("vllm:kvflow_tier_bytes_total", disk) is None
+
+
+def test_a_stacks_tiers_reach_prometheus_under_their_transports_names() -> None:
+    """A stack's loads are `TierRead`s of its top store (`fs` over `redis`): labelled with
+    the names the engine's configuration gives its stores, under `MultiConnector` too."""
+    from kvflow_vllm.connector import KVFlowConnector
+
+    kvflow = {"transport": "fs", "tiers": [{"transport": "redis", "options": {}}]}
+    child = {"kv_connector": "KVFlowConnector", "kv_connector_extra_config": kvflow}
+    for extra in (kvflow, {"connectors": [child]}):
+        registry = CollectorRegistry()
+
+        def bound(cls: type[Any], registry: CollectorRegistry = registry) -> type[Any]:
+            class Bound(cls):
+                def __init__(self, *a: Any, **k: Any) -> None:
+                    super().__init__(*a, registry=registry, **k)
+
+            return Bound
+
+        c = stats.StatsCollector()
+        c(TierRead(req="r", tier="fs", hits=3, misses=1, promoted=1, nbytes=3))
+        c(TierRead(req="r", tier="disk", hits=1, misses=0, promoted=0, nbytes=1))
+        types = {Gauge: bound(Gauge), Counter: bound(Counter), Histogram: bound(Histogram)}
+        config: Any = SimpleNamespace(
+            kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra)
+        )
+        prom = KVFlowConnector.build_prom_metrics(config, types, ["engine"], {0: ["0"]})
+        prom.observe(stats.merge(stats.empty(), c.take()), 0)
+        get = registry.get_sample_value
+        fs = {"engine": "0", "tier": "fs"}
+        assert get("vllm:kvflow_tier_chunks_total", {**fs, "outcome": "hit"}) == 3
+        assert get("vllm:kvflow_tier_chunks_total", {**fs, "outcome": "promoted"}) == 1
+        disk = {"engine": "0", "tier": "disk", "outcome": "hit"}
+        assert get("vllm:kvflow_tier_chunks_total", disk) is None

@@ -63,10 +63,13 @@ class HostCache:
         self._policy: Policy = POLICIES[self.policy_name](max(self.slots, 1))
         self._pins: dict[Hashable, int] = {}
         self._reserved: set[int] = set()
-        self.victims: list[Hashable] = []
-        """Chunks evicted since their owner last took them (`take_victims`)."""
+        self.victims: list[Hashable] | None = None
+        """Set to a list by an owner that wants them: chunks evicted since it last took
+        them (`take_victims`)."""
 
     def take_victims(self) -> list[Hashable]:
+        if not self.victims:
+            return []
         victims, self.victims = self.victims, []
         return victims
 
@@ -104,7 +107,8 @@ class HostCache:
                 return None
             slot = self._index.pop(victim).slot
             self.counters.evicted += 1
-            self.victims.append(victim)
+            if self.victims is not None:
+                self.victims.append(victim)
         self._reserved.add(slot)
         return slot
 

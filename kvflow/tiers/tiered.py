@@ -83,6 +83,7 @@ class HostTier(Transport):
         )
         # pinning gigabytes takes a while: not on the loop's thread
         self.cache = await trio.to_thread.run_sync(HostCache, self.nbytes, slot, self.policy)
+        self.cache.victims = []  # for `evicted`
         if not self.cache.slots:
             log.warning(
                 "kvflow host tier: %d bytes for this worker hold no chunk of %d bytes; "

@@ -40,8 +40,13 @@ if TYPE_CHECKING:
 __all__ = ["ChunkReport", "KVEventTracker", "KVFlowWorkerMeta", "events_enabled", "media"]
 
 REMEMBERED = 1 << 18
-"""Stored blocks remembered for their `BlockRemoved` (the oldest are forgotten first:
-~50 MB; a block forgotten and later evicted gets no `BlockRemoved`)."""
+"""Stored blocks remembered for their `BlockRemoved`, per medium (the oldest are
+forgotten first: ~50 MB each; a block forgotten and later evicted gets no
+`BlockRemoved`)."""
+RELEASED = 1 << 16
+"""Planned chunks kept after their requests' blocks went back to vLLM, for reports that
+come later (a host tier hands blocks back before its write-back ends); the oldest are
+dropped first, unannounced."""
 
 
 def events_enabled(vllm_config: Any) -> bool:
@@ -134,9 +139,14 @@ class KVEventTracker:
         self.workers = workers
         """The workers a block's chunk has shards on (each stores its own)."""
         self.group = group
-        self._planned: dict[ChunkKey, tuple[BlockStored, dict[str, set[int]], set[str]]] = {}
+        self._planned: dict[ChunkKey, tuple[BlockStored, dict[str, set[int] | None], set[str]]]
+        self._planned = {}
         """A chunk a save will store -> its event, the workers that stored it so far in
-        each medium and the requests whose saves store it."""
+        each medium (None: never to be announced there, it was evicted first) and the
+        requests whose saves store it."""
+        self._by_req: dict[str, list[ChunkKey]] = {}
+        self._released: OrderedDict[ChunkKey, None] = OrderedDict()
+        """Planned chunks whose requests all ended, awaiting late reports (`RELEASED`)."""
         self._stored: OrderedDict[tuple[str, ChunkKey], int | bytes] = OrderedDict()
         """(medium, chunk) announced as stored -> its block hash (for `BlockRemoved`)."""
         self._events: list[KVCacheEvent] = []
@@ -161,8 +171,10 @@ class KVEventTracker:
             i = index.get(key)
             if i is None or count < self.block_size or (i + 1) * scale > len(hashes):
                 continue  # a partial block: vLLM does not hash it
+            self._by_req.setdefault(req, []).append(key)
             if (entry := self._planned.get(key)) is not None:
                 entry[2].add(req)  # another request's save of the same chunk
+                self._released.pop(key, None)
                 continue
             parent = None if i == 0 else maybe_convert_block_hash(hashes[i * scale - 1])
             start = i * self.block_size
@@ -181,12 +193,18 @@ class KVEventTracker:
     def report(self, report: ChunkReport) -> None:
         """What the workers' saves and tiers did (one step's reports, merged)."""
         for key in report.unsaved:  # one shard missing: the chunk is not whole
-            self._planned.pop(key, None)
+            self._drop(key)
         for medium, by_key in report.saved.items():
             for key, ranks in by_key.items():
                 self._stored_in(medium, key, ranks)
         for medium, keys in report.evicted.items():
-            removed = [h for k in keys if (h := self._stored.pop((medium, k), None)) is not None]
+            removed = []
+            for key in keys:
+                if (h := self._stored.pop((medium, key), None)) is not None:
+                    removed.append(h)
+                elif (entry := self._planned.get(key)) is not None:
+                    entry[1][medium] = None  # gone from it before it was whole there
+                    self._settle(key)
             if removed:
                 self._events.append(
                     BlockRemoved(block_hashes=removed, medium=medium, group_idx=self.group)
@@ -200,27 +218,40 @@ class KVEventTracker:
             return
         event, done, _ = entry
         by = done.setdefault(medium, set())
-        if len(by) >= self.workers:
-            return  # announced
+        if by is None or len(by) >= self.workers:
+            return  # evicted from it first, or announced
         by.update(ranks)
         if len(by) < self.workers:
             return
         self._events.append(msgspec.structs.replace(event, medium=medium))
         self._stored[(medium, key)] = event.block_hashes[0]
         self._stored.move_to_end((medium, key))
-        if len(self._stored) > REMEMBERED:
+        if len(self._stored) > REMEMBERED * len(self.media):
             self._stored.popitem(last=False)
-        if all(len(done.get(m, ())) >= self.workers for m in self.media):
-            del self._planned[key]
+        self._settle(key)
+
+    def _settle(self, key: ChunkKey) -> None:
+        """Forget a planned chunk once every medium announced it or never will."""
+        done = self._planned[key][1]
+        if all((by := done.get(m, ())) is None or len(by) >= self.workers for m in self.media):
+            self._drop(key)
+
+    def _drop(self, key: ChunkKey) -> None:
+        self._planned.pop(key, None)
+        self._released.pop(key, None)
 
     def forget(self, req: str) -> None:
-        """`req`'s saves are over (its blocks went back to vLLM): what they did not
-        store is not coming."""
-        for key in [k for k, (_, _, reqs) in self._planned.items() if req in reqs]:
-            reqs = self._planned[key][2]
-            reqs.discard(req)
-            if not reqs:
-                del self._planned[key]
+        """`req`'s blocks went back to vLLM. Its planned chunks stay for late reports
+        (a host tier's write-back ends after that), the oldest `RELEASED` of them."""
+        for key in self._by_req.pop(req, ()):
+            if (entry := self._planned.get(key)) is None:
+                continue
+            entry[2].discard(req)
+            if not entry[2]:
+                self._released[key] = None
+        while len(self._released) > RELEASED:
+            key, _ = self._released.popitem(last=False)
+            self._planned.pop(key, None)
 
     def take(self) -> list[KVCacheEvent]:
         events, self._events = self._events, []

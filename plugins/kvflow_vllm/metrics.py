@@ -59,8 +59,21 @@ COUNTED = {
 }
 
 
-TIERS = ("cpu",)
-"""kvflow's tiers (`kvflow.tiers`): the only label values a worker's report may add."""
+def tier_labels(vllm_config: Any) -> set[str]:
+    """The `tier` label values this engine's reports may add: `cpu` (the host tier) and the
+    transport of each store it stacks (`transport`, `tiers`; under `MultiConnector`,
+    kvflow's child's); nothing else a report names becomes a label."""
+    ktc = getattr(vllm_config, "kv_transfer_config", None)
+    extra = dict(getattr(ktc, "kv_connector_extra_config", None) or {})
+    for child in extra.get("connectors") or []:
+        if isinstance(child, dict) and child.get("kv_connector") == "KVFlowConnector":
+            extra = dict(child.get("kv_connector_extra_config") or {})
+    tiers = extra.get("tiers")
+    below = [t.get("transport") for t in tiers if isinstance(t, dict)] if tiers else []
+    names = [extra.get("transport", "fs"), *below]
+    return {"cpu", *(n for n in names if isinstance(n, str))}
+
+
 TIER_OUTCOMES = (
     ("hit", "hits"),
     ("miss", "misses"),
@@ -91,6 +104,7 @@ class KVFlowPromMetrics(KVConnectorPromMetrics):
         per_engine_labelvalues: dict[int, list[object]],
     ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self.tiers = tier_labels(vllm_config)
         labels = [*labelnames, "direction"]
         histogram: Any = self._histogram_cls  # prometheus_client classes (or vLLM's wrappers)
         counter: Any = self._counter_cls
@@ -180,7 +194,7 @@ class KVFlowPromMetrics(KVConnectorPromMetrics):
             if isinstance(task, str) and len(task) <= 64:  # kvflow's own task names
                 self.restarts.labels(*values, task).inc(value)
         for tier, counts in transfer_stats_data.get("tiers", {}).items():
-            if tier not in TIERS:
+            if tier not in self.tiers:
                 continue
             for outcome, key in TIER_OUTCOMES:
                 if value := counts.get(key, 0):

@@ -145,11 +145,14 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
         ]
         caps = self.transport_cls.capabilities
         store = caps.store and not caps.peer
+        cp = getattr(pc, "decode_context_parallel_size", 1) * getattr(
+            pc, "prefill_context_parallel_size", 1
+        )
         self.transports: list[Transport] = []  # per KV cache group, as namespaces, scopes
         for namespace, kv_heads in zip(self.namespaces, heads, strict=True):
             own, shards = shard, self.shards
             if store:  # replicated heads are stored once (`kvflow.replicas`)
-                own, shards = store_shards(kv_heads, tp, pp, self.tp_rank, pp_rank)
+                own, shards = store_shards(kv_heads, tp, pp, self.tp_rank, pp_rank, cp)
             ctx = TransportContext(
                 engine_id=self.engine_id,
                 role=side.role,

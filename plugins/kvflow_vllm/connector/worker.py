@@ -124,8 +124,11 @@ class KVFlowWorker:
         medium (for vLLM's KV events), and learn each tier's medium for its saves."""
         by_namespace = dict(zip(namespaces, self.workers, strict=True))
         names = media(self.config)
-        tiers = [tiers_of(t) for t in self.transports]  # none on a replica rank
-        self._media = [{id(t): m for t, m in zip(ts, names, strict=False)} for ts in tiers]
+        tiers = [  # (tier, medium) of each group's transport; none on a replica rank
+            list(zip(ts, names, strict=True)) if (ts := tiers_of(t)) else []
+            for t in self.transports
+        ]
+        self._media = [{id(t): m for t, m in group} for group in tiers]
 
         def evicted(medium: str) -> Callable[[str, list[str]], None]:
             def report(namespace: str, keys: list[str]) -> None:
@@ -134,8 +137,8 @@ class KVFlowWorker:
 
             return report
 
-        for group_tiers, namespace in zip(tiers, namespaces, strict=True):
-            for tier, medium in zip(group_tiers, names, strict=False):
+        for group, namespace in zip(tiers, namespaces, strict=True):
+            for tier, medium in group:
                 if isinstance(tier, HostTier):  # its own, for its namespace only
                     tier.evicted = functools.partial(evicted(medium), namespace)
                 else:
