@@ -14,6 +14,8 @@ from __future__ import annotations
 import http.client
 import json
 import random
+import re
+import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -127,3 +129,43 @@ def test_clients_that_leave_mid_stream_leave_no_block_behind(
     m = wait_idle(server)
     assert m.get("vllm:num_requests_running", 0) == 0
     assert m.get("vllm:kv_cache_usage_perc") == 0, "blocks still held when idle"
+
+
+DASHBOARD = (
+    Path(__file__).resolve().parent.parent / "examples" / "grafana" / "kvflow-dashboard.json"
+)
+SUFFIX = {"_bucket": "histogram", "_sum": "histogram", "_count": "histogram", "_total": "counter"}
+
+
+def test_every_metric_the_grafana_dashboard_queries_is_on_the_servers_metrics(
+    restarted: tuple[ApiServer, list[Any]],
+) -> None:
+    """examples/grafana/kvflow-dashboard.json, as imported: every panel reads the chosen
+    Prometheus data source, and every series its queries name is one this server's
+    /metrics declares, of the kind the name's suffix says (`_total` a counter,
+    `_bucket` a histogram, none a gauge)."""
+    server, _ = restarted
+    with urllib.request.urlopen(server.url + "/metrics", timeout=30) as r:
+        declared = dict(
+            line.split()[2:4]
+            for line in r.read().decode().splitlines()
+            if line.startswith("# TYPE")
+        )
+    board = json.loads(DASHBOARD.read_text())
+    panels = [p for p in board["panels"] if p["type"] != "row"]
+    assert len({p["id"] for p in board["panels"]}) == len(board["panels"])
+    assert all(p["datasource"]["uid"] == "${datasource}" for p in panels)
+    queried = {
+        name
+        for p in panels
+        for t in p["targets"]
+        for name in re.findall(r"vllm:[A-Za-z0-9_:]+", t["expr"])
+    }
+    queried.add(board["templating"]["list"][1]["definition"].split("(")[1].split(",")[0])
+    assert {n for n in queried if n.startswith("vllm:kvflow_")}, "no kvflow metric queried"
+    for name in sorted(queried):
+        kind = next((k for s, k in SUFFIX.items() if name.endswith(s)), "gauge")
+        base = name.rsplit("_", 1)[0] if kind == "histogram" else name
+        # (a counter's TYPE line names it with `_total`, or without in multiprocess mode)
+        got = declared.get(base) or declared.get(name.removesuffix("_total"))
+        assert got == kind, f"{name}: /metrics declares it as {got}, the query a {kind}"
