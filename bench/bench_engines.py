@@ -109,6 +109,8 @@ def engine_configs(tmp: Path) -> dict[str, dict[str, Any]]:
     layer = {"options": {"path": str(tmp / "kvflow-layer"), "max_gb": 0}}
     cpus = {"options": {"path": str(tmp / "kvflow-cpus"), "max_gb": 0}, "worker_cpus": "1"}
     tier = {"options": {"path": str(tmp / "kvflow-tier"), "max_gb": 0}, "cpu_cache_gib": 2}
+    tier_cpus = {**tier, "options": {"path": str(tmp / "kvflow-tier-cpus"), "max_gb": 0}}
+    tier_cpus["worker_cpus"] = "1"
     return {
         "no connector": {"kv_transfer_config": None},
         "no-op connector": {
@@ -122,6 +124,7 @@ def engine_configs(tmp: Path) -> dict[str, dict[str, Any]]:
         "kvflow": {"kv_transfer_config": kv("KVFlowConnector", kvflow)},
         "kvflow worker_cpus=1": {"kv_transfer_config": kv("KVFlowConnector", cpus)},
         "kvflow cpu tier": {"kv_transfer_config": kv("KVFlowConnector", tier)},
+        "kvflow cpu tier worker_cpus=1": {"kv_transfer_config": kv("KVFlowConnector", tier_cpus)},
         "kvflow layer": {
             "kv_transfer_config": kv("KVFlowConnector", layer),
             "enable_prefix_caching": False,
@@ -136,15 +139,19 @@ MISS_ENGINES = (
     "kvflow",
     "kvflow worker_cpus=1",
     "kvflow cpu tier",
+    "kvflow cpu tier worker_cpus=1",
 )
 HIT_ENGINES = ("no connector", "ExampleConnector", "kvflow", "kvflow layer", "kvflow cpu tier")
 
 
-def start_engines(tmp: Path, model: str) -> dict[str, Any]:
+def start_engines(tmp: Path, model: str, names: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The engines of `engine_configs` (only those of `names`, if given), started."""
     from kvflow_vllm.engine_process import generate, make_llm
 
     llms = {}
     for name, cfg in engine_configs(tmp).items():
+        if names and name not in names:
+            continue
         print(f"  starting {name} ...", flush=True)
         cfg = {"enable_prefix_caching": True} | cfg
         llms[name] = make_llm(
@@ -169,6 +176,7 @@ def wait_saved(tmp: Path, engine: str, prompts: list[list[int]]) -> None:
     if not engine.startswith("kvflow"):
         return  # ExampleConnector saves inside the step; no connector saves nothing
     stores = {"kvflow": "kvflow", "kvflow layer": "kvflow-layer", "kvflow cpu tier": "kvflow-tier"}
+    stores["kvflow cpu tier worker_cpus=1"] = "kvflow-tier-cpus"
     store = tmp / stores.get(engine, "kvflow-cpus")
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -200,6 +208,9 @@ def median(xs: list[float]) -> float:
 class Bench:
     def __init__(self, llms: dict[str, Any], tmp: Path, sizes: dict[str, Any], repeats: int):
         self.llms, self.tmp, self.sizes, self.repeats = llms, tmp, sizes, repeats
+        self.miss_engines = tuple(e for e in MISS_ENGINES if e in llms)
+        self.samples: dict[str, dict[str, list[float]]] = {}
+        """Every miss-path sample (tokens per second), by engine and phase."""
         self.rng = random.Random(0)
         self.mismatches: list[str] = []
 
@@ -223,11 +234,12 @@ class Bench:
     def miss(self) -> dict[str, dict[str, float]]:
         n, plen = self.sizes["miss_prefill"]
         dn, dlen, dout = self.sizes["miss_decode"]
-        rates: dict[str, dict[str, list[float]]] = {e: {} for e in MISS_ENGINES}
+        rates: dict[str, dict[str, list[float]]] = {e: {} for e in self.miss_engines}
+        self.samples = rates
         for r in range(self.repeats):
             prefill = [self.prompt(plen) for _ in range(n)]
             decode = [self.prompt(dlen) for _ in range(dn)]
-            for e in self.order(MISS_ENGINES, r):
+            for e in self.order(self.miss_engines, r):
                 out = self.run(e, prefill, 1)
                 rates[e].setdefault("prefill", []).append(n * plen / out[0].seconds)
                 wait_saved(self.tmp, e, [])
@@ -310,7 +322,16 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="small workloads, 2 repeats")
     ap.add_argument("--skip-hits", action="store_true")
     ap.add_argument("--skip-miss", action="store_true")
+    ap.add_argument(
+        "--engines", default="", help="comma-separated: start and time only these engines"
+    )
+    ap.add_argument("--out", default="", help="results file (default results/engines.json)")
     args = ap.parse_args()
+    names = tuple(n.strip() for n in args.engines.split(",") if n.strip())
+    if names and not args.skip_hits:
+        ap.error("--engines times the miss path only: add --skip-hits")
+    if unknown := [n for n in names if n not in MISS_ENGINES + HIT_ENGINES]:
+        ap.error(f"--engines: unknown {unknown}; valid: {sorted(set(MISS_ENGINES + HIT_ENGINES))}")
     repeats = 2 if args.quick else args.repeats
     sizes = SIZES["quick" if args.quick else "full"]
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0"
@@ -319,12 +340,12 @@ def main() -> int:
     from kvflow_vllm.engine_process import model_dir
 
     tmp = Path(tempfile.mkdtemp(prefix="kvflow-bench-engines-"))
-    out = Path(__file__).parent / "results" / "engines.json"
+    out = Path(args.out) if args.out else Path(__file__).parent / "results" / "engines.json"
     # sections not run this time keep their last results, each with how it was measured
     results: dict[str, Any] = json.loads(out.read_text()) if out.exists() else {}
     t0 = time.perf_counter()
     try:
-        llms = start_engines(tmp, model_dir("bench-llama"))
+        llms = start_engines(tmp, model_dir("bench-llama"), names)
         bench = Bench(llms, tmp, sizes, repeats)
         steps: list[tuple[str, Callable[[], Any]]] = []
         if not args.skip_miss:
@@ -340,6 +361,7 @@ def main() -> int:
                 "sizes": sizes,
                 "token_mismatches": bench.mismatches,
                 "wall_s": time.perf_counter() - t0,
+                "samples": bench.samples if name == "miss" else {},
             }
             out.write_text(json.dumps(results, indent=2))  # what is measured is kept
         for llm in llms.values():
