@@ -13,6 +13,7 @@ ranks of an engine each hold their own slice, none another's).
 from __future__ import annotations
 
 import logging
+import mmap
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
@@ -153,8 +154,9 @@ class HostCache:
 def _allocate(nbytes: int) -> tuple[memoryview, int]:
     """The cache's region, and its address if it was pinned (`cudaHostRegister`, where
     CUDA is present: copies to and from a GPU then need no staging of their own); else
-    plain pages, touched on first use."""
+    plain pages. Every page is touched here, so saves do not fault them in."""
     buf = np.empty(nbytes, np.uint8)
+    buf[:: mmap.PAGESIZE] = 0  # every page now, not under the first saves
     pinned = 0
     try:
         import torch

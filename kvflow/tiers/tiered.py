@@ -30,6 +30,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import trio
 
 from ..events import TierRead, TierWrite
@@ -157,14 +158,17 @@ class HostTier(Transport):
         try:
             for layer in range(job.num_layers):
                 chunks = await job.layer(layer)
+                places = []
                 for c, runs in enumerate(chunks):
                     at = sum(sizes[c])
                     n = sum(len(r) for r in runs)
                     if at + n > cache.slot_bytes:
                         raise TransportError(f"chunk {c} exceeds a host tier slot", chunk=c)
-                    _to_slot(cache.view(slots[c]), at, runs)
+                    places.append((cache.view(slots[c]), at, runs))
                     sizes[c].append(n)
-                await trio.lowlevel.checkpoint()
+                # off the loop's thread, numpy copying without the GIL: vLLM's thread, in
+                # this process, runs on meanwhile (a cancelled save waits for the copy)
+                await trio.to_thread.run_sync(_to_slots, places)
             done = True
         finally:
             if not done:
@@ -284,6 +288,16 @@ class HostTier(Transport):
 def _offsets(sizes: Sequence[int]) -> list[int]:
     """Where each of `sizes` starts when laid end to end."""
     return list(itertools.accumulate(sizes[:-1], initial=0))
+
+
+def _to_slots(places: list[tuple[memoryview, int, list[memoryview]]]) -> None:
+    """`_to_slot` for each (slot view, from byte, runs), by numpy (which copies without
+    holding the GIL)."""
+    for view, at, runs in places:
+        dst = np.frombuffer(view, np.uint8)
+        for r in runs:
+            np.copyto(dst[at : at + len(r)], np.frombuffer(r, np.uint8))
+            at += len(r)
 
 
 def _to_slot(view: memoryview, at: int, runs: list[memoryview]) -> None:
