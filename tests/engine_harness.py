@@ -257,6 +257,22 @@ def engine_starter(make_runtime: MakeRuntime, store: Path) -> Callable[..., Engi
     return start
 
 
+def kill_loop(rt: Runtime, then: Callable[[], None] = lambda: None) -> None:
+    """kvflow's loop dies: a BaseException escapes it, as no task's error does. `then`
+    runs once it is on its way (e.g. letting a blocked thread go, which trio waits
+    for); returns once the loop's thread ended."""
+    loop = rt._loop
+    assert loop is not None and loop.thread is not None
+
+    def die() -> None:
+        raise KeyboardInterrupt
+
+    rt.submit(die)
+    then()
+    loop.thread.join(WAIT)
+    assert not loop.thread.is_alive() and not rt.running, "kvflow's loop did not die"
+
+
 @contextmanager
 def loop_held(rt: Runtime) -> Iterator[None]:
     """Park the loop thread in a callback, so work handed in meanwhile cannot start yet."""

@@ -57,10 +57,10 @@ from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
 
-from kvflow.runtime import Runtime
 from kvflow_vllm.connector import KVFlowConnector, KVFlowHandshake
 from kvflow_vllm.connector.cache_spec import layer_specs
 
+from .engine_harness import kill_loop
 from .vllm_harness import (
     BLOCK_SIZE,
     LAYERS,
@@ -168,16 +168,7 @@ class Worker:
     def kill_loop(self) -> None:
         """kvflow's worker loop dies: a BaseException escapes it, as no task's error
         does (test_engine_failures.py's dead-loop tests kill it so)."""
-        rt: Runtime = self.conn.runtime
-        loop = rt._loop
-        assert loop is not None and loop.thread is not None
-
-        def die() -> None:
-            raise KeyboardInterrupt
-
-        rt.submit(die)
-        loop.thread.join(WAIT)
-        assert not loop.thread.is_alive() and not rt.running, "kvflow's loop did not die"
+        kill_loop(self.conn.runtime)
 
 
 def step_until_idle(h: Harness, worker: Worker, *, drain: bool = False) -> None:

@@ -38,6 +38,7 @@ from .engine_harness import (
     StuckReadFs,
     TransportFactory,
     block_bytes,
+    kill_loop,
     lookup,
     prefill_cold,
     run_step,
@@ -245,15 +246,7 @@ def test_a_dead_loop_hands_every_lent_block_back_and_fails_its_loads(
     run_step(e, e.sched.plan([]))
     assert not e.worker.take_results().finished_sending, "held while its save runs"
 
-    def die() -> None:
-        raise KeyboardInterrupt  # escapes the loop, as no task error does
-
-    loop = rt._loop
-    assert loop is not None and loop.thread is not None
-    rt.submit(die)
-    gated.release.set()  # trio ends the save task (it waits for its thread) and stops
-    loop.thread.join(WAIT)
-    assert not rt.running
+    kill_loop(rt, gated.release.set)  # trio ends the save (it waits for its thread)
 
     keys = e.keys(PROMPT)
     after = WorkerPlan(
@@ -280,15 +273,7 @@ def test_a_dead_scheduler_loop_makes_lookups_misses_not_a_wait(
 ) -> None:
     """vLLM asks again while a lookup is pending: were the loop gone, forever."""
     e = start_engine("dead-sched")
-    rt = e.sched.runtime
-    loop = rt._loop
-    assert loop is not None and loop.thread is not None
-
-    def die() -> None:
-        raise KeyboardInterrupt
-
-    rt.submit(die)
-    loop.thread.join(WAIT)
+    kill_loop(e.sched.runtime)
     e.sched.add_request("r", PROMPT)  # its lookup is dropped: no loop runs it
     assert e.sched.lookup("r", 0) == 0
 
