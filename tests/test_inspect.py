@@ -42,6 +42,8 @@ from kvflow.events import (
     RequestFinished,
     SaveStarted,
     TaskFailed,
+    TierRead,
+    TierWrite,
     TransferDone,
     TransferFailed,
 )
@@ -206,6 +208,26 @@ def test_render_shows_engines_transfers_and_errors() -> None:
     assert "save" in row and "3.0 MiB" in row and "done" in row and "1.57" in row  # GB/s
     assert "ChunkCorrupt: crc" in text and "last errors" in text
     assert human_bytes(0) == "0 B" and human_bytes(1536) == "1.5 KiB"
+
+
+def test_tier_reads_and_writes_are_totals_per_engine_and_tier() -> None:
+    """The host tier's and a stack's `TierRead` / `TierWrite` events: a "tiers" table."""
+    st = InspectState()
+    write = TierWrite(req="s", tier="cpu", stored=7, through=1, evicted=2, nbytes=7 << 20)
+    st.feed(at(A, write), 1)
+    st.feed(at(A, TierRead(req="l", tier="cpu", hits=5, misses=2, promoted=2, nbytes=5 << 20)), 2)
+    st.feed(at(A, TierRead(req="l", tier="fs", hits=1, misses=1, promoted=1, nbytes=0)), 2)
+    cpu = st.engines(3.0)[0].tiers["cpu"]
+    assert (cpu.hits, cpu.misses, cpu.promoted, cpu.stored, cpu.through, cpu.evicted) == (
+        5, 2, 2, 7, 1, 2,
+    )  # fmt: skip
+    console = Console(file=io.StringIO(), width=200, record=True)
+    console.print(render(st, 3.0))
+    text = console.export_text()
+    row = next(line for line in text.splitlines() if " cpu " in line)
+    cells = [c.strip() for c in row.split("│") if c.strip()]
+    assert cells[2:] == ["5", "2", "2", "7", "1", "2", "5.0 MiB", "7.0 MiB"], row
+    assert "tiers" in text and any(" fs " in line for line in text.splitlines())
 
 
 # -- --json against a real runtime --------------------------------------------

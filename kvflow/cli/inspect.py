@@ -133,7 +133,10 @@ def render(state: InspectState, now: float, *, where: str = "", max_rows: int = 
         f"  {live} engine(s) live  {state.events} events  ",
         (where, "dim"),
     )
-    parts: list[Any] = [head, _engines_table(engines), _transfers_table(state, now, max_rows)]
+    parts: list[Any] = [head, _engines_table(engines)]
+    if any(e.tiers for e in engines):
+        parts.append(_tiers_table(engines))
+    parts.append(_transfers_table(state, now, max_rows))
     errors = state.errors(now)
     if errors:
         xt = Table(title="last errors", title_justify="left")
@@ -191,6 +194,27 @@ def _engines_table(engines: list[EngineTotals]) -> Table:
             style="dim" if e.gone_at is not None else "",
         )
     return et
+
+
+_TIER_COLUMNS = (
+    "engine", "tier", "hits", "misses", "promoted", "stored", "through", "evicted", "read",
+    "written",
+)  # fmt: skip
+
+
+def _tiers_table(engines: list[EngineTotals]) -> Table:
+    """Each engine's tiers: the host tier (`cpu`) and a stack's top store."""
+    tt = Table(title="tiers", title_justify="left", expand=False)
+    for col in _TIER_COLUMNS:
+        tt.add_column(col, justify="left" if col in ("engine", "tier") else "right")
+    for e in engines:
+        for name, t in sorted(e.tiers.items()):
+            counts = (t.hits, t.misses, t.promoted, t.stored, t.through, t.evicted)
+            tt.add_row(
+                _short(e.engine), name, *map(str, counts),
+                human_bytes(t.bytes_read), human_bytes(t.bytes_written),
+            )  # fmt: skip
+    return tt
 
 
 def _transfers_table(state: InspectState, now: float, max_rows: int) -> Table:

@@ -18,11 +18,21 @@ from ..events import (
     RequestFinished,
     SaveStarted,
     TaskFailed,
+    TierRead,
+    TierWrite,
     TransferDone,
     TransferFailed,
 )
 
-__all__ = ["EVENT_KINDS", "EngineTotals", "ErrorRow", "EventFilter", "InspectState", "Transfer"]
+__all__ = [
+    "EVENT_KINDS",
+    "EngineTotals",
+    "ErrorRow",
+    "EventFilter",
+    "InspectState",
+    "TierTotals",
+    "Transfer",
+]
 
 EVENT_KINDS: tuple[str, ...] = tuple(t.__name__ for t in typing.get_args(Event))
 
@@ -88,6 +98,20 @@ class Transfer:
 
 
 @dataclass
+class TierTotals:
+    """One tier's chunks and bytes (`TierRead` / `TierWrite` events, `kvflow.tiers`)."""
+
+    hits: int = 0
+    misses: int = 0
+    promoted: int = 0
+    stored: int = 0
+    through: int = 0
+    evicted: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+
+
+@dataclass
 class EngineTotals:
     engine: str
     runtimes: set[tuple[str, int]] = field(default_factory=set)
@@ -112,6 +136,8 @@ class EngineTotals:
     """Blocks vLLM lent to kvflow, by request, not released yet."""
     dropped_by: dict[str, int] = field(default_factory=dict)
     """Events this reader missed, per publisher endpoint."""
+    tiers: dict[str, TierTotals] = field(default_factory=dict)
+    """By tier name (`cpu`, a stack's top store)."""
 
     @property
     def dropped(self) -> int:
@@ -128,6 +154,19 @@ class ErrorRow:
 
 
 _Key = tuple[str, int, str, str]
+
+
+def _tier(t: TierTotals, ev: TierRead | TierWrite) -> None:
+    t.evicted += ev.evicted
+    if isinstance(ev, TierRead):
+        t.hits += ev.hits
+        t.misses += ev.misses
+        t.promoted += ev.promoted
+        t.bytes_read += ev.nbytes
+    else:
+        t.stored += ev.stored
+        t.through += ev.through
+        t.bytes_written += ev.nbytes
 
 
 class InspectState:
@@ -197,6 +236,8 @@ class InspectState:
                 tot.lent[ev.req] = ev.blocks
         elif isinstance(ev, BlocksReleased):
             tot.lent.pop(ev.req, None)
+        elif isinstance(ev, (TierRead, TierWrite)):
+            _tier(tot.tiers.setdefault(ev.tier, TierTotals()), ev)
         elif isinstance(ev, TaskFailed):  # a supervised task: restarted, or the engine stops
             then = "given up: the engine stops" if ev.given_up else "started again"
             self._errors.append(ErrorRow(now, o.engine, "", ev.task, f"{ev.error} ({then})"))
