@@ -9,7 +9,8 @@ Each benchmark runs in its own process, one after another (never two at once: th
 would measure each other). Each prints ratios against a baseline measured in the same
 run, alternating, with medians; see each script's docstring for its method. The
 tables in docs/benchmarks.md between `<!-- bench:NAME -->` and `<!-- /bench:NAME -->`
-are rewritten from the JSON, each with the command, the date and the machine. A
+are rewritten from the JSON, each with the command, the date and the machine, and the
+plots in docs/img/ redrawn (bench/plots.py, if matplotlib is installed). A
 benchmark that needs what this machine lacks (a GPU for `cuda-ipc`) is skipped, saying
 so.
 """
@@ -335,6 +336,19 @@ def regenerate_docs(ran: dict[str, dict[str, Any]], text: str) -> str:
     return text
 
 
+def draw_plots() -> None:
+    """docs/img/bench-*.png from the results files (bench/plots.py), if matplotlib is here."""
+    sys.path.insert(0, str(HERE))
+    try:
+        import plots
+    except ModuleNotFoundError as e:
+        if e.name not in ("matplotlib", "PIL"):
+            raise
+        print("plots: matplotlib is not installed (pip install -e '.[bench]'); not drawn")
+        return
+    plots.draw_all()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
@@ -371,6 +385,7 @@ def main() -> int:
     if not args.no_docs and ran:
         DOCS.write_text(regenerate_docs(ran, DOCS.read_text()))
         print(f"rewrote the tables of {', '.join(ran)} in {DOCS}")
+        draw_plots()
     if failed:
         print(f"FAILED: {', '.join(failed)}")
         return 1

@@ -29,7 +29,7 @@ if ! "$PY" -c "import vllm" >/dev/null 2>&1; then
     pip install "$vllm_spec"
   fi
 fi
-pip install -e ".[test,nixl]"
+pip install -e ".[test,nixl,bench]"
 # The example third-party transport (its own package, found through its entry point, with
 # its Redis client, coredis) and the Redis server its tests start (standalone, a cluster,
 # sentinels, TLS: Debian's redis-server has them all); without the server those tests skip.
