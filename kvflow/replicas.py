@@ -21,7 +21,7 @@ from .keys import ChunkKey
 from .layout import KVLayout
 from .pd.topology import TopologyError, first_replica
 from .reshape import shard_name
-from .transport import LoadJob, SaveJob, Transport
+from .transport import LoadJob, SaveJob, Transport, wrapper_class
 
 __all__ = ["ReplicaStore", "as_replica", "store_shards"]
 
@@ -55,13 +55,7 @@ def store_shards(
 def as_replica(inner: Transport) -> Transport:
     """`inner` as a rank whose heads another rank saves sees it (a class named, optioned
     and capable as `inner`'s)."""
-    cls = type(inner)
-    replica = type(
-        f"Replica_{cls.__name__}",
-        (ReplicaStore,),
-        {"name": cls.name, "Options": cls.Options, "capabilities": cls.capabilities},
-    )
-    return replica(inner)
+    return wrapper_class(ReplicaStore, type(inner))(inner)
 
 
 class ReplicaStore(Transport):

@@ -18,7 +18,7 @@ import importlib.metadata
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import msgspec
 import trio
@@ -401,3 +401,16 @@ def _leaves(group: BaseExceptionGroup[Any]) -> Iterator[BaseException]:
             yield from _leaves(exc)
         else:
             yield exc
+
+
+W = TypeVar("W", bound="Transport")
+
+
+def wrapper_class(
+    base: type[W], inner: type[Transport], capabilities: Capabilities | None = None
+) -> type[W]:
+    """A subclass of `base` (a transport wrapping others: the host tier, a stack, a
+    replica's store) named and optioned as `inner`, and capable as it (or as given)."""
+    caps = inner.capabilities if capabilities is None else capabilities
+    attrs = {"name": inner.name, "Options": inner.Options, "capabilities": caps}
+    return type(f"{base.__name__}_{inner.__name__}", (base,), attrs)

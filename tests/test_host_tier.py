@@ -42,10 +42,23 @@ class GatedFs(FsTransport):
     """fs whose saves wait for `gate` before writing."""
 
     gate: trio.Event
+    arrived = 0
+    _arrival: trio.Event | None = None
 
     async def save(self, job: SaveJob) -> None:
+        self.arrived += 1
+        if self._arrival is not None:
+            self._arrival.set()
         await self.gate.wait()
         await super().save(job)
+
+    async def arrivals(self, n: int) -> None:
+        """Until `n` saves have reached the gate (a host tier's copy runs in a thread:
+        `wait_all_tasks_blocked` would not wait for it)."""
+        with trio.fail_after(30):
+            while self.arrived < n:
+                self._arrival = trio.Event()
+                await self._arrival.wait()
 
 
 def ctx(kv: KVLayout | None, role: str = "worker") -> TransportContext:
@@ -108,7 +121,7 @@ async def test_a_save_gives_the_blocks_back_before_the_store_has_them(tmp_path: 
     released: list[str] = []
     async with trio.open_nursery() as nursery:
         nursery.start_soon(tier.save, save_job(kv, ["a", "b"], [1, 2], released))
-        await trio.testing.wait_all_tasks_blocked()
+        await fs.arrivals(1)  # the write-back reached the store
         assert released == ["r"], "the blocks went back once the bytes were in host memory"
         assert await scheduler.lookup([k("a"), k("b")]) == 0, "the store does not have them yet"
         want = blocks_bytes(kv, [1, 2])
@@ -168,10 +181,10 @@ async def test_the_cache_never_holds_more_than_its_bound_and_keeps_pinned_chunks
     released: list[str] = []
     async with trio.open_nursery() as nursery:
         nursery.start_soon(tier.save, save_job(kv, ["p", "q", "r"], [0, 1, 2], released))
-        await trio.testing.wait_all_tasks_blocked()  # three chunks pinned, writing back
+        await fs.arrivals(1)  # three chunks pinned, writing back
         assert released == ["r"] and len(cache) == 3
         nursery.start_soon(tier.save, save_job(kv, ["s"], [3], released))
-        await trio.testing.wait_all_tasks_blocked()
+        await fs.arrivals(2)
         assert released == ["r"], "no slot free of pins: this save writes through"
         assert {n for n in ("p", "q", "r") if cache.get(k(n))} == {"p", "q", "r"}
         fs.gate.set()

@@ -47,6 +47,7 @@ from ..transport import (
     TransportContext,
     TransportError,
     one_error,
+    wrapper_class,
 )
 
 __all__ = ["StackedStore", "stack_of", "stacked", "tiers_of"]
@@ -64,12 +65,7 @@ def stacked(tiers: Sequence[Transport]) -> Transport:
     caps = Capabilities(
         store=True, peer=False, memory=a.memory & b.memory, reshape=a.reshape and b.reshape
     )
-    cls = type(
-        f"Stacked_{type(upper).__name__}",
-        (StackedStore,),
-        {"name": type(upper).name, "Options": type(upper).Options, "capabilities": caps},
-    )
-    return cls(upper, lower)
+    return wrapper_class(StackedStore, type(upper), caps)(upper, lower)
 
 
 def stack_of(parts: Sequence[tuple[type[Transport], Any]], context: TransportContext) -> Transport:

@@ -36,7 +36,7 @@ import trio
 from ..events import TierRead, TierWrite
 from ..keys import ChunkKey
 from ..layout import KVLayout
-from ..transport import LoadJob, SaveJob, Transport, TransportError
+from ..transport import LoadJob, SaveJob, Transport, TransportError, wrapper_class
 from .host import HostCache
 
 TIER = "cpu"
@@ -50,13 +50,7 @@ log = logging.getLogger("kvflow.tiers")
 def with_host_tier(inner: Transport, nbytes: int, policy: str) -> Transport:
     """`inner` behind a host-memory tier of `nbytes` per worker (a class named, described
     and capable as `inner`'s)."""
-    cls = type(inner)
-    tier = type(
-        f"HostTier_{cls.__name__}",
-        (HostTier,),
-        {"name": cls.name, "Options": cls.Options, "capabilities": cls.capabilities},
-    )
-    return tier(inner, nbytes, policy)
+    return wrapper_class(HostTier, type(inner))(inner, nbytes, policy)
 
 
 class HostTier(Transport):
