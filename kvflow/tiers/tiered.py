@@ -109,14 +109,12 @@ class HostTier(Transport):
                     )
                 )
             return
-        evicted = cache.counters.evicted
         taken: list[int] = []
         for _ in job.keys:
             slot = cache.reserve()
             assert slot is not None  # `room` said so, and nothing ran in between
             taken.append(slot)
-        evicted = cache.counters.evicted - evicted  # (no await since: this save's own)
-        self._report_evicted(cache)
+        evicted = self._report_evicted(cache)  # (no await since: this save's own)
         sizes = await self._copy_in(cache, job, taken)
         for key, slot, size in zip(job.keys, taken, sizes, strict=True):
             cache.commit(key, slot, size)
@@ -140,9 +138,11 @@ class HostTier(Transport):
             for key in job.keys:
                 cache.unpin(key)
 
-    def _report_evicted(self, cache: HostCache) -> None:
+    def _report_evicted(self, cache: HostCache) -> int:
+        """Hand the chunks evicted since the last call to `evicted`; how many."""
         if (victims := cache.take_victims()) and self.evicted is not None:
             self.evicted([str(k) for k in victims])
+        return len(victims)
 
     async def _copy_in(self, cache: HostCache, job: SaveJob, slots: list[int]) -> list[list[int]]:
         """Copy each layer's chunks into `slots` as it is given; each chunk's layer sizes.
@@ -194,13 +194,11 @@ class HostTier(Transport):
                 held[c] = entry
                 cache.pin(key)
         missing = [c for c in range(len(job.keys)) if c not in held]
-        evicted = cache.counters.evicted
         promote = {}
         for c in missing:
             if sum(sizes[c]) <= cache.slot_bytes and (slot := cache.reserve()) is not None:
                 promote[c] = slot
-        evicted = cache.counters.evicted - evicted  # (no await since: this load's own)
-        self._report_evicted(cache)
+        evicted = self._report_evicted(cache)  # (no await since: this load's own)
         done = False
         try:
             await self._load_from_both(cache, job, (spans, sizes), held, missing, promote)
@@ -285,19 +283,17 @@ def _offsets(sizes: Sequence[int]) -> list[int]:
 
 
 def _to_slots(places: list[tuple[memoryview, int, list[memoryview]]]) -> None:
-    """`_to_slot` for each (slot view, from byte, runs), by numpy (which copies without
-    holding the GIL)."""
+    """`_to_slot` for each (slot view, from byte, runs)."""
     for view, at, runs in places:
-        dst = np.frombuffer(view, np.uint8)
-        for r in runs:
-            np.copyto(dst[at : at + len(r)], np.frombuffer(r, np.uint8))
-            at += len(r)
+        _to_slot(view, at, runs)
 
 
 def _to_slot(view: memoryview, at: int, runs: list[memoryview]) -> None:
-    """Copy `runs`, end to end, into a slot's `view` from byte `at` on."""
+    """Copy `runs`, end to end, into a slot's `view` from byte `at` on, by numpy (which
+    copies without holding the GIL)."""
+    dst = np.frombuffer(view, np.uint8)
     for r in runs:
-        view[at : at + len(r)] = r
+        np.copyto(dst[at : at + len(r)], np.frombuffer(r, np.uint8))
         at += len(r)
 
 
