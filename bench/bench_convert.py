@@ -29,7 +29,6 @@ after one warm-up round. Writes bench/results/convert.json.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -37,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import record
 import trio
 import trio.testing
 
@@ -207,6 +207,7 @@ async def _case(transport: str, case: str, blocks: int, repeats: int) -> dict[st
 
 
 def main() -> int:
+    meta = record.start()
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--quick", action="store_true", help="3 repeats, 256 tokens")
@@ -224,7 +225,7 @@ def main() -> int:
                 flush=True,
             )
     out = Path(__file__).parent / "results" / "convert.json"
-    out.write_text(json.dumps({"repeats": repeats, "tokens": blocks * BS, "rows": rows}, indent=2))
+    record.save(out, {"repeats": repeats, "tokens": blocks * BS, "rows": rows}, meta)
     print(f"wrote {out}")
     return 0
 

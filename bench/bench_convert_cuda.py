@@ -18,7 +18,6 @@ producer's (untimed). Writes bench/results/convert_cuda.json. Needs an NVIDIA GP
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import statistics
 import sys
@@ -27,6 +26,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+import record
 import torch
 import trio
 
@@ -141,6 +141,7 @@ def _case(name: str, args: dict[str, int]) -> dict[str, Any]:
 
 
 def main() -> int:
+    meta = record.start()
     ap = argparse.ArgumentParser()
     ap.add_argument("--transports", default="zmq,nixl")
     ap.add_argument("--layers", type=int, default=32)
@@ -169,7 +170,7 @@ def main() -> int:
     out["results"] = results
     if not a.quick:
         path = Path(__file__).parent / "results" / "convert_cuda.json"
-        path.write_text(json.dumps(out, indent=2) + "\n")
+        record.save(path, out, meta, ("kvflow", "transports/kvflow_zmq", "transports/kvflow_nixl"))
     ok = all(r["bytes_equal"] for r in results)
     done = all(o == ["done"] * a.requests for r in results for o in r["producer_outcomes"].values())
     return 0 if ok and done else 1

@@ -43,7 +43,6 @@ the JSON. Needs an NVIDIA GPU; exits 2 without one.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import multiprocessing as mp
 import os
@@ -55,6 +54,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+import record
 import torch
 import trio
 
@@ -253,21 +253,13 @@ def _command_output(*cmd: str) -> str:
     return done.stdout.strip() if done.returncode == 0 else ""
 
 
-def _commit() -> str:
-    head = _command_output("git", "rev-parse", "--short", "HEAD") or "unknown"
-    return head + ("+dirty" if _command_output("git", "status", "--porcelain") else "")
-
-
 def _provenance(args: argparse.Namespace) -> dict[str, Any]:
-    """What produced the results: commit, command line, date, machine, mode."""
+    """The device and the mode measured (`record.start()` gives commit, command, date)."""
     driver = _command_output(
         "nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"
     ).splitlines()
     return {
-        "commit": _commit(),
-        "command": sys.argv,
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "machine": {
+        "device": {
             "cpus": os.cpu_count(),
             "gpu": torch.cuda.get_device_name(0),
             "torch": torch.__version__,
@@ -323,6 +315,7 @@ def _parse_args() -> argparse.Namespace:
 
 
 def main() -> int:
+    meta = record.start()
     args = _parse_args()
     if not torch.cuda.is_available():
         print("bench_cuda_ipc: no CUDA device here", file=sys.stderr)
@@ -351,10 +344,9 @@ def main() -> int:
     }
     out = _out_path(args)
     if out is None:
-        print(json.dumps(result, indent=2))
+        print(json.dumps(result | meta, indent=2))
     else:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=2) + "\n")
+        record.save(out, result, meta, ("kvflow", "transports/kvflow_zmq"))
         print(f"wrote {out}")
     print(f"bytes equal: {'yes' if equal else 'NO'}")
     return 0 if all(r["ok"] for r in runs) else 1

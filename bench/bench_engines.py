@@ -71,6 +71,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import record
+
 BLOCK = 128
 KV_PER_TOKEN = 8 * 8 * 128 * 2 * 4  # layers x heads x head dim x (K, V) x float32
 MAX_LEN = 8192 + 256
@@ -313,10 +315,21 @@ class Bench:
         return {
             "ttft_ms": {k: {e: median(v) for e, v in d.items()} for k, d in ttft.items()},
             "effective_gbs": {k: {e: median(v) for e, v in d.items()} for k, d in gbs.items()},
+            "samples": {"ttft_ms": ttft, "effective_gbs": gbs},
         }
 
 
+ENGINE_SOURCES = (
+    "kvflow",
+    "plugins/kvflow_vllm",
+    "transports/kvflow_fs",
+    "bench/noop_connector.py",
+)
+"""What the engines run besides this process's own imports (their cores are processes)."""
+
+
 def main() -> int:
+    meta = record.start()
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="small workloads, 2 repeats")
@@ -356,14 +369,14 @@ def main() -> int:
             print(f"  {name} path ...", flush=True)
             results[name] = fn()
             results[f"{name}_run"] = {
-                "command": " ".join(["python", "bench/bench_engines.py", *sys.argv[1:]]),
+                **meta,
                 "repeats": repeats,
                 "sizes": sizes,
                 "token_mismatches": bench.mismatches,
                 "wall_s": time.perf_counter() - t0,
                 "samples": bench.samples if name == "miss" else {},
             }
-            out.write_text(json.dumps(results, indent=2))  # what is measured is kept
+            record.save(out, results, meta, ENGINE_SOURCES)  # what is measured is kept
         for llm in llms.values():
             llm.llm_engine.engine_core.shutdown()
     finally:

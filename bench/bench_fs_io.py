@@ -34,7 +34,6 @@ round; ratios are of GB/s against plain. Writes bench/results/fs-io.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -45,6 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import record
 import trio
 
 from kvflow.keys import chunk_keys
@@ -213,6 +213,7 @@ def bench_case(case: Case, repeats: int, tmp: Path) -> dict[str, float]:
 
 
 def main() -> int:
+    meta = record.start()
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="3 repeats")
@@ -237,17 +238,13 @@ def main() -> int:
         shutil.rmtree(tmp, ignore_errors=True)
     out = Path(__file__).parent / "results" / "fs-io.json"
     where = os.statvfs(args.dir or tempfile.gettempdir())
-    out.write_text(
-        json.dumps(
-            {
-                "repeats": repeats,
-                "dir": args.dir or tempfile.gettempdir(),
-                "free_gb": where.f_bavail * where.f_frsize / 1e9,
-                "cases": cases,
-            },
-            indent=2,
-        )
-    )
+    data = {
+        "repeats": repeats,
+        "dir": args.dir or tempfile.gettempdir(),
+        "free_gb": where.f_bavail * where.f_frsize / 1e9,
+        "cases": cases,
+    }
+    record.save(out, data, meta)
     print(f"wrote {out}")
     return 0
 

@@ -9,12 +9,13 @@ with saves). Writes bench/results/hooks.json.
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+import record
 
 BLOCK = 128
 
@@ -84,12 +85,13 @@ def hot_path_us(iterations: int = 200_000) -> dict[str, float]:
 
 
 def main() -> int:
+    meta = record.start()
     print("hot-path hooks (us per call, median of 5 runs):")
     hot = hot_path_us()
     for k, v in hot.items():
         print(f"  {k:<45} {v:8.2f}")
     out = Path(__file__).parent / "results" / "hooks.json"
-    out.write_text(json.dumps({"hot_path_us": hot}, indent=2))
+    record.save(out, {"hot_path_us": hot}, meta)
     print(f"wrote {out}")
     return 0
 

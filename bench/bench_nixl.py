@@ -68,7 +68,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import json
 import os
 import platform
 import statistics
@@ -82,6 +81,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import record
 import trio
 import zmq
 
@@ -473,6 +473,7 @@ def _versions() -> dict[str, str]:
 
 
 def main() -> int:
+    meta = record.start()
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     ap.add_argument("--models", default=",".join(MODELS), help=f"of {', '.join(MODELS)}")
     ap.add_argument("--blocks", default="64,512", help="blocks per request, comma-separated")
@@ -575,10 +576,8 @@ def main() -> int:
         "loadavg_end": load,
         "table": rows,
     }
-    out = Path(args.out)
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
-    print(f"\nwrote {out}")
+    record.save(args.out, results, meta)
+    print(f"\nwrote {args.out}")
     return 0
 
 

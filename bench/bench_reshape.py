@@ -28,7 +28,6 @@ round. Writes bench/results/reshape.json.
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import statistics
 import sys
@@ -36,6 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import record
 import trio
 
 from kvflow.keys import chunk_keys
@@ -153,6 +153,7 @@ async def _direction(
 
 
 def main() -> int:
+    meta = record.start()
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--quick", action="store_true", help="3 repeats, 1024 tokens")
@@ -175,7 +176,7 @@ def main() -> int:
                 flush=True,
             )
     out = Path(__file__).parent / "results" / "reshape.json"
-    out.write_text(json.dumps({"repeats": repeats, "tokens": chunks * BS, "rows": rows}, indent=2))
+    record.save(out, {"repeats": repeats, "tokens": chunks * BS, "rows": rows}, meta)
     print(f"wrote {out}")
     return 0
 

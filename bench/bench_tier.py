@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import record
 import trio
 
 from kvflow.testing.layouts import fill_blocks, make_layout
@@ -162,6 +163,7 @@ async def load_rates(chunks: int, repeats: int) -> dict[str, float]:
 
 
 def main() -> int:
+    meta = record.start()
     ap = argparse.ArgumentParser()
     ap.add_argument("--trace", action="append", default=[], help="a Mooncake trace (JSONL)")
     ap.add_argument("--repeats", type=int, default=7)
@@ -176,7 +178,7 @@ def main() -> int:
     print(f"load: tier {rates['tier']:.2f} GB/s, copy {rates['copy']:.2f} GB/s ({ratio:.2f}x)")
     out = Path(__file__).parent / "results" / "tier.json"
     load = {**rates, "ratio": ratio, "repeats": repeats, "chunks": 64}
-    out.write_text(json.dumps({"policy": rows, "load": load}, indent=2))
+    record.save(out, {"policy": rows, "load": load}, meta)
     print(f"wrote {out}")
     return 0
 

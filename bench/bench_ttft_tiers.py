@@ -24,12 +24,8 @@ sample to bench/results/ttft-tiers.json with the commit, command, machine and da
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -37,6 +33,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "plugins" / "kvflow_redis" / "tests"))
+import record  # noqa: E402
 import servers  # noqa: E402
 
 SOURCES = ("recompute", "host tier", "fs", "redis")
@@ -81,13 +78,8 @@ def one_repeat(work: Path, redis_url: str, lengths: list[int], seed: int) -> dic
     }  # fmt: skip
 
 
-def commit() -> str:
-    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True)
-    dirty = subprocess.run(["git", "diff", "--quiet", "HEAD"], cwd=ROOT).returncode
-    return out.stdout.decode().strip() + ("+dirty" if dirty else "")
-
-
 def main() -> None:
+    meta = record.start()
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="1k tokens, 2 repeats")
@@ -105,15 +97,9 @@ def main() -> None:
             print(f"repeat {r + 1}/{repeats}: " + ", ".join(
                 f"{s} {1e3 * runs[-1][s][str(lengths[-1])]['ttft_s']:.0f} ms" for s in SOURCES
             ), flush=True)  # fmt: skip
-    result = {
-        "commit": commit(),
-        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
-        "date": datetime.date.today().isoformat(),
-        "machine": f"{os.cpu_count()} cores, engines on core 0",
-        "lengths": lengths,
-        "runs": runs,
-    }
-    Path(args.out).write_text(json.dumps(result, indent=2))
+    result = {"engines_on": "core 0", "lengths": lengths, "runs": runs}
+    extra = ("kvflow", "plugins/kvflow_vllm", "plugins/kvflow_redis", "transports/kvflow_fs")
+    record.save(args.out, result, meta, extra)
     for n in lengths:
         row = [
             f"{s} {1e3 * statistics.median(run[s][str(n)]['ttft_s'] for run in runs):7.0f} ms"

@@ -83,14 +83,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
-import json
 import multiprocessing as mp
 import os
 import platform
 import secrets
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -101,6 +98,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import record
 import trio
 import trio.testing
 import zmq
@@ -600,29 +598,6 @@ def micro_us(layout: KVLayout, n: int = 2000) -> dict[str, float]:
     return out
 
 
-def _run_info() -> dict[str, Any]:
-    """What produced a results file: command, date, machine, commit."""
-    sys.path.insert(0, str(Path(__file__).parent))
-    from run import machine  # bench/run.py, which also captions the docs tables
-
-    def git(*args: str) -> str:
-        try:
-            return subprocess.run(
-                ["git", *args], capture_output=True, text=True, cwd=Path(__file__).parent
-            ).stdout.rstrip()
-        except OSError:
-            return ""
-
-    return {
-        "command": " ".join(["python", "bench/bench_zmq.py", *sys.argv[1:]]),
-        "date": datetime.date.today().isoformat(),
-        "machine": machine(),
-        "commit": git("rev-parse", "HEAD").strip(),
-        "uncommitted": git("status", "--porcelain", "--untracked-files=no").splitlines(),
-        "load_average": list(os.getloadavg()),
-    }
-
-
 # -- driver ----------------------------------------------------------------------------
 
 
@@ -635,6 +610,7 @@ def _case(prod: KVLayout, cons: KVLayout, n: int, block_size: int, seed: int) ->
 
 
 def main() -> int:
+    meta = record.start()
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     ap.add_argument(
         "--models", help=f"of {', '.join(MODELS)} (default: all; --channels: llama3-8b)"
@@ -672,7 +648,7 @@ def main() -> int:
     blocks = [int(b) for b in args.blocks.split(",")]
     models = args.models.split(",")
     results: dict[str, Any] = {
-        "run": _run_info(),
+        "run": {"load_average": list(os.getloadavg())},
         "args": vars(args),
         "env": {
             "pyzmq": zmq.__version__,
@@ -687,10 +663,8 @@ def main() -> int:
     else:
         results["table"] = run_plain(args, models, blocks)
     results["run"]["load_average_after"] = list(os.getloadavg())
-    out = Path(args.out)
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
-    print(f"\nwrote {out}")
+    record.save(args.out, results, meta)
+    print(f"\nwrote {args.out}")
     return 0
 
 

@@ -5,17 +5,14 @@
 
 `python bench/run.py` runs this after it rewrites the tables. Every value plotted is
 read from a results file, and every picture names the files it shows with the date and
-commit each records (many record neither: their tables' captions in docs/benchmarks.md
-say when they ran). A missing results file skips its plot, saying so. P/D serving (a
-prefill and a decode server behind `kvflow proxy`) has no benchmark results file yet,
-so no plot.
+commit each records (bench/record.py). A missing results file skips its plot, saying
+so.
 """
 
 from __future__ import annotations
 
 import io
 import json
-import re
 import statistics
 import textwrap
 from collections.abc import Callable
@@ -46,16 +43,13 @@ def load(results: Path, name: str) -> dict[str, Any] | None:
     return data
 
 
-def recorded(name: str, data: dict[str, Any]) -> str:
-    """`bench/results/NAME.json` with the date and commit the file records, if any."""
-    meta = data.get("run", data)  # bench_zmq.py keeps its run's record under "run"
-    parts = [f"bench/results/{name}.json"]
-    if date := meta.get("date"):
-        parts.append(str(date)[:10])
-    if commit := meta.get("commit"):
-        short = re.sub(r"^([0-9a-f]{7})[0-9a-f]*", r"\1", str(commit))
-        parts.append(f"commit {short}" + ("+dirty" if meta.get("uncommitted") else ""))
-    return ", ".join(parts) if len(parts) > 1 else f"{parts[0]} (no date or commit recorded)"
+def recorded(name: str, data: dict[str, Any], section: str = "") -> str:
+    """`bench/results/NAME.json` with the date and commit it records (bench/record.py)."""
+    meta = data | data.get(f"{section}_run", {}) if section else data
+    rev = meta.get("commit") or (
+        f"{meta['committed_in']} (committed in)" if meta.get("committed_in") else ""
+    )
+    return f"bench/results/{name}.json, {meta.get('date')}, commit {rev or 'not recorded'}"
 
 
 def _caption(fig: Figure, text: str) -> float:
@@ -118,7 +112,7 @@ def plot_engines_hit(results: Path, out_dir: Path) -> Path | None:
     names = {"no connector": "recompute"}
     series = {names.get(e, e): [ttft[g][e] for g in groups] for e in engines}
     title = "Warm TTFT of a stored prompt (labels: times faster than recompute)"
-    caption = f"{recorded('engines', data)}; {data.get('hit_run', {}).get('command', '')}"
+    caption = f"{recorded('engines', data, 'hit')}; {data.get('hit_run', {}).get('command', '')}"
     return _ttft_chart(groups, series, title, caption, out_dir / "bench-engines-hit.png")
 
 
@@ -218,11 +212,34 @@ def plot_convert(results: Path, out_dir: Path) -> Path | None:
     return _ratio_chart(rows, title, "; ".join(sources), out_dir / "bench-convert.png")
 
 
+def plot_pd_serve(results: Path, out_dir: Path) -> Path | None:
+    """Median TTFT and latency per request: one server, kvflow's P/D, vLLM's NixlConnector."""
+    data = load(results, "pd-serve")
+    if data is None:
+        return None
+    ran = {n: c for n, c in data["configs"].items() if "skipped" not in c}
+    series = {
+        name: [1e3 * c["ttft_s"]["median"], 1e3 * c["latency_s"]["median"]]
+        for name, c in ran.items()
+    }
+    fig, ax = plt.subplots(figsize=(WIDTH, 4))
+    _grouped_log_bars(ax, ["TTFT", "latency"], series)
+    ax.set_ylabel("median per request, ms (log scale)")
+    ax.set_title(f"P/D serving (labels: {next(iter(series))} / each)", fontsize=10)
+    caption = (
+        f"{recorded('pd-serve', data)}; {data['requests']} prompts of {data['prompt_tokens']} "
+        f"tokens, {data['concurrency']} in flight; {data['command']}"
+    )
+    fig.subplots_adjust(bottom=0.08 + _caption(fig, caption), top=0.92)
+    return _save(fig, out_dir / "bench-pd-serve.png")
+
+
 PLOTS: dict[str, Callable[[Path, Path], Path | None]] = {
     "engines-hit": plot_engines_hit,
     "ttft-tiers": plot_ttft_tiers,
     "transports": plot_transports,
     "convert": plot_convert,
+    "pd-serve": plot_pd_serve,
 }
 
 

@@ -1,28 +1,27 @@
-"""Run every benchmark, write bench/results/*.json, regenerate the tables in
-docs/benchmarks.md.
+"""Run every benchmark, write bench/results/*.json, regenerate the docs' tables.
 
-    python bench/run.py            # everything: ~60 min on 2 cores
-    python bench/run.py --quick    # smaller workloads, fewer repeats: ~10 min
+    python bench/run.py            # everything: ~70 min on 2 cores
+    python bench/run.py --quick    # smaller workloads, fewer repeats: ~15 min
     python bench/run.py --only fs-io,hooks --no-docs
+    python bench/run.py --render   # no benchmark: the tables and plots from the files
 
 Each benchmark runs in its own process, one after another (never two at once: they
 would measure each other). Each prints ratios against a baseline measured in the same
-run, alternating, with medians; see each script's docstring for its method. The
-tables in docs/benchmarks.md between `<!-- bench:NAME -->` and `<!-- /bench:NAME -->`
-are rewritten from the JSON, each with the command, the date and the machine, and the
-plots in docs/img/ redrawn (bench/plots.py, if matplotlib is installed). A
-benchmark that needs what this machine lacks (a GPU for `cuda-ipc`) is skipped, saying
-so.
+run, alternating, with medians; see each script's docstring for its method. Each
+writes its results file with what produced it (`bench/record.py`: commit, command,
+machine, date, the files it ran, its earlier runs). Every table of README.md and
+docs/*.md between `<!-- bench:NAME -->` and `<!-- /bench:NAME -->` is then rendered
+from its file, captioned with that record and, where the code it measured has changed
+since its commit, saying so; the plots in docs/img/ are redrawn (bench/plots.py, if
+matplotlib is installed). tests/test_bench_docs.py fails when a table and its file
+disagree. A benchmark that needs what this machine lacks (a GPU for `cuda-ipc`) is
+skipped, saying so.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import datetime
 import json
-import os
-import platform
 import re
 import shutil
 import statistics
@@ -34,8 +33,13 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+import record  # noqa: E402
+
 RESULTS = HERE / "results"
-DOCS = HERE.parent / "docs" / "benchmarks.md"
+ROOT = HERE.parent
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+"""The pages whose `<!-- bench:NAME -->` tables are rendered from the results files."""
 TRACES = HERE / "traces"
 """Prefix traces `bench_tier.py` replays besides its own (not in git: Mooncake's, see
 docs/benchmarks.md)."""
@@ -81,29 +85,15 @@ BENCHES: dict[str, tuple[list[str], bool, Callable[[], str]]] = {
         True,
         lambda: "" if shutil.which("redis-server") else "redis-server is not installed",
     ),
+    "pd-serve": (["bench_pd_serve.py"], True, lambda: ""),
+    "soak": (["../scripts/soak.py", "--suite"], False, lambda: ""),
+    "soak-pd": (["../scripts/soak_pd.py"], False, lambda: ""),
     "cuda-ipc": (
         ["bench_cuda_ipc.py"],
         True,
         lambda: "" if _has_cuda() else "no CUDA device on this machine",
     ),
 }
-
-
-def machine() -> str:
-    model = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    parts = [f"{model}, {os.cpu_count()} cores, {mem:.0f} GiB"]
-    for mod in ("vllm", "torch"):
-        with contextlib.suppress(ImportError):
-            parts.append(f"{mod} {__import__(mod).__version__}")
-    return ", ".join(parts)
 
 
 # -- tables --------------------------------------------------------------------------------
@@ -266,7 +256,7 @@ def redis_table(d: dict[str, Any]) -> list[str]:
         f"{med(k['one server']) / med(k['cluster']):.2f}x",
     ]
     head = ["GB/s (10^9 B/s)", "coredis", f"old client ({d['baseline_ref']})", "coredis / old"]
-    note = f"commit {d['commit']}; medians of {len(t['coredis save'])} samples a side, A-B-B-A"
+    note = f"medians of {len(t['coredis save'])} samples a side, A-B-B-A"
     return [*_table(head, [*rows, first, cluster]), "", f"_{note}_"]
 
 
@@ -281,12 +271,169 @@ def ttft_tiers_table(d: dict[str, Any]) -> list[str]:
                      *(f"{ms['recompute'] / ms[s]:.0f}x" for s in sources[1:])])  # fmt: skip
     head = ["prompt tokens", *(f"{s} TTFT (ms)" for s in sources)]
     head += [f"{s} vs recompute" for s in sources[1:]]
-    note = f"commit {d['commit']}; medians of {len(d['runs'])} repeats, fresh prompts each"
+    note = f"medians of {len(d['runs'])} repeats, fresh prompts each"
     return [*_table(head, rows), "", f"_{note}_"]
 
 
-# table name in docs: (results file, renderer, section of the file it shows)
-TABLES: dict[str, tuple[str, Callable[[dict[str, Any]], list[str]], str]] = {
+def miss_tier_table(d: dict[str, Any]) -> list[str]:
+    """Each engine against the no-op's, paired (median of each repeat's ratio) and on
+    medians (ratio of the medians), from every sample of the run."""
+    samples, base = d["miss_run"]["samples"], "no-op connector"
+    rows = []
+    for engine in d["miss"]:
+        if engine == base:
+            continue
+        cells = [engine]
+        for what in ("prefill", "decode"):
+            mine, theirs = samples[engine][what], samples[base][what]
+            paired = statistics.median(a / b for a, b in zip(mine, theirs, strict=True))
+            cells.append(f"{paired:.3f}, {d['miss'][engine][what] / d['miss'][base][what]:.3f}")
+        rows.append(cells)
+    head = ["engine", "prefill / no-op (paired, medians)", "decode / no-op (paired, medians)"]
+    n = len(samples[base]["prefill"])
+    return [*_table(head, rows), "", f"_{n} repeats a side, alternating A-B-B-A_"]
+
+
+def soak_table(d: dict[str, Any]) -> list[str]:
+    head = ["arguments", "requests", "right", "aborted", "faults (each that hit)"]
+    head += ["preemptions", "kvflow loads (chunks), failed", "wrong tokens", "request errors"]
+    head += ["leaked blocks", "hangs"]
+    rows = []
+    for r in d["rows"]:
+        faults = ", ".join(f"{k} {n}" for k, n in r["faults"].items())
+        loads = r["kvflow_loads"]
+        rows.append([
+            f"`{' '.join(r['args'])}`" if r["args"] else "(defaults)",
+            *(str(r[k]) for k in ("requests", "right", "aborted")),
+            f"{sum(r['faults'].values())}: {faults or 'none'}",
+            str(r["preemptions"]),
+            f"{loads['done']} ({loads['chunks']}), {loads['failed']}",
+            *(str(r[k]) for k in ("wrong_tokens", "request_errors", "leaked_blocks", "hangs")),
+        ])  # fmt: skip
+    return _table(head, rows)
+
+
+def soak_pd_table(d: dict[str, Any]) -> list[str]:
+    """This run and every earlier one the file keeps, each with its commit."""
+    head = ["commit, date", "requests", "right", "aborted", "producer kills", "kvflow pulls"]
+    head += ["wrong tokens", "request errors (+ in flight at a kill)", "leaked blocks"]
+    head += ["median / worst latency"]
+    rows = []
+    for r in [*d.get("history", []), d]:
+        lat = sorted(r["latencies_s"])
+        rows.append([
+            f"{r['commit']}, {r['date']}",
+            *(str(r[k]) for k in ("requests", "right", "aborted", "producer_kills")),
+            str(r["kvflow_loads"]["done"]),
+            str(r["wrong_tokens"]),
+            f"{r['request_errors']} (+ {r['errors_at_a_kill']})",
+            "yes" if r["leaked_blocks"] else "none",
+            f"{lat[len(lat) // 2]:.2f} s / {lat[-1]:.2f} s",
+        ])  # fmt: skip
+    return _table(head, rows)
+
+
+def cuda_ipc_table(d: dict[str, Any]) -> list[str]:
+    head = ["run", "pull GB/s", "one-pass copy GB/s", "pull / copy", "pull, copy / peak"]
+    rows = [
+        [str(i + 1), f"{r['pull_gbs']:.0f}", f"{r['copy_gbs']:.0f}", f"{r['ratio']:.2f}",
+         f"{r['pull_fraction']:.2f}, {r['copy_fraction']:.2f}"]
+        for i, r in enumerate(d["runs"])
+    ]  # fmt: skip
+    peak = f"peak {d['peak_bandwidth_gbs']:.0f} GB/s ({d['bandwidth_source']})"
+    equal = "every byte equal" if d["bytes_equal"] else "**bytes differ**"
+    return [*_table(head, rows), "", f"_{peak}; {equal}_"]
+
+
+def gpu_log(path: Path) -> dict[str, Any]:
+    """The JSON a GPU benchmark printed first in a log kept under bench/results/."""
+    data: dict[str, Any] = json.JSONDecoder().raw_decode(path.read_text())[0]
+    return data
+
+
+def h100_converted(results: Path) -> dict[str, Any]:
+    """bench_cuda_ipc.py's runs of 2026-11-27 on an H100 (its `index_copy_` baseline of
+    then), the consumer NHD as the producer and HND (converted), from their logs."""
+    logs = results / "gpu-2026-11-27"
+    runs = {
+        layout: [gpu_log(logs / f"cuda_ipc-e831ef7-bench-{layout}-{i}.json") for i in (1, 2)]
+        for layout in ("LBNHC", "LBHNC")
+    }
+    return {
+        "commit": "e831ef7",
+        "command": "python bench/bench_cuda_ipc.py --requests 8 [--consumer-layout LBHNC]",
+        "date": "2026-11-27",
+        "machine": runs["LBNHC"][0]["device"],
+        "sources": ["kvflow", "transports/kvflow_zmq", "bench/bench_cuda_ipc.py"],
+        "runs": runs,
+    }
+
+
+def h100_converted_table(d: dict[str, Any]) -> list[str]:
+    head = ["consumer", "pull GB/s", "plain copy GB/s (within the consumer's layout)"]
+    rows = []
+    for layout, what in (("LBNHC", "NHD, as the producer"), ("LBHNC", "HND, converted")):
+        runs = d["runs"][layout]
+        rows.append([what, ", ".join(f"{r['ipc_pull_gbs']:.0f}" for r in runs),
+                     ", ".join(f"{r['plain_d2d_gbs']:.0f}" for r in runs)])  # fmt: skip
+    pairs = zip(d["runs"]["LBHNC"], d["runs"]["LBNHC"], strict=True)
+    conv = [c["ipc_pull_gbs"] / n["ipc_pull_gbs"] for c, n in pairs]
+    note = f"converted / unconverted pull, run by run: {', '.join(f'{r:.2f}' for r in conv)}"
+    return [*_table(head, rows), "", f"_{note}_"]
+
+
+def h100_convert_cuda(results: Path) -> dict[str, Any]:
+    """bench_convert_cuda.py's run of 2026-11-27 on an H100, from its log."""
+    data = gpu_log(results / "gpu-2026-11-27" / "convert_cuda-753565d-zmq.json")
+    return data | {
+        "commit": "753565d",
+        "command": "python bench/bench_convert_cuda.py",
+        "date": "2026-11-27",
+        "machine": data["device"],
+        "sources": ["kvflow", "transports/kvflow_zmq", "bench/bench_convert_cuda.py"],
+    }
+
+
+def convert_cuda_table(d: dict[str, Any]) -> list[str]:
+    head = ["transport", "HND producer GB/s", "NHD producer, converted GB/s", "converted / same"]
+    rows = [
+        [r["transport"], f"{r['same_gbs']:.1f}", f"{r['converted_gbs']:.1f}", f"{r['ratio']:.2f}"]
+        for r in d["results"]
+    ]
+    equal = all(r["bytes_equal"] for r in d["results"])
+    return [*_table(head, rows), "", f"_{'every byte equal' if equal else '**bytes differ**'}_"]
+
+
+def pd_serve_table(d: dict[str, Any]) -> list[str]:
+    head = ["configuration", "TTFT p50 / p90 ms", "latency p50 / p90 ms", "output tok/s"]
+    head += ["TTFT / one server", "latency / one server", "wrong answers", "failed requests"]
+    rows = []
+    for name, c in d["configs"].items():
+        if "skipped" in c:
+            rows.append([name, f"skipped: {c['skipped']}", *[""] * (len(head) - 2)])
+            continue
+        t, lat, r = c["ttft_s"], c["latency_s"], d["ratios"][name]
+        rows.append([
+            name + (" (fell back: the decode server computed)" if c["fell_back"] else ""),
+            f"{t['median'] * 1e3:.0f} / {t['p90'] * 1e3:.0f}",
+            f"{lat['median'] * 1e3:.0f} / {lat['p90'] * 1e3:.0f}",
+            f"{c['output_tok_s']:.1f}",
+            f"{r['ttft_vs_one_server']:.2f}",
+            f"{r['latency_vs_one_server']:.2f}",
+            str(len(c["mismatches"])),
+            str(len(c["errors"])),
+        ])  # fmt: skip
+    n = next(iter(d["configs"].values()))["ttft_s"]["n"]
+    note = f"{d['requests']} prompts of {d['prompt_tokens']} tokens, {d['max_tokens']} output"
+    note += f" tokens, {d['concurrency']} in flight, {d['repeats']} repeat(s): {n} samples each"
+    return [*_table(head, rows), "", f"_{note}_"]
+
+
+Source = str | Callable[[Path], dict[str, Any]]
+"""A results file's name under bench/results/, or what reads a table's data there."""
+
+# table name in docs: (its results, renderer, section of the file it shows)
+TABLES: dict[str, tuple[Source, Callable[[dict[str, Any]], list[str]], str]] = {
     "fs-io": ("fs-io", fs_io_table, ""),
     "hooks": ("hooks", hooks_table, ""),
     "reshape": ("reshape", reshape_table, ""),
@@ -302,38 +449,72 @@ TABLES: dict[str, tuple[str, Callable[[dict[str, Any]], list[str]], str]] = {
     "nixl-layerwise": ("nixl-layerwise", nixl_table, ""),
     "redis": ("redis", redis_table, ""),
     "ttft-tiers": ("ttft-tiers", ttft_tiers_table, ""),
+    "engines-miss-tier": ("engines-miss-tier", miss_tier_table, ""),
+    "engines-miss-tier-gil": ("engines-miss-tier-gil", miss_tier_table, ""),
+    "cuda-ipc": ("cuda_ipc", cuda_ipc_table, ""),
+    "cuda-ipc-layerwise": ("cuda_ipc_layerwise", cuda_ipc_table, ""),
+    "cuda-ipc-converted-h100": (h100_converted, h100_converted_table, ""),
+    "convert-cuda-h100": (h100_convert_cuda, convert_cuda_table, ""),
+    "soak": ("soak", soak_table, ""),
+    "soak-pd": ("soak-pd", soak_pd_table, ""),
+    "pd-serve": ("pd-serve", pd_serve_table, ""),
 }
 
 
-def _script(bench: str) -> str:
-    argv = BENCHES[bench][0]
-    return " ".join(a for i, a in enumerate(argv) if a != "--out" and argv[i - 1] != "--out")
+def caption(data: dict[str, Any], section: str = "") -> list[str]:
+    """What measured a table, from its results file: command, commit, date, machine; and
+    whether the files it ran have changed since that commit."""
+    meta = data | data.get(f"{section}_run", {}) if section else data
+    rev = meta.get("commit")
+    if rev:
+        at = f"commit {rev}"
+    elif meta.get("committed_in"):
+        at = f"commit not recorded (the results were committed in {meta['committed_in']})"
+    else:
+        at = "commit not recorded"
+    line = f"_`{meta.get('command')}`, {at}, {meta.get('date')}, {meta.get('machine')}._"
+    base = meta if rev else {"commit": meta.get("committed_in"), "sources": meta.get("sources")}
+    changed = record.changed_since(base, BENCH_CODE)
+    if changed is None:
+        return [line, "", "_Whether the code it measured has changed since cannot be told._"]
+    if changed:
+        again = f"`{meta.get('command')}` measures again"
+        return [line, "", f"_**Older than the code it describes**: changed since ({again})._"]
+    return [line]
 
 
-def regenerate_docs(ran: dict[str, dict[str, Any]], text: str) -> str:
-    """`text` with each table whose benchmark ran in `ran` rewritten between its markers."""
-    for name, (bench, render, section) in TABLES.items():
-        if bench not in ran:
-            continue
-        meta = ran[bench]
-        with open(RESULTS / f"{bench}.json") as f:
-            data = json.load(f)
-        if section and section not in data:
-            continue  # this run did not measure it; the table keeps its last run
-        how = f"`{meta['command']}` ({_script(bench)})"
-        if section and (cmd := data.get(f"{section}_run", {}).get("command")):
-            how = f"`{cmd}`"  # measured by a run of its own
-        body = [f"_{how}, {meta['date']}, {meta['machine']}:_", "", *render(data)]
-        pattern = re.compile(
-            rf"(<!-- bench:{re.escape(name)} -->\n).*?(<!-- /bench:{re.escape(name)} -->)",
-            re.S,
+BENCH_CODE = ("kvflow", "transports", "plugins", "bench")
+"""What a results file that lists no `sources` measured: all of kvflow and its benches."""
+
+
+def render(text: str, results: Path = RESULTS) -> str:
+    """`text` with every `<!-- bench:NAME -->` table rendered from its results file."""
+
+    def table(m: re.Match[str]) -> str:
+        name = m.group(1)
+        if name not in TABLES:
+            raise SystemExit(f"<!-- bench:{name} -->: no such table; valid: {', '.join(TABLES)}")
+        source, draw, section = TABLES[name]
+        data = (
+            source(results)
+            if callable(source)
+            else json.loads((results / f"{source}.json").read_text())
         )
-        if not pattern.search(text):
-            print(f"  docs: no markers for table {name!r}; not written")
-            continue
-        table = "\n".join(body) + "\n"
-        text = pattern.sub(lambda m, t=table: m.group(1) + t + m.group(2), text)
-    return text
+        body = [*caption(data, section), "", *draw(data)]
+        return f"<!-- bench:{name} -->\n" + "\n".join(body) + f"\n<!-- /bench:{name} -->"
+
+    return re.sub(r"<!-- bench:([\w-]+) -->\n.*?<!-- /bench:\1 -->", table, text, flags=re.S)
+
+
+def render_docs(results: Path = RESULTS) -> list[Path]:
+    """Rewrite the tables of every page in DOCS; the pages that changed."""
+    changed = []
+    for page in DOCS:
+        text = page.read_text()
+        if (new := render(text, results)) != text:
+            page.write_text(new)
+            changed.append(page)
+    return changed
 
 
 def draw_plots() -> None:
@@ -353,16 +534,14 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--only", default="", help=f"comma-separated, of: {', '.join(BENCHES)}")
-    ap.add_argument("--no-docs", action="store_true", help="do not rewrite docs/benchmarks.md")
+    ap.add_argument("--no-docs", action="store_true", help="do not rewrite the docs' tables")
+    ap.add_argument("--render", action="store_true", help="run nothing: tables and plots only")
     args = ap.parse_args()
-    names = [n for n in args.only.split(",") if n] or list(BENCHES)
+    names = [] if args.render else [n for n in args.only.split(",") if n] or list(BENCHES)
     unknown = [n for n in names if n not in BENCHES]
     if unknown:
         ap.error(f"unknown benchmark {unknown}; choose from {list(BENCHES)}")
-    command = "python bench/run.py" + (" --quick" if args.quick else "")
-    date, where = datetime.date.today().isoformat(), machine()
-    print(f"{command}: {date}, {where}")
-    ran: dict[str, dict[str, Any]] = {}
+    print(f"{record.commit()}: {record.machine()}")
     failed = []
     for name in names:
         argv, quick, needs = BENCHES[name]
@@ -373,18 +552,13 @@ def main() -> int:
         cmd += ["--quick"] if args.quick and quick else []
         print(f"== {name}: {' '.join(cmd[1:])}", flush=True)
         t0 = time.perf_counter()
-        rc = subprocess.run(cmd, cwd=HERE.parent).returncode
-        wall = time.perf_counter() - t0
-        print(f"== {name}: exit {rc} after {wall:.0f} s", flush=True)
+        rc = subprocess.run(cmd, cwd=ROOT).returncode
+        print(f"== {name}: exit {rc} after {time.perf_counter() - t0:.0f} s", flush=True)
         if rc:
             failed.append(name)
-            continue
-        ran[name] = {"command": command, "date": date, "machine": where, "wall_s": wall}
-    log = RESULTS / "run.json"  # the last run of each benchmark
-    log.write_text(json.dumps(json.loads(log.read_text()) | ran if log.exists() else ran, indent=2))
-    if not args.no_docs and ran:
-        DOCS.write_text(regenerate_docs(ran, DOCS.read_text()))
-        print(f"rewrote the tables of {', '.join(ran)} in {DOCS}")
+    if not args.no_docs:
+        changed = render_docs()
+        print(f"rendered the tables; changed: {', '.join(map(str, changed)) or 'none'}")
         draw_plots()
     if failed:
         print(f"FAILED: {', '.join(failed)}")

@@ -4,12 +4,20 @@ it runs (chunk files truncated, corrupted, deleted; the whole store deleted).
 
     python scripts/soak.py --requests 1000
 
-Prints requests, faults, wrong tokens, request errors, leaked blocks and hangs, and
-exits non-zero if any request got wrong tokens, hung, or a block was leaked. Under
+Prints requests, faults (only those that hit something), kvflow's loads (from its event
+log: what kvflow, not vLLM's own prefix cache, served), wrong tokens, request errors,
+leaked blocks and hangs, and exits non-zero if any request got wrong tokens, hung, or a
+block was leaked. Under
 policy `recompute` (the default) no request may fail; under `--policy fail` a load
 that fails is a request error, counted apart. References are each prompt's tokens
 from an engine without a connector, in a process of its own. The engine runs in this
 process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) so the script can read vLLM's block pool.
+
+    python scripts/soak.py --suite     # the four runs of docs/reliability.md's table
+
+`--suite` runs the soak once per configuration of `SUITE`, each in a process of its
+own, and writes bench/results/soak.json (bench/record.py: commit, command, machine,
+date, every earlier run); `python bench/run.py --render` renders the table from it.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import json
 import os
 import random
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -31,6 +40,14 @@ MAX_TOKENS = 8
 HANG_S = 120.0
 """A request unanswered this long is a hang (and is aborted)."""
 FAULTS = ("truncate", "corrupt", "delete-chunk", "delete-store")
+ROOT = Path(__file__).resolve().parents[1]
+SUITE = (
+    [],
+    ["--policy", "fail"],
+    ["--no-prefix-caching"],
+    ["--policy", "fail", "--no-prefix-caching"],
+)
+"""The configurations `--suite` runs (arguments added to `--requests N`)."""
 
 
 def prompts(rng: random.Random, unique: int) -> list[list[int]]:
@@ -62,9 +79,11 @@ def inject(rng: random.Random, store: Path) -> str:
     files = sorted(store.rglob("*.kv")) if store.exists() else []
     kind = rng.choice(FAULTS)
     if kind == "delete-store":
-        if store.exists():  # the path goes at once; saves racing us land in the old tree
-            gone = store.rename(store.with_name(f"{store.name}.deleted.{rng.random()}"))
-            shutil.rmtree(gone, ignore_errors=True)
+        if not store.exists():  # deleted before and nothing saved since: no fault
+            return ""
+        # the path goes at once; saves racing us land in the old tree
+        gone = store.rename(store.with_name(f"{store.name}.deleted.{rng.random()}"))
+        shutil.rmtree(gone, ignore_errors=True)
         return kind
     if not files:
         return ""
@@ -95,7 +114,7 @@ class Soak:
             extra_config={
                 "transport": "fs",
                 "options": {"path": str(store)},
-                "event_log": args.event_log,
+                "event_log": str(args.event_log),
                 "load_mode": args.load_mode,
             },
             failure_policy=args.policy,
@@ -163,6 +182,42 @@ class Soak:
         return int(getattr(total, "value", 0)) if total is not None else -1
 
 
+def kvflow_loads(event_log: Path) -> dict[str, int]:
+    """kvflow's loads in its event log: done (chunks and bytes) and failed."""
+    from kvflow.eventlog import read_event_log
+    from kvflow.events import TransferDone, TransferFailed
+
+    out = Counter({"done": 0, "chunks": 0, "bytes": 0, "failed": 0})
+    for e in read_event_log(str(event_log)):
+        if isinstance(e, TransferDone) and e.direction == "load" and e.what == "kv":
+            out.update(done=1, chunks=e.chunks, bytes=e.nbytes)
+        elif isinstance(e, TransferFailed) and e.direction == "load" and e.what == "kv":
+            out.update(failed=1)
+    return dict(out)
+
+
+def suite(requests: int, out: Path) -> int:
+    """Each configuration of SUITE in a process of its own; their reports into `out`."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import record
+
+    meta = record.start()
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="kvflow-soak-suite-") as tmp:
+        refs = Path(tmp) / "references.json"
+        for i, extra in enumerate(SUITE):
+            report = Path(tmp) / f"{i}.json"
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--requests", str(requests)]
+            cmd += [*extra, "--references", str(refs), "--report", str(report)]
+            print(f"== soak {' '.join(extra) or '(defaults)'}", flush=True)
+            rc = subprocess.run(cmd, cwd=ROOT).returncode
+            rows.append({"args": extra, "exit": rc, **json.loads(report.read_text())})
+    extra_sources = ("kvflow", "plugins/kvflow_vllm", "transports/kvflow_fs", "scripts/soak.py")
+    record.save(out, {"requests": requests, "rows": rows}, meta, extra_sources)
+    print(f"wrote {out}")
+    return 1 if any(r["exit"] for r in rows) else 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=1000)
@@ -175,37 +230,66 @@ def main() -> int:
     ap.add_argument("--load-mode", choices=["layer", "async"], default="layer")
     ap.add_argument("--no-prefix-caching", action="store_true", help="vLLM's own prefix cache off")
     ap.add_argument("--store", type=Path, default=None, help="default: a temporary directory")
-    ap.add_argument("--event-log", default="", help="kvflow's event log (JSON lines)")
+    ap.add_argument("--event-log", type=Path, default=None, help="kvflow's event log (JSONL)")
+    ap.add_argument("--report", type=Path, default=None, help="this run's counts, as JSON")
+    ap.add_argument("--suite", action="store_true", help="every configuration of SUITE")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "soak.json")
     ap.add_argument(
         "--references", type=Path, default=None,
         help="a JSON file keeping the connector-less engine's tokens across runs",
     )  # fmt: skip
     args = ap.parse_args()
+    if args.suite:
+        return suite(args.requests, args.out)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     work = Path(tempfile.mkdtemp(prefix="kvflow-soak-"))
     store = args.store or work / "kv"
+    args.event_log = args.event_log or work / "events.jsonl"
     ps = prompts(random.Random(args.seed), args.unique)
     want = references(work, ps, args.references)
     t0 = time.monotonic()
     soak = Soak(args, store)
     soak.run(ps, want)
     leaked = soak.leaked_blocks()
+    preemptions = soak.preemptions()
+    soak.engine.engine_core.shutdown()  # kvflow's event log is whole once it is closed
     c = soak.count
-    faults = sum(n for k, n in c.items() if k.startswith("fault:"))
-    kinds = ", ".join(f"{k[6:]} {n}" for k, n in sorted(c.items()) if k.startswith("fault:"))
-    print(f"requests        {args.requests} ({c['right']} right, {c['aborted']} aborted)")
-    print(f"faults          {faults} ({kinds or 'none'})")
-    print(f"preemptions     {soak.preemptions()}")
-    print(f"wrong tokens    {c['wrong tokens']}")
-    print(f"request errors  {c['request errors']} (policy {args.policy})")
-    print(f"leaked blocks   {leaked}")
-    print(f"hangs           {c['hangs']}")
-    print(f"wall            {time.monotonic() - t0:.0f} s")
+    faults = {k[6:]: n for k, n in sorted(c.items()) if k.startswith("fault:")}
+    report = {
+        "requests": args.requests,
+        "right": c["right"],
+        "aborted": c["aborted"],
+        "faults": faults,
+        "preemptions": preemptions,
+        "kvflow_loads": kvflow_loads(args.event_log),
+        "wrong_tokens": c["wrong tokens"],
+        "request_errors": c["request errors"],
+        "policy": args.policy,
+        "leaked_blocks": leaked,
+        "hangs": c["hangs"],
+        "wall_s": round(time.monotonic() - t0, 1),
+    }
+    print_report(report)
+    if args.report:
+        args.report.write_text(json.dumps(report))
+    shutil.rmtree(work, ignore_errors=True)
     bad = c["wrong tokens"] or c["hangs"] or leaked
     bad = bad or (args.policy == "recompute" and c["request errors"])
-    soak.engine.engine_core.shutdown()
-    shutil.rmtree(work, ignore_errors=True)
     return 1 if bad else 0
+
+
+def print_report(r: dict[str, Any]) -> None:
+    kinds = ", ".join(f"{k} {n}" for k, n in r["faults"].items())
+    loads = r["kvflow_loads"]
+    print(f"requests        {r['requests']} ({r['right']} right, {r['aborted']} aborted)")
+    print(f"faults          {sum(r['faults'].values())} ({kinds or 'none'})")
+    print(f"preemptions     {r['preemptions']}")
+    print(f"kvflow loads    {loads['done']} ({loads['chunks']} chunks), {loads['failed']} failed")
+    print(f"wrong tokens    {r['wrong_tokens']}")
+    print(f"request errors  {r['request_errors']} (policy {r['policy']})")
+    print(f"leaked blocks   {r['leaked_blocks']}")
+    print(f"hangs           {r['hangs']}")
+    print(f"wall            {r['wall_s']:.0f} s")
 
 
 if __name__ == "__main__":

@@ -14,9 +14,12 @@ port; no request is sent while it starts.
 
 Prints requests, aborts, kills, wrong tokens (against the decode server computing each
 prompt alone), request errors (those in flight when the producer was killed, apart),
-blocks held once both servers are idle, and the worst and median latency. Exits
-non-zero on a wrong token, a leaked block, a hang, or a request error that no kill
-explains.
+blocks held once both servers are idle, the decode server's kvflow loads (pulls, from
+its event log) and the worst and median latency, and writes them with every request's
+latency to bench/results/soak-pd.json (bench/record.py: commit, command, machine, date,
+every earlier run; docs/reliability.md's table is rendered from it by `python
+bench/run.py --render`). Exits non-zero on a wrong token, a leaked block, a hang, or a
+request error that no kill explains.
 """
 
 from __future__ import annotations
@@ -36,10 +39,16 @@ import time
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 from faults import Pair, body, idle_after, signal_server  # scripts/faults.py
+from soak import kvflow_loads  # scripts/soak.py
 
 from kvflow_vllm.apiserver import ApiServer, free_port, post
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+import record  # noqa: E402  (bench/record.py: what a results file records)
 
 HANG_S = 300.0
 """A request unanswered this long is a hang."""
@@ -160,7 +169,9 @@ def main() -> int:
     ap.add_argument("--kill-every", type=int, default=300, help="requests between kills")
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "soak-pd.json")
     args = ap.parse_args()
+    meta = record.start()
     work = Path(tempfile.mkdtemp(prefix="kvflow-soak-pd-"))
     ps = prompts(random.Random(args.seed), args.unique)
     pair = Pair(work)
@@ -176,17 +187,23 @@ def main() -> int:
         soak.run(ps, want)
         wall = time.monotonic() - t0
         idle = idle_after([pair.prefill, pair.decode], time.monotonic())
-        c, lat = soak.count, sorted(soak.latencies)
-        print(f"requests          {args.requests} ({c['right']} right, {c['aborted']} aborted)")
-        print(f"producer kills    {c['producer kills']}")
-        print(f"wrong tokens      {c['wrong tokens']}")
-        print(f"request errors    {c['errors']} (+ {c['errors at a kill']} in flight at a kill)")
-        print(
-            f"leaked blocks     {'none' if idle is not None else 'YES (kv_cache_usage_perc > 0)'}"
-        )
-        if lat:
-            print(f"latency           median {lat[len(lat) // 2]:.2f} s, worst {lat[-1]:.2f} s")
-        print(f"wall              {wall:.0f} s")
+        c = soak.count
+        report = {
+            "requests": args.requests,
+            "right": c["right"],
+            "aborted": c["aborted"],
+            "producer_kills": c["producer kills"],
+            "wrong_tokens": c["wrong tokens"],
+            "request_errors": c["errors"],
+            "errors_at_a_kill": c["errors at a kill"],
+            "leaked_blocks": idle is None,
+            "kvflow_loads": kvflow_loads(pair.events("decode")),
+            "latencies_s": soak.latencies,
+            "wall_s": round(wall, 1),
+        }
+        print_report(report)
+        extra = ("kvflow", "plugins/kvflow_vllm", "transports/kvflow_zmq", "scripts/faults.py")
+        record.save(args.out, report, meta, extra)
         bad = c["wrong tokens"] or c["errors"] or idle is None
     finally:
         if proxy is not None:
@@ -194,6 +211,20 @@ def main() -> int:
         pair.close()
     shutil.rmtree(work, ignore_errors=True)
     return 1 if bad else 0
+
+
+def print_report(r: dict[str, Any]) -> None:
+    lat, loads = sorted(r["latencies_s"]), r["kvflow_loads"]
+    print(f"requests          {r['requests']} ({r['right']} right, {r['aborted']} aborted)")
+    print(f"producer kills    {r['producer_kills']}")
+    print(f"kvflow loads      {loads['done']} ({loads['chunks']} chunks), {loads['failed']} failed")
+    print(f"wrong tokens      {r['wrong_tokens']}")
+    errors = f"{r['request_errors']} (+ {r['errors_at_a_kill']} in flight at a kill)"
+    print(f"request errors    {errors}")
+    print(f"leaked blocks     {'YES (kv_cache_usage_perc > 0)' if r['leaked_blocks'] else 'none'}")
+    if lat:
+        print(f"latency           median {lat[len(lat) // 2]:.2f} s, worst {lat[-1]:.2f} s")
+    print(f"wall              {r['wall_s']:.0f} s")
 
 
 if __name__ == "__main__":

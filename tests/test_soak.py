@@ -1,16 +1,45 @@
-"""The soak script of docs/reliability.md runs as written (here on fewer requests)."""
+"""The soak script of docs/reliability.md runs as written (here on fewer requests), kvflow
+loads in it, and it counts a fault only where one happened."""
 
 from __future__ import annotations
 
+import importlib.util
+import random
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
-pytestmark = [pytest.mark.engine, pytest.mark.slow]
-
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def _soak() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("soak", ROOT / "scripts" / "soak.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_fault_is_counted_only_where_it_hit_something(tmp_path: Path) -> None:
+    inject = _soak().inject
+    store = tmp_path / "kv"
+    rng = random.Random(0)
+    assert {inject(rng, store) for _ in range(40)} == {""}  # no store: nothing to hit
+    store.mkdir()
+    assert {inject(rng, store) for _ in range(40)} <= {"", "delete-store"}  # no chunk file
+    chunk = store / "ab" / "x.kv"
+    hits = []
+    for _ in range(40):
+        chunk.parent.mkdir(parents=True, exist_ok=True)
+        chunk.write_bytes(bytes(range(256)))
+        if kind := inject(rng, store):
+            hits.append(kind)
+            gone = not chunk.exists()
+            assert gone if kind.startswith("delete") else chunk.read_bytes() != bytes(range(256))
+    assert set(hits) == {"truncate", "corrupt", "delete-chunk", "delete-store"}
 
 
 @pytest.fixture(scope="module")
@@ -19,6 +48,8 @@ def references(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("soak") / "references.json"
 
 
+@pytest.mark.engine
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
 def test_a_short_soak_ends_with_nothing_wrong(policy: str, references: Path) -> None:
     cmd = [sys.executable, "scripts/soak.py", "--requests", "80", "--unique", "16"]
@@ -31,3 +62,5 @@ def test_a_short_soak_ends_with_nothing_wrong(policy: str, references: Path) -> 
     assert lines["wrong"].split()[-1] == "0", tail  # "wrong tokens    0"
     assert lines["leaked"].split()[-1] == "0" and lines["hangs"].strip() == "0", tail
     assert not lines["faults"].startswith("0"), "no fault was injected"
+    loads = int(lines["kvflow"].split()[1])  # "kvflow loads    37 (130 chunks), 5 failed"
+    assert loads > 0, f"kvflow loaded nothing: vLLM's own cache served every hit\n{tail}"

@@ -24,9 +24,7 @@ Parts:
 from __future__ import annotations
 
 import argparse
-import datetime
 import importlib.util
-import json
 import os
 import statistics
 import subprocess
@@ -47,6 +45,8 @@ from kvflow.testing import make_layout
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[2]
 sys.path.insert(0, str(HERE.parent / "tests"))
+sys.path.insert(0, str(ROOT / "bench"))  # record.py: what a results file records
+import record  # noqa: E402
 import servers  # noqa: E402
 
 import kvflow_redis  # noqa: E402
@@ -73,12 +73,6 @@ def old_package(ref: str) -> ModuleType:
     sys.modules["kvflow_redis_old"] = module
     spec.loader.exec_module(module)
     return module
-
-
-def commit() -> str:
-    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True)
-    dirty = subprocess.run(["git", "diff", "--quiet", "HEAD"], cwd=ROOT).returncode
-    return out.stdout.decode().strip() + ("+dirty" if dirty else "")
 
 
 async def timed(fn: Callable[[], Awaitable[Any]]) -> float:
@@ -282,6 +276,7 @@ def report(results: dict[str, Any]) -> None:
 
 
 def main() -> None:
+    meta = record.start()
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeat", type=int, default=7)
     ap.add_argument("--quick", action="store_true", help="3 repeats")
@@ -293,16 +288,12 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="kvflow-redis-bench-"))
     with servers.standalone(work / "one") as single, servers.cluster(work / "cluster") as cl:
         results: dict[str, Any] = {
-            "commit": commit(),
-            "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
-            "date": datetime.date.today().isoformat(),
-            "machine": f"{os.cpu_count()} cores, no GPU used",
             "baseline_ref": args.baseline_ref,
             "client": trio.run(client_rounds, single.url, old, repeat),
             "transport": trio.run(transport_rounds, single.url, old, repeat),
             "cluster": trio.run(cluster_rounds, single.url, cl.url, repeat),
         }
-    Path(args.out).write_text(json.dumps(results, indent=2))
+    record.save(args.out, results, meta, ("plugins/kvflow_redis/kvflow_redis",))
     report(results)
 
 

@@ -1,0 +1,86 @@
+"""Every table of README.md and docs/ between `<!-- bench:NAME -->` markers is its
+results file rendered (bench/run.py), captioned with the commit, command, date and
+machine the file records, and says so when the code it measured has changed since."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+ROOT = Path(__file__).parent.parent
+
+
+def _run() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("bench_run", ROOT / "bench" / "run.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+run = _run()
+record = sys.modules["record"]  # bench/record.py, as run.py imports it
+
+
+def _results() -> list[Path]:
+    return sorted((ROOT / "bench" / "results").glob("*.json"))
+
+
+@pytest.mark.skipif(not record.git("rev-parse", "HEAD"), reason="needs the git history")
+@pytest.mark.parametrize("page", run.DOCS, ids=lambda p: p.name)
+def test_each_table_is_its_results_file_rendered(page: Path) -> None:
+    text = page.read_text()
+    assert run.render(text) == text, (
+        f"{page.name}: a table differs from its results file or from what the code it "
+        "measured became; `python bench/run.py --render` rewrites them"
+    )
+
+
+def test_every_table_is_shown_and_every_marker_names_one() -> None:
+    shown = [n for p in run.DOCS for n in re.findall(r"<!-- bench:([\w-]+) -->", p.read_text())]
+    assert sorted(shown) == sorted(run.TABLES)
+    with pytest.raises(SystemExit, match=r"bench:nope -->: no such table; valid: fs-io, "):
+        run.render("<!-- bench:nope -->\n<!-- /bench:nope -->")
+
+
+@pytest.mark.parametrize("path", _results(), ids=lambda p: p.name)
+def test_every_results_file_records_what_measured_it(path: Path) -> None:
+    data = json.loads(path.read_text())
+    for key in ("command", "date", "machine"):
+        assert data.get(key), f"{path.name}: no {key}"
+    assert data.get("commit") or data.get("committed_in"), f"{path.name}: no commit"
+    assert isinstance(data.get("history"), list), f"{path.name}: no history of earlier runs"
+
+
+def test_a_second_run_keeps_the_first_in_its_history(tmp_path: Path) -> None:
+    out = tmp_path / "x.json"
+    first, second = record.start(["bench/x.py"]), record.start(["bench/x.py", "--quick"])
+    first["started"], second["started"] = "t1", "t2"
+    record.save(out, {"rows": [1]}, first)
+    record.save(out, {"rows": [1, 2]}, first)  # the same run, saved again: replaced
+    record.save(out, {"rows": [3]}, second)
+    data = json.loads(out.read_text())
+    assert data["rows"] == [3] and data["command"] == "python bench/x.py --quick"
+    assert [(h["rows"], h["started"]) for h in data["history"]] == [([1, 2], "t1")]
+    assert "bench/record.py" in data["sources"]  # the files this process ran
+
+
+@pytest.mark.skipif(not record.git("rev-parse", "HEAD"), reason="needs the git history")
+def test_a_caption_says_when_the_code_it_measured_has_changed() -> None:
+    root = record.git("rev-list", "--max-parents=0", "HEAD").split()[0]
+    head = record.git("rev-parse", "--short=7", "HEAD")
+
+    def caption(commit: str, sources: list[str]) -> str:
+        data = {"commit": commit, "command": "python bench/x.py", "date": "d", "machine": "m"}
+        return "\n".join(run.caption(data | {"sources": sources}))
+
+    assert "Older than the code it describes" in caption(root, ["kvflow/__init__.py"])
+    assert "(`python bench/x.py` measures again)" in caption(root, ["kvflow/__init__.py"])
+    assert caption(head, ["no/such/file.py"]) == (f"_`python bench/x.py`, commit {head}, d, m._")
+    assert "cannot be told" in caption("0000000", ["kvflow/__init__.py"])
