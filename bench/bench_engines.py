@@ -300,9 +300,11 @@ class Bench:
             mlen, k, hlen = self.sizes["mixed"]
             hit_prompts = [self.prompt(hlen) for _ in range(k)]
             alone, batched = self.prompt(mlen), self.prompt(mlen)
+            solos: dict[str, list[Any]] = {}
+            mixed: dict[str, list[Any]] = {}
             for e in self.order(HIT_ENGINES, r):
-                (solo,) = self.warm(e, [], [alone])
-                out = self.warm(e, hit_prompts, [*hit_prompts, batched])
+                (solo,) = solos[e] = self.warm(e, [], [alone])
+                out = mixed[e] = self.warm(e, hit_prompts, [*hit_prompts, batched])
                 record("miss alone", e, solo)
                 ttft.setdefault("miss batched with hits", {}).setdefault(e, []).append(
                     out[-1].ttft_s * 1e3
@@ -310,6 +312,8 @@ class Bench:
                 ttft.setdefault("hits batched with a miss", {}).setdefault(e, []).append(
                     median([o.ttft_s * 1e3 for o in out[:-1]])
                 )
+            self.check_tokens("miss alone", solos)
+            self.check_tokens("hits batched with a miss", mixed)  # every prompt of the batch
             clear_stores(self.tmp)
             print(f"    hit repeat {r + 1}/{self.repeats} done", flush=True)
         return {
