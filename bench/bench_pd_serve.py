@@ -8,8 +8,9 @@ started by `scripts/faults.py`'s `ApiServer`/`Pair`, `kvflow proxy` by
 `scripts/soak_pd.py`'s `Proxy`), run one after another; with `--repeats` the order
 alternates (A-B-C-D, D-C-B-A, ...):
 
-- `one server`: one server, no connector, its worker on core 0
-  (`VLLM_CPU_OMP_THREADS_BIND=0`); the requests go to it directly;
+- `one server`: one server, no connector, its worker on both cores
+  (`VLLM_CPU_OMP_THREADS_BIND=0-1`, the pair's hardware); the requests go to it
+  directly;
 - `kvflow zmq`: a prefill server on core 0 and a decode server on core 1, both
   `KVFlowConnector` kv_both over `zmq` with a deployment key and policy `recompute`
   (`faults.config`: the configuration `scripts/faults.py` measures), `kvflow proxy`
@@ -51,10 +52,11 @@ a P/D row whose decode server computed the prompts itself is flagged `fell back`
 
 What this machine can show: the pair shares one 2-core host, a core each (prefill 0,
 decode 1), and the API servers, engine cores and proxy float over both; the one
-server computes on core 0 alone. The pair can overlap one request's prefill with
-another's decode, but every prefill still runs on one core as the baseline's does,
-and what P/D is for (prefill and decode on instances of their own, sized for their
-batch shapes, decode steps never held up by a long prefill) cannot show on two cores:
+server computes on both cores (the same hardware as the pair). The pair can overlap
+one request's prefill with another's decode, but each prefill runs on one core where
+the one server's runs on two, and what P/D is for (prefill and decode on instances
+of their own, sized for their batch shapes, decode steps never held up by a long
+prefill) cannot show on two cores:
 the figures are P/D's overhead and latency (the proxy's two hops, the prefill's one
 token, the KV transfer, the decode's wait for it), not its throughput benefit.
 
@@ -198,7 +200,7 @@ def deployment(setup: Setup, work: Path, opts: Opts) -> Iterator[tuple[int, list
     with contextlib.ExitStack() as stack:
         if setup.kv is None:
             env = opts.env | setup.env()
-            one = ApiServer(work, "one", None, *opts.args, model=opts.model, cores="0", env=env)
+            one = ApiServer(work, "one", None, *opts.args, model=opts.model, cores="0-1", env=env)
             stack.callback(one.close)
             one.wait_ready()
             yield one.port, [one]
