@@ -304,6 +304,9 @@ def soak_table(d: dict[str, Any]) -> list[str]:
     head += ["leaked blocks", "hangs"]
     rows = []
     for r in d["rows"]:
+        if "right" not in r:
+            rows.append([" ".join(r["args"]), f"exited {r['exit']} before its report"])
+            continue
         faults = ", ".join(f"{k} {n}" for k, n in r["faults"].items())
         loads = r["kvflow_loads"]
         rows.append([

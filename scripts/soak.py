@@ -211,7 +211,8 @@ def suite(requests: int, out: Path) -> int:
             cmd += [*extra, "--references", str(refs), "--report", str(report)]
             print(f"== soak {' '.join(extra) or '(defaults)'}", flush=True)
             rc = subprocess.run(cmd, cwd=ROOT).returncode
-            rows.append({"args": extra, "exit": rc, **json.loads(report.read_text())})
+            got = json.loads(report.read_text()) if report.exists() else {}  # died before it
+            rows.append({"args": extra, "exit": rc, **got})
     extra_sources = ("kvflow", "plugins/kvflow_vllm", "transports/kvflow_fs", "scripts/soak.py")
     record.save(out, {"requests": requests, "rows": rows}, meta, extra_sources)
     print(f"wrote {out}")
