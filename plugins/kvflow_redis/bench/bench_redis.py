@@ -96,7 +96,7 @@ async def client_rounds(url: str, old: ModuleType, repeat: int) -> dict[str, lis
         kvflow_redis.RedisOptions(url=url), TransportContext("b", "worker", "ns", "s", ["s"])
     )
     await new.open()
-    new.limits.max_bulk = 2 * MIB
+    new.limits.max_bulk = CHUNKS * MIB  # the guard bounds a whole reply: MGET of them all
     client: coredis.Redis[bytes] = new.client  # type: ignore[assignment]
     bufs = [bytearray(MIB) for _ in range(CHUNKS)]
 
