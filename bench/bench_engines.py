@@ -374,6 +374,7 @@ def main() -> int:
             results[name] = fn()
             results[f"{name}_run"] = {
                 **meta,
+                "sources": record.sources(ENGINE_SOURCES),  # a section's own: another may be older
                 "repeats": repeats,
                 "sizes": sizes,
                 "token_mismatches": bench.mismatches,

@@ -97,6 +97,11 @@ BENCHES: dict[str, tuple[list[str], bool, Callable[[], str]]] = {
         True,
         lambda: "" if _has_cuda() else "no CUDA device on this machine",
     ),
+    "cuda-ipc-layerwise": (
+        ["bench_cuda_ipc.py", "--layerwise"],
+        True,
+        lambda: "" if _has_cuda() else "no CUDA device on this machine",
+    ),
 }
 
 
@@ -486,7 +491,7 @@ def caption(data: dict[str, Any], section: str = "") -> list[str]:
     else:
         at = "commit not recorded"
     line = f"_`{meta.get('command')}`, {at}, {meta.get('date')}, {meta.get('machine')}._"
-    changed = record.changed_since(data)
+    changed = record.changed_since(meta)  # a section's own sources where it has them
     if changed is None:
         return [line, "", "_Whether the code it measured has changed since cannot be told._"]
     if changed:
