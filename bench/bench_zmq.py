@@ -91,7 +91,7 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -201,22 +201,19 @@ async def _hold_offers(
     channel: Channel | None,
     started: Callable[[str, Callable[[], None]], None],
     ended: Callable[[str, str], None],
+    stopped: Callable[[], Awaitable[Any]] = trio.sleep_forever,
 ) -> None:
-    """A producer transport holding an offer of `case` for each of `reqs` until every one
-    ended: `started(address, cancel)` once it serves, `ended(req, outcome)` for each."""
+    """A producer transport holding an offer of `case` for each of `reqs`, serving until
+    `stopped()` returns (or it is cancelled): `started(address, cancel)` once it serves,
+    `ended(req, outcome)` as each offer ends. An offer ends once its copies are queued,
+    before they are all sent: serving stops when the consumer says, not then."""
     producer = ZmqTransport(ZmqOptions(), _ctx(case.prod, channel))
     await producer.open()
     await producer.register(case.prod)
-    left = len(reqs)
-    all_done = trio.Event()
 
     async def hold(req: str) -> None:
-        nonlocal left
         offer = Offer(req, case.src_ids, case.counts, case.prod.num_layers, case.src_spans)
         ended(req, await producer.offer(offer))
-        left -= 1
-        if not left:
-            all_done.set()
 
     try:
         async with trio.open_nursery() as nursery:
@@ -225,7 +222,7 @@ async def _hold_offers(
                 nursery.start_soon(hold, req)
             await trio.testing.wait_all_tasks_blocked()
             started(producer.address, nursery.cancel_scope.cancel)
-            await all_done.wait()
+            await stopped()
             nursery.cancel_scope.cancel()
     finally:
         await producer.aclose()
@@ -450,7 +447,13 @@ def _producer_process(case: Case, reqs: list[str], channel: Channel, conn: Conne
     P/D producer is a process of its own, as in a deployment: its MAC and handshake work
     does not share the consumer's GIL)."""
     outcomes: dict[str, str] = {}
-    trio.run(_hold_offers, case, reqs, channel, lambda a, _: conn.send(a), outcomes.__setitem__)
+
+    async def stopped() -> None:  # the consumer's "stop", after its last pull
+        await trio.to_thread.run_sync(conn.recv)
+
+    trio.run(
+        _hold_offers, case, reqs, channel, lambda a, _: conn.send(a), outcomes.__setitem__, stopped
+    )
     conn.send(outcomes)
 
 
@@ -473,6 +476,7 @@ def bench_channels(case: Case, repeats: int) -> dict[str, list[float]]:
             producers[name] = (proc, mine, mine.recv())
         times = trio.run(_pull_rounds, case, channels, producers, rounds)
         for name, (_, conn, _) in producers.items():
+            conn.send("stop")
             outcomes = conn.recv() if conn.poll(TIMEOUT_S) else {}
             if sorted(outcomes.values()) != ["done"] * rounds:
                 raise AssertionError(f"zmq {name}: offers ended {sorted(set(outcomes.values()))}")
