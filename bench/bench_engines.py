@@ -210,7 +210,6 @@ def median(xs: list[float]) -> float:
 class Bench:
     def __init__(self, llms: dict[str, Any], tmp: Path, sizes: dict[str, Any], repeats: int):
         self.llms, self.tmp, self.sizes, self.repeats = llms, tmp, sizes, repeats
-        self.miss_engines = tuple(e for e in MISS_ENGINES if e in llms)
         self.samples: dict[str, dict[str, list[float]]] = {}
         """Every miss-path sample (tokens per second), by engine and phase."""
         self.rng = random.Random(0)
@@ -236,12 +235,13 @@ class Bench:
     def miss(self) -> dict[str, dict[str, float]]:
         n, plen = self.sizes["miss_prefill"]
         dn, dlen, dout = self.sizes["miss_decode"]
-        rates: dict[str, dict[str, list[float]]] = {e: {} for e in self.miss_engines}
+        engines = tuple(e for e in MISS_ENGINES if e in self.llms)
+        rates: dict[str, dict[str, list[float]]] = {e: {} for e in engines}
         self.samples = rates
         for r in range(self.repeats):
             prefill = [self.prompt(plen) for _ in range(n)]
             decode = [self.prompt(dlen) for _ in range(dn)]
-            for e in self.order(self.miss_engines, r):
+            for e in self.order(engines, r):
                 out = self.run(e, prefill, 1)
                 rates[e].setdefault("prefill", []).append(n * plen / out[0].seconds)
                 wait_saved(self.tmp, e, [])
@@ -362,7 +362,7 @@ def main() -> int:
     results: dict[str, Any] = json.loads(out.read_text()) if out.exists() else {}
     t0 = time.perf_counter()
     try:
-        llms = start_engines(tmp, model_dir("bench-llama"), names)
+        llms: dict[str, Any] = {}  # each path's engines, started as it begins
         bench = Bench(llms, tmp, sizes, repeats)
         steps: list[tuple[str, Callable[[], Any]]] = []
         if not args.skip_miss:
@@ -370,6 +370,17 @@ def main() -> int:
         if not args.skip_hits:
             steps.append(("hit", bench.hits))
         for name, fn in steps:
+            # only this path's engines run: all seven at once outgrow 24 GiB, now that
+            # the host tier's engines touch their 2 GiB at start (decision 66)
+            need = [
+                e
+                for e in (MISS_ENGINES if name == "miss" else HIT_ENGINES)
+                if e in names or not names
+            ]
+            for e in [e for e in llms if e not in need]:
+                llms.pop(e).llm_engine.engine_core.shutdown()
+            if new := tuple(e for e in need if e not in llms):
+                llms.update(start_engines(tmp, model_dir("bench-llama"), new))
             print(f"  {name} path ...", flush=True)
             results[name] = fn()
             results[f"{name}_run"] = {

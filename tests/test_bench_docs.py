@@ -5,27 +5,19 @@ machine the file records, and says so when the code it measured has changed sinc
 from __future__ import annotations
 
 import difflib
-import importlib.util
 import json
 import re
 import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
+
+from .scripts import load
 
 ROOT = Path(__file__).parent.parent
 
 
-def _run() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_run", ROOT / "bench" / "run.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-run = _run()
+run = load("bench/run.py", "bench_run")
 record = sys.modules["record"]  # bench/record.py, as run.py imports it
 
 

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import re
 from pathlib import Path
 from types import ModuleType
 
 import pytest
+
+from .scripts import load
 
 ROOT = Path(__file__).parent.parent
 
@@ -15,11 +16,7 @@ pytest.importorskip("matplotlib", reason="the plots need matplotlib (pip install
 
 
 def _plots() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_plots", ROOT / "bench" / "plots.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load("bench/plots.py", "bench_plots")
 
 
 def test_every_plot_is_a_small_png_drawn_from_the_committed_results(tmp_path: Path) -> None:

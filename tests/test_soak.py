@@ -3,7 +3,6 @@ loads in it, and it counts a fault only where one happened."""
 
 from __future__ import annotations
 
-import importlib.util
 import random
 import subprocess
 import sys
@@ -12,15 +11,13 @@ from types import ModuleType
 
 import pytest
 
+from .scripts import load
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _soak() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("soak", ROOT / "scripts" / "soak.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load("scripts/soak.py", "soak")
 
 
 def test_a_fault_is_counted_only_where_it_hit_something(tmp_path: Path) -> None:

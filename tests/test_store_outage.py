@@ -8,12 +8,9 @@ same prompts hit."""
 
 from __future__ import annotations
 
-import importlib.util
 import signal
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
@@ -23,21 +20,12 @@ from kvflow.events import LookupAnswered, TransferDone
 from kvflow.transport import Transport, TransportContext
 
 from .engine_harness import PROMPT, Engine, lookup, prefill_cold, run_step
+from .scripts import load
 
 kvflow_redis = pytest.importorskip("kvflow_redis")
 
 
-def _servers() -> ModuleType:
-    path = Path(__file__).parents[1] / "plugins" / "kvflow_redis" / "tests" / "servers.py"
-    spec = importlib.util.spec_from_file_location("kvflow_redis_test_servers", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-servers = _servers()
+servers = load("plugins/kvflow_redis/tests/servers.py", "kvflow_redis_test_servers")
 
 
 @pytest.fixture
