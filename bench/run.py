@@ -357,32 +357,6 @@ def cuda_ipc_table(d: dict[str, Any]) -> list[str]:
     return [*_table(head, rows), "", f"_{peak}; {equal}_"]
 
 
-def gpu_log(path: Path) -> dict[str, Any]:
-    """The JSON a GPU benchmark printed first in a log kept under bench/results/."""
-    data: dict[str, Any] = json.JSONDecoder().raw_decode(path.read_text())[0]
-    return data
-
-
-def h100_converted(results: Path) -> dict[str, Any]:
-    """bench_cuda_ipc.py's runs of 2026-11-27 on an H100 (its `index_copy_` baseline of
-    then), the consumer NHD as the producer and HND (converted), from their logs."""
-    logs = results / "gpu-2026-11-27"
-    runs = {
-        layout: [gpu_log(logs / f"cuda_ipc-e831ef7-bench-{layout}-{i}.json") for i in (1, 2)]
-        for layout in ("LBNHC", "LBHNC")
-    }
-    return {
-        "commit": "e831ef7",
-        "command": "python bench/bench_cuda_ipc.py --requests 8 [--consumer-layout LBHNC]",
-        "date": "2026-11-27",
-        "machine": runs["LBNHC"][0]["device"],
-        "sources": record.fingerprint(
-            ["kvflow", "transports/kvflow_zmq", "bench/bench_cuda_ipc.py"], "e831ef7"
-        ),
-        "runs": runs,
-    }
-
-
 def h100_converted_table(d: dict[str, Any]) -> list[str]:
     head = ["consumer", "pull GB/s", "plain copy GB/s (within the consumer's layout)"]
     rows = []
@@ -394,20 +368,6 @@ def h100_converted_table(d: dict[str, Any]) -> list[str]:
     conv = [c["ipc_pull_gbs"] / n["ipc_pull_gbs"] for c, n in pairs]
     note = f"converted / unconverted pull, run by run: {', '.join(f'{r:.2f}' for r in conv)}"
     return [*_table(head, rows), "", f"_{note}_"]
-
-
-def h100_convert_cuda(results: Path) -> dict[str, Any]:
-    """bench_convert_cuda.py's run of 2026-11-27 on an H100, from its log."""
-    data = gpu_log(results / "gpu-2026-11-27" / "convert_cuda-753565d-zmq.json")
-    return data | {
-        "commit": "753565d",
-        "command": "python bench/bench_convert_cuda.py",
-        "date": "2026-11-27",
-        "machine": data["device"],
-        "sources": record.fingerprint(
-            ["kvflow", "transports/kvflow_zmq", "bench/bench_convert_cuda.py"], "753565d"
-        ),
-    }
 
 
 def convert_cuda_table(d: dict[str, Any]) -> list[str]:
@@ -448,11 +408,8 @@ def pd_serve_table(d: dict[str, Any]) -> list[str]:
     return [*_table(head, rows), "", f"_{note}_"]
 
 
-Source = str | Callable[[Path], dict[str, Any]]
-"""A results file's name under bench/results/, or what reads a table's data there."""
-
 # table name in docs: (its results, renderer, section of the file it shows)
-TABLES: dict[str, tuple[Source, Callable[[dict[str, Any]], list[str]], str]] = {
+TABLES: dict[str, tuple[str, Callable[[dict[str, Any]], list[str]], str]] = {
     "fs-io": ("fs-io", fs_io_table, ""),
     "hooks": ("hooks", hooks_table, ""),
     "reshape": ("reshape", reshape_table, ""),
@@ -472,8 +429,8 @@ TABLES: dict[str, tuple[Source, Callable[[dict[str, Any]], list[str]], str]] = {
     "engines-miss-tier-gil": ("engines-miss-tier-gil", miss_tier_table, ""),
     "cuda-ipc": ("cuda_ipc", cuda_ipc_table, ""),
     "cuda-ipc-layerwise": ("cuda_ipc_layerwise", cuda_ipc_table, ""),
-    "cuda-ipc-converted-h100": (h100_converted, h100_converted_table, ""),
-    "convert-cuda-h100": (h100_convert_cuda, convert_cuda_table, ""),
+    "cuda-ipc-converted-h100": ("cuda_ipc_converted_h100", h100_converted_table, ""),
+    "convert-cuda-h100": ("convert_cuda_h100", convert_cuda_table, ""),
     "soak": ("soak", soak_table, ""),
     "soak-pd": ("soak-pd", soak_pd_table, ""),
     "pd-serve": ("pd-serve", pd_serve_table, ""),
@@ -508,7 +465,7 @@ def render(text: str, results: Path = RESULTS) -> str:
         if name not in TABLES:
             raise SystemExit(f"<!-- bench:{name} -->: no such table; valid: {', '.join(TABLES)}")
         source, draw, section = TABLES[name]
-        if not callable(source) and not (results / f"{source}.json").exists():
+        if not (results / f"{source}.json").exists():
             runs = [
                 b for b, (argv, _, _) in BENCHES.items() if source in " ".join(argv) or b == source
             ]
@@ -516,11 +473,7 @@ def render(text: str, results: Path = RESULTS) -> str:
             raise SystemExit(
                 f"<!-- bench:{name} -->: no bench/results/{source}.json; {how} writes it"
             )
-        data = (
-            source(results)
-            if callable(source)
-            else json.loads((results / f"{source}.json").read_text())
-        )
+        data = json.loads((results / f"{source}.json").read_text())
         body = [*caption(data, section), "", *draw(data)]
         return f"<!-- bench:{name} -->\n" + "\n".join(body) + f"\n<!-- /bench:{name} -->"
 
