@@ -156,8 +156,11 @@ def sources(extra: Iterable[str] = ()) -> dict[str, str]:
         if not path or not Path(path).is_absolute():  # torch.ops' and torch.classes' are not
             continue
         p = Path(path).resolve()
-        if p.is_relative_to(ROOT) and p.suffix == ".py":
-            seen.add(str(p.relative_to(ROOT)))
+        if not p.is_relative_to(ROOT) or p.suffix != ".py":
+            continue
+        rel = p.relative_to(ROOT)
+        if rel.parts[0] in CODE and "site-packages" not in rel.parts:  # not a venv in the tree
+            seen.add(str(rel))
     return {f: b for f, b in fingerprint(seen).items() if f not in NOT_MEASURED}
 
 
