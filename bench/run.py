@@ -189,7 +189,17 @@ def hit_table(d: dict[str, Any]) -> list[str]:
         cells = [label] + [f"{by[e]:.1f}" for e in engines]
         cells += [f"{gbs[e]:.2f}" if e in gbs else "-" for e in ("kvflow", "ExampleConnector")]
         rows.append(cells)
-    return _table(head, rows)
+    whole = [label for label in t if label in g and "no connector" in t[label]]
+    faster = {
+        base: " / ".join(f"{t[w][base] / t[w]['kvflow']:.1f}x" for w in whole)
+        for base in ("no connector", "ExampleConnector")
+        if all(base in t[w] for w in whole)
+    }
+    note = f"kvflow's TTFT on the prompts stored whole ({', '.join(whole)}): "
+    note += "; ".join(
+        f"{'recompute' if b == 'no connector' else b} / kvflow {r}" for b, r in faster.items()
+    )
+    return [*_table(head, rows), "", f"_{note}_"]
 
 
 def zmq_table(d: dict[str, Any]) -> list[str]:
