@@ -1,7 +1,7 @@
 """Run every benchmark, write bench/results/*.json, regenerate the docs' tables.
 
-    python bench/run.py            # everything: ~70 min on 2 cores
-    python bench/run.py --quick    # smaller workloads, fewer repeats: ~15 min
+    python bench/run.py            # everything: about 90 min on 2 cores
+    python bench/run.py --quick    # smaller workloads, fewer repeats
     python bench/run.py --only fs-io,hooks --no-docs
     python bench/run.py --render   # no benchmark: the tables and plots from the files
 
