@@ -132,14 +132,9 @@ def _files(path: str) -> list[str]:
     return [path]
 
 
-def fingerprint(paths: Iterable[str], rev: str = "") -> dict[str, str]:
-    """{file: blob id} of the files under `paths`, in the working tree or, given `rev`, in
-    that commit (a directory: its Python files)."""
-    if rev:
-        listed = git("ls-tree", "-r", rev, "--", *paths).splitlines()
-        entries = (line.split(None, 3) for line in listed)  # mode, type, id, path
-        wanted = set(paths)
-        return {e[3]: e[2] for e in entries if e[3] in wanted or e[3].endswith(".py")}
+def fingerprint(paths: Iterable[str]) -> dict[str, str]:
+    """{file: blob id} of the files under `paths` in the working tree (a directory: its
+    Python files)."""
     out = {}
     for f in sorted({f for p in paths for f in _files(p)}):
         with contextlib.suppress(OSError):
