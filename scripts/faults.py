@@ -35,6 +35,9 @@ prompt's latency computed alone: what finding the fault cost it), and the time f
 fault until every live server holds no KV block again (`vllm:kv_cache_usage_perc` 0;
 one that does not within 150 s has leaked blocks). Exits non-zero on a wrong token, a
 request error, a leak or a hang. A killed server is started again for the next row.
+The figures go to bench/results/faults.json (`--out`; bench/record.py: commit,
+command, machine, date, the files it ran), from which `python bench/run.py --render`
+renders docs/reliability.md's fault matrix; a run of some rows writes those rows only.
 """
 
 from __future__ import annotations
@@ -63,6 +66,10 @@ from kvflow.events import LookupAnswered
 from kvflow.pd.proxy import PREFILL_PARAMS
 from kvflow.pd.security import keygen
 from kvflow_vllm.apiserver import ApiServer, free_port, post
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+import record  # noqa: E402  (bench/record.py: what a results file records)
 
 N = 16
 MAX_TOKENS = 8
@@ -216,11 +223,16 @@ class Row:
         idle = idle_after(live, self.fault_at)
         return {
             "answered": len(futures) - errors,
-            "wrong tokens": wrong,
+            "wrong_tokens": wrong,
             "errors": errors,
-            "worst extra wait": f"{max(extra):.2f} s" if extra else "-",
-            "blocks back": "LEAKED" if idle is None else f"{idle:.2f} s after the fault",
+            "worst_extra_wait_s": secs(max(extra)) if extra else None,
+            "blocks_back_s": secs(idle),  # None: leaked
         }
+
+
+def secs(t: float | None) -> float | None:
+    """`t` rounded to the hundredth (None stays None: a leak, or nothing to time)."""
+    return None if t is None else round(t, 2)
 
 
 def signal_server(server: ApiServer, sig: signal.Signals) -> None:
@@ -248,10 +260,7 @@ def run_row(name: str, pair: Pair, prompts: list[list[int]]) -> dict[str, Any]:
         out = row.judge(futures, [d])
         if sig == signal.SIGSTOP:
             signal_server(p, signal.SIGCONT)
-            idle = idle_after([p], time.monotonic())
-            out["producer's blocks back"] = (
-                "LEAKED" if idle is None else f"{idle:.2f} s after SIGCONT"
-            )
+            out["producer_blocks_back_after_sigcont_s"] = secs(idle_after([p], time.monotonic()))
         else:
             pair.restart("prefill")
         return out
@@ -261,10 +270,7 @@ def run_row(name: str, pair: Pair, prompts: list[list[int]]) -> dict[str, Any]:
         idle = idle_after([p], row.fault_at)
         lost = sum("choices" not in f.result(timeout=600)[0] for f in futures)
         pair.restart("decode")
-        return {
-            "requests lost with the consumer": lost,
-            "producer's blocks back": "LEAKED" if idle is None else f"{idle:.2f} s after SIGKILL",
-        }
+        return {"lost_with_the_consumer": lost, "producer_blocks_back_s": secs(idle)}
     if name == "consumer-abort-queued":
         since = pair.log_lines("decode")
         post(d.url + "/pause?mode=keep", {})
@@ -285,10 +291,7 @@ def run_row(name: str, pair: Pair, prompts: list[list[int]]) -> dict[str, Any]:
         idle = idle_after([p], row.fault_at)
         post(d.url + "/resume", {})
         both = idle_after([p, d], time.monotonic())
-        return {
-            "producer's blocks back": "LEAKED" if idle is None else f"{idle:.2f} s after the abort",
-            "both idle": "LEAKED" if both is None else "yes",
-        }
+        return {"producer_blocks_back_s": secs(idle), "both_idle_after_resume": both is not None}
     raise ValueError(name)
 
 
@@ -303,9 +306,9 @@ def port_taken(work: Path, key: str) -> dict[str, Any]:
         code = server.proc.wait(300)
         said = [line for line in server.log_text().splitlines() if "cannot bind" in line]
     return {
-        "exit code": code,
-        "refused after": f"{time.monotonic() - t0:.1f} s",
-        "said": said[-1].strip()[-200:] if said else "(nothing about the port)",
+        "exit_code": code,
+        "exited_after_s": secs(time.monotonic() - t0),
+        "said": said[-1].strip()[-200:] if said else None,
     }
 
 
@@ -353,11 +356,11 @@ def serve_broken(work: Path, key: str) -> dict[str, Any]:
         server.close()
     said = [line for line in log.splitlines() if "KVFlowFatal" in line]
     return {
-        "restarts logged": log.count("kvflow: starting zmq:serve again"),
-        "/health while idle": idle,
-        "the next request": "answered" if "choices" in got else f"error {str(got)[:120]}",
-        "/health after it": after,
-        "said": said[-1].strip()[-200:] if said else "(no KVFlowFatal in the log)",
+        "restarts_logged": log.count("kvflow: starting zmq:serve again"),
+        "health_while_idle": idle,
+        "next_request": "answered" if "choices" in got else f"error {str(got)[:120]}",
+        "health_after_it": after,
+        "said": said[-1].strip()[-200:] if said else None,
     }
 
 
@@ -408,7 +411,7 @@ def compare(got: list[Result], want: list[Result]) -> dict[str, Any]:
     )
     errors = sum("choices" not in g for g, _ in got)
     extra = max(t - w for (_, t), (_, w) in zip(got, want, strict=True))
-    return {"wrong tokens": wrong, "errors": errors, "worst extra wait": f"{extra:.2f} s"}
+    return {"wrong_tokens": wrong, "errors": errors, "worst_extra_wait_s": secs(extra)}
 
 
 def store_row(name: str, work: Path, prompts: list[list[int]]) -> dict[str, Any]:
@@ -458,16 +461,18 @@ def store_row(name: str, work: Path, prompts: list[list[int]]) -> dict[str, Any]
         idle = idle_after([server], t0)
         m = server.metrics()
         loads = 'vllm:kvflow_tokens_total{direction="load"}'
-        out["tokens loaded"] = f"{m.get(loads, 0) - before.get(loads, 0):.0f}"
+        out["prompt_tokens"] = sum(map(len, prompts))
+        out["tokens_loaded"] = round(m.get(loads, 0) - before.get(loads, 0))
         fails = "vllm:kvflow_failures_total"
-        out["failed transfers"] = f"{m.get(fails, 0) - before.get(fails, 0):.0f}"
+        out["failed_transfers"] = round(m.get(fails, 0) - before.get(fails, 0))
         if redis is not None:
             redis.start()
-            again = batch(server, prompts)  # saved afresh, then loaded
-            again = batch(server, prompts)
-            out["after redis restarted"] = compare(again, cold)
-            out["tokens loaded then"] = f"{server.metrics().get(loads, 0) - m.get(loads, 0):.0f}"
-        out["blocks back"] = "LEAKED" if idle is None else f"{idle:.2f} s after the fault"
+            batch(server, prompts)  # saved afresh
+            again = batch(server, prompts)  # then loaded
+            out["after_redis_restarted"] = compare(again, cold) | {
+                "tokens_loaded": round(server.metrics().get(loads, 0) - m.get(loads, 0))
+            }
+        out["blocks_back_s"] = secs(idle)  # None: leaked
         return out
     finally:
         server.close()
@@ -508,29 +513,62 @@ class Redis:
             self.proc.wait(10)
 
 
-ROWS = (
-    "producer-kill-before-claim",
-    "producer-stop-before-claim",
-    "producer-kill-queued",
-    "producer-stop-queued",
-    "consumer-kill-queued",
-    "consumer-abort-queued",
-    "port-taken",
-    "serve-broken",
-    *STORE_ROWS,
-)
+FAULTS = {
+    "producer-kill-before-claim": "SIGKILL the producer after its prefills, before the "
+    "decode requests arrive",
+    "producer-stop-before-claim": "the same with SIGSTOP (a hung host)",
+    "producer-kill-queued": f"{N} requests queued on the paused decode server with their "
+    f"claims held; SIGKILL the producer, resume: {N} pulls at once from a dead producer",
+    "producer-stop-queued": "the same with SIGSTOP",
+    "consumer-kill-queued": f"{N} claims held; SIGKILL the decode server",
+    "consumer-abort-queued": f"{N} claims held; every client goes away (vLLM aborts the "
+    "queued requests)",
+    "port-taken": "a server whose side-channel port is taken",
+    "serve-broken": "a server whose side channel's serving task fails every time it starts "
+    "(injected by a `sitecustomize`)",
+    "store-full": "the store a 1.5 MiB tmpfs, full",
+    "store-read-only": "the store remounted read-only",
+    "store-deleted": "the store deleted as the batch starts",
+    "chunk-corrupt": "a byte flipped in every chunk file",
+    "chunk-truncated": "every chunk file cut in half",
+    "redis-killed": "`redis-server` killed as the batch starts, then started again (empty)",
+}
+"""Each row and its fault, as the results file and the docs' table give it."""
+ROWS = tuple(FAULTS)
+assert set(STORE_ROWS) <= set(ROWS)
 
 
 def main() -> int:
+    meta = record.start()
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("rows", nargs="*", help=f"of {', '.join(ROWS)} (default: all)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "faults.json")
     args = ap.parse_args()
     if unknown := [r for r in args.rows if r not in ROWS]:
         ap.error(f"unknown row(s) {', '.join(unknown)}; valid: {', '.join(ROWS)}")
     args.rows = args.rows or list(ROWS)
     rng = random.Random(args.seed)
     work = Path(tempfile.mkdtemp(prefix="kvflow-faults-"))
+    t0 = time.monotonic()
+    results: dict[str, Any] = {
+        "seed": args.seed,
+        "pd_requests": N,
+        "max_tokens": MAX_TOKENS,
+        "idle_s": IDLE_S,
+        "rows": {},
+    }
+
+    def keep(name: str, out: dict[str, Any]) -> bool:
+        """Print and save a row (each as it ends: a run cut short keeps what it measured);
+        True if it shows a wrong token, an error, a leak or a fault not handled."""
+        results["rows"][name] = {"fault": FAULTS[name], **out}
+        results["wall_s"] = round(time.monotonic() - t0, 1)
+        extra = ("kvflow", "plugins/kvflow_vllm", "plugins/kvflow_redis", "scripts/faults.py")
+        extra += ("transports/kvflow_zmq", "transports/kvflow_fs")
+        record.save(args.out, results, meta, extra)
+        return report(out)
+
     bad = False
     alone = ("port-taken", "serve-broken")
     pd_rows = [r for r in args.rows if r not in STORE_ROWS and r not in alone]
@@ -540,10 +578,8 @@ def main() -> int:
             print(f"{name}:", flush=True)
             if name == "port-taken":
                 out = port_taken(work, str(keygen(work / "port-key")))
-                bad |= out["exit code"] == 0 or "nothing" in out["said"]
             elif name == "serve-broken":
                 out = serve_broken(work, str(keygen(work / "broken-key")))
-                bad |= out["/health after it"] == "200" or "no KVFlowFatal" in out["said"]
             else:
                 assert pair is not None
                 ps = [
@@ -551,28 +587,50 @@ def main() -> int:
                     for _ in range(N)
                 ]
                 out = run_row(name, pair, ps)
-            bad |= report(out)
+            bad |= keep(name, out)
     finally:
         if pair is not None:
             pair.close()
     prompts = [[rng.randrange(3, 1000) for _ in range(60 + 17 * i)] for i in range(12)]
     for name in [r for r in args.rows if r in STORE_ROWS]:
         print(f"{name}:", flush=True)
-        bad |= report(store_row(name, work, prompts))
+        bad |= keep(name, store_row(name, work, prompts))
+    shutil.rmtree(work, ignore_errors=True)
     return 1 if bad else 0
 
 
-def report(out: dict[str, Any], indent: str = "  ") -> bool:
-    """Print a row's figures; True if they show a wrong token, an error or a leak."""
+def failed(out: dict[str, Any]) -> bool:
+    """Whether a row's figures show a wrong token, a request error, a leak (blocks not
+    back within IDLE_S), or a fault that was not handled as it must be."""
     bad = False
     for k, v in out.items():
         if isinstance(v, dict):
-            print(f"{indent}{k}:")
-            bad |= report(v, indent + "  ")
-            continue
-        print(f"{indent}{k:<32} {v}", flush=True)
-        bad |= (k in ("wrong tokens", "errors") and v != 0) or v == "LEAKED"
+            bad |= failed(v)
+        elif k in ("wrong_tokens", "errors"):
+            bad |= v != 0
+        elif k.endswith("blocks_back_s") or k.endswith("blocks_back_after_sigcont_s"):
+            bad |= v is None
+        elif k == "both_idle_after_resume":
+            bad |= not v
+        elif k == "said":
+            bad |= v is None
+        elif k == "exit_code":
+            bad |= v == 0
+        elif k == "health_after_it":
+            bad |= v == "200"
     return bad
+
+
+def report(out: dict[str, Any], indent: str = "  ") -> bool:
+    """Print a row's figures; True if they show what `failed` looks for."""
+    for k, v in out.items():
+        if isinstance(v, dict):
+            print(f"{indent}{k}:")
+            report(v, indent + "  ")
+            continue
+        shown = "LEAKED" if v is None and "blocks_back" in k else v
+        print(f"{indent}{k:<40} {shown}", flush=True)
+    return failed(out)
 
 
 if __name__ == "__main__":
