@@ -13,6 +13,14 @@ before goes under `history` (a later save of the same run, same `started`, repla
 it instead). `bench/run.py` renders the docs' tables from these files and says, beside
 each, whether any of its sources differs now (`changed_since`): by content, so a run
 of uncommitted code that is then committed is not stale, and no git history is needed.
+
+A record written before this one existed says what it lacks (`MARKS`), and each
+table's caption repeats it: `committed_in`, the commit that added results whose run
+recorded no commit (or one this repository's history does not hold);
+`record_reconstructed`, which of commit, date, machine were filled in after the run
+and from what; `sources_reconstructed`, how its blob ids were filled in after the run
+(from a commit's tree, which is not what ran where the run had uncommitted changes);
+`not_fingerprinted`, why it has none. A run that `save` writes has none of these.
 """
 
 from __future__ import annotations
@@ -36,6 +44,13 @@ CODE = ("kvflow", "transports", "plugins", "bench", "scripts")
 """Where a change makes a measurement `+dirty` (docs and results files do not)."""
 NOT_MEASURED = {"bench/record.py", "bench/run.py", "bench/plots.py"}
 """Files a benchmark imports that do not change what it measures."""
+MARKS = (
+    "committed_in",
+    "record_reconstructed",
+    "sources_reconstructed",
+    "not_fingerprinted",
+)
+"""What a record says of itself that its run did not record (see above)."""
 
 
 def git(*args: str) -> str:
@@ -175,7 +190,10 @@ def save(
         history = old.pop("history", [])
         if old.get("started") != meta.get("started"):
             history.append(old)
-    out = dict(data) | meta | {"sources": sources(extra), "history": history}
+    # `data` may be the old file re-read (a sectioned file keeps the sections not run):
+    # its top-level record was the old run's, and this run's is `meta`
+    data = {k: v for k, v in data.items() if k not in MARKS}
+    out = data | meta | {"sources": sources(extra), "history": history}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(out, indent=2) + "\n")

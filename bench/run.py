@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shutil
 import statistics
@@ -91,6 +92,17 @@ BENCHES: dict[str, tuple[list[str], bool, Callable[[], str]]] = {
         ["../scripts/soak_pd.py", "--out", str(RESULTS / "soak-pd.json")],
         False,
         lambda: "",
+    ),
+    "faults": (
+        ["../scripts/faults.py"],
+        False,
+        lambda: (
+            "the store rows mount tmpfs: run as root"
+            if os.geteuid() != 0
+            else ""
+            if shutil.which("redis-server")
+            else "redis-server is not installed"
+        ),
     ),
     "cuda-ipc": (
         ["bench_cuda_ipc.py"],
@@ -355,6 +367,91 @@ def soak_pd_table(d: dict[str, Any]) -> list[str]:
     return _table(head, rows)
 
 
+def _secs(t: float | None, leaked: str = "**LEAKED**") -> str:
+    return leaked if t is None else f"{t:.2f} s"
+
+
+def _said(line: str | None) -> str:
+    """A server's log line in a table cell (None: it logged nothing that says why)."""
+    if line is None:
+        return "**logged nothing saying why**"
+    return "`" + line.replace("`", "'").replace("|", "\\|") + "`"
+
+
+def faults_table(d: dict[str, Any]) -> list[str]:
+    """scripts/faults.py's P/D rows and its one-server rows (port taken, serve broken)."""
+    head = ["row", "fault", "answered", "wrong tokens", "errors", "worst extra wait"]
+    head += ["blocks back"]
+    n, rows = d["pd_requests"], []
+    for name, r in d["rows"].items():
+        if "prompt_tokens" in r:
+            continue  # a store row: faults_store_table
+        cells = [f"`{name}`", r["fault"]]
+        if "answered" in r:
+            back = _secs(r["blocks_back_s"])
+            if "producer_blocks_back_after_sigcont_s" in r:
+                back += f"; the producer's {_secs(r['producer_blocks_back_after_sigcont_s'])}"
+                back += " after SIGCONT"
+            wait = r["worst_extra_wait_s"]
+            cells += [f"{r['answered']} of {n}", str(r["wrong_tokens"]), str(r["errors"])]
+            cells += ["-" if wait is None else _secs(wait), back]
+        elif "lost_with_the_consumer" in r:
+            lost = r["lost_with_the_consumer"]
+            cells += [f"{n - lost} ({lost} lost with it)", "-", "-", "-"]
+            cells.append(f"the producer's {_secs(r['producer_blocks_back_s'])} after")
+        elif "both_idle_after_resume" in r:
+            after = "both servers idle after resuming"
+            if not r["both_idle_after_resume"]:
+                after = "**a server still held blocks after resuming**"
+            cells += ["-", "-", "-", "-"]
+            cells.append(
+                f"the producer's {_secs(r['producer_blocks_back_s'])} after the abort; {after}"
+            )
+        elif "exit_code" in r:
+            code = r["exit_code"]
+            how = "**did not exit**" if code is None else f"exits (code {code})"
+            cells += ["-", "-", "-", "-"]
+            cells.append(f"{how} after {r['exited_after_s']:.1f} s: {_said(r['said'])}")
+        else:
+            cells += ["-", "-", "-", "-"]
+            cells.append(
+                f"restarted {r['restarts_logged']} times; `/health` {r['health_while_idle']} "
+                f"while idle; the next request {r['next_request']}; `/health` then "
+                f"{r['health_after_it']}: {_said(r['said'])}"
+            )
+        rows.append(cells)
+    note = f"{n} requests a P/D row, {d['max_tokens']} output tokens each; blocks not back"
+    note += f" within {d['idle_s']:.0f} s are leaked; the whole run took {d['wall_s'] / 60:.0f} min"
+    return [*_table(head, rows), "", f"_{note}_"]
+
+
+def faults_store_table(d: dict[str, Any]) -> list[str]:
+    """scripts/faults.py's store rows: a batch cold, the fault, the batch again."""
+    head = ["row", "fault", "wrong tokens", "errors", "worst extra wait", "tokens loaded"]
+    head += ["failed transfers", "blocks back"]
+    rows, notes = [], []
+    for name, r in d["rows"].items():
+        if "prompt_tokens" not in r:
+            continue
+        rows.append([
+            f"`{name}`",
+            r["fault"],
+            str(r["wrong_tokens"]),
+            str(r["errors"]),
+            _secs(r["worst_extra_wait_s"]),
+            f"{r['tokens_loaded']} of {r['prompt_tokens']}",
+            str(r["failed_transfers"]),
+            _secs(r["blocks_back_s"]),
+        ])  # fmt: skip
+        if again := r.get("after_redis_restarted"):
+            notes.append(
+                f"`{name}`, once `redis-server` was back: a batch saved afresh and the next "
+                f"ran with {again['wrong_tokens']} wrong tokens and {again['errors']} errors, "
+                f"{again['tokens_loaded']} tokens loaded over the two"
+            )
+    return [*_table(head, rows), *(f"\n_{n}_" for n in notes)]
+
+
 def cuda_ipc_table(d: dict[str, Any]) -> list[str]:
     head = ["run", "pull GB/s", "one-pass copy GB/s", "pull / copy", "pull, copy / peak"]
     rows = [
@@ -448,23 +545,39 @@ TABLES: dict[str, tuple[str, Callable[[dict[str, Any]], list[str]], str]] = {
 
 
 def caption(data: dict[str, Any], section: str = "") -> list[str]:
-    """What measured a table, from its results file: command, commit, date, machine; and
-    whether any file it ran differs now from what it ran (`record.changed_since`)."""
-    meta = data | data.get(f"{section}_run", {}) if section else data
-    if rev := meta.get("commit"):
+    """What measured a table, from its results file: command, commit, date, machine (a
+    section's own record, `{section}_run`, where the table shows one section of the
+    file); what of that record, or of its fingerprint, was filled in after the run
+    rather than recorded as it ran (`record_reconstructed`, `sources_reconstructed`,
+    `not_fingerprinted`); and whether any file it ran differs now from what it ran
+    (`record.changed_since`)."""
+    meta = data[f"{section}_run"] if section else data
+    rev, added = meta.get("commit"), meta.get("committed_in")
+    if rev and added:
+        at = f"commit {rev} (the results were committed in {added})"
+    elif rev:
         at = f"commit {rev}"
-    elif meta.get("committed_in"):
-        at = f"commit not recorded (the results were committed in {meta['committed_in']})"
+    elif added:
+        at = f"commit not recorded (the results were committed in {added})"
     else:
         at = "commit not recorded"
-    line = f"_`{meta.get('command')}`, {at}, {meta.get('date')}, {meta.get('machine')}._"
-    changed = record.changed_since(meta)  # a section's own sources where it has them
+    lines = [f"_`{meta.get('command')}`, {at}, {meta.get('date')}, {meta.get('machine')}._"]
+    if how := meta.get("record_reconstructed"):
+        lines += ["", f"_Not recorded as it ran: {how}._"]
+    if how := meta.get("sources_reconstructed"):
+        lines += [
+            "",
+            f"_Its sources' fingerprint was reconstructed, not recorded as it ran: {how}._",
+        ]
+    if why := meta.get("not_fingerprinted"):
+        lines += ["", f"_Not fingerprinted: {why}._"]
+    changed = record.changed_since(meta)  # a section's own sources
     if changed is None:
-        return [line, "", "_Whether the code it measured has changed since cannot be told._"]
+        return [*lines, "", "_Whether the code it measured has changed since cannot be told._"]
     if changed:
         again = f"`{meta.get('command')}` measures again"
-        return [line, "", f"_**Older than the code it describes**: changed since ({again})._"]
-    return [line]
+        return [*lines, "", f"_**Older than the code it describes**: changed since ({again})._"]
+    return lines
 
 
 def render(text: str, results: Path = RESULTS) -> str:
