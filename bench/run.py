@@ -1,6 +1,7 @@
 """Run every benchmark, write bench/results/*.json, regenerate the docs' tables.
 
-    python bench/run.py            # everything: about 90 min on 2 cores
+    python bench/run.py            # everything: about 90 min on 2 cores, and `faults`
+                                   # (its time is under its table in docs/reliability.md)
     python bench/run.py --quick    # smaller workloads, fewer repeats
     python bench/run.py --only fs-io,hooks --no-docs
     python bench/run.py --render   # no benchmark: the tables and plots from the files
@@ -120,8 +121,9 @@ BENCHES: dict[str, tuple[list[str], bool, Callable[[], str]]] = {
 # -- tables --------------------------------------------------------------------------------
 
 
-def _table(head: list[str], rows: list[list[str]]) -> list[str]:
-    align = ["---"] + ["---:"] * (len(head) - 1)
+def _table(head: list[str], rows: list[list[str]], left: int = 1) -> list[str]:
+    """A markdown table: its first `left` columns aligned left, the others right."""
+    align = ["---"] * left + ["---:"] * (len(head) - left)
     out = ["| " + " | ".join(head) + " |", "| " + " | ".join(align) + " |"]
     return out + ["| " + " | ".join(r) + " |" for r in rows]
 
@@ -371,11 +373,14 @@ def _secs(t: float | None, leaked: str = "**LEAKED**") -> str:
     return leaked if t is None else f"{t:.2f} s"
 
 
-def _said(line: str | None) -> str:
-    """A server's log line in a table cell (None: it logged nothing that says why)."""
+def _said(line: str | None, cut: int = 200, head: bool = False) -> str:
+    """What a server said, quoted in a table cell: the last `cut` characters of a log
+    line as scripts/faults.py keeps them (`head`: the first); None: nothing said why."""
     if line is None:
         return "**logged nothing saying why**"
-    return "`" + line.replace("`", "'").replace("|", "\\|") + "`"
+    quoted = line.strip().replace("`", "'").replace("|", "\\|")
+    more = "..." if len(line) >= cut else ""
+    return f"`{quoted}{more}`" if head else f"`{more}{quoted}`"
 
 
 def faults_table(d: dict[str, Any]) -> list[str]:
@@ -413,16 +418,18 @@ def faults_table(d: dict[str, Any]) -> list[str]:
             cells += ["-", "-", "-", "-"]
             cells.append(f"{how} after {r['exited_after_s']:.1f} s: {_said(r['said'])}")
         else:
+            nxt = r["next_request"]
+            nxt = nxt if nxt == "answered" else _said(nxt, 126, head=True)
             cells += ["-", "-", "-", "-"]
             cells.append(
                 f"restarted {r['restarts_logged']} times; `/health` {r['health_while_idle']} "
-                f"while idle; the next request {r['next_request']}; `/health` then "
-                f"{r['health_after_it']}: {_said(r['said'])}"
+                f"while idle; the next request: {nxt}; "
+                f"`/health` then {r['health_after_it']}: {_said(r['said'])}"
             )
         rows.append(cells)
     note = f"{n} requests a P/D row, {d['max_tokens']} output tokens each; blocks not back"
     note += f" within {d['idle_s']:.0f} s are leaked; the whole run took {d['wall_s'] / 60:.0f} min"
-    return [*_table(head, rows), "", f"_{note}_"]
+    return [*_table(head, rows, left=2), "", f"_{note}_"]
 
 
 def faults_store_table(d: dict[str, Any]) -> list[str]:
@@ -449,7 +456,7 @@ def faults_store_table(d: dict[str, Any]) -> list[str]:
                 f"ran with {again['wrong_tokens']} wrong tokens and {again['errors']} errors, "
                 f"{again['tokens_loaded']} tokens loaded over the two"
             )
-    return [*_table(head, rows), *(f"\n_{n}_" for n in notes)]
+    return [*_table(head, rows, left=2), *(f"\n_{n}_" for n in notes)]
 
 
 def cuda_ipc_table(d: dict[str, Any]) -> list[str]:
@@ -541,6 +548,8 @@ TABLES: dict[str, tuple[str, Callable[[dict[str, Any]], list[str]], str]] = {
     "soak": ("soak", soak_table, ""),
     "soak-pd": ("soak-pd", soak_pd_table, ""),
     "pd-serve": ("pd-serve", pd_serve_table, ""),
+    "faults": ("faults", faults_table, ""),
+    "faults-store": ("faults", faults_store_table, ""),
 }
 
 

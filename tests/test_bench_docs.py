@@ -321,3 +321,20 @@ def test_a_section_is_captioned_by_its_own_run_and_says_what_was_reconstructed()
     assert run.caption(data, "hit") == ["_`python b.py --skip-miss`, commit abc1234, d2, m2._"]
     with pytest.raises(KeyError):
         run.caption(hit, "miss")  # a section without its own record borrows none
+
+
+def test_the_fault_matrix_shows_a_leak_and_a_server_that_said_nothing() -> None:
+    """The fault tables (scripts/faults.py's results) name what went wrong, not a time."""
+    faults = json.loads((ROOT / "bench" / "results" / "faults.json").read_text())
+    rows = {name: dict(r) for name, r in faults["rows"].items()}
+    assert {"producer-kill-queued", "port-taken", "store-full"} <= set(rows)
+    rows["producer-kill-queued"]["blocks_back_s"] = None  # not back within idle_s
+    rows["port-taken"]["said"] = None
+    rows["store-full"]["blocks_back_s"] = None
+    broken = faults | {"rows": rows}
+    pd = {line.split(" | ")[0]: line for line in run.faults_table(broken) if "`" in line}
+    assert pd["| `producer-kill-queued`"].endswith("| **LEAKED** |")
+    assert "**logged nothing saying why**" in pd["| `port-taken`"]
+    assert "**LEAKED**" not in pd["| `producer-kill-before-claim`"]
+    store = {line.split(" | ")[0]: line for line in run.faults_store_table(broken) if "`" in line}
+    assert store["| `store-full`"].endswith("| **LEAKED** |")
