@@ -564,8 +564,10 @@ def main() -> int:
         True if it shows a wrong token, an error, a leak or a fault not handled."""
         results["rows"][name] = {"fault": FAULTS[name], **out}
         results["wall_s"] = round(time.monotonic() - t0, 1)
-        extra = ("kvflow", "plugins/kvflow_vllm", "plugins/kvflow_redis", "scripts/faults.py")
-        extra += ("transports/kvflow_zmq", "transports/kvflow_fs")
+        extra = [
+            *("kvflow", "plugins/kvflow_vllm", "plugins/kvflow_redis", "scripts/faults.py"),
+            *("transports/kvflow_zmq", "transports/kvflow_fs"),
+        ]
         record.save(args.out, results, meta, extra)
         return report(out)
 
