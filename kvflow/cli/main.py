@@ -53,7 +53,10 @@ def _cmd_proxy(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .. import __version__
+
     p = argparse.ArgumentParser(prog="kvflow", description=__doc__)
+    p.add_argument("--version", action="version", version=f"kvflow {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("transports", help="list installed transports")
     t.set_defaults(fn=_cmd_transports)

@@ -1,0 +1,140 @@
+"""The wheels hold the whole tree: every package directory, every module and the package
+data, for `kvflow` and `kvflow-redis`; the version is pyproject.toml's, everywhere.
+
+An editable install reads the source tree, so only a built wheel shows what a user gets
+(the wheel of 0.1.0 left out `kvflow.tiers` and did not import). scripts/check-wheel.sh
+(CI) installs the wheels in a fresh virtualenv and runs them; this builds them."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tomllib
+import zipfile
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+
+import kvflow
+
+ROOT = Path(__file__).resolve().parents[1]
+REDIS = ROOT / "plugins" / "kvflow_redis"
+
+# Where each distribution's importable packages live in the tree.
+PACKAGE_ROOTS = {
+    "kvflow": [
+        ROOT / "kvflow",
+        ROOT / "transports" / "kvflow_fs",
+        ROOT / "transports" / "kvflow_zmq",
+        ROOT / "transports" / "kvflow_nixl",
+        ROOT / "plugins" / "kvflow_vllm",
+    ],
+    "kvflow_redis": [REDIS / "kvflow_redis"],
+}
+
+
+def _version(project: Path) -> str:
+    with (project / "pyproject.toml").open("rb") as f:
+        return str(tomllib.load(f)["project"]["version"])
+
+
+def tree_files(dist: str) -> set[str]:
+    """What the wheel of `dist` must hold: each package's modules and its data (what
+    git tracks or would track, as in the checkout a wheel is built from)."""
+    want = set()
+    for root in PACKAGE_ROOTS[dist]:
+        listed = subprocess.run(
+            ["git", "ls-files", "-co", "--exclude-standard", "."],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.split()
+        for rel in listed:
+            path = Path(root.name, rel)
+            if path.suffix in (".py", ".json") or path.name == "py.typed":
+                want.add(path.as_posix())
+    return want
+
+
+def _build_wheel(project: Path, out: Path) -> Path:
+    """The wheel of `project`, built from a copy of what git tracks or would track there
+    (so no build output of the tree, and nothing written into it)."""
+    src = out / "src"
+    listed = subprocess.run(
+        ["git", "ls-files", "-co", "--exclude-standard"],
+        cwd=project,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.splitlines()
+    for rel in listed:
+        if (project / rel).is_file():
+            (src / rel).parent.mkdir(parents=True, exist_ok=True)
+            (src / rel).write_bytes((project / rel).read_bytes())
+    cmd = [sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(out), "."]
+    done = subprocess.run(cmd, cwd=src, capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (wheel,) = out.glob("*.whl")
+    return wheel
+
+
+@pytest.fixture(scope="module")
+def wheels(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return {
+        "kvflow": _build_wheel(ROOT, tmp_path_factory.mktemp("kvflow")),
+        "kvflow_redis": _build_wheel(REDIS, tmp_path_factory.mktemp("redis")),
+    }
+
+
+def missing_from(wheel: Path, dist: str) -> list[str]:
+    """The files of `dist`'s packages in the tree that `wheel` lacks, and the package
+    directories among them named first."""
+    have = set(zipfile.ZipFile(wheel).namelist())
+    lost = sorted(tree_files(dist) - have)
+    packages = sorted({str(Path(f).parent) for f in lost if f.endswith("__init__.py")})
+    return [f"package {p.replace('/', '.')}" for p in packages] + lost
+
+
+@pytest.mark.parametrize("dist", ["kvflow", "kvflow_redis"])
+def test_the_wheel_holds_every_package_module_and_data_file(
+    wheels: dict[str, Path], dist: str
+) -> None:
+    assert tree_files(dist), "the tree lists the packages' files"
+    assert missing_from(wheels[dist], dist) == []
+
+
+def test_the_check_names_a_package_left_out(tmp_path: Path, wheels: dict[str, Path]) -> None:
+    """A wheel without `kvflow/tiers/` (the 0.1.0 wheel's defect) is caught by name."""
+    stripped = tmp_path / wheels["kvflow"].name
+    with zipfile.ZipFile(wheels["kvflow"]) as src, zipfile.ZipFile(stripped, "w") as dst:
+        for item in src.infolist():
+            if not item.filename.startswith("kvflow/tiers/"):
+                dst.writestr(item, src.read(item))
+    lost = missing_from(stripped, "kvflow")
+    assert lost[0] == "package kvflow.tiers" and "kvflow/tiers/host.py" in lost
+
+
+def test_the_wheels_carry_pyprojects_version_and_entry_points(wheels: dict[str, Path]) -> None:
+    version = _version(ROOT)
+    assert _version(REDIS) == version, "kvflow-redis is released with kvflow"
+    with zipfile.ZipFile(wheels["kvflow"]) as whl:
+        meta = whl.read(f"kvflow-{version}.dist-info/METADATA").decode()
+        eps = whl.read(f"kvflow-{version}.dist-info/entry_points.txt").decode()
+    assert f"\nVersion: {version}\n" in meta
+    for line in ("fs = kvflow_fs:FsTransport", "kvflow = kvflow_vllm.plugin:register"):
+        assert line in eps
+
+
+def test_the_version_is_read_from_the_installed_metadata() -> None:
+    version = _version(ROOT)
+    assert metadata.version("kvflow") == version, "reinstall: `bash scripts/install.sh`"
+    assert kvflow.__version__ == version
+    out = subprocess.run(
+        [sys.executable, "-m", "kvflow.cli.main", "--version"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert out.stdout.strip() == f"kvflow {version}"
