@@ -23,6 +23,7 @@ from typing import Any, ClassVar, TypeVar
 import msgspec
 import trio
 
+from .findings import Findings
 from .keys import ChunkKey
 from .layout import KVLayout
 from .pd.security import Channel
@@ -320,6 +321,13 @@ class Transport(ABC):
 
     async def aclose(self) -> None:  # noqa: B027 - optional hook
         """Release resources. Called once, also after cancelled transfers."""
+
+    @classmethod  # noqa: B027 - optional hook
+    def doctor(cls, options: Any, findings: Findings) -> None:
+        """`kvflow doctor`: check what this transport needs, given its parsed `options`, and
+        say what was found: `findings.ok(check, found)`, `.warn(check, found, fix)`, or
+        `.fail(check, found, fix)` where the engine would not start. Blocking and quick
+        (a short timeout on anything remote); nothing left behind. Default: nothing."""
 
     async def serve(self) -> None:
         """Peer transports: answer peers until cancelled (the worker runs it as a task)."""

@@ -1,4 +1,4 @@
-"""The `kvflow` command: `proxy`, `transports`, `keygen`, `new-transport`, `inspect`,
+"""The `kvflow` command: `proxy`, `transports`, `keygen`, `new-transport`, `inspect`, `doctor`,
 and what installed packages add through the `kvflow.commands` entry point (the vLLM
 adapter adds `demo`)."""
 
@@ -93,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .inspect import add_parser as add_inspect_parser
 
     add_inspect_parser(sub)
+    from .doctor import add_parser as add_doctor_parser
+
+    add_doctor_parser(sub)
     _add_entry_point_commands(sub)
     return p
 

@@ -19,6 +19,7 @@ import trio
 
 from kvflow.chunks import BadHeader, ChunkFailure, ChunkHeader, first_failure, layer_hash
 from kvflow.config import default_cache_dir
+from kvflow.findings import Findings
 from kvflow.keys import ChunkKey, is_chunk_key, is_plain_name, shown
 from kvflow.transport import (
     Capabilities,
@@ -31,6 +32,7 @@ from kvflow.transport import (
     TransportError,
 )
 
+from . import _doctor
 from ._format import HEADER_SIZE, encode_header, layer_offset, read_header
 from ._usage import StoreUsage
 
@@ -189,6 +191,11 @@ class FsTransport(Transport):
             ) from None
         if self.context.role == "worker":  # off the start-up path: a big store takes a while
             self.usage.scan_soon()
+
+    @classmethod
+    def doctor(cls, options: FsOptions, findings: Findings) -> None:
+        """`kvflow doctor`: the directory writable, free space against `max_gb`, `file_mode`."""
+        _doctor.check(options, findings)
 
     # -- paths -------------------------------------------------------------
     def path(self, key: ChunkKey, shard: str | None = None) -> Path:
