@@ -35,6 +35,7 @@ from kvflow import (
     one_error,
 )
 
+from . import _doctor
 from ._client import NETWORK_ERRORS, TLS, BadURL, Holder, Mode, Target, build, parse_url
 from ._format import decode_trailer, encode_trailer
 from ._guard import MAX_BULK, Limits
@@ -201,6 +202,11 @@ class RedisTransport(Transport):
         self._closed = True
         if self._holder is not None:
             await self._holder.stop()
+
+    @classmethod
+    def doctor(cls, options: RedisOptions, findings: Any) -> None:
+        """`kvflow doctor`: the server reachable, taking the credentials, answering PING."""
+        _doctor.check(options, findings)
 
     @property
     def client(self) -> coredis.Redis[bytes] | coredis.RedisCluster[bytes]:
