@@ -13,6 +13,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
 from kvflow.cli.doctor import render
@@ -361,11 +362,38 @@ def test_a_host_tier_larger_than_the_host_fails(
 
 def test_shm_that_is_missing_warns(tmp_path: Path) -> None:
     findings = Findings()
-    host.check_memory(findings, 0.0, False, shm=tmp_path / "no-shm")
+    host.check_memory(findings, 0.0, cuda=False, staging=False, shm=tmp_path / "no-shm")
     assert [(f.check, f.status) for f in findings.items] == [("shm", "warn")]
     findings = Findings()
-    host.check_memory(findings, 0.0, False, shm=tmp_path)
+    host.check_memory(findings, 0.0, cuda=False, staging=False, shm=tmp_path)
     assert [(f.check, f.status) for f in findings.items] == [("shm", "ok")]
+
+
+def memlock(findings: Findings, limit: int, cpu_cache_gib: float, staging: bool) -> str:
+    """The memlock finding's status, with CUDA, under a locked-memory limit of `limit`
+    (this process's own, set and put back)."""
+    before = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    resource.setrlimit(resource.RLIMIT_MEMLOCK, (limit, before[1]))
+    try:
+        host.check_memory(findings, cpu_cache_gib, cuda=True, staging=staging)
+    finally:
+        resource.setrlimit(resource.RLIMIT_MEMLOCK, before)
+    return only([msgspec.to_builtins(f) for f in findings.items], "memlock")["status"]
+
+
+def test_the_locked_memory_limit_where_cuda_pins_host_memory() -> None:
+    """A container's default (64 KiB) is below the host tier's size; unlimited, or more
+    than it, is enough; without CUDA nothing is pinned, and nothing is said."""
+    _, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    assert memlock(Findings(), 64 << 10, 0.01, False) == "warn"
+    assert memlock(Findings(), 64 << 10, 0.0, True) == "warn"  # host staging
+    if hard == resource.RLIM_INFINITY:
+        assert memlock(Findings(), resource.RLIM_INFINITY, 0.01, True) == "ok"
+    if hard >= 1 << 30:
+        assert memlock(Findings(), 1 << 30, 0.01, False) == "ok"
+    findings = Findings()
+    host.check_memory(findings, 0.01, cuda=False, staging=False)
+    assert "memlock" not in [f.check for f in findings.items]
 
 
 def _kvflow() -> list[str]:
@@ -374,30 +402,24 @@ def _kvflow() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "kvflow.cli.main"]
 
 
-def test_the_command_as_a_user_runs_it_with_a_small_memlock_limit(
-    tmp_path: Path, store: dict[str, Any]
-) -> None:
-    """`kvflow doctor CONFIG` in a process whose locked-memory limit is 64 KiB (a
-    container's default): the host tier's memory cannot all be pinned."""
-    cfg = json.dumps({**store, "cpu_cache_gib": 0.01})
-    _, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-
-    def small_memlock() -> None:
-        resource.setrlimit(resource.RLIMIT_MEMLOCK, (64 << 10, hard))
-
+def test_the_command_as_a_user_runs_it(tmp_path: Path, store: dict[str, Any]) -> None:
+    """`kvflow doctor CONFIG`: one line per check, a summary, exit status 0 with
+    warnings, 1 with a FAIL (and `--json`)."""
+    store["options"]["file_mode"] = "0644"  # a warning
     env = {k: v for k, v in os.environ.items() if k != KEY_ENV}
     out = subprocess.run(
-        [*_kvflow(), "doctor", cfg],
+        [*_kvflow(), "doctor", json.dumps({**store, "cpu_cache_gib": 0.01})],
         capture_output=True,
         text=True,
         timeout=300,
-        preexec_fn=small_memlock,
         env=env,
     )
     assert out.returncode == 0, out.stdout + out.stderr
     lines = out.stdout.splitlines()
-    assert any(line.startswith("warn  memlock: locked-memory limit") for line in lines), lines
-    assert any(line.startswith("ok    fs path: ") for line in lines)
+    assert "ok    config: parses: transport fs, cpu_cache_gib 0.01" in lines
+    warned = [line for line in lines if line.startswith("warn  fs file_mode: 0644: ")]
+    assert len(warned) == 1 and "; fix: " in warned[0]
+    assert any(line.startswith("ok    host memory: cpu_cache_gib") for line in lines)
     assert lines[-1].startswith("kvflow doctor: 0 FAIL")
     bad = subprocess.run(
         [*_kvflow(), "doctor", "--json", json.dumps({"lod_mode": 1})],

@@ -34,5 +34,6 @@ def diagnose(config: str | None) -> Findings:
         check_peer_host(findings, cfg, configured[0].options, keyed)
     cuda = check_cuda(findings, vllm)
     memory = configured[0].cls.capabilities.memory if configured else frozenset({"cpu"})
-    check_memory(findings, cfg.cpu_cache_gib if cfg else 0.0, cuda and "cuda" not in memory)
+    cpu_cache_gib = cfg.cpu_cache_gib if cfg else 0.0
+    check_memory(findings, cpu_cache_gib, cuda=cuda, staging=cuda and "cuda" not in memory)
     return findings

@@ -56,16 +56,21 @@ def check_cuda(findings: Findings, vllm: dict[str, str]) -> bool:
 
 
 def check_memory(
-    findings: Findings, cpu_cache_gib: float, staging: bool, shm: Path = Path("/dev/shm")
+    findings: Findings,
+    cpu_cache_gib: float,
+    *,
+    cuda: bool,
+    staging: bool,
+    shm: Path = Path("/dev/shm"),
 ) -> None:
-    """Host memory and the locked-memory limit against the host tier's `cpu_cache_gib`
-    (and host staging: a CUDA cache with a transport that moves host memory), and the size
-    of `shm`."""
+    """Host memory against the host tier's `cpu_cache_gib`; where CUDA is, the
+    locked-memory limit against what is pinned (the host tier, host staging: a transport
+    that moves host memory serving a CUDA cache); and the size of `shm`."""
     need = int(cpu_cache_gib * GiB)
     if need:
         _host_memory(findings, need)
-    if need or staging:
-        _memlock(findings, need, staging)
+    if cuda and (need or staging):
+        _memlock(findings, need)
     _shm(findings, shm)
 
 
@@ -111,7 +116,7 @@ def _cgroup_limit() -> int:
     return int(value) if value.isdigit() else 0
 
 
-def _memlock(findings: Findings, need: int, staging: bool) -> None:
+def _memlock(findings: Findings, need: int) -> None:
     soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     what = "the host tier" if need else "host staging"
     if soft == resource.RLIM_INFINITY:
