@@ -77,6 +77,21 @@ def test_a_bad_url_fails_without_showing_the_password() -> None:
     assert status == "FAIL" and "database 'notadb' is not a number" in text
 
 
+def test_some_nodes_down_is_a_warning(redis_url: str) -> None:
+    live = redis_url.split("://")[1].split("/")[0]
+    url = f"redis://{live},127.0.0.1:{servers.free_port()}"
+    status, text, fix = doctor(url=url, mode="cluster", timeout_s=2.0)
+    assert status == "warn" and "1 of 2 answered" in text and "nodes" in fix, text
+
+
+def test_a_tls_server_answers_with_its_ca_and_fails_without(redis_tls: tuple[str, Path]) -> None:
+    url, ca = redis_tls
+    status, text, _ = doctor(url=url, tls_ca_file=str(ca))
+    assert status == "ok" and "answers PING" in text, text
+    status, text, _ = doctor(url=url)  # the system's CAs do not sign the test server's
+    assert status == "FAIL" and "CERTIFICATE_VERIFY_FAILED" in text, text
+
+
 @pytest.fixture(scope="module")
 def noeviction(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A server that refuses writes once full instead of evicting."""
