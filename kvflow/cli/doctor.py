@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import Any
 
 import msgspec
@@ -51,7 +52,9 @@ def render(findings: list[Finding]) -> str:
 
 def run_doctor(args: argparse.Namespace) -> int:
     if args.config is not None and args.transfer_config is not None:
-        print("kvflow doctor: give the config once (CONFIG or --kv-transfer-config)")
+        print(
+            "kvflow doctor: give the config once (CONFIG or --kv-transfer-config)", file=sys.stderr
+        )
         return 2
     findings = diagnose(args.config if args.config is not None else args.transfer_config)
     if args.json:
