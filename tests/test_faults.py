@@ -3,7 +3,12 @@
 no leaked block (`vllm:kv_cache_usage_perc` is 0 once the server is idle).
 
 Two servers share nothing: `recompute` keeps its store on a 1.5 MiB tmpfs (disk full,
-read-only remount; skipped where this user may not mount), `strict` on a directory.
+read-only remount), `strict` on a directory. The tmpfs is mounted in a user and mount
+namespace of the test's own (`unshare -rm`: no root or CAP_SYS_ADMIN needed), and the
+server reaches it through the path `/proc/PID/root/...` of the process holding that
+namespace; where the kernel or a sandbox refuses user namespaces (Docker's default
+seccomp profile, `user.max_user_namespaces=0`, Ubuntu's AppArmor restriction for
+non-root users) the store is a plain directory and the two tests that need it skip.
 vLLM's own prefix cache is off, so every request asks kvflow. The P/D faults (producer
 killed, consumer never comes, claims) are in test_e2e_pd.py and test_pd_lease.py;
 a taken side-channel port is at the end here.
@@ -12,6 +17,7 @@ a taken side-channel port is at the end here.
 from __future__ import annotations
 
 import random
+import re
 import shutil
 import socket
 import subprocess
@@ -22,6 +28,8 @@ from typing import Any
 
 import pytest
 
+from kvflow.eventlog import read_event_log
+from kvflow.events import TransferFailed
 from kvflow.keys import chunk_keys
 from kvflow.pd.security import keygen
 from kvflow_vllm.apiserver import ApiServer
@@ -42,44 +50,98 @@ TMPFS_BYTES = 3 << 19
 """1.5 MiB: a few of PROMPTS' chunks (4 KiB per token on the tiny model) fill it."""
 
 
-def _config(path: Path, policy: str) -> dict[str, Any]:
+def _config(path: Path, policy: str, events: Path) -> dict[str, Any]:
     return {
         "kv_connector": "KVFlowConnector",
         "kv_role": "kv_both",
         "kv_load_failure_policy": policy,
-        "kv_connector_extra_config": {"transport": "fs", "options": {"path": str(path)}},
+        "kv_connector_extra_config": {
+            "transport": "fs",
+            "options": {"path": str(path)},
+            "event_log": str(events),
+        },
     }
 
 
-def _mount_tmpfs(path: Path) -> bool:
-    path.mkdir(parents=True, exist_ok=True)
-    cmd = ["mount", "-t", "tmpfs", "-o", f"size={TMPFS_BYTES}", "tmpfs", str(path)]
-    try:
-        return subprocess.run(cmd, capture_output=True).returncode == 0
-    except OSError:
-        return False
+HOLDER = """
+mount -t tmpfs -o size="$2" tmpfs "$1" || exit 1
+echo mounted
+while read -r mode; do mount -o remount,bind,"$mode" "$1" && echo "$mode" || echo failed; done
+"""
+"""Mounts the tmpfs in its namespace, then remounts it `ro` or `rw` as told on stdin
+(a bind remount: a user namespace may not remount the superblock it mounted)."""
 
 
-def _remount(path: Path, mode: str) -> None:
-    subprocess.run(["mount", "-o", f"remount,{mode}", str(path)], check=True)
+class SmallStore:
+    """A 1.5 MiB tmpfs in a user and mount namespace held by a shell (`unshare -rm`),
+    reached from outside it at `path`; `path` is a plain directory, and `why_not` says
+    why, where no such namespace can be made."""
+
+    def __init__(self, where: Path) -> None:
+        where.mkdir(parents=True)
+        self.path, self.why_not = where, ""
+        cmd = ["unshare", "--user", "--map-root-user", "--mount", "--propagation", "private"]
+        cmd += ["sh", "-c", HOLDER, "holder", str(where), str(TMPFS_BYTES)]
+        try:
+            self.holder: subprocess.Popen[str] | None = subprocess.Popen(
+                cmd,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        except OSError as exc:
+            self.holder, self.why_not = None, f"cannot run unshare: {exc}"
+            return
+        assert self.holder.stdout is not None
+        if self.holder.stdout.readline().strip() != "mounted":
+            _, err = self.holder.communicate()
+            self.holder, self.why_not = None, f"unshare -rm, mount -t tmpfs: {err.strip()}"
+            return
+        self.path = Path(f"/proc/{self.holder.pid}/root") / where.relative_to(where.anchor)
+
+    def remount(self, mode: str) -> None:
+        assert self.holder is not None and self.holder.stdin and self.holder.stdout
+        self.holder.stdin.write(f"{mode}\n")
+        self.holder.stdin.flush()
+        assert self.holder.stdout.readline().strip() == mode, f"remount {mode} failed"
+
+    def close(self) -> None:
+        """The namespace, and its tmpfs, go when the holder exits (at the end of stdin)."""
+        if self.holder is not None:
+            self.holder.communicate()
 
 
 class Servers:
     def __init__(self, tmp: Path) -> None:
         self.tmp = tmp
-        self.small = tmp / "small"  # a tmpfs when we may mount one
-        self.mounted = _mount_tmpfs(self.small)
+        self.store = SmallStore(tmp / "small")
+        self.small = self.store.path
         self.dir = tmp / "dir"
+        self.events = {name: tmp / f"{name}.events.jsonl" for name in ("recompute", "strict")}
         self.recompute = ApiServer(
-            tmp, "recompute", _config(self.small, "recompute"), *ARGS, cores="0"
+            tmp,
+            "recompute",
+            _config(self.small, "recompute", self.events["recompute"]),
+            *ARGS,
+            cores="0",
         )
-        self.strict = ApiServer(tmp, "strict", _config(self.dir, "fail"), *ARGS, cores="1")
+        self.strict = ApiServer(
+            tmp, "strict", _config(self.dir, "fail", self.events["strict"]), *ARGS, cores="1"
+        )
         self.want: list[dict[str, Any]] = []
 
     def close(self) -> None:
-        close_all((self.recompute, self.strict))
-        if self.mounted:
-            subprocess.run(["umount", "-l", str(self.small)], check=False)
+        try:
+            close_all((self.recompute, self.strict))
+        finally:
+            self.store.close()
+
+    def failed(self, server: ApiServer) -> list[TransferFailed]:
+        """The failed KV transfers in `server`'s event log, oldest first."""
+        log = self.events[server.name]
+        events = read_event_log(str(log)) if log.exists() else []
+        return [e for e in events if isinstance(e, TransferFailed) and e.what == "kv"]
 
 
 @pytest.fixture(scope="module")
@@ -115,24 +177,52 @@ def _counter(server: ApiServer, name: str) -> float:
     return server.metrics().get(name, 0.0)
 
 
+def _needs_tmpfs(servers: Servers) -> None:
+    if servers.store.why_not:
+        pytest.skip(
+            "needs the 1.5 MiB tmpfs store, mounted in a user and mount namespace, which "
+            f"this kernel or sandbox refuses ({servers.store.why_not})"
+        )
+
+
+def _detected(
+    servers: Servers, server: ApiServer, failures: float, seen: int, victim: Path, bad: bytes
+) -> None:
+    """Since the event log held `seen` failures and the counter `failures`: one load
+    failed, on `victim`'s checksum, named in the event log and the server's log; the bad
+    file (`bad`, its bytes) was deleted (the recompute may have saved it afresh); and
+    `vllm:kvflow_failures_total` counted each failed transfer."""
+    new = servers.failed(server)[seen:]
+    loads = [e.reason for e in new if e.direction == "load"]
+    assert len(loads) == 1, f"not one failed load (a miss, not a corrupt chunk?): {loads}"
+    (reason,) = loads
+    assert reason.startswith("ChunkCorrupt: chunk"), reason
+    named = rf"checksum mismatch in layer \d+ in {re.escape(str(victim))}; deleted it$"
+    assert re.search(named, reason), reason
+    assert reason in server.log_text(), "the failed load is logged"
+    assert not victim.exists() or victim.read_bytes() != bad, "the bad file is still there"
+    name = "vllm:kvflow_failures_total"
+    m = server.metrics_once(lambda m: m.get(name, 0.0) >= failures + len(new))
+    assert m.get(name, 0.0) == failures + len(new), f"{name}: not each failure counted"
+
+
 def test_a_full_disk_drops_saves_never_requests(servers: Servers) -> None:
-    if not servers.mounted:
-        pytest.skip("needs a size-limited store: this user may not mount a tmpfs")
+    _needs_tmpfs(servers)
     server = servers.recompute
     before = _counter(server, "vllm:kvflow_failures_total")
+    logged = len(server.log_text())
     with ThreadPoolExecutor(4) as ex:  # more than the store holds
         got = list(ex.map(lambda p: server.completion(p, 8), PROMPTS))
     for i, g in enumerate(got):
         assert_same(g, servers.want[i], f"prompt {i} with the disk full")
     _idle(server)
     assert _counter(server, "vllm:kvflow_failures_total") > before, "no save failed"
-    assert "No space left on device" in server.log_text()
+    assert "No space left on device" in server.log_text()[logged:]
     assert chunks(servers.small), "the saves that fitted are kept"
 
 
 def test_a_read_only_store_still_serves_its_chunks(servers: Servers) -> None:
-    if not servers.mounted:
-        pytest.skip("needs a store we can remount read-only: this user may not mount")
+    _needs_tmpfs(servers)
     server, store = servers.recompute, servers.small
     for p in chunks(store):
         p.unlink()
@@ -140,15 +230,19 @@ def test_a_read_only_store_still_serves_its_chunks(servers: Servers) -> None:
     _idle(server)
     assert chunks(store), "prompt 0 was saved"
     loaded = _counter(server, 'vllm:kvflow_tokens_total{direction="load"}')
-    _remount(store, "ro")
+    logged, seen = len(server.log_text()), len(servers.failed(server))
+    servers.store.remount("ro")
     try:
         assert_same(server.completion(PROMPTS[0], 8), servers.want[0], "a hit, read-only")
         assert_same(server.completion(PROMPTS[1], 8), servers.want[1], "a miss, read-only")
         _idle(server)
     finally:
-        _remount(store, "rw")
+        servers.store.remount("rw")
     assert _counter(server, 'vllm:kvflow_tokens_total{direction="load"}') > loaded
-    assert "Read-only file system" in server.log_text()
+    failed = servers.failed(server)[seen:]
+    assert [e.direction for e in failed if e.direction == "save"], "no save failed"
+    assert not [e.reason for e in failed if e.direction == "load"], "a load failed"
+    assert "Read-only file system" in server.log_text()[logged:]
 
 
 def _break(store: Path, how: str) -> Path:
@@ -177,11 +271,13 @@ def test_a_truncated_or_corrupt_chunk_is_a_request_error_once(
         p.unlink()
     assert_same(server.completion(prompt, 8), want, "saved")
     _idle(server)
+    logged = len(server.log_text())
     victim = _break(store, how)
     failed = server.completion(prompt, 8)  # policy fail: a clear request error
     assert _failed(failed), failed
     _idle(server)
-    assert "ChunkCorrupt: chunk" in server.log_text() and why in server.log_text()
+    log = server.log_text()[logged:]  # this request's, not an earlier case's
+    assert "ChunkCorrupt: chunk" in log and why in log and str(victim) in log, log[-3000:]
     assert not victim.exists(), "the bad file was deleted"
     # the next request loads what is intact, computes the rest and saves it again
     assert_same(server.completion(prompt, 8), want, "after the bad chunk")
@@ -192,14 +288,20 @@ def test_a_truncated_or_corrupt_chunk_is_a_request_error_once(
 
 
 def test_under_policy_recompute_a_corrupt_chunk_is_only_a_recompute(servers: Servers) -> None:
+    """The same tokens as computed alone, and the corrupt chunk detected: a checksum
+    failure counted, named in the event log and deleted (kvflow did not just miss)."""
     server, store = servers.recompute, servers.small
     for p in chunks(store):
         p.unlink()
     assert_same(server.completion(PROMPTS[3], 8), servers.want[3], "saved")
     _idle(server)
-    _break(store, "flip")
+    failures = _counter(server, "vllm:kvflow_failures_total")
+    seen = len(servers.failed(server))
+    victim = _break(store, "flip")
+    bad = victim.read_bytes()
     assert_same(server.completion(PROMPTS[3], 8), servers.want[3], "recomputed")
     _idle(server)
+    _detected(servers, server, failures, seen, victim, bad)
 
 
 def test_a_store_deleted_mid_run_is_a_miss_and_is_made_again(servers: Servers) -> None:
@@ -255,7 +357,14 @@ def test_nothing_computed_over_a_failed_load_is_stored(servers: Servers) -> None
         p.unlink()
     assert_same(server.completion(base, 8), servers.want[-2], "BASE saved")
     _idle(server)
-    _break_file(_chunk_file(store, base, 1), "flip")
+    failures = _counter(server, "vllm:kvflow_failures_total")
+    seen = len(servers.failed(server))
+    victim = _break_file(_chunk_file(store, base, 1), "flip")
+    bad = victim.read_bytes()
     for attempt in range(3):  # the failed load; a recompute over a miss; all hits
         assert_same(server.completion(shared, 8), want, f"SHARED, request {attempt}")
         _idle(server)
+        if attempt == 0:
+            _detected(servers, server, failures, seen, victim, bad)
+    loads = [e for e in servers.failed(server)[seen:] if e.direction == "load"]
+    assert len(loads) == 1, "only the first request's load failed"
