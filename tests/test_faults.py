@@ -96,7 +96,8 @@ class SmallStore:
         assert self.holder.stdout is not None
         if self.holder.stdout.readline().strip() != "mounted":
             _, err = self.holder.communicate()
-            self.holder, self.why_not = None, f"unshare -rm, mount -t tmpfs: {err.strip()}"
+            said = (err.strip().splitlines() or ["no error message"])[0]
+            self.holder, self.why_not = None, f"unshare -rm, mount -t tmpfs: {said}"
             return
         self.path = Path(f"/proc/{self.holder.pid}/root") / where.relative_to(where.anchor)
 
