@@ -86,7 +86,8 @@ def check_transports() -> list[str]:
     print(out.stdout, end="")
     listed = {line.split()[0] for line in out.stdout.splitlines() if line.strip()}
     problems = [f"`kvflow transports` does not list {t}" for t in TRANSPORTS if t not in listed]
-    problems += [f"broken transport: {line}" for line in out.stdout.splitlines() if "BROKEN" in line]
+    lines = out.stdout.splitlines()
+    problems += [f"broken transport: {line}" for line in lines if "BROKEN" in line]
     if out.returncode != 0:
         problems.append(f"`kvflow transports` exited {out.returncode}: {out.stderr[-2000:]}")
     return problems

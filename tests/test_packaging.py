@@ -138,3 +138,22 @@ def test_the_version_is_read_from_the_installed_metadata() -> None:
         check=True,
     )
     assert out.stdout.strip() == f"kvflow {version}"
+
+
+def test_the_installed_check_fails_on_a_partial_load_or_other_tokens() -> None:
+    """scripts/check_installed.py's reading of `kvflow demo`'s table can fail."""
+    from .scripts import load
+
+    problems = load("scripts/check_installed.py", "check_installed").demo_problems
+    good = "│ 300 │ 300 │ 1.0 │ 0.5 │ 1.2 │ 0.1 │ yes │"
+    assert problems(f"{good}\n{good}\nresult: OK", 300, 2) == []
+    partial = "│ 300 │ 256 │ 1.0 │ 0.5 │ 1.2 │ 0.1 │ yes │"
+    other = "│ 300 │ 300 │ 1.0 │ 0.5 │ 1.2 │ 0.1 │ NO │"
+    assert problems(f"{good}\n{partial}\nresult: OK", 300, 2) == [
+        f"not every prompt token loaded: {partial}"
+    ]
+    assert problems(f"{good}\n{other}\nresult: FAILED", 300, 2) == [
+        f"tokens differ: {other}",
+        "no 'result: OK'",
+    ]
+    assert problems(f"{good}\nresult: OK", 300, 2) == ["1 rows, not 2"]

@@ -37,8 +37,8 @@ test = ["kvflow[testing]"]  # kvflow.testing: the conformance suite
 [project.entry-points."kvflow.transports"]
 {name} = "{package}:{cls}"
 
-[tool.setuptools]
-packages = ["{package}"]
+[tool.setuptools.packages.find]
+include = ["{package}", "{package}.*"]  # found, not listed: a subpackage cannot be left out
 
 [tool.pytest.ini_options]
 trio_mode = true
