@@ -105,6 +105,7 @@ BENCHES: dict[str, tuple[list[str], bool, Callable[[], str]]] = {
             else "redis-server is not installed"
         ),
     ),
+    "tests": (["bench_tests.py"], False, lambda: ""),
     "cuda-ipc": (
         ["bench_cuda_ipc.py"],
         True,
@@ -522,6 +523,23 @@ def pd_serve_table(d: dict[str, Any]) -> list[str]:
     return [*_table(head, rows), "", f"_{note}_"]
 
 
+def tests_table(d: dict[str, Any]) -> list[str]:
+    """bench_tests.py: each command of a fresh clone's set-up and test run, its wall time
+    and pytest's counts."""
+    rows = []
+    for r in d["runs"]:
+        said = re.findall(r"(\d+) (passed|failed|skipped|deselected|errors?)", r["last_line"])
+        n = {kind: count for count, kind in said}
+        none = "0" if "pytest" in r["command"] else "-"
+        kinds = ("passed", "skipped", "deselected", "failed")
+        mins, secs = divmod(round(r["wall_s"]), 60)
+        wall = f"{mins} min {secs:02d} s"
+        rows.append([f"`{r['command']}`", wall, *(n.get(k, none) for k in kinds), str(r["rc"])])
+    head = ["command", "wall time", "passed", "skipped", "deselected", "failed", "exit"]
+    note = f"in a fresh clone of {d['clone_of']} and a fresh virtualenv, one after another"
+    return [*_table(head, rows), "", f"_{note}_"]
+
+
 # table name in docs: (its results, renderer, section of the file it shows)
 TABLES: dict[str, tuple[str, Callable[[dict[str, Any]], list[str]], str]] = {
     "fs-io": ("fs-io", fs_io_table, ""),
@@ -550,6 +568,7 @@ TABLES: dict[str, tuple[str, Callable[[dict[str, Any]], list[str]], str]] = {
     "pd-serve": ("pd-serve", pd_serve_table, ""),
     "faults": ("faults", faults_table, ""),
     "faults-store": ("faults", faults_store_table, ""),
+    "tests": ("tests", tests_table, ""),
 }
 
 

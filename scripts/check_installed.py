@@ -9,6 +9,7 @@ It fails (exit 1, naming each problem) unless:
   virtualenv's site-packages (never from a source tree);
 - `kvflow --version` and `kvflow.__version__` say the version built;
 - `kvflow transports` lists fs, zmq, nixl and redis, none broken;
+- `kvflow doctor` finds nothing that would stop an engine;
 - `kvflow demo` (a cold and a restarted, warm vLLM engine over `fs`) loads every prompt
   token in the warm engine and generates the cold engine's tokens.
 """
@@ -93,6 +94,13 @@ def check_transports() -> list[str]:
     return problems
 
 
+def check_doctor() -> list[str]:
+    """`kvflow doctor` on the default configuration: this host would start an engine."""
+    out = run_kvflow("doctor")
+    print(out.stdout, end="")
+    return [] if out.returncode == 0 else [f"`kvflow doctor` exited {out.returncode}"]
+
+
 def demo_problems(out: str, prompt_len: int, prompts: int) -> list[str]:
     """What is wrong with `kvflow demo`'s (or `--pd`'s) table in its output `out`: a row per
     prompt whose first two cells (the prompt's tokens, those loaded) are `prompt_len` and
@@ -129,6 +137,7 @@ def main() -> int:
     p.add_argument("--skip-demo", action="store_true", help="no engine run")
     args = p.parse_args()
     problems = check_imports() + check_version(args.version) + check_transports()
+    problems += check_doctor()
     if not args.skip_demo:
         problems += check_demo()
     for problem in problems:

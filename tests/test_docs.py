@@ -54,3 +54,30 @@ def test_the_gpu_suite_runs_files_that_exist_and_says_when_there_is_no_gpu() -> 
         ["bash", "scripts/gpu-check.sh"], cwd=ROOT, capture_output=True, text=True, timeout=60
     )
     assert proc.returncode == 2 and "no CUDA device here" in proc.stderr, proc.stderr
+
+
+def test_the_readme_is_a_front_door() -> None:
+    """What kvflow is in at most five lines, both set-up commands in the first 30 lines,
+    a quick start of at most 15 lines and a feature list of at most 25 that links to the
+    docs; no test times, commit ids or run details (those are docs/benchmarks.md's)."""
+    import re
+
+    lines = (ROOT / "README.md").read_text().splitlines()
+    heads = [i for i, ln in enumerate(lines) if ln.startswith("## ")]
+
+    def section(title: str) -> list[str]:
+        (start,) = [i for i in heads if lines[i] == f"## {title}"]
+        end = next((i for i in heads if i > start), len(lines))
+        return [ln for ln in lines[start + 1 : end] if ln.strip()]
+
+    intro = [ln for ln in lines[1 : heads[0]] if ln.strip()]
+    assert 0 < len(intro) <= 5, intro
+    first = "\n".join(lines[:30])
+    assert "bash scripts/install.sh && kvflow demo" in first
+    assert "bash scripts/install.sh && python3 -m pytest" in first
+    assert len(section("Quick start")) <= 15
+    features = section("Features")
+    assert len(features) <= 25 and sum("](docs/" in ln for ln in features) >= 8
+    text = "\n".join(lines)
+    assert not re.search(r"\b[0-9a-f]{7}\b", text), "a commit id: docs/benchmarks.md's"
+    assert not re.search(r"\d+ min\b|\d+ tests\b", text), "a run's time: docs/benchmarks.md's"

@@ -157,3 +157,29 @@ def test_the_installed_check_fails_on_a_partial_load_or_other_tokens() -> None:
         "no 'result: OK'",
     ]
     assert problems(f"{good}\nresult: OK", 300, 2) == ["1 rows, not 2"]
+
+
+def test_the_version_rules_in_the_docs_are_the_codes() -> None:
+    """docs/install.md's table of what two kvflows must agree on holds the code's numbers,
+    and the changelog has an entry for this version."""
+    from kvflow.pd.params import PD_VERSION
+    from kvflow_fs import _format as fs_format
+    from kvflow_nixl import _wire as nixl_wire
+    from kvflow_zmq import _wire as zmq_wire
+
+    rows = {
+        line.split("|")[1].strip(): line.split("|")[2].strip()
+        for line in (ROOT / "docs" / "install.md").read_text().splitlines()
+        if line.startswith("| ") and not line.startswith("| what")
+    }
+    got = {name.split()[0].strip("`"): now.split()[0] for name, now in rows.items()}
+    assert got == {
+        "P/D": str(PD_VERSION),
+        "zmq": str(zmq_wire.WIRE_VERSION),
+        "nixl": str(nixl_wire.WIRE_VERSION),
+        "fs": fs_format.MAGIC.decode()[-1],
+        "redis": "2",
+    }
+    redis_format = (REDIS / "kvflow_redis" / "_format.py").read_text()
+    assert "this version reads format 2" in redis_format
+    assert f"## {_version(ROOT)}" in (ROOT / "CHANGELOG.md").read_text()

@@ -125,6 +125,35 @@ async def test_pull_of_an_unknown_request_is_refused(
             nursery.cancel_scope.cancel()
 
 
+async def test_a_pull_of_another_wire_version_is_refused_naming_both(
+    pair: tuple[ZmqTransport, ZmqTransport], layouts: tuple[KVLayout, KVLayout]
+) -> None:
+    """A producer of another kvflow release (its wire version differs) refuses a pull it
+    holds the blocks for, naming both versions: the consumer recomputes."""
+    producer, consumer = pair
+    prod, cons = layouts
+    producer.wire_version = wire.WIRE_VERSION + 1  # as a newer kvflow's producer
+    offer = Offer("p-req", [1], [4], prod.num_layers, _spans(prod, [1], [4]))
+    job = LoadJob(
+        "c-req",
+        ["k"],
+        [4],
+        cons.num_layers,
+        _spans(cons, [7], [4]),
+        lambda _: None,
+        PeerSource("e", [producer.address], "p-req", [1]),
+    )
+    why = f"wire version {wire.WIRE_VERSION}; this producer speaks {wire.WIRE_VERSION + 1}"
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(producer.serve)
+            nursery.start_soon(producer.offer, offer)
+            await trio.testing.wait_all_tasks_blocked()
+            with pytest.raises(ChunkMissing, match=why):
+                await consumer.load(job)
+            nursery.cancel_scope.cancel()
+
+
 async def test_a_held_offer_ends_at_its_deadline_without_a_consumer(
     pair: tuple[ZmqTransport, ZmqTransport], layouts: tuple[KVLayout, KVLayout]
 ) -> None:

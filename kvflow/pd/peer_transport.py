@@ -222,7 +222,12 @@ class PeerTransport(Transport):
     def _claim(self, msg: Any, ident: bytes) -> Offer | str:
         """The offered blocks `msg` asks for, claimed for `ident`; or why not. The layout
         is checked only for an offer held (a peer learns nothing of it otherwise)."""
-        why = "wire version" if msg.version != self.wire_version else ""
+        why = (
+            f"wire version {msg.version}; this producer speaks {self.wire_version} (run "
+            "the same kvflow version on both, docs/install.md#versions)"
+            if msg.version != self.wire_version
+            else ""
+        )
         offer = None if why else self.held.get(msg.req)
         if offer is not None and not (why := self.check_pull(msg)):
             offer = select_blocks(offer, msg.block_ids)

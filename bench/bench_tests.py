@@ -1,0 +1,68 @@
+"""How long the README's test command takes as a new contributor runs it: a fresh clone
+of this repository's HEAD, a fresh virtualenv, `bash scripts/install.sh`, then
+`python3 -m pytest` (and, with --slow, `python3 -m pytest -q -m slow` after it).
+
+    python bench/bench_tests.py [--slow]
+
+Writes bench/results/tests.json: each command's wall time and pytest's counts. The run
+takes what the suite takes (about 10 min, the install about 4 more); run it on a machine
+doing nothing else, since the suite's engines share its cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import record
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "bench" / "results" / "tests.json"
+CODE = ["kvflow", "transports", "plugins", "tests", "scripts"]
+"""What the suite runs: a change to any of it makes the result older than the code."""
+
+
+def timed(cmd: list[str], cwd: Path, env: dict[str, str]) -> tuple[float, str, int]:
+    """`cmd`'s wall time, the last line it printed, and its exit status."""
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, check=False)
+    wall = time.monotonic() - t0
+    lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
+    return wall, (lines[-1] if lines else proc.stderr[-500:]), proc.returncode
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--slow", action="store_true", help="then `-m slow` too")
+    args = p.parse_args()
+    meta = record.start()
+    head = record.git("rev-parse", "--short", "HEAD")
+    runs: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        clone, venv = Path(tmp, "kvflow"), Path(tmp, "venv")
+        subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True)
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        env = os.environ | {"VIRTUAL_ENV": str(venv), "PATH": f"{venv}/bin:{os.environ['PATH']}"}
+        steps = [["bash", "scripts/install.sh"], ["python3", "-m", "pytest", "-q"]]
+        if args.slow:
+            steps.append(["python3", "-m", "pytest", "-q", "-m", "slow"])
+        for cmd in steps:
+            wall, last, rc = timed(cmd, clone, env)
+            print(f"{' '.join(cmd)}: {wall:.0f} s, exit {rc}: {last}")
+            runs.append({"command": " ".join(cmd), "wall_s": wall, "rc": rc, "last_line": last})
+            if rc != 0:
+                break
+    data = {"clone_of": head, "runs": runs}
+    record.save(OUT, data, meta, extra=CODE)
+    print(f"wrote {OUT}")
+    return 0 if all(r["rc"] == 0 for r in runs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
