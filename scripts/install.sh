@@ -12,6 +12,11 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 vllm_only=0; [ "${1:-}" = "--vllm-only" ] && vllm_only=1
 pip() { "$PY" -m pip --disable-pip-version-check -q "$@"; }
+# vLLM alone (check-wheel's fresh virtualenv): no bytecode compiled up front for torch's and
+# vLLM's thousands of files; Python compiles what it imports, when it imports it.
+if [ "$vllm_only" = 1 ]; then
+  pip() { "$PY" -m pip --disable-pip-version-check -q "$1" --no-compile "${@:2}"; }
+fi
 
 if [ -n "${KVFLOW_VLLM:-}" ]; then
   vllm_spec=$KVFLOW_VLLM; cpu=0
