@@ -28,13 +28,17 @@ CODE = ["kvflow", "transports", "plugins", "tests", "scripts"]
 """What the suite runs: a change to any of it makes the result older than the code."""
 
 
-def timed(cmd: list[str], cwd: Path, env: dict[str, str]) -> tuple[float, str, int]:
-    """`cmd`'s wall time, the last line it printed, and its exit status."""
+def timed(cmd: list[str], cwd: Path, env: dict[str, str]) -> dict[str, Any]:
+    """`cmd`'s wall time, the last line it printed, the tests pytest says failed, and its
+    exit status."""
     t0 = time.monotonic()
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, check=False)
     wall = time.monotonic() - t0
     lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
-    return wall, (lines[-1] if lines else proc.stderr[-500:]), proc.returncode
+    failed = [ln for ln in lines if ln.startswith(("FAILED ", "ERROR "))]
+    last = lines[-1] if lines else proc.stderr[-500:]
+    run = {"command": " ".join(cmd), "wall_s": wall, "rc": proc.returncode, "last_line": last}
+    return run | ({"failed": failed} if failed else {})
 
 
 def main() -> int:
@@ -53,10 +57,11 @@ def main() -> int:
         if args.slow:
             steps.append(["python3", "-m", "pytest", "-q", "-m", "slow"])
         for cmd in steps:
-            wall, last, rc = timed(cmd, clone, env)
-            print(f"{' '.join(cmd)}: {wall:.0f} s, exit {rc}: {last}")
-            runs.append({"command": " ".join(cmd), "wall_s": wall, "rc": rc, "last_line": last})
-            if rc != 0:
+            run = timed(cmd, clone, env)
+            print(f"{run['command']}: {run['wall_s']:.0f} s, exit {run['rc']}: {run['last_line']}")
+            print("\n".join(run.get("failed", [])))
+            runs.append(run)
+            if run["rc"] != 0:
                 break
     data = {"clone_of": head, "runs": runs}
     record.save(OUT, data, meta, extra=CODE)
