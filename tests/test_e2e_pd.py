@@ -39,8 +39,12 @@ LOAD_S = {"consumer": 10.0, "strict": 5.0}
 
 @pytest.fixture(
     scope="module",
-    # nixl's serving path runs by default in test_serve_pd; its failure paths here are slow
-    params=["zmq", pytest.param("nixl", marks=pytest.mark.slow)],
+    # Slow (CI runs them): P/D's serving path runs by default in test_serve_pd (zmq and
+    # nixl, through vLLM's OpenAI servers); these are the engines' failure paths.
+    params=[
+        pytest.param("zmq", marks=pytest.mark.slow),
+        pytest.param("nixl", marks=pytest.mark.slow),
+    ],
 )
 def engines(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
