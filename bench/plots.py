@@ -45,7 +45,7 @@ def load(results: Path, name: str) -> dict[str, Any] | None:
 
 def recorded(name: str, data: dict[str, Any], section: str = "") -> str:
     """`bench/results/NAME.json` with the date and commit it records (bench/record.py)."""
-    meta = data | data.get(f"{section}_run", {}) if section else data
+    meta = data[f"{section}_run"] if section else data  # a section's own run, never another's
     rev = meta.get("commit") or (
         f"{meta['committed_in']} (committed in)" if meta.get("committed_in") else ""
     )
