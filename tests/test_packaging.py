@@ -39,19 +39,18 @@ def _version(project: Path) -> str:
         return str(tomllib.load(f)["project"]["version"])
 
 
+def _listed(where: Path) -> list[str]:
+    """The files under `where` that git tracks or would track, relative to it."""
+    cmd = ["git", "ls-files", "-co", "--exclude-standard"]
+    return subprocess.run(cmd, cwd=where, capture_output=True, text=True, check=True).stdout.split()
+
+
 def tree_files(dist: str) -> set[str]:
     """What the wheel of `dist` must hold: each package's modules and its data (what
     git tracks or would track, as in the checkout a wheel is built from)."""
     want = set()
     for root in PACKAGE_ROOTS[dist]:
-        listed = subprocess.run(
-            ["git", "ls-files", "-co", "--exclude-standard", "."],
-            cwd=root,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.split()
-        for rel in listed:
+        for rel in _listed(root):
             path = Path(root.name, rel)
             if path.suffix in (".py", ".json") or path.name == "py.typed":
                 want.add(path.as_posix())
@@ -62,14 +61,7 @@ def _build_wheel(project: Path, out: Path) -> Path:
     """The wheel of `project`, built from a copy of what git tracks or would track there
     (so no build output of the tree, and nothing written into it)."""
     src = out / "src"
-    listed = subprocess.run(
-        ["git", "ls-files", "-co", "--exclude-standard"],
-        cwd=project,
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.splitlines()
-    for rel in listed:
+    for rel in _listed(project):
         if (project / rel).is_file():
             (src / rel).parent.mkdir(parents=True, exist_ok=True)
             (src / rel).write_bytes((project / rel).read_bytes())
