@@ -130,7 +130,7 @@ async def test_malformed_messages_are_dropped_and_serve_goes_on(
 
 async def test_hostile_geometries_are_refused_before_any_work(zctx: zmq.Context[Any]) -> None:
     """Issue 27, finding 1: a pull's layouts were used before anything was checked
-    (kernel_blocks=0 ended serve; heads=block_size=4096 cost ~23 s and filled the
+    (kernel_blocks=0 ended serve; heads=block_size=4096 cost many seconds and filled the
     `_runs` cache). Each hostile layout is refused at once naming why, nothing is
     computed for it, the offer stays unclaimed, and its honest pull follows."""
     async with peers("zmq") as p:
