@@ -25,7 +25,8 @@ import record
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "bench" / "results" / "tests.json"
 CODE = ["kvflow", "transports", "plugins", "tests", "scripts"]
-"""What the suite runs: a change to any of it makes the result older than the code."""
+"""What the suite runs (fingerprinted as the clone holds it): a change to any of it makes
+the result older than the code."""
 
 
 def timed(cmd: list[str], cwd: Path, env: dict[str, str]) -> dict[str, Any]:
@@ -56,6 +57,11 @@ def main() -> int:
         steps = [["bash", "scripts/install.sh"], ["python3", "-m", "pytest", "-q"]]
         if args.slow:
             steps.append(["python3", "-m", "pytest", "-q", "-m", "slow"])
+        ran = {  # what the clone ran: the working tree may have moved on since
+            f: record.blob((clone / f).read_bytes())
+            for code in CODE
+            for f in map(str, sorted(p.relative_to(clone) for p in (clone / code).rglob("*.py")))
+        }
         for cmd in steps:
             run = timed(cmd, clone, env)
             print(f"{run['command']}: {run['wall_s']:.0f} s, exit {run['rc']}: {run['last_line']}")
@@ -64,7 +70,7 @@ def main() -> int:
             if run["rc"] != 0:
                 break
     data = {"clone_of": head, "runs": runs}
-    record.save(OUT, data, meta, extra=CODE)
+    record.save(OUT, data, meta, ran=ran)
     print(f"wrote {OUT}")
     return 0 if all(r["rc"] == 0 for r in runs) else 1
 

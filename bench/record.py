@@ -175,11 +175,17 @@ def sources(extra: Iterable[str] = ()) -> dict[str, str]:
 
 
 def save(
-    path: Path | str, data: dict[str, Any], meta: dict[str, Any], extra: Iterable[str] = ()
+    path: Path | str,
+    data: dict[str, Any],
+    meta: dict[str, Any],
+    extra: Iterable[str] = (),
+    ran: dict[str, str] | None = None,
 ) -> None:
-    """Write `data` to `path` with `meta` and `sources`; what the file held before
-    (another run) goes to its `history`, oldest first. The file is replaced whole (a
-    crash leaves the old one); one that does not parse is not overwritten."""
+    """Write `data` to `path` with `meta` and `sources` (those this process imported and
+    `extra`, as the working tree holds them now; plus `ran`, {file: blob id} of files
+    that ran from elsewhere, a clone, which win); what the file held before (another
+    run) goes to its `history`, oldest first. The file is replaced whole (a crash leaves
+    the old one); one that does not parse is not overwritten."""
     path = Path(path)
     history: list[dict[str, Any]] = []
     if path.exists():
@@ -193,7 +199,7 @@ def save(
     # `data` may be the old file re-read (a sectioned file keeps the sections not run):
     # its top-level record was the old run's, and this run's is `meta`
     data = {k: v for k, v in data.items() if k not in MARKS}
-    out = data | meta | {"sources": sources(extra), "history": history}
+    out = data | meta | {"sources": sources(extra) | (ran or {}), "history": history}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(out, indent=2) + "\n")
