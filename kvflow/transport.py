@@ -376,12 +376,12 @@ def load_transport(name: str) -> type[Transport]:
         )
     try:
         cls = eps[name].load()
-    except ImportError as exc:
+    except Exception as exc:  # ImportError, or what its import raised (a CUDA library's OSError)
         d = eps[name].dist
         dist = d.name if d is not None else "its package"
         raise TransportNotFound(
-            f"kvflow transport {name!r} is installed but cannot be imported ({exc}); "
-            f"reinstall {dist} with its dependencies"
+            f"kvflow transport {name!r} is installed but cannot be imported "
+            f"({type(exc).__name__}: {exc}); reinstall {dist} with its dependencies"
         ) from exc
     if not (isinstance(cls, type) and issubclass(cls, Transport)):
         raise TransportNotFound(f"entry point {name!r} does not name a kvflow Transport subclass")

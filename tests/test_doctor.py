@@ -205,6 +205,21 @@ def test_a_transport_that_does_not_import_says_why(
     assert rc == 1 and only(found, "transport gone")["status"] == "FAIL"
 
 
+def test_kvflow_transports_lists_a_transport_whose_import_raises_as_broken(
+    capsys: pytest.CaptureFixture[str], broken: Path
+) -> None:
+    """Not only an ImportError: a library that does not load (OSError) is a broken
+    transport named with its error, never a traceback out of `kvflow transports`."""
+    from kvflow.cli.main import main
+    from kvflow.transport import TransportNotFound, load_transport
+
+    with pytest.raises(TransportNotFound, match=r"OSError: libcudart\.so\.12"):
+        load_transport("nocuda")
+    assert main(["transports"]) == 0
+    (line,) = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("nocuda")]
+    assert "BROKEN" in line and "OSError: libcudart.so.12" in line
+
+
 def test_a_transport_check_that_raises_is_a_warning(
     capsys: pytest.CaptureFixture[str], broken: Path, tmp_path: Path
 ) -> None:
