@@ -102,6 +102,12 @@ class Capabilities(msgspec.Struct, frozen=True):
     `load` reads the shard a `LoadJob` names and checks the bytes against the job's
     `layout`."""
 
+    def describe(self) -> str:
+        """What it is and moves, as `kvflow transports` and `kvflow doctor` show it:
+        `store; memory: cpu`."""
+        kinds = ",".join(k for k, on in (("store", self.store), ("peer", self.peer)) if on)
+        return f"{kinds}; memory: {','.join(sorted(self.memory))}"
+
 
 @dataclass
 class TransportContext:

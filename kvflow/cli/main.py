@@ -21,10 +21,7 @@ def _cmd_transports(args: argparse.Namespace) -> int:
     for name, ep in sorted(eps.items()):
         dist = ep.dist.name if ep.dist is not None else "?"
         try:
-            cls = load_transport(name)
-            caps = cls.capabilities
-            kinds = ",".join(k for k, on in (("store", caps.store), ("peer", caps.peer)) if on)
-            status = f"{kinds}; memory: {','.join(sorted(caps.memory))}"
+            status = load_transport(name).capabilities.describe()
         except TransportNotFound as exc:
             status = f"BROKEN: {exc}"
         print(f"{name:<10} {ep.value:<32} ({dist})  {status}")

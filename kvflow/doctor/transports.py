@@ -10,7 +10,7 @@ from typing import Any
 
 from ..config import ConfigError, KVFlowConfig, parse_config, parse_options
 from ..findings import Findings
-from ..transport import Transport, available_transports
+from ..transport import Transport, TransportNotFound, available_transports, load_transport
 
 __all__ = [
     "Configured",
@@ -50,20 +50,12 @@ def import_transports(findings: Findings, configured: set[str]) -> dict[str, typ
     for name, ep in sorted(available_transports().items()):
         dist = f"{ep.dist.name} {ep.dist.version}" if ep.dist is not None else "?"
         try:
-            cls = ep.load()
-        except Exception as exc:  # a missing module, a CUDA runtime that does not load, ...
+            cls = load_transport(name)
+        except TransportNotFound as exc:  # its import raised (the cause), or not a Transport
             say = findings.fail if name in configured else findings.warn
-            why = f"{ep.value} ({dist}) cannot be imported: {type(exc).__name__}: {exc}"
-            say(f"transport {name}", why, _fix(ep, exc))
+            say(f"transport {name}", f"{ep.value} ({dist}): {exc}", _fix(ep, exc.__cause__))
             continue
-        if not (isinstance(cls, type) and issubclass(cls, Transport)):
-            say = findings.fail if name in configured else findings.warn
-            say(f"transport {name}", f"{ep.value} is not a Transport subclass", _fix(ep, None))
-            continue
-        caps = cls.capabilities
-        kinds = ",".join(k for k, on in (("store", caps.store), ("peer", caps.peer)) if on)
-        memory = ",".join(sorted(caps.memory))
-        findings.ok(f"transport {name}", f"{ep.value} ({dist}): {kinds}; memory {memory}")
+        findings.ok(f"transport {name}", f"{ep.value} ({dist}): {cls.capabilities.describe()}")
         loaded[name] = cls
     return loaded
 
