@@ -9,7 +9,6 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvflow.config import default_cache_dir
 from kvflow.transport import TransportError
 
 from ._usage import USAGE_FILE
@@ -24,9 +23,9 @@ PATH = "kv_connector_extra_config['options']['path']"
 
 
 def check(options: FsOptions, findings: Any) -> None:
-    from ._transport import _file_mode
+    from ._transport import _file_mode, store_root
 
-    root = Path(options.path).expanduser() if options.path else default_cache_dir() / "fs"
+    root = store_root(options)
     if (existing := _writable(root, findings)) is not None:
         _space(root, existing, options.max_gb, findings)
     try:

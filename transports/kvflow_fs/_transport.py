@@ -145,6 +145,11 @@ def _read_all(fd: int, spans: Sequence[memoryview], offset: int) -> int:
     return _move_all(os.preadv, fd, spans, offset)
 
 
+def store_root(options: FsOptions) -> Path:
+    """The store's directory: `path`, or `fs` in kvflow's cache directory."""
+    return Path(options.path).expanduser() if options.path else default_cache_dir() / "fs"
+
+
 class FsTransport(Transport):
     name = "fs"
     Options = FsOptions
@@ -153,7 +158,7 @@ class FsTransport(Transport):
     def __init__(self, options: FsOptions, context: TransportContext) -> None:
         super().__init__(options, context)
         self.options: FsOptions = options
-        base = Path(options.path).expanduser() if options.path else default_cache_dir() / "fs"
+        base = store_root(options)
         self.root = base
         self.dir = base / context.namespace
         self.usage = StoreUsage(base, int(options.max_gb * (1 << 30)), lambda: context.evicted)
