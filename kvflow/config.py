@@ -25,7 +25,7 @@ __all__ = [
     "parse_options",
 ]
 
-from .pd.security import Channel, ChannelMode, SecurityError, read_key
+from .pd.security import Channel, ChannelMode, SecurityError, host_key, read_key
 
 LoadMode = Literal["layer", "async"]
 Role = Literal["kv_both", "kv_producer", "kv_consumer"]
@@ -56,9 +56,15 @@ class KVFlowConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """How long vLLM's preemption waits for the preempted requests' saves to stop (a
     cancelled save never stores its chunks, so later it only wastes a read)."""
     lookup_timeout_s: float = 5.0
-    hold_timeout_s: float = 120.0
+    hold_timeout_s: float = 30.0
     """P/D producer: how long a finished request's blocks wait for a consumer to claim
-    them (the consumer claims a request as it arrives, before it is scheduled)."""
+    them (the consumer claims a request as it arrives, before it is scheduled; a claimed
+    offer is then held by its consumer's renewals, up to `max_hold_s`)."""
+    max_offer_fraction: float = 0.5
+    """P/D producer: the most of its KV cache blocks that offers may hold at once; a
+    prefill that would hold more returns no P/D params (its decode computes the prompt)
+    and gives its blocks back, so clients that ask for prefills and never decode cannot
+    fill the KV cache."""
     lease_s: float = 30.0
     """P/D consumer: a claim holds the producer's blocks this long past its latest
     renewal; the consumer renews every `lease_s / 3` while the request waits."""
@@ -70,15 +76,20 @@ class KVFlowConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_hold_s: float = 600.0
     """P/D producer: the longest it holds a request's blocks, renewals or not."""
     key_file: str = ""
-    """A file holding the deployment's secret (`kvflow keygen PATH` makes one); unset,
-    `$KVFLOW_KEY` holds it, if set. With a key, the P/D side channel answers only peers
-    that hold it, and consumers believe only P/D params it signed (docs/security.md)."""
-    channel: ChannelMode = "authenticated"
-    """With a key: `authenticated` (every control frame carries a MAC; KV bytes cross in
-    the clear) or `encrypted` (ZMQ CURVE: every frame, KV included, is encrypted)."""
+    """A file holding the deployment's secret (`kvflow keygen PATH` makes one; it must be
+    the user's alone); unset, `$KVFLOW_KEY` holds it, if set. With a key, the P/D side
+    channel answers only peers that hold it, and consumers believe only P/D params it
+    signed (docs/security.md). Without one, P/D instances of one user on one host share
+    a host key made on first use in a private runtime directory (loopback only)."""
+    channel: ChannelMode | None = None
+    """What the side channel protects: `encrypted` (ZMQ CURVE: every frame, KV included,
+    is encrypted and authenticated) or `kv-in-clear` (the peers and the control frames
+    are authenticated; KV bytes cross as they are). Unset: `encrypted` with a
+    deployment key (it crosses networks), `kv-in-clear` with the host key (loopback)."""
     insecure: bool = False
-    """Allow P/D without a key beyond loopback: anyone who reaches the side channel can
-    read this engine's KV, and consumers connect where P/D params say."""
+    """Allow P/D without any key, beyond loopback: anyone who reaches the side channel can
+    read this engine's KV, and consumers believe unsigned P/D params (any API client can
+    forge them)."""
     shutdown_drain_s: float = 10.0
     """At shutdown, how long in-flight saves may finish before they are cancelled."""
     max_concurrent_transfers: int = 16
@@ -138,6 +149,10 @@ class KVFlowConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ConfigError(
                 "kv_connector_extra_config['max_hold_s'] must be >= hold_timeout_s and lease_s"
             )
+        if not 0 < self.max_offer_fraction <= 1:  # NaN too
+            raise ConfigError(
+                "kv_connector_extra_config['max_offer_fraction'] must be > 0 and <= 1"
+            )
         if not self.cpu_cache_gib >= 0:  # NaN too
             raise ConfigError("kv_connector_extra_config['cpu_cache_gib'] must be >= 0")
         if self.max_concurrent_transfers < 1:
@@ -149,19 +164,27 @@ class KVFlowConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             )
 
 
-def channel_of(cfg: KVFlowConfig) -> Channel:
-    """The side-channel security `cfg` asks for, its key read from `key_file` or
-    `$KVFLOW_KEY`."""
+def channel_of(cfg: KVFlowConfig, *, peer: bool = True) -> Channel:
+    """The side-channel security `cfg` asks for: its key read from `key_file` or
+    `$KVFLOW_KEY`, else, for a `peer` transport not told `insecure`, this host's key."""
     try:
         key = read_key(cfg.key_file)
     except SecurityError as exc:
         raise ConfigError(f"kv_connector_extra_config['key_file']: {exc}") from None
-    if key is None and cfg.channel == "encrypted":
-        raise ConfigError(
-            "kv_connector_extra_config['channel'] is 'encrypted' but no key is set: make one "
-            "with `kvflow keygen PATH` and set 'key_file' (or $KVFLOW_KEY)"
-        )
-    return Channel(key, cfg.channel, cfg.insecure)
+    if key is not None:
+        return Channel(key, cfg.channel or "encrypted", cfg.insecure)
+    if cfg.insecure or not peer:
+        if cfg.channel is not None and peer:
+            raise ConfigError(
+                f"kv_connector_extra_config['channel'] is {cfg.channel!r} but 'insecure' "
+                "leaves the side channel keyless: drop one of them"
+            )
+        return Channel(None, "encrypted", cfg.insecure)
+    try:
+        key = host_key()
+    except SecurityError as exc:
+        raise ConfigError(f"kv_connector_extra_config: no key_file, and {exc}") from None
+    return Channel(key, cfg.channel or "kv-in-clear", host=True)
 
 
 def host_cpus() -> set[int]:
@@ -193,9 +216,16 @@ def _convert(raw: dict[str, Any], typ: type[S], where: str) -> S:
         key = str(exc).rpartition("`$.")[2].rstrip("`").split(".")[0].split("[")[0]
         hint = ""
         for f in fields:
-            if f.name == key and getattr(f.type, "__origin__", None) is Literal:
-                hint = f"; valid choices: {', '.join(map(str, get_args(f.type)))}"
+            if f.name == key and (choices := _choices(f.type)):
+                hint = f"; valid choices: {', '.join(choices)}"
         raise ConfigError(f"{where}[{key!r}]: {exc}{hint}") from None
+
+
+def _choices(typ: Any) -> list[str]:
+    """The values a `Literal` field (or an optional one) takes; [] for other types."""
+    if getattr(typ, "__origin__", None) is Literal:
+        return [str(a) for a in get_args(typ)]
+    return [c for arg in get_args(typ) for c in _choices(arg)]
 
 
 def parse_config(raw: dict[str, Any] | None, *, transports: list[str]) -> KVFlowConfig:

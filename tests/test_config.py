@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -17,7 +18,7 @@ from kvflow.config import (
     parse_config,
     parse_options,
 )
-from kvflow.pd.security import KEY_ENV, keygen
+from kvflow.pd.security import HOST_KEY, KEY_ENV, RUNTIME_ENV, Channel, keygen
 from kvflow.transport import TransportNotFound, available_transports, load_transport
 from kvflow_fs import FsOptions, FsTransport
 
@@ -218,26 +219,85 @@ def test_a_key_that_cannot_be_read_is_an_error_naming_key_file_and_keygen(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv(KEY_ENV, raising=False)
-    assert channel_of(parse_config({}, transports=["fs"])).key is None
-    with pytest.raises(ConfigError, match="'encrypted' but no key is set: make one with"):
-        channel_of(parse_config({"channel": "encrypted"}, transports=["fs"]))
+    monkeypatch.setenv(RUNTIME_ENV, str(tmp_path / "runtime"))
     bad = tmp_path / "bad"
     bad.write_text("not hex\n")
-    for path, why in ((tmp_path / "missing", "cannot read"), (bad, "kvflow keygen PATH")):
+    bad.chmod(0o600)
+    shared = keygen(tmp_path / "shared")
+    shared.chmod(0o640)
+    for path, why in (
+        (tmp_path / "missing", "cannot read"),
+        (bad, "kvflow keygen PATH"),
+        (shared, r"may be read or written by others \(mode 640\): `chmod 600` it"),
+    ):
         cfg = parse_config({"key_file": str(path)}, transports=["fs"])
         with pytest.raises(ConfigError, match=rf"\['key_file'\]: .*{why}"):
             channel_of(cfg)
     good = keygen(tmp_path / "key")
     channel = channel_of(parse_config({"key_file": str(good)}, transports=["fs"]))
-    assert channel.keyed and channel.mode == "authenticated"
+    assert channel.keyed and channel.mode == "encrypted" and not channel.host
     monkeypatch.setenv(KEY_ENV, good.read_text())
-    assert channel_of(parse_config({"channel": "encrypted"}, transports=["fs"])).key == (
-        channel.key
+    assert channel_of(parse_config({"channel": "kv-in-clear"}, transports=["fs"])) == (
+        Channel(channel.key, "kv-in-clear")
     )
-    with pytest.raises(ConfigError, match="valid choices: authenticated, encrypted"):
-        parse_config({"channel": "tls"}, transports=["fs"])
+    with pytest.raises(ConfigError, match="valid choices: encrypted, kv-in-clear"):
+        parse_config({"channel": "authenticated"}, transports=["fs"])
     with pytest.raises(ConfigError, match="max_hold_s"):
         parse_config({"max_hold_s": 10.0}, transports=["fs"])
+    for bad_fraction in (0.0, 1.5, math.nan):
+        with pytest.raises(ConfigError, match="max_offer_fraction"):
+            parse_config({"max_offer_fraction": bad_fraction}, transports=["fs"])
+
+
+def test_without_a_key_pd_signs_with_a_host_key_and_only_insecure_is_keyless(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No key_file, no $KVFLOW_KEY: a P/D engine's channel holds this user's host key,
+    made on first use in a private runtime directory and the same for every instance
+    (loopback only); a store transport's holds none; `insecure` is keyless, and then a
+    `channel` is a contradiction named at start."""
+    monkeypatch.delenv(KEY_ENV, raising=False)
+    runtime = tmp_path / "runtime"
+    monkeypatch.setenv(RUNTIME_ENV, str(runtime))
+    cfg = parse_config({}, transports=["fs"])
+    first, second = channel_of(cfg), channel_of(cfg)
+    assert first == second and first.keyed and first.host and first.mode == "kv-in-clear"
+    assert (runtime / HOST_KEY).stat().st_mode & 0o777 == 0o600
+    assert runtime.stat().st_mode & 0o777 == 0o700
+    assert first.bind_problem("10.1.2.3") and not first.bind_problem("127.0.0.1")
+    assert "host's" in first.address_problem("tcp://10.1.2.3:5555")
+    assert channel_of(cfg, peer=False) == Channel()
+    insecure = parse_config({"insecure": True}, transports=["fs"])
+    assert channel_of(insecure) == Channel(None, insecure=True)
+    with pytest.raises(ConfigError, match="'insecure' leaves the side channel keyless"):
+        channel_of(parse_config({"insecure": True, "channel": "encrypted"}, transports=["fs"]))
+
+
+@pytest.mark.parametrize("problem", ["others", "owner", "symlink"])
+def test_a_host_key_directory_others_could_plant_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, problem: str
+) -> None:
+    """A runtime directory made first by someone else (a shared /tmp), open to others, or
+    a symlink is refused at start, naming it and what to do, never used."""
+    monkeypatch.delenv(KEY_ENV, raising=False)
+    runtime = tmp_path / "runtime"
+    runtime.mkdir(mode=0o700)
+    if problem == "others":
+        runtime.chmod(0o777)
+        why = r"may be read or written by others \(mode 777\)"
+    elif problem == "owner":
+        if os.getuid() != 0:
+            pytest.skip("giving a directory to another user needs root")
+        os.chown(runtime, 4242, 4242)
+        why = "is owned by uid 4242, not this user"
+    else:
+        real, runtime = runtime, tmp_path / "link"
+        runtime.symlink_to(real)
+        why = "is not a directory"
+    monkeypatch.setenv(RUNTIME_ENV, str(runtime))
+    with pytest.raises(ConfigError, match=rf"host key's directory .*{why}.*{RUNTIME_ENV}"):
+        channel_of(parse_config({}, transports=["fs"]))
+    assert not (runtime / HOST_KEY).exists() or problem == "symlink"
 
 
 def test_tiers_below_the_store_are_checked_at_start_naming_the_key() -> None:

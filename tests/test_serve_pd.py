@@ -5,9 +5,10 @@ its own session (as a supervisor or two terminals start them) and, on vLLM's CPU
 build, on its own core; kvflow's proxy between them follows vLLM's convention. zmq
 runs with the *same* `--kv-transfer-config` (`kv_both`) on both servers, nixl with
 `kv_producer` / `kv_consumer`; both with `kv_load_failure_policy: fail`, so a pull
-that fails is a request error here, never a silent recompute. zmq runs with a deployment
-key (`kvflow keygen`), nixl keyless on loopback: both ways a user runs P/D. A second
-process attacks each pair as a stranger would (docs/security.md).
+that fails is a request error here, never a silent recompute. zmq runs as the README
+sets it up (no key: the servers sign with this user's host key), nixl with a deployment
+key (`kvflow keygen`): both ways a user runs P/D. A second process, and an API client,
+attack each pair (docs/security.md).
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ class PD:
     def __init__(self, prefill: ApiServer, decode: ApiServer, proxy: PdProxy, keyed: bool) -> None:
         self.prefill, self.decode, self.proxy = prefill, decode, proxy
         self.keyed = keyed
-        """The pair shares a deployment key (`kvflow keygen`)."""
+        """The pair shares a deployment key (`kvflow keygen`), else this host's key."""
 
     def reference(self, prompt: list[int], max_tokens: int = 8) -> dict[str, Any]:
         """One server doing everything (the prefill server, asked plainly)."""
@@ -74,10 +75,10 @@ class PD:
 @pytest.fixture(
     scope="module",
     params=[
-        ("zmq", "kv_both", "kv_both", True),
-        pytest.param(("nixl", "kv_producer", "kv_consumer", False), marks=pytest.mark.slow),
+        ("zmq", "kv_both", "kv_both", False),
+        pytest.param(("nixl", "kv_producer", "kv_consumer", True), marks=pytest.mark.slow),
     ],
-    ids=["zmq-kv_both-keyed", "nixl-producer-consumer"],
+    ids=["zmq-kv_both-default", "nixl-producer-consumer-keyed"],
 )
 def pd(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PD]:
     transport, p_role, d_role, keyed = request.param
@@ -204,7 +205,7 @@ def test_a_stranger_on_the_side_channel_cannot_stop_pd(pd: PD) -> None:
     for n in (40, 150):  # P/D still works
         other = _prompt(n)
         assert_same(pd.ask(other), pd.reference(other), f"P/D after the attack ({n} tokens)")
-    reason = "unauthenticated" if pd.keyed else "frame"
+    reason = "unauthenticated"  # a host key authenticates the channel as a deployment's does
     m = pd.prefill.metrics_once(lambda m: _rejected(m, reason) > _rejected(before, reason))
     assert _rejected(m, reason) > _rejected(before, reason), "the stranger was not counted"
     assert "Traceback" not in pd.prefill.log_text()
@@ -225,6 +226,40 @@ def test_params_of_another_prompt_are_computed_here_never_loaded(pd: PD) -> None
     assert _loaded(m)[0] == _loaded(before)[0], "the decode server loaded something"
     # the params still serve the prompt they were made for (and its offer is pulled)
     assert_same(pd.decode.completion(theirs, 8, params), pd.reference(theirs), "their prompt")
+
+
+def test_an_api_client_cannot_forge_params_that_put_one_prompts_kv_under_anothers(
+    pd: PD,
+) -> None:
+    """Issue 46, H1: an API client prefills prompts A and B (same token count) with
+    `do_remote_decode`, then sends the decode server B with A's offer, blocks and
+    addresses and B's prompt digest, signed with nothing or with B's MAC. Keyless, the
+    decode server pulled A's KV into B's blocks and its prefix cache kept them under B's
+    hashes. Now the params are signed (the README's keyless setup too, with the host
+    key): the decode server computes B itself, loads nothing, counts `signature`, and B's
+    later users get B's KV."""
+    a, b = _prompt(200), _prompt(200)
+    ka, kb = (
+        pd.prefill.completion(p, 1, dict(PREFILL_PARAMS))["kv_transfer_params"] for p in (a, b)
+    )
+    assert ka["kvflow"]["mac"] and kb["kvflow"]["mac"], "the default setup signs its params"
+    want = pd.reference(b)
+    for mac in ("", kb["kvflow"]["mac"]):
+        forged = dict(ka, kvflow=dict(ka["kvflow"], prompt=kb["kvflow"]["prompt"], mac=mac))
+        before = pd.decode.metrics()
+        got = pd.decode.completion(b, 8, forged)
+        assert_same(got, want, f"prompt B with A's offer (mac {mac[:8]!r})")
+        m = pd.decode.metrics_once(
+            lambda m, n=before: _rejected(m, "signature") > _rejected(n, "signature")
+        )
+        assert _rejected(m, "signature") == _rejected(before, "signature") + 1
+        assert _loaded(m)[0] == _loaded(before)[0], "the decode server loaded A's KV"
+    # B's later users: from the decode server's prefix cache, and through P/D
+    assert_same(pd.decode.completion(b, 8), want, "B again, from the decode server's cache")
+    longer = b + _prompt(40)
+    assert_same(pd.ask(longer), pd.reference(longer), "B and more, through P/D")
+    # A's params, as they came, still serve A: its offer was never touched
+    assert_same(pd.decode.completion(a, 8, ka), pd.reference(a), "A with its own params")
 
 
 def test_no_pull_failed_or_timed_out(pd: PD) -> None:

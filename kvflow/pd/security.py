@@ -14,8 +14,12 @@ request). From it `Channel` derives, with HMAC-SHA256 and a label per use:
   (`prompt_digest`: its tokens and salt, so LoRA and `cache_salt` too); a consumer
   checks it against its own request before it opens any socket (`kvflow.pd.params`).
 
-Without a key a channel is keyless: loopback only (binding and pulling), unless
-`insecure` says otherwise. See docs/security.md for the threat model.
+Without a deployment secret, a P/D engine uses a *host key* (`host_key`): one made on
+first use in the user's private runtime directory, shared by every instance this user
+runs on this host, so params are signed and the side channel authenticated there too; a
+channel with a host key binds and pulls on loopback only. A keyless channel (`insecure`,
+which also allows other hosts) believes unsigned params. See docs/security.md for the
+threat model.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ import ipaddress
 import logging
 import os
 import secrets
+import stat
+import tempfile
 import time
 from array import array
 from collections.abc import Callable, Sequence
@@ -47,18 +53,27 @@ __all__ = [
     "ChannelMode",
     "Rejections",
     "SecurityError",
+    "host_key",
     "keygen",
     "prompt_digest",
     "read_key",
+    "runtime_dir",
 ]
 
 KEY_ENV = "KVFLOW_KEY"
 """An environment variable holding the deployment secret (hex), if `key_file` is unset."""
+RUNTIME_ENV = "KVFLOW_RUNTIME_DIR"
+"""Where the host key lives, if set (else `$XDG_RUNTIME_DIR/kvflow`, else
+`$TMPDIR/kvflow-UID`): instances share a host key only if they see one directory."""
+HOST_KEY = "host.key"
 KEY_BYTES = 32
 MAC_BYTES = 16
 """A sealed frame starts with this many bytes of HMAC-SHA256 over the rest."""
 
-ChannelMode = Literal["authenticated", "encrypted"]
+ChannelMode = Literal["encrypted", "kv-in-clear"]
+"""What a keyed side channel protects: `encrypted`, every frame, KV bytes included
+(ZMQ CURVE); `kv-in-clear`, the peers and the control frames (a one-time handshake
+credential and a MAC on every control frame), KV bytes crossing as they are."""
 ZAP_DOMAIN = b"kvflow"
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 """Where libzmq sends a context's handshake checks (ZeroMQ RFC 27)."""
@@ -91,13 +106,18 @@ def keygen(path: str | os.PathLike[str]) -> Path:
 
 
 def read_key(key_file: str = "") -> bytes | None:
-    """The deployment secret from `key_file`, else from `$KVFLOW_KEY`; None if neither."""
+    """The deployment secret from `key_file`, else from `$KVFLOW_KEY`; None if neither.
+    A key file others may read (or write) is refused, as ssh refuses such a private key."""
     if key_file:
         where = f"key_file {key_file!r}"
         try:
-            text = Path(key_file).read_text()
+            fd = os.open(key_file, os.O_RDONLY | os.O_NOFOLLOW)
         except OSError as exc:
             raise SecurityError(f"cannot read {where}: {exc.strerror}") from None
+        with os.fdopen(fd) as f:
+            if problem := _private_problem(os.fstat(fd), want_dir=False):
+                raise SecurityError(f"{where} {problem}")
+            text = f.read()
     elif os.environ.get(KEY_ENV):
         where, text = f"${KEY_ENV}", os.environ[KEY_ENV]
     else:
@@ -111,6 +131,67 @@ def read_key(key_file: str = "") -> bytes | None:
             f"{where} does not hold a kvflow key (at least 16 bytes, in hex); "
             "make one with `kvflow keygen PATH`"
         )
+    return key
+
+
+def _private_problem(st: os.stat_result, *, want_dir: bool) -> str:
+    """Why a file or directory of this `stat` is not this user's alone ("" if it is)."""
+    kind = "a directory" if want_dir else "a regular file"
+    if (stat.S_ISDIR(st.st_mode) if want_dir else stat.S_ISREG(st.st_mode)) is False:
+        return f"is not {kind}"
+    if st.st_uid != os.getuid():
+        return f"is owned by uid {st.st_uid}, not this user ({os.getuid()})"
+    if st.st_mode & 0o077:
+        fix = "700" if want_dir else "600"
+        return (
+            f"may be read or written by others (mode {stat.S_IMODE(st.st_mode):o}): "
+            f"`chmod {fix}` it"
+        )
+    return ""
+
+
+def runtime_dir() -> Path:
+    """This user's private directory for the host key: `$KVFLOW_RUNTIME_DIR`, else
+    `$XDG_RUNTIME_DIR/kvflow`, else `kvflow-UID` in the temporary directory."""
+    if os.environ.get(RUNTIME_ENV):
+        return Path(os.environ[RUNTIME_ENV])
+    if os.environ.get("XDG_RUNTIME_DIR"):
+        return Path(os.environ["XDG_RUNTIME_DIR"]) / "kvflow"
+    return Path(tempfile.gettempdir()) / f"kvflow-{os.getuid()}"
+
+
+def host_key() -> bytes:
+    """The key every P/D instance of this user on this host shares when no deployment
+    secret is set: read from `runtime_dir()`, made there on first use (two instances
+    starting at once agree on one). The directory and the file must be this user's and
+    no one else's (a directory another user made first in a shared /tmp is refused,
+    never used)."""
+    where = runtime_dir()
+    try:
+        where.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = os.lstat(where)
+    except OSError as exc:
+        raise SecurityError(f"cannot make the host key's directory {str(where)!r}: {exc}") from None
+    if problem := _private_problem(st, want_dir=True):
+        raise SecurityError(
+            f"the host key's directory {str(where)!r} {problem}; set ${RUNTIME_ENV} to a "
+            "directory only you can use, or give every instance a key_file"
+        )
+    path = where / HOST_KEY
+    if not os.path.lexists(path):
+        tmp = where / f".{HOST_KEY}.{os.getpid()}.{secrets.token_hex(4)}"
+        keygen(tmp)
+        try:
+            os.link(tmp, path)  # never over another instance's key: the first one wins
+        except FileExistsError:
+            pass
+        finally:
+            tmp.unlink()
+    try:
+        key = read_key(str(path))
+    except SecurityError as exc:
+        raise SecurityError(f"the host key: {exc}") from None
+    assert key is not None
     return key
 
 
@@ -147,9 +228,11 @@ class Channel:
     """The deployment's side-channel security (see the module text)."""
 
     key: bytes | None = None
-    mode: ChannelMode = "authenticated"
+    mode: ChannelMode = "encrypted"
     insecure: bool = False
     """Allow a keyless channel beyond loopback (anyone who reaches it can pull KV)."""
+    host: bool = False
+    """`key` is this host's key (`host_key`), not a deployment's: loopback only."""
 
     @property
     def keyed(self) -> bool:
@@ -187,7 +270,7 @@ class Channel:
             return
         if server:
             sock.zap_domain = ZAP_DOMAIN
-        if self.mode == "authenticated":
+        if self.mode == "kv-in-clear":
             if server:
                 sock.plain_server = True
             else:
@@ -218,7 +301,7 @@ class Channel:
         """Answer every handshake check on `sock` until cancelled: a PLAIN password, or a
         CURVE client key, derived from this deployment's key passes; anything else fails
         (libzmq then ends the connection before it takes in any message)."""
-        if self.mode == "authenticated":
+        if self.mode == "kv-in-clear":
             want = [PLAIN, PLAIN_USER, self._password()]
         else:
             want = [CURVE, z85.decode(self._curve("client")[1])]
@@ -240,20 +323,29 @@ class Channel:
         secret = z85.encode(self._derive(f"curve-{label}"))
         return secret, zmq.curve_public(secret)
 
+    def _beyond_loopback(self) -> str:
+        """Why this channel may not bind or pull beyond loopback ("" if it may)."""
+        if self.host:
+            return "this engine's key is its host's (no key_file or $KVFLOW_KEY)"
+        if not (self.keyed or self.insecure):
+            return "this engine has no key"
+        return ""
+
     def bind_problem(self, host: str) -> str:
         """Why a producer may not listen on `host` ("" if it may)."""
-        if self.keyed or self.insecure or is_loopback(host):
+        if is_loopback(host) or not (why := self._beyond_loopback()):
             return ""
         return (
-            f"binding the P/D side channel on {host} without a key lets anyone who reaches it "
-            "read this engine's KV: make a key with `kvflow keygen PATH` and give every "
-            "instance kv_connector_extra_config['key_file'] = PATH (or $KVFLOW_KEY), or set "
-            "'insecure': true"
+            f"binding the P/D side channel on {host}: {why}, so only this host's instances "
+            "can use it: make a key with `kvflow keygen PATH` and give every instance "
+            "kv_connector_extra_config['key_file'] = PATH (or $KVFLOW_KEY), or set "
+            "'insecure': true (anyone who reaches the port can read KV)"
         )
 
     def address_problem(self, address: str) -> str:
         """Why a consumer may not connect to `address` ("" if it may): a `tcp://` IP
-        literal and port, loopback unless the channel is keyed or insecure."""
+        literal and port, loopback unless the channel has a deployment key or is
+        insecure."""
         try:
             url = urlsplit(address)
             host, port = url.hostname or "", url.port
@@ -263,8 +355,8 @@ class Channel:
         extra = url.path or url.query or url.fragment or "@" in url.netloc
         if url.scheme != "tcp" or not port or extra:
             return "not a tcp://IP:port address"
-        if not (self.keyed or self.insecure or is_loopback(host)):
-            return "not a loopback address, and this engine has no key"
+        if not is_loopback(host) and (why := self._beyond_loopback()):
+            return f"not a loopback address, and {why}"
         return ""
 
     # -- P/D params --------------------------------------------------------------

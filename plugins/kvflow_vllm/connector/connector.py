@@ -103,7 +103,7 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
             self.transport_cls = load_transport(name)
             self.options = parse_options(self.config.options, self.transport_cls.Options, name)
             self.tiers = lower_tiers(self.config, self.transport_cls)
-            channel = channel_of(self.config)
+            channel = channel_of(self.config, peer=self.transport_cls.capabilities.peer)
         except (ConfigError, TransportNotFound) as exc:
             raise ConfigError(f"KVFlowConnector: {exc}") from None
         self.engine_id = str(ktc.engine_id)
