@@ -30,6 +30,7 @@ from .vllm_harness import (
     BLOCK_SIZE,
     Harness,
     MakeHarness,
+    aimed,
     held_offer,
     make_request,
     make_vllm_config,
@@ -95,7 +96,7 @@ def test_pd_producer_offers_blocks_and_consumer_pulls_them(harness: MakeHarness)
     c_start = consumer.free_blocks
     with held_offer(Offer(pd.offer, table, [16, 16, 8], 0, lambda _layer: [])) as live:
         address = live  # a producer that answers the consumer's claim
-        params["kvflow"]["addresses"] = [address]
+        params = aimed(params, address)
         consumer.add(make_request("d", prompt, max_tokens=3, kv_transfer_params=params))
     pull = consumer.step()
     assert not pull.output.num_scheduled_tokens
@@ -195,12 +196,12 @@ def test_pd_params_are_believed_only_for_their_prompt_and_deployment(
     del address
 
 
-def test_a_keyless_consumer_pulls_from_loopback_only_and_never_from_a_keyed_producer(
+def test_a_consumer_without_a_key_file_pulls_from_loopback_only_and_never_from_a_deployment(
     harness: MakeHarness, tmp_path: Path
 ) -> None:
-    """Without a key, P/D params may name loopback producers only (a client must not make
-    the consumer dial any host, or probe ports), and a keyed producer's params are
-    refused (this consumer could not speak to it)."""
+    """Without a deployment key (the host key), P/D params may name loopback producers
+    only (a client must not make the consumer dial any host, or probe ports), and a
+    deployment-keyed producer's params are refused (this consumer could not speak to it)."""
     prompt = prompt_of(3, 40)
     keyless = _offered(harness, prompt)
     keyed = _offered(harness, prompt, key_file=str(keygen(tmp_path / "key")))
@@ -213,6 +214,40 @@ def test_a_keyless_consumer_pulls_from_loopback_only_and_never_from_a_keyed_prod
         consumer.add(make_request(f"d{i}", prompt, max_tokens=1, kv_transfer_params=p))
     assert not consumer.step().plan.loads
     assert rejected() == {"address": 3, "signature": 1}
+
+
+def test_a_client_that_hoards_prefills_holds_at_most_max_offer_fraction_of_the_cache(
+    harness: MakeHarness,
+) -> None:
+    """Issue 46, M2: any client may send prefills with `do_remote_decode` and never
+    decode them; each offer held its blocks for `hold_timeout_s`, with no cap, so a few
+    long prompts filled the KV cache. Now offers hold at most `max_offer_fraction` of it:
+    past that a prefill gets no P/D params (its decode computes the prompt), its blocks
+    go back at once, counted `offers`; as offers end (pulled, released, expired),
+    prefills are offered again."""
+    producer = harness(make_vllm_config(transport="zmq", kv_role="kv_producer"), 65)
+    producer.connector.set_xfer_handshake_metadata({0: KVFlowHandshake(["tcp://127.0.0.1:45555"])})
+    rejected = _rejections(producer)
+    free = producer.free_blocks  # 64: block 0 is vLLM's null block
+    cap = int(0.5 * 65)  # max_offer_fraction's default of the 65 blocks
+    offered: list[str] = []
+    for i in range(10):  # 7 blocks each (100 tokens, blocks of 16): 70 in all
+        remote = {"do_remote_decode": True}
+        req = make_request(f"h{i}", prompt_of(i, 100), max_tokens=1, kv_transfer_params=remote)
+        producer.add(req)
+        (out,) = producer.collect(producer.step()).finished
+        if out.kv_transfer_params:
+            offered.append(f"h{i}")
+    assert len(offered) == cap // 7 == 4, offered
+    assert producer.free_blocks == free - 7 * len(offered), "refused prefills' blocks are back"
+    assert rejected().get("offers") == 10 - len(offered)
+    producer.add(make_request("tick", prompt_of(12, 20), max_tokens=1))
+    producer.collect(producer.step(finished_sending=offered))  # their offers ended
+    assert producer.free_blocks == free, "every block is back"
+    remote = {"do_remote_decode": True}
+    producer.add(make_request("late", prompt_of(11, 100), max_tokens=1, kv_transfer_params=remote))
+    (out,) = producer.collect(producer.step()).finished
+    assert out.kv_transfer_params, "offered again once the hoard's offers ended"
 
 
 def test_a_repeated_request_id_gets_an_offer_of_its_own(harness: MakeHarness) -> None:
@@ -261,9 +296,10 @@ def test_a_consumer_of_another_block_size_pulls_the_blocks_holding_its_tokens(
     consumer = harness(config, 16)
     counts = [p_bs] * (72 // p_bs) + [72 % p_bs]
     with held_offer(Offer(pd.offer, pd.block_ids, counts, 0, lambda _layer: [])) as live:
-        params["kvflow"]["addresses"] = [live]
         consumer.add(
-            make_request("d", prompt, max_tokens=2, kv_transfer_params=params, block_size=c_bs)
+            make_request(
+                "d", prompt, max_tokens=2, kv_transfer_params=aimed(params, live), block_size=c_bs
+            )
         )
         (load,) = consumer.step().plan.loads
     assert load.token_counts == [c_bs] * (72 // c_bs) + [72 % c_bs]

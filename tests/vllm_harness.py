@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+import msgspec
 import torch
 from vllm import SamplingParams
 from vllm.config import (
@@ -63,7 +64,8 @@ from vllm.v1.structured_output import StructuredOutputManager
 from kvflow.config import parse_options
 from kvflow.events import Event, EventBus, LookupAnswered, Origin
 from kvflow.metadata import WorkerPlan
-from kvflow.pd.security import Channel
+from kvflow.pd.params import PdParams
+from kvflow.pd.security import Channel, host_key
 from kvflow.runtime import Runtime
 from kvflow.transport import Offer, TransportContext, load_transport
 from kvflow.worker import TransferResults, WorkerEngine
@@ -614,10 +616,24 @@ def run_real_worker(harness: Harness, plans: Sequence[WorkerPlan]) -> TransferRe
     return worker.take_results()
 
 
+def host_channel() -> Channel:
+    """The channel an engine without a key_file gets: this user's host key."""
+    return Channel(host_key(), "kv-in-clear", host=True)
+
+
+def aimed(params: dict[str, Any], address: str, channel: Channel | None = None) -> dict[str, Any]:
+    """`params` (one group's) naming the producer at `address` instead, signed again by
+    `channel` (the host key if None), as a producer there would have signed them."""
+    fields = {**params["kvflow"], "addresses": [address], "mac": ""}
+    pd = PdParams(**fields).signed(channel or host_channel())
+    return {**params, "kvflow": msgspec.to_builtins(pd)}
+
+
 @contextmanager
 def held_offer(offer: Offer, channel: Channel | None = None) -> Iterator[str]:
     """A producer worker's real `zmq` transport serving `offer` (held until the context
-    ends) over `channel` (keyless if None): yields its address, for a consumer to claim."""
+    ends) over `channel` (the host key's if None, as an engine without a key_file):
+    yields its address, for a consumer to claim."""
     cls = load_transport("zmq")
     ctx = TransportContext(
         engine_id="producer",
@@ -625,7 +641,7 @@ def held_offer(offer: Offer, channel: Channel | None = None) -> Iterator[str]:
         namespace="",
         shard=SHARD,
         shards=[SHARD],
-        channel=channel or Channel(),
+        channel=channel or host_channel(),
     )
     runtime = Runtime("test-producer")
     peer = cls(cls.Options(), ctx)

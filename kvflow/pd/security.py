@@ -80,12 +80,21 @@ ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 PLAIN, CURVE = b"PLAIN", b"CURVE"
 PLAIN_USER = b"kvflow"
 
-REJECT_REASONS = ("malformed", "address", "signature", "prompt", "unauthenticated", "frame")
+REJECT_REASONS = (
+    "malformed",
+    "address",
+    "signature",
+    "prompt",
+    "unauthenticated",
+    "frame",
+    "offers",
+)
 """Why kvflow refused an input from outside: P/D params that do not parse (`malformed`),
 name an address it may not connect to (`address`), are not this deployment's
 (`signature`) or were made for another prompt (`prompt`); a side-channel frame without
 this deployment's MAC (`unauthenticated`) or that is malformed or out of bounds
-(`frame`)."""
+(`frame`); a prefill past what offers may hold (`offers`: `max_offer_fraction`), which
+gets no P/D params."""
 
 LOG_EVERY_S = 10.0
 

@@ -128,6 +128,11 @@ class KVFlowScheduler:
         self._loading: set[str] = set()
         """Under extract_hidden_states: requests whose asynchronous load has not landed
         (their hidden states are not in their blocks yet)."""
+        self._offered: dict[str, int] = {}
+        """P/D producer: the requests whose blocks offers hold, and how many (every group)."""
+        self._max_offered = int(self.config.max_offer_fraction * kv_cache_config.num_blocks)
+        """The most blocks offers may hold at once (`max_offer_fraction` of the KV cache):
+        any client may ask for a prefill and never decode it."""
 
     @property
     def sched(self) -> SchedulerEngine:
@@ -233,6 +238,15 @@ class KVFlowScheduler:
     ) -> tuple[bool, dict[str, Any] | None]:
         self._requests.pop(request.request_id, None)
         remote_decode = bool((request.kv_transfer_params or {}).get("do_remote_decode"))
+        blocks = sum(len(ids) for ids in block_ids)
+        if remote_decode and sum(self._offered.values()) + blocks > self._max_offered:
+            remote_decode = False  # its blocks go back now; its decode computes the prompt
+            self.sched.reject(
+                "offers",
+                f"offers hold {sum(self._offered.values())} of this engine's "
+                f"{self._max_offered} blocks they may (max_offer_fraction): request "
+                f"{request.request_id[:100]!r} gets no P/D params",
+            )
         lend, params = False, []
         for i, sched in enumerate(self.scheds):
             ids = block_ids[self.groups[i]] if len(block_ids) > 1 else block_ids[0]
@@ -251,6 +265,8 @@ class KVFlowScheduler:
             )
             params = []
         out = join_groups(params) if params else {}
+        if out:
+            self._offered[request.request_id] = blocks
         # its blocks stay lent until the rows are copied out; not a request whose load is
         # still landing (aborted meanwhile): its rows are not there, its blocks not free
         if not any(block_ids):  # never allocated: no load of it will land
@@ -276,8 +292,9 @@ class KVFlowScheduler:
         if isinstance(meta, KVFlowWorkerMeta):
             for tracker, report in zip(self._trackers, meta.reports, strict=False):
                 tracker.report(report)
-        for tracker in self._trackers:  # every worker reported its saves before these
-            for req in connector_output.finished_sending or ():
+        for req in connector_output.finished_sending or ():
+            self._offered.pop(req, None)  # pulled, released or expired: the blocks are back
+            for tracker in self._trackers:  # every worker reported its saves before these
                 tracker.forget(req)
         for sched in self.scheds:
             if connector_output.failed_recving:
