@@ -14,7 +14,14 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from kvflow.cli.main import build_parser
-from kvflow.pd.proxy import MAX_BODY_BYTES, PREFILL_PARAMS, PdProxy, prefill_request
+from kvflow.pd.proxy import (
+    MAX_BODY_BYTES,
+    MAX_CLIENTS,
+    PREFILL_PARAMS,
+    REQUEST_TIMEOUT_S,
+    PdProxy,
+    prefill_request,
+)
 from kvflow_vllm.apiserver import free_port
 
 
@@ -29,7 +36,7 @@ def test_the_prefill_copy_follows_vllms_convention() -> None:
     assert chat["max_completion_tokens"] == 1
 
 
-def test_a_dead_prefill_server_is_a_clear_502_naming_it() -> None:
+def test_a_dead_prefill_server_is_a_clear_502_naming_its_role() -> None:
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     proxy = PdProxy([dead], [dead]).start()
     try:
@@ -41,7 +48,8 @@ def test_a_dead_prefill_server_is_a_clear_502_naming_it() -> None:
         with pytest.raises(urllib.error.HTTPError) as err:
             urllib.request.urlopen(req, timeout=30)
         assert err.value.code == 502
-        assert f"prefill server {dead}" in json.loads(err.value.read())["error"]
+        error = json.loads(err.value.read())["error"]
+        assert error == "the prefill server could not be reached (ConnectionRefusedError)"
     finally:
         proxy.close()
 
@@ -118,7 +126,7 @@ def test_max_body_bytes_is_the_largest_body_read() -> None:
 
     try:
         status, error, _ = raw_post(proxy, "64", body(64))
-        assert status == 502 and f"prefill server {dead}" in error  # read, and passed on
+        assert status == 502 and "the prefill server" in error  # read, and passed on
         assert raw_post(proxy, "65", body(65))[:2] == (
             413,
             "a body of 65 bytes: this proxy reads at most 64 (--max-body-bytes)",
@@ -171,3 +179,12 @@ def test_the_proxy_command_takes_client_timeout_s() -> None:
     base = ["proxy", "--prefill", "http://p", "--decode", "http://d"]
     assert build_parser().parse_args(base).client_timeout_s is None  # run(): CLIENT_TIMEOUT_S
     assert build_parser().parse_args([*base, "--client-timeout-s", "5"]).client_timeout_s == 5.0
+
+
+def test_the_proxy_command_takes_max_clients_and_request_timeout_s() -> None:
+    base = ["proxy", "--prefill", "http://p", "--decode", "http://d"]
+    args = build_parser().parse_args(base)
+    assert args.max_clients is None and args.request_timeout_s is None  # run(): the defaults
+    args = build_parser().parse_args([*base, "--max-clients", "8", "--request-timeout-s", "2.5"])
+    assert (args.max_clients, args.request_timeout_s) == (8, 2.5)
+    assert (MAX_CLIENTS, REQUEST_TIMEOUT_S) == (1024, 60.0)

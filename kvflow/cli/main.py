@@ -83,6 +83,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="let go of a client silent this long while the proxy waits on it; a body that "
         "stops arriving is answered 408 (default 60)",
     )
+    x.add_argument(
+        "--max-clients",
+        type=int,
+        default=None,
+        help="client connections served at once; one more is answered 503 and closed "
+        "(default 1024)",
+    )
+    x.add_argument(
+        "--request-timeout-s",
+        type=float,
+        default=None,
+        help="a request (head and body) must arrive within this many seconds of its first "
+        "byte, however steadily it trickles, else 408 (default 60)",
+    )
     x.set_defaults(fn=_cmd_proxy)
     from .scaffold import add_parser as add_scaffold_parser
 

@@ -14,26 +14,49 @@ that stops arriving answered 408.
 
 Nothing here is kvflow-specific: it drives any connector that follows the
 convention. It imports no vLLM.
+
+What it takes from a client, which it does not trust (docs/security.md):
+
+- a body framed by exactly one `Content-Length` of ASCII digits (optional whitespace
+  around it), nothing else: a request with `Transfer-Encoding` is answered 501, with
+  both it and a `Content-Length` 400 (RFC 9112 6.3), with a repeated or malformed length,
+  a malformed or folded header line 400, each then closed, so that no byte of a body is
+  ever read as the next request; a body on a request that reads none (`GET`, an unknown
+  path) is answered, then the connection closed;
+- at most `max_clients` connections served at once (`--max-clients`, 1024): one past it
+  is answered 503 on the spot and closed, with no thread started for it;
+- every request whole within `request_timeout_s` (`--request-timeout-s`, 60 s) of its
+  first byte, head and body, however steadily it trickles, else 408 and closed.
+
+Upstream servers are called directly, whatever `HTTP(S)_PROXY` says, and a 502 names
+the role that failed (prefill or decode), never its URL, which goes to the log.
 """
 
 from __future__ import annotations
 
 import contextlib
+import http.client
+import io
 import itertools
 import json
 import logging
+import socket
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator, Sequence
+from email.message import Message
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 __all__ = [
     "CLIENT_TIMEOUT_S",
     "MAX_BODY_BYTES",
+    "MAX_CLIENTS",
     "PREFILL_PARAMS",
+    "REQUEST_TIMEOUT_S",
     "PdProxy",
     "open_post",
     "prefill_request",
@@ -57,6 +80,14 @@ MAX_BODY_BYTES = 32 << 20
 JSON is a few MiB); a longer one is answered 413 before any of it is read."""
 CLIENT_TIMEOUT_S = 60.0
 """How long the proxy waits on a silent client by default (`--client-timeout-s`)."""
+MAX_CLIENTS = 1024
+"""How many client connections the proxy serves at once by default (`--max-clients`), a
+thread each: vLLM's default batch (`max_num_seqs`) on a GPU of 70 GiB or more (256 on a
+smaller one), so that the bound never starves one decode server of its batch."""
+REQUEST_TIMEOUT_S = 60.0
+"""How long one request may take to arrive, head and body, by default
+(`--request-timeout-s`): a body of `MAX_BODY_BYTES` needs 0.6 MB/s, a typical request of a
+few KiB is sent in milliseconds."""
 
 
 def prefill_request(body: dict[str, Any]) -> dict[str, Any]:
@@ -80,6 +111,8 @@ class PdProxy:
         timeout_s: float = 600.0,
         max_body_bytes: int = MAX_BODY_BYTES,
         client_timeout_s: float = CLIENT_TIMEOUT_S,
+        max_clients: int = MAX_CLIENTS,
+        request_timeout_s: float = REQUEST_TIMEOUT_S,
     ) -> None:
         if not prefill or not decode:
             raise ValueError("a P/D proxy needs at least one prefill and one decode server")
@@ -87,13 +120,18 @@ class PdProxy:
             raise ValueError(f"max_body_bytes must be at least 1, not {max_body_bytes}")
         if not client_timeout_s > 0:
             raise ValueError(f"client_timeout_s must be above 0, not {client_timeout_s}")
+        if max_clients < 1:
+            raise ValueError(f"max_clients must be at least 1, not {max_clients}")
+        if not request_timeout_s > 0:
+            raise ValueError(f"request_timeout_s must be above 0, not {request_timeout_s}")
         self.client_timeout_s = client_timeout_s
+        self.request_timeout_s = request_timeout_s
         self.timeout_s = timeout_s
         self.max_body_bytes = max_body_bytes
         self._prefill = itertools.cycle([u.rstrip("/") for u in prefill])
         self._decode = itertools.cycle([u.rstrip("/") for u in decode])
         self._next_lock = threading.Lock()
-        self.httpd = _Server((host, port), self._handler())
+        self.httpd = _Server((host, port), self._handler(), max_clients)
         self._thread: threading.Thread | None = None
 
     @property
@@ -129,13 +167,49 @@ class _Handler(BaseHTTPRequestHandler):
 
     proxy: PdProxy
     protocol_version = "HTTP/1.1"
+    _reader: _ClientReader
+    _length = 0
+    """The request body's declared length, checked (`parse_request`)."""
 
     def log_message(self, format: str, *args: Any) -> None:
         log.debug(format, *args)
 
+    def setup(self) -> None:
+        super().setup()
+        self.rfile.close()  # the socket's own file: read through the deadline instead
+        self._reader = _ClientReader(self.connection, self.proxy.client_timeout_s)
+        self.rfile = io.BufferedReader(self._reader)
+
+    def handle_one_request(self) -> None:
+        """One request, which must arrive whole within `request_timeout_s` of its first
+        byte (a 408 otherwise)."""
+        self._reader.start(self.proxy.request_timeout_s)
+        self.requestline, self.request_version, self._length = "", "HTTP/1.1", 0
+        try:
+            super().handle_one_request()
+        except _RequestDeadline:
+            limit = f"{self.proxy.request_timeout_s:g} s (--request-timeout-s)"
+            error = f"the request did not arrive within {limit}"
+            self.close_connection = True
+            with contextlib.suppress(OSError):  # a client gone too
+                self._reply(408, {"error": error}, close=True)
+
+    def parse_request(self) -> bool:
+        """The request line and headers, and the body's framing (`_framing`): a request
+        framed in any other way is answered and its connection closed."""
+        if not super().parse_request():
+            return False
+        framing = _framing(self.headers, self.proxy.max_body_bytes)
+        if isinstance(framing, int):
+            self._length = framing
+            return True
+        self._reply(*framing, close=True)
+        return False
+
     def do_POST(self) -> None:
         if self.path not in PATHS:
-            self._reply(404, {"error": f"the proxy serves {', '.join(PATHS)}"})
+            paths = {"error": f"the proxy serves {', '.join(PATHS)}"}
+            self._reply(404, paths, close=self._length > 0)  # a body left unread
             return
         body = self._body()
         if body is None:
@@ -145,7 +219,14 @@ class _Handler(BaseHTTPRequestHandler):
         if answer is None:
             return
         with answer:
-            body["kv_transfer_params"] = json.loads(answer.read()).get("kv_transfer_params")
+            try:
+                params = json.loads(answer.read()).get("kv_transfer_params")
+            except (OSError, http.client.HTTPException, ValueError, AttributeError) as exc:
+                log.warning("kvflow proxy: the prefill server %s answered: %s", prefill, exc)
+                error = f"the prefill server's answer could not be read ({type(exc).__name__})"
+                self._reply(502, {"error": error})
+                return
+        body["kv_transfer_params"] = params
         upstream = self._upstream("decode", decode, body)
         if upstream is None:
             return
@@ -163,25 +244,11 @@ class _Handler(BaseHTTPRequestHandler):
                 log.info("kvflow proxy: client went away; aborting the decode request")
 
     def _body(self) -> dict[str, Any] | None:
-        """The request's JSON object, read only if its declared length is within
-        bounds and within `client_timeout_s`; None once the client was answered (400,
-        408, 413)."""
-        declared = self.headers.get("Content-Length", "0")
+        """The request's JSON object, of its checked length (`_framing`), read within
+        `client_timeout_s` of each byte (and `request_timeout_s` of the first); None once
+        the client was answered (400, 408)."""
         try:
-            size = int(declared)
-        except ValueError:
-            size = -1
-        if size < 0:
-            error = f"Content-Length {declared[:40]!r} is not a byte count"
-            self._reply(400, {"error": error}, close=True)
-            return None
-        if size > self.proxy.max_body_bytes:
-            limit = f"at most {self.proxy.max_body_bytes} (--max-body-bytes)"
-            error = f"a body of {size} bytes: this proxy reads {limit}"
-            self._reply(413, {"error": error}, close=True)
-            return None
-        try:
-            body = json.loads(self.rfile.read(size))
+            body = json.loads(self.rfile.read(self._length))
         except TimeoutError:
             limit = f"{self.proxy.client_timeout_s:g} s (--client-timeout-s)"
             self._reply(408, {"error": f"the body did not arrive within {limit}"}, close=True)
@@ -199,12 +266,15 @@ class _Handler(BaseHTTPRequestHandler):
             return open_post(base + self.path, body, self.proxy.timeout_s)
         except urllib.error.HTTPError as exc:
             self._reply(exc.code, _error_body(exc, which))
-        except OSError as exc:
-            self._reply(502, {"error": f"{which} server {base}: {exc}"})
+        except OSError as exc:  # the URL to the log, not to the client (internal addresses)
+            log.warning("kvflow proxy: the %s server %s could not be reached: %s", which, base, exc)
+            error = f"the {which} server could not be reached ({_reason(exc)})"
+            self._reply(502, {"error": error})
         return None
 
     def do_GET(self) -> None:
-        self._reply(200 if self.path == "/health" else 404, {})
+        code = 200 if self.path == "/health" else 404
+        self._reply(code, {}, close=self._length > 0)  # a body left unread
 
     def _reply(self, code: int, payload: dict[str, Any], close: bool = False) -> None:
         """Answer `payload`; `close`: and close the connection (a body left unread)."""
@@ -219,24 +289,175 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
 
+def _framing(headers: Message, max_body_bytes: int) -> int | tuple[int, dict[str, Any]]:
+    """The length of a request's body, or the status and answer that refuse the request:
+    one `Content-Length` of ASCII digits (RFC 9112 6.3; Python's int() would also read
+    '0_2', '+2', Unicode digits and spaces) within `max_body_bytes`, no
+    `Transfer-Encoding`, no header line the parser dropped or folded."""
+
+    def refuse(code: int, error: str) -> tuple[int, dict[str, Any]]:
+        return code, {"error": error}
+
+    if headers.defects:  # a line with whitespace before its colon, or none: it and the rest dropped
+        return refuse(400, "a malformed header line (RFC 9112 5.1)")
+    if any("\n" in value for value in headers.values()):
+        return refuse(400, "a folded header line (obs-fold, RFC 9112 5.2)")
+    lengths = headers.get_all("Content-Length") or []
+    if headers.get_all("Transfer-Encoding"):
+        if lengths:
+            both = "both Transfer-Encoding and Content-Length (RFC 9112 6.3)"
+            return refuse(400, f"a request with {both}")
+        return refuse(501, "Transfer-Encoding is not supported: send one Content-Length")
+    if not lengths:
+        return 0
+    if len(lengths) > 1:
+        return refuse(400, f"one Content-Length header, not {len(lengths)}")
+    declared = lengths[0].strip(" \t")
+    if not (declared.isascii() and declared.isdigit()):
+        return refuse(400, f"Content-Length {lengths[0][:40]!r} is not a byte count")
+    digits = declared.lstrip("0") or "0"
+    if len(digits) > len(str(max_body_bytes)) or int(digits) > max_body_bytes:
+        shown = digits if len(digits) <= 40 else f"{digits[:40]}..."
+        limit = f"at most {max_body_bytes} (--max-body-bytes)"
+        return refuse(413, f"a body of {shown} bytes: this proxy reads {limit}")
+    return int(digits)
+
+
+class _RequestDeadline(Exception):
+    """A request still arriving at `request_timeout_s`."""
+
+
+class _ClientReader(io.RawIOBase):
+    """A client's socket as the handler reads it: each wait at most `wait_s`
+    (`client_timeout_s`) and, from a request's first byte, all of it within the
+    deadline `start` set (`_RequestDeadline` past it). Writes wait `wait_s` as before."""
+
+    def __init__(self, sock: socket.socket, wait_s: float) -> None:
+        self._sock = sock
+        self._wait_s = wait_s
+        self._request_s = 0.0
+        self._deadline: float | None = None
+
+    def readable(self) -> bool:
+        return True
+
+    def start(self, request_s: float) -> None:
+        """A new request: its deadline starts at its first byte (an idle connection
+        waits `wait_s`)."""
+        self._request_s = request_s
+        self._deadline = None
+
+    def readinto(self, buffer: Any) -> int:
+        wait = self._wait_s
+        if self._deadline is not None:
+            left = self._deadline - time.monotonic()
+            if left <= 0:
+                raise _RequestDeadline
+            wait = min(wait, left)
+        self._sock.settimeout(wait)
+        try:
+            n = self._sock.recv_into(buffer)
+        except TimeoutError:
+            if self._deadline is not None and time.monotonic() >= self._deadline:
+                raise _RequestDeadline from None
+            raise
+        finally:
+            self._sock.settimeout(self._wait_s)
+        if n and self._deadline is None:
+            self._deadline = time.monotonic() + self._request_s
+        return n
+
+
 class _Server(ThreadingHTTPServer):
+    """A thread per client connection, at most `max_clients` of them: one past it is
+    answered 503 by the listening thread, which neither waits on it nor starts a thread."""
+
     daemon_threads = True
     request_queue_size = 1024
     """The listen backlog (socketserver's default is 5: a burst of clients connecting at
     once was reset)."""
 
+    def __init__(
+        self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler], max_clients: int
+    ) -> None:
+        self.max_clients = max_clients
+        self._slots = threading.BoundedSemaphore(max_clients)
+        self._refused = 0
+        self._warned = -1e9
+        super().__init__(address, handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self._refuse(request)
+            return
+        try:
+            super().process_request(request, client_address)  # a thread, which releases
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            self.finish_request(request, client_address)
+        except Exception:
+            self.handle_error(request, client_address)
+        finally:
+            self._slots.release()  # before the close: a client that sees it finds the slot
+            self.shutdown_request(request)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that resets or breaks its connection costs a debug line, not a
+        traceback on stderr (socketserver's default)."""
+        exc = sys.exc_info()[1]
+        if isinstance(exc, OSError):
+            log.debug("kvflow proxy: client %s: %r", client_address, exc)
+        else:
+            super().handle_error(request, client_address)
+
+    def _refuse(self, request: socket.socket) -> None:
+        error = f"the proxy is serving {self.max_clients} clients (--max-clients): retry later"
+        data = json.dumps({"error": error}).encode()
+        head = (
+            "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(data)}\r\nRetry-After: 1\r\nConnection: close\r\n\r\n"
+        )
+        with contextlib.suppress(OSError):
+            request.setblocking(False)  # a few hundred bytes fit any fresh socket's buffer
+            with contextlib.suppress(BlockingIOError):  # unread, they would reset the answer
+                request.recv(1 << 16)
+            request.send(head.encode() + data)
+        self.shutdown_request(request)
+        self._refused += 1
+        now = time.monotonic()
+        if now - self._warned >= 10:  # a flood of refusals is a line every 10 s
+            log.warning("kvflow proxy: %d client(s) refused 503 (--max-clients)", self._refused)
+            self._warned, self._refused = now, 0
+
+
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+"""urllib's opener without proxies: upstream servers are called directly (the default
+opener follows `HTTP(S)_PROXY`, which would send every prompt through the proxy named
+there)."""
+
 
 def open_post(url: str, body: dict[str, Any], timeout: float) -> Any:
-    """POST `body` as JSON; the open response (an `HTTPError` for an error status)."""
+    """POST `body` as JSON, directly whatever the environment's proxy settings; the open
+    response (an `HTTPError` for an error status)."""
     req = urllib.request.Request(
         url, json.dumps(body).encode(), {"Content-Type": "application/json"}
     )
-    return urllib.request.urlopen(req, timeout=timeout)
+    return _DIRECT.open(req, timeout=timeout)
 
 
 def _chunks(resp: Any) -> Iterator[bytes]:
     while chunk := resp.read1(1 << 16):
         yield chunk
+
+
+def _reason(exc: OSError) -> str:
+    """What went wrong calling a server, with no address in it: the error's kind."""
+    reason = getattr(exc, "reason", None)  # a URLError wraps the socket's error
+    return type(reason if isinstance(reason, BaseException) else exc).__name__
 
 
 def _error_body(exc: urllib.error.HTTPError, which: str) -> dict[str, Any]:
@@ -251,6 +472,8 @@ def _error_body(exc: urllib.error.HTTPError, which: str) -> dict[str, Any]:
 def run(args: Any) -> int:
     max_body = MAX_BODY_BYTES if args.max_body_bytes is None else args.max_body_bytes
     wait = CLIENT_TIMEOUT_S if args.client_timeout_s is None else args.client_timeout_s
+    clients = MAX_CLIENTS if args.max_clients is None else args.max_clients
+    deadline = REQUEST_TIMEOUT_S if args.request_timeout_s is None else args.request_timeout_s
     try:
         proxy = PdProxy(
             args.prefill,
@@ -259,6 +482,8 @@ def run(args: Any) -> int:
             args.port,
             max_body_bytes=max_body,
             client_timeout_s=wait,
+            max_clients=clients,
+            request_timeout_s=deadline,
         )
     except ValueError as exc:
         print(f"kvflow proxy: {exc}", file=sys.stderr)
