@@ -289,6 +289,57 @@ def test_the_file_mode(
     assert rc == (1 if status == "FAIL" else 0)
 
 
+async def test_store_directories_are_checked_as_the_engine_opens_them(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, store: dict[str, Any]
+) -> None:
+    """The root others can write fails (the engine refuses it: same rule, same fix); a
+    namespace directory others can write warns (an engine of that namespace refuses it);
+    with file_mode "0660" a group-writable store is what was asked for."""
+    from kvflow.transport import TransportContext, TransportError
+    from kvflow_fs import FsOptions, FsTransport
+
+    def engine(namespace: str = "ns") -> FsTransport:
+        ctx = TransportContext("e", "worker", namespace, "s", ["s"])
+        return FsTransport(FsOptions(**store["options"]), ctx)
+
+    rc, found = config(capsys, store)  # not there yet
+    assert only(found, "fs permissions")["status"] == "ok"
+    root = tmp_path / "store"
+    root.mkdir()
+    root.chmod(0o770)
+    rc, found = config(capsys, store)
+    f = only(found, "fs permissions")
+    assert rc == 1 and f["status"] == "FAIL" and "0770" in f["found"] and str(root) in f["found"]
+    assert "chmod g-w" in f["fix"]
+    with pytest.raises(TransportError, match="fs refuses this store") as refused:
+        await engine().open()
+    assert f["found"] in str(refused.value) and f["fix"] in str(refused.value)
+    store["options"]["file_mode"] = "0660"
+    rc, found = config(capsys, store)
+    assert rc == 0 and only(found, "fs permissions")["status"] == "ok"
+    await engine().open()
+    store["options"]["file_mode"] = "0600"
+    root.chmod(0o700)
+    (root / "ns").chmod(0o777)
+    rc, found = config(capsys, store)
+    f = only(found, "fs permissions")
+    assert rc == 0 and f["status"] == "warn" and str(root / "ns") in f["found"]
+    with pytest.raises(TransportError, match="writable by its group and every user"):
+        await engine().open()
+    await engine("another").open()  # another namespace's engine opens the store
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="making a directory of another user's needs root")
+def test_a_store_root_of_another_users_fails(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, store: dict[str, Any]
+) -> None:
+    (tmp_path / "store").mkdir(mode=0o700)
+    os.chown(tmp_path / "store", 4242, 4242)
+    rc, found = config(capsys, store)
+    f = only(found, "fs permissions")
+    assert rc == 1 and f["status"] == "FAIL" and "owned by uid 4242" in f["found"]
+
+
 # -- the key and the P/D host ------------------------------------------------------------
 
 

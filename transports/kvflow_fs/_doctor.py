@@ -1,5 +1,7 @@
 """`kvflow doctor`'s checks of an `fs` store: its directory writable (or creatable), the
-disk's free space against what `max_gb` lets the store grow to, and `file_mode`."""
+disk's free space against what `max_gb` lets the store grow to, `file_mode`, and the
+store's directories against the rules its open applies (`_perms`: owned by this user,
+writable by no one `file_mode` does not let write)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvflow.transport import TransportError
 
+from ._perms import dir_mode, unsafe
 from ._usage import USAGE_FILE
 
 if TYPE_CHECKING:
@@ -43,6 +46,40 @@ def check(options: FsOptions, findings: Any) -> None:
     else:
         who = "owner and group" if mode & 0o040 else "owner only"
         findings.ok("fs file_mode", f"{mode:04o} ({who}), less the umask")
+    _owners(root, mode, findings)
+
+
+def _owners(root: Path, file_mode: int, findings: Any) -> None:
+    """The root (the engine refuses to open it: FAIL) and each namespace directory in it
+    (an engine of that namespace refuses to open it: warn), as the engine checks them."""
+    check = "fs permissions"
+    if not root.is_dir():
+        findings.ok(
+            check, f"{root}: the engine creates it {dir_mode(file_mode):04o}, less the umask"
+        )
+        return
+    try:
+        if problem := unsafe(root, file_mode):
+            findings.fail(check, problem[0], problem[1])
+            return
+        namespaces = [e for e in os.scandir(root) if not e.name.startswith(".") and not e.is_file()]
+        problems = [p for e in namespaces if (p := unsafe(Path(e.path), file_mode, follow=False))]
+    except OSError as exc:
+        findings.fail(check, f"{root}: {exc.strerror or exc}", f"make {PATH} a directory of yours")
+        return
+    if problems:
+        more = f" (and {len(problems) - 1} more namespace directories)" if len(problems) > 1 else ""
+        findings.warn(
+            check,
+            f"{problems[0][0]}{more}: an engine of that namespace refuses to open the store",
+            problems[0][1],
+        )
+    else:
+        findings.ok(
+            check,
+            f"{root} and its {len(namespaces)} namespace directories: owned and writable as "
+            f"file_mode {file_mode:04o} allows",
+        )
 
 
 def _writable(root: Path, findings: Any) -> Path | None:

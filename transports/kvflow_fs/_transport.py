@@ -32,7 +32,7 @@ from kvflow.transport import (
     TransportError,
 )
 
-from . import _doctor
+from . import _doctor, _perms
 from ._format import HEADER_SIZE, encode_header, layer_offset, read_header
 from ._usage import StoreUsage
 
@@ -55,8 +55,10 @@ class FsOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Threads one load or save reads or writes with at once, each on its own files."""
     file_mode: str = "0600"
     """Permissions of the chunk files (octal), less the umask: owner-only by default;
-    e.g. "0640" for a store several users share through a group. The directories kvflow
-    creates get the same, plus search where read is granted (0700 by default)."""
+    e.g. "0640" for a store several users read through a group, "0660" for one they
+    write. The store's directories (its root included) and bookkeeping files get the
+    same, directories plus search where read is granted (0700 by default); at open, a
+    root or namespace directory of another user's, or writable beyond this, is refused."""
 
 
 THREADS = 32
@@ -178,15 +180,22 @@ class FsTransport(Transport):
                 f"not {self.options.threads}"
             )
         self._file_mode = _file_mode(self.options.file_mode)
-        self._dir_mode = self._file_mode | (self._file_mode & 0o444) >> 2  # r -> r-x
+        self._dir_mode = _perms.dir_mode(self._file_mode)
         if not is_plain_name(self.context.namespace):  # one directory below the root
             raise TransportError(
                 f"fs: refused namespace {shown(self.context.namespace)}: not a plain name "
                 "(letters, digits, '_', '-', '.', not starting with '.')"
             )
         where = "kv_connector_extra_config['options']['path']"
-        try:
-            self.dir.mkdir(parents=True, exist_ok=True, mode=self._dir_mode)
+        self.usage.file_mode = self._file_mode
+        try:  # the root gets dir_mode too (its parents, if made, the umask's default)
+            self.root.parent.mkdir(parents=True, exist_ok=True)
+            _mkdir(self.root, self._dir_mode)
+            if not self.root.is_dir():
+                raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR))
+            self._refuse_unsafe(self.root, where, follow=True)
+            _mkdir(self.dir, self._dir_mode)
+            self._refuse_unsafe(self.dir, where, follow=False)
             probe = self.dir / f".probe.{os.getpid()}.{secrets.token_hex(4)}"
             probe.write_bytes(b"")
             probe.unlink()
@@ -196,6 +205,12 @@ class FsTransport(Transport):
             ) from None
         if self.context.role == "worker":  # off the start-up path: a big store takes a while
             self.usage.scan_soon()
+
+    def _refuse_unsafe(self, directory: Path, where: str, *, follow: bool) -> None:
+        """Refuse a store directory others could plant chunk files in (`_perms.unsafe`)."""
+        if problem := _perms.unsafe(directory, self._file_mode, follow=follow):
+            found, fix = problem
+            raise TransportError(f"{where}: fs refuses this store: {found}; fix: {fix}")
 
     @classmethod
     def doctor(cls, options: FsOptions, findings: Findings) -> None:
@@ -267,11 +282,7 @@ class FsTransport(Transport):
             if not committed:
                 with trio.CancelScope(shield=True):
                     await trio.to_thread.run_sync(_discard, fds, tmps, limiter=self._save_threads)
-        with trio.CancelScope(shield=True):  # the files are visible: count them
-            usage = await trio.to_thread.run_sync(
-                self.usage.add, written, limiter=self._save_threads
-            )
-        self.usage.saved(usage)
+        self.usage.saved(written)  # counted (and evicted past the cap) after this returns
 
     def _write_chunks(
         self,
@@ -410,7 +421,7 @@ class FsTransport(Transport):
             if (st.st_dev, st.st_ino) == (now.st_dev, now.st_ino):
                 os.unlink(path)
                 deleted = True
-                self.usage.add(-st.st_size)
+                self.usage.defer(-st.st_size)  # counted by the next chore: no lock here
                 log.warning("kvflow fs: deleted bad chunk file %s (%s)", path, problem)
         return ChunkFailure(
             chunk, ChunkCorrupt, f"{problem} in {path}{'; deleted it' if deleted else ''}"
@@ -442,6 +453,13 @@ def _file_mode(text: str) -> int:
             'octal permissions with owner read and write, like "0600" or "0640"'
         )
     return mode
+
+
+def _mkdir(path: Path, mode: int) -> None:
+    """Make directory `path` with `mode` (less the umask) unless something is there."""
+    if not os.path.lexists(path):
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(path, mode)
 
 
 def _count_present(paths: list[list[Path]]) -> int:

@@ -5,8 +5,15 @@ file): saves add what they wrote, deleted corrupt chunks subtract theirs, and a
 worker's open counts the store once (off the start-up path). Past the cap, one
 process at a time deletes the least-recently-used chunk files (a load touches its
 files) down to 90% of it, and reports what it deleted by namespace (vLLM's KV
-events). Scans and evictions are store-wide chores: they run as system tasks, apart
-from every transfer, and `chores_done` waits for them.
+events). Counting, scans and evictions are store-wide chores: they run as system
+tasks after the save that asked for them returned, apart from every transfer, and
+`chores_done` waits for them.
+
+A lock is never waited on for long (issue 46): another process (another user, where
+an older kvflow left the lock file readable) may hold it for good. A chore that
+cannot take the lock within `LOCK_WAIT_S` gives up, says so once, and keeps what it
+had to count for the next chore. The walks never follow a symbolic link: a link in
+the store to a directory outside it is neither counted nor evicted through.
 """
 
 from __future__ import annotations
@@ -16,6 +23,8 @@ import fcntl
 import logging
 import os
 import secrets
+import stat
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -24,44 +33,69 @@ import trio
 
 from kvflow.keys import ChunkKey
 
-__all__ = ["STALE_TMP_S", "USAGE_FILE", "StoreUsage"]
+__all__ = ["LOCK_WAIT_S", "STALE_TMP_S", "USAGE_FILE", "StoreUsage"]
 
 log = logging.getLogger("kvflow.fs")
 
 USAGE_FILE = ".usage"
 """The store's byte count, under the store's root, shared by every process using it."""
+USAGE_LOCK = USAGE_FILE + ".lock"
+EVICT_LOCK = ".evict.lock"
 STALE_TMP_S = 3600.0
 """A temp file untouched this long belongs to a writer that died; swept at open."""
+LOCK_WAIT_S = 2.0
+"""How long a chore tries for `.usage.lock` (held for a read and a write of a few bytes
+by anyone honest) before it gives up until the next one."""
 
 Evicted = Callable[[str, list[ChunkKey]], None]
 
 
 class StoreUsage:
     """The byte count and eviction of the store under `root`, capped at `max_bytes` (0:
-    no cap); `evicted` (namespace, keys), if set, learns what eviction deleted."""
+    no cap); `evicted` (namespace, keys), if set, learns what eviction deleted. Its
+    files (`.usage`, the locks) get `file_mode`."""
 
-    def __init__(self, root: Path, max_bytes: int, evicted: Callable[[], Evicted | None]) -> None:
+    def __init__(
+        self,
+        root: Path,
+        max_bytes: int,
+        evicted: Callable[[], Evicted | None],
+        file_mode: int = 0o600,
+    ) -> None:
         self.root = root
         self.max_bytes = max_bytes
+        self.file_mode = file_mode
         self._evicted = evicted
-        self._evicting = False
+        self._pending = 0
+        """Bytes not counted in `.usage` yet (saves since the last chore, or a chore that
+        could not take the lock): the next chore adds them."""
+        self._mutex = threading.Lock()  # `_pending`, `_stuck`, `lock_skips`: any thread
+        self._stuck = False
+        self._accounting = False
+        self._again = False
         self._chores = 0
         self._idle = trio.Event()
         self._idle.set()
         self.evictions = 0
         """Evictions this process ran."""
+        self.lock_skips = 0
+        """Chores this process gave up because another held the store's lock."""
 
     # -- the loop thread ---------------------------------------------------------
     def scan_soon(self) -> None:
         """Count the store (and sweep dead writers' temp files) in the background."""
         self._spawn(self.scan)
 
-    def saved(self, usage: int) -> None:
-        """A save brought the count to `usage`: evict in the background if over the cap
-        (one eviction at a time, after the save returned)."""
-        if self.max_bytes and usage > self.max_bytes and not self._evicting:
-            self._evicting = True
-            self._spawn(self.evict)
+    def saved(self, nbytes: int) -> None:
+        """A save made `nbytes` of chunk files visible: count them, and evict if over the
+        cap, in the background (one such chore at a time), after the save returned: a
+        save never waits for the store's lock."""
+        self.defer(nbytes)
+        if self._accounting:
+            self._again = True  # the running chore may have read the count already
+        else:
+            self._accounting = True
+            self._spawn(self.account)
 
     async def chores_done(self) -> None:
         """Wait until the store-wide chores started so far (scan, eviction) ended."""
@@ -79,25 +113,57 @@ class StoreUsage:
         except Exception as exc:  # the chunks are stored; a failed chore is not a transfer's
             log.warning("kvflow fs: %s under %s failed: %s", work.__name__, self.root, exc)
         finally:
-            if work == self.evict:
-                self._evicting = False
+            if work == self.account:
+                self._accounting = False
+                if self._again:  # saves came meanwhile: count them too (before idle)
+                    self._again = False
+                    self.saved(0)
             self._chores -= 1
             if not self._chores:
                 self._idle.set()
 
     # -- threads -----------------------------------------------------------------
-    def add(self, delta: int, *, total: int | None = None) -> int:
-        """Add `delta` bytes to the store's count, or set it to `total`; the new count."""
+    def defer(self, delta: int) -> None:
+        """Add `delta` bytes to the count with the next chore (any thread, never waits)."""
+        with self._mutex:
+            self._pending += delta
+
+    def account(self) -> None:
+        """Count what saves wrote; past the cap, evict."""
+        usage = self.add(0)
+        if usage is not None and self.max_bytes and usage > self.max_bytes:
+            self.evict()
+
+    def add(self, delta: int, *, total: int | None = None) -> int | None:
+        """Add `delta` bytes, and what was deferred, to the store's count, or set it to
+        `total`; the new count. None if the lock stayed taken for `LOCK_WAIT_S`: then
+        nothing is written, and the bytes are added by the next call."""
+        self.defer(delta)
         path = self.root / USAGE_FILE
-        with self._locked(USAGE_FILE + ".lock"):
+        with self._locked(USAGE_LOCK) as mine:
+            if not mine:
+                self._skipped("counting the store" if total is None else "the store's scan")
+                return None
+            with self._mutex:
+                delta, self._pending = self._pending, 0
             try:
-                usage = int(path.read_text() or 0)
-            except (FileNotFoundError, ValueError):
-                usage = 0
-            usage = max(0, usage + delta) if total is None else total
-            tmp = path.with_name(f"{USAGE_FILE}.{os.getpid()}.{secrets.token_hex(4)}")
-            tmp.write_text(str(usage))
-            os.replace(tmp, path)
+                try:
+                    usage = int(path.read_text() or 0)
+                except (FileNotFoundError, ValueError):
+                    usage = 0
+                usage = max(0, usage + delta) if total is None else total
+                tmp = path.with_name(f"{USAGE_FILE}.{os.getpid()}.{secrets.token_hex(4)}")
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, self.file_mode)
+                try:
+                    os.write(fd, str(usage).encode())
+                finally:
+                    os.close(fd)
+                os.replace(tmp, path)
+            except BaseException:
+                if total is None:
+                    self.defer(delta)  # counted by the next call instead
+                raise
+        self._unstuck()
         return usage
 
     def scan(self) -> None:
@@ -107,15 +173,15 @@ class StoreUsage:
         for e in self._walk():
             with contextlib.suppress(FileNotFoundError):
                 if e.name.endswith(".kv"):
-                    usage += e.stat().st_size
-                elif ".kv.tmp." in e.name and e.stat().st_mtime < cutoff:
+                    usage += e.stat(follow_symlinks=False).st_size
+                elif ".kv.tmp." in e.name and e.stat(follow_symlinks=False).st_mtime < cutoff:
                     os.unlink(e.path)
         self.add(0, total=usage)
 
     def evict(self) -> None:
         """Delete least-recently-used chunk files until usage is 90% of the cap (one
         process at a time: another one evicting already is enough)."""
-        with self._locked(".evict.lock", blocking=False) as mine:
+        with self._locked(EVICT_LOCK, wait_s=0) as mine:
             if mine:
                 self._evict_locked()
 
@@ -124,7 +190,7 @@ class StoreUsage:
         for e in self._walk():
             if e.name.endswith(".kv"):
                 with contextlib.suppress(FileNotFoundError):
-                    st = e.stat()
+                    st = e.stat(follow_symlinks=False)
                     entries.append((st.st_mtime, st.st_size, e.path))
         entries.sort()
         usage = sum(size for _, size, _ in entries)
@@ -140,37 +206,78 @@ class StoreUsage:
                 namespace = os.path.basename(os.path.dirname(os.path.dirname(path)))
                 gone.setdefault(namespace, []).append(os.path.basename(path).split(".", 1)[0])
         # what it deleted, not the walk's total: saves committed during the walk count
-        usage = self.add(-freed)
+        left = self.add(-freed)
         self.evictions += 1
         removed = sum(len(keys) for keys in gone.values())
-        log.info("kvflow fs: evicted %d chunk files; %d bytes remain", removed, usage)
+        remain = f"{left} bytes remain" if left is not None else "the count follows"
+        log.info("kvflow fs: evicted %d chunk files; %s", removed, remain)
         if (evicted := self._evicted()) is not None:  # for vLLM's KV events
             for namespace, keys in gone.items():
                 evicted(namespace, keys)
 
     def _walk(self) -> list[os.DirEntry[str]]:
+        """The regular files two directories below the root (namespace, key prefix),
+        never through a symbolic link."""
         out: list[os.DirEntry[str]] = []
         if not self.root.is_dir():
             return out
-        for ns in os.scandir(self.root):
-            if not ns.is_dir():
-                continue
-            for sub in os.scandir(ns.path):
-                if sub.is_dir():
-                    out.extend(os.scandir(sub.path))
+        with os.scandir(self.root) as namespaces:
+            for ns in namespaces:
+                if not ns.is_dir(follow_symlinks=False):
+                    continue
+                with os.scandir(ns.path) as subs:
+                    for sub in subs:
+                        if sub.is_dir(follow_symlinks=False):
+                            with os.scandir(sub.path) as found:
+                                out.extend(e for e in found if e.is_file(follow_symlinks=False))
         return out
 
     @contextlib.contextmanager
-    def _locked(self, name: str, blocking: bool = True) -> Iterator[bool]:
-        """An exclusive lock on `root/name`, shared by every process using the store;
-        yields False if `blocking` is off and another holds it."""
-        fd = os.open(self.root / name, os.O_RDWR | os.O_CREAT, 0o644)
+    def _locked(self, name: str, wait_s: float | None = None) -> Iterator[bool]:
+        """An exclusive lock on `root/name`, shared by every process using the store,
+        tried for `wait_s` seconds (default `LOCK_WAIT_S`; 0: once), never blocking;
+        yields whether it was taken."""
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(self.root / name, flags, self.file_mode)
         try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
-            except BlockingIOError:
-                yield False
-                return
-            yield True
+            st = os.fstat(fd)  # an older kvflow's lock file (0644): others could hold it
+            if st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) & ~self.file_mode:
+                os.fchmod(fd, stat.S_IMODE(st.st_mode) & self.file_mode)
+            yield _flock(fd, LOCK_WAIT_S if wait_s is None else wait_s)
         finally:
             os.close(fd)  # releases the lock
+
+    def _skipped(self, what: str) -> None:
+        with self._mutex:
+            self.lock_skips += 1
+            first, self._stuck = not self._stuck, True
+        (log.warning if first else log.debug)(
+            "kvflow fs: %s is held by another process for over %g s: %s skipped (saves go "
+            "on; a save's bytes are counted by a later chore, a scan waits for the next "
+            "open). If another user can open it, make the store owner-only (chmod 0700 the "
+            "root, 0600 the lock)",
+            self.root / USAGE_LOCK,
+            LOCK_WAIT_S,
+            what,
+        )
+
+    def _unstuck(self) -> None:
+        with self._mutex:
+            was, self._stuck = self._stuck, False
+        if was:
+            log.warning("kvflow fs: %s is free again; the store is counted", self.root / USAGE_LOCK)
+
+
+def _flock(fd: int, wait_s: float) -> bool:
+    """Take an exclusive `flock` on `fd`, trying (with a growing pause) for `wait_s`."""
+    deadline, pause = time.monotonic() + wait_s, 0.001
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            time.sleep(min(pause, left))
+            pause = min(pause * 2, 0.05)
