@@ -7,19 +7,25 @@ what it asked for (`ChunkHeader.problem`) before it uses a byte, and each layer'
 hash (`layer_hash`) before vLLM may use that layer. Where the header goes (a file's
 first page, a value's trailer, an object's metadata) is the transport's.
 
+Under a store key (`TransportContext.store_key`) each layer's hash is instead a keyed
+BLAKE2b-64 of the chunk key, shard, layer index and bytes: bytes written by whoever
+lacks the key, or copied from another chunk, shard or layer, fail it (`ChunkCorrupt`:
+vLLM recomputes). The header's format is the same.
+
 A load that stops reports the earliest chunk that failed (`first_failure`): every
 chunk before it arrived whole, so vLLM keeps those and recomputes from there.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import msgspec
 import xxhash
 
-from .keys import ChunkKey
+from .keys import ChunkKey, StoreKey
 from .transport import LoadJob, TransportContext, TransportError
 
 __all__ = ["BadHeader", "ChunkFailure", "ChunkHeader", "first_failure", "layer_hash"]
@@ -36,7 +42,8 @@ class ChunkHeader(msgspec.Struct, frozen=True, array_like=True):
     num_tokens: int
     layer_nbytes: list[int]
     layer_hash: list[int]
-    """XXH3-64 of each layer's bytes (`layer_hash`)."""
+    """XXH3-64 of each layer's bytes, or under a store key their keyed BLAKE2b-64
+    (`layer_hash`)."""
     layout: str = ""
     """`KVLayout.describe()` of the writer ("" in chunks of a kvflow before it was kept)."""
 
@@ -48,17 +55,26 @@ class ChunkHeader(msgspec.Struct, frozen=True, array_like=True):
         num_tokens: int,
         layers: Sequence[Sequence[memoryview]],
     ) -> ChunkHeader:
-        """The header of one chunk whose layer i is the spans `layers[i]`."""
+        """The header of one chunk whose layer i is the spans `layers[i]` (hashed under
+        `context.store_key`, if set)."""
         assert context.layout is not None, "a store writes chunks of registered KV caches"
+        sk, shard = context.store_key, context.shard
         return cls(
             key=key,
             namespace=context.namespace,
-            shard=context.shard,
+            shard=shard,
             num_tokens=num_tokens,
             layer_nbytes=[sum(len(s) for s in spans) for spans in layers],
-            layer_hash=[layer_hash(spans) for spans in layers],
+            layer_hash=[layer_hash(spans, sk, key, shard, i) for i, spans in enumerate(layers)],
             layout=context.layout.describe(),
         )
+
+    def layer_intact(
+        self, layer: int, spans: Sequence[memoryview], store_key: StoreKey | None = None
+    ) -> bool:
+        """Whether `spans`, read as layer `layer` of this chunk, hash as the header says
+        (under `store_key`: `TransportContext.store_key`)."""
+        return layer_hash(spans, store_key, self.key, self.shard, layer) == self.layer_hash[layer]
 
     def payload_nbytes(self) -> int:
         return sum(self.layer_nbytes)
@@ -113,14 +129,35 @@ _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(ChunkHeader)
 
 
-def layer_hash(spans: Sequence[memoryview]) -> int:
-    """XXH3-64 of the spans' bytes, in order (at memory speed: ~4x zlib's CRC32)."""
+def layer_hash(
+    spans: Sequence[memoryview],
+    store_key: StoreKey | None = None,
+    key: ChunkKey = "",
+    shard: str = "",
+    layer: int = 0,
+) -> int:
+    """XXH3-64 of the spans' bytes, in order (at memory speed: ~4x zlib's CRC32).
+
+    With a `store_key`: keyed BLAKE2b-64 of layer `layer` of shard `shard` of chunk
+    `key`, then the spans' bytes (an unsigned 64-bit number, as XXH3-64 is), which only
+    holders of the key can compute, and which differs for any other chunk, shard or
+    layer holding the same bytes."""
+    if store_key is not None:
+        keyed = hashlib.blake2b(_binding(key, shard, layer), digest_size=8, key=store_key.checksums)
+        for s in spans:
+            keyed.update(s)
+        return int.from_bytes(keyed.digest(), "little")
     if len(spans) == 1:  # the common case (a block-granular or dense chunk): one call
         return xxhash.xxh3_64_intdigest(spans[0])
     h = xxhash.xxh3_64()
     for s in spans:
         h.update(s)
     return h.intdigest()
+
+
+def _binding(key: ChunkKey, shard: str, layer: int) -> bytes:
+    """What a keyed layer hash is bound to, unambiguously (msgpack: self-delimiting)."""
+    return _encoder.encode((key, shard, layer))
 
 
 @dataclass(frozen=True)

@@ -23,8 +23,10 @@ __all__ = [
     "host_cpus",
     "parse_config",
     "parse_options",
+    "store_key_of",
 ]
 
+from .keys import StoreKey
 from .pd.security import Channel, ChannelMode, SecurityError, host_key, read_key
 
 LoadMode = Literal["layer", "async"]
@@ -90,6 +92,12 @@ class KVFlowConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Allow P/D without any key, beyond loopback: anyone who reaches the side channel can
     read this engine's KV, and consumers believe unsigned P/D params (any API client can
     forge them)."""
+    store_key_file: str = ""
+    """A store transport's secret (`kvflow keygen PATH` makes one; it must be the user's
+    alone): chunk keys and each layer's checksum are keyed with it, so whoever can
+    write or read the store without it can neither plant KV that loads nor tell which
+    prompts were sent; deployments with different keys share no chunk. Unset: chunk keys
+    anyone can compute, unkeyed checksums (docs/security.md#stores)."""
     shutdown_drain_s: float = 10.0
     """At shutdown, how long in-flight saves may finish before they are cancelled."""
     max_concurrent_transfers: int = 16
@@ -185,6 +193,26 @@ def channel_of(cfg: KVFlowConfig, *, peer: bool = True) -> Channel:
     except SecurityError as exc:
         raise ConfigError(f"kv_connector_extra_config: no key_file, and {exc}") from None
     return Channel(key, cfg.channel or "kv-in-clear", host=True)
+
+
+def store_key_of(cfg: KVFlowConfig, *, store: bool = True) -> StoreKey | None:
+    """The store key `store_key_file` names (None if unset); a `ConfigError` naming it if
+    the file is not one, or not the user's alone, or the transport (`store`) is no store."""
+    if not cfg.store_key_file:
+        return None
+    where = "kv_connector_extra_config['store_key_file']"
+    if not store:
+        raise ConfigError(
+            f"{where}: transport {cfg.transport!r} is a peer transport; a store key keys a "
+            "store's chunks (drop store_key_file, or use a store transport)"
+        )
+    try:
+        secret = read_key(cfg.store_key_file)
+    except SecurityError as exc:  # its message says key_file: this is store_key_file
+        said = str(exc).replace(f"key_file {cfg.store_key_file!r}", repr(cfg.store_key_file))
+        raise ConfigError(f"{where}: {said}") from None
+    assert secret is not None  # a file was named: read_key raised or read it
+    return StoreKey(secret)
 
 
 def host_cpus() -> set[int]:

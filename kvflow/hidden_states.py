@@ -22,9 +22,9 @@ import msgspec
 import torch
 import trio
 
-from .config import ConfigError, parse_options
+from .config import ConfigError, KVFlowConfig, parse_options, store_key_of
 from .events import EventBus, SaveStarted, TransferDone, TransferFailed
-from .keys import ChunkKey, chunk_token_counts, is_chunk_key, is_plain_name, shown
+from .keys import ChunkKey, StoreKey, chunk_token_counts, is_chunk_key, is_plain_name, shown
 from .layout import KVLayout, view_geometry
 from .runtime import Backoff, Runtime, RuntimeClosed
 from .transport import LoadJob, SaveJob, Transport, TransportContext, TransportError, load_transport
@@ -144,10 +144,18 @@ def chunk_spans(buf: torch.Tensor, token_counts: list[int]) -> list[list[memoryv
     return [[raw[i * chunk : i * chunk + n * row]] for i, n in enumerate(token_counts)]
 
 
-def hidden_context(engine_id: str, role: str, namespace: str) -> TransportContext:
-    """A transport's context for hidden states: their namespace, their one shard."""
+def hidden_context(
+    engine_id: str, role: str, namespace: str, store_key: StoreKey | None = None
+) -> TransportContext:
+    """A transport's context for hidden states: their namespace, their one shard, the
+    engine's store key (`store_key_file`), if set."""
     return TransportContext(
-        engine_id=engine_id, role=role, namespace=namespace, shard=SHARD, shards=[SHARD]
+        engine_id=engine_id,
+        role=role,
+        namespace=namespace,
+        shard=SHARD,
+        shards=[SHARD],
+        store_key=store_key,
     )
 
 
@@ -214,8 +222,9 @@ async def save_hidden_states(
 class HiddenStatesReader:
     """Loads requests' hidden states from the store kvflow wrote them to.
 
-    `transport` and `options` are those of the engine's `kv_connector_extra_config`.
-    A reader runs its own loop thread; close it (or use it as a context manager)."""
+    `transport`, `options` and `store_key_file` are those of the engine's
+    `kv_connector_extra_config` (with a store key, each chunk's checksum is checked with
+    it). A reader runs its own loop thread; close it (or use it as a context manager)."""
 
     def __init__(
         self,
@@ -223,12 +232,14 @@ class HiddenStatesReader:
         options: Mapping[str, Any] | None = None,
         *,
         timeout_s: float = 30.0,
+        store_key_file: str = "",
     ) -> None:
         self.transport = transport
         self.timeout_s = timeout_s
         cls = load_transport(transport)
         try:
             self._options = parse_options(dict(options or {}), cls.Options, transport)
+            self._store_key = store_key_of(KVFlowConfig(store_key_file=store_key_file))
         except ConfigError as exc:
             raise HiddenStatesError(str(exc)) from None
         self._cls = cls
@@ -276,7 +287,8 @@ class HiddenStatesReader:
         layout = hidden_layout(ref.block_size, ref.num_layers, ref.hidden_size, ref.dtype)
         key = (ref.namespace, layout.describe())
         if (t := self._open.get(key)) is None:
-            t = self._cls(self._options, hidden_context("reader", "reader", ref.namespace))
+            context = hidden_context("reader", "reader", ref.namespace, self._store_key)
+            t = self._cls(self._options, context)
             await t.open()
             self._runtime.add_closer(t.aclose)
             await t.register(layout)

@@ -11,6 +11,11 @@ size, each rank's heads under its shard (`kvflow.reshape`).
 
 A trailing partial chunk (fewer tokens than a block) gets its own key, which
 differs from any full chunk's because the token count is hashed in.
+
+With a store key (`store_key_file`, a `StoreKey`) the namespace and every link of the
+chain are keyed BLAKE2b: whoever lacks the key cannot tell where a prefix's chunks are
+(to plant bytes there, or to learn whether a prompt was sent), and deployments with
+different keys never share a chunk. Without one, keys are as they always were.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import msgspec
 __all__ = [
     "ChunkKey",
     "Fingerprint",
+    "StoreKey",
     "chunk_keys",
     "chunk_token_counts",
     "is_chunk_key",
@@ -38,6 +44,28 @@ ChunkKey = str
 _DIGEST = 16
 _CHUNK_KEY = re.compile(f"[0-9a-f]{{{2 * _DIGEST}}}")
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}")
+
+
+class StoreKey:
+    """The keys a store key (`store_key_file`'s secret) gives, each derived with keyed
+    BLAKE2b under a label of its own: `names` keys the namespace and the chain of chunk
+    keys (`chunk_keys`), `checksums` keys each layer's checksum (`kvflow.chunks.
+    layer_hash`). The secret itself is kept nowhere."""
+
+    __slots__ = ("checksums", "names")
+
+    def __init__(self, secret: bytes) -> None:
+        if len(secret) < 16:
+            raise ValueError("a store key has at least 16 bytes (`kvflow keygen PATH`)")
+        self.names = _derive(secret, b"kvflow store: chunk keys")
+        self.checksums = _derive(secret, b"kvflow store: layer checksums")
+
+    def __repr__(self) -> str:
+        return "StoreKey(...)"  # never the keys, in a log or a traceback
+
+
+def _derive(secret: bytes, label: bytes) -> bytes:
+    return hashlib.blake2b(label, key=secret[:64], digest_size=32).digest()
 
 
 class Fingerprint(msgspec.Struct, frozen=True, kw_only=True):
@@ -54,10 +82,12 @@ class Fingerprint(msgspec.Struct, frozen=True, kw_only=True):
     pp_rank: int = 0
     extra: str = ""
 
-    def namespace(self) -> str:
-        """A short stable id of this fingerprint (hex)."""
+    def namespace(self, store_key: StoreKey | None = None) -> str:
+        """A short stable id of this fingerprint (hex); with a `store_key`, one that only
+        its holders can compute."""
         raw = msgspec.json.encode(self)
-        return hashlib.blake2b(raw, digest_size=_DIGEST).hexdigest()
+        key = store_key.names if store_key is not None else b""
+        return hashlib.blake2b(raw, digest_size=_DIGEST, key=key).hexdigest()
 
     def pd_scope(self) -> str:
         """What P/D params are bound to besides the prompt (`kvflow.pd.security.
@@ -81,21 +111,25 @@ def chunk_keys(
     *,
     salt: str = "",
     include_partial: bool = True,
+    store_key: StoreKey | None = None,
 ) -> list[ChunkKey]:
     """Keys of the consecutive `block_size` chunks of `token_ids`.
 
     `salt` folds per-request inputs that change KV bytes without changing
     token ids (LoRA adapter, cache salt, multimodal content) into the chain.
+    With a `store_key`, every link is keyed: a key seen in a store does not give
+    the next one's.
     """
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
-    parent = hashlib.blake2b(f"{namespace}|{salt}".encode(), digest_size=_DIGEST).digest()
+    key = store_key.names if store_key is not None else b""
+    parent = hashlib.blake2b(f"{namespace}|{salt}".encode(), digest_size=_DIGEST, key=key).digest()
     keys: list[ChunkKey] = []
     n = len(token_ids)
     end = n if include_partial else n - n % block_size
     for start in range(0, end, block_size):
         chunk = token_ids[start : min(start + block_size, end)]
-        h = hashlib.blake2b(parent, digest_size=_DIGEST)
+        h = hashlib.blake2b(parent, digest_size=_DIGEST, key=key)
         h.update(len(chunk).to_bytes(4, "little"))
         h.update(_tokens_bytes(chunk))
         parent = h.digest()

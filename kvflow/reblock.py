@@ -85,9 +85,12 @@ async def lookup_blocks(
     `sizes` hold, and those chunks: one lookup a size, all at once (a request waits for
     the slowest, not for their sum)."""
     runs: list[StoredRun] = []
+    store_key = transport.context.store_key  # keyed chunk keys, as the engine's own
 
     async def look(size: int) -> None:
-        keys = chunk_keys(namespace, token_ids, size, salt=salt, include_partial=partial)
+        keys = chunk_keys(
+            namespace, token_ids, size, salt=salt, include_partial=partial, store_key=store_key
+        )
         found = max(0, min(await transport.lookup(keys), len(keys)))
         runs.append(StoredRun(size, keys[:found], chunk_token_counts(len(token_ids), size)[:found]))
 

@@ -231,6 +231,7 @@ class SchedulerEngine:  # ~440 lines: one request's life in the scheduler (looku
                 self.block_size,
                 salt=salt,
                 include_partial=self.config.save_partial_blocks,
+                store_key=self.transport.context.store_key,
             )
             counts = chunk_token_counts(len(token_ids), self.block_size)[: len(keys)]
             st = self._reqs[req] = _Request(keys=keys, counts=counts, prompt_len=len(token_ids))

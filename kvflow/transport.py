@@ -24,7 +24,7 @@ import msgspec
 import trio
 
 from .findings import Findings
-from .keys import ChunkKey
+from .keys import ChunkKey, StoreKey
 from .layout import KVLayout
 from .pd.security import Channel
 from .pd.topology import HeadRead, TopologyError, plan_reads, readers
@@ -150,6 +150,10 @@ class TransportContext:
     kv_heads: int = 0
     """The model's KV heads over all ranks (1 for MLA; 0: not known), which tell the heads
     each rank holds (`kvflow.pd.topology.held_heads`)."""
+    store_key: StoreKey | None = None
+    """The deployment's store key (`store_key_file`), if set: `namespace` and the chunk
+    keys were computed with it, and store transports hash and check each layer with it
+    (`kvflow.chunks.layer_hash`), always, whatever their `verify` says."""
 
     def peer_address(self, src: PeerSource) -> str:
         """The producer endpoint serving this worker's shard; a `TransportError` if the

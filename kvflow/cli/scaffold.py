@@ -132,15 +132,16 @@ class {cls}(Transport):
         once layer i landed (never touch layer i again afterwards). If chunk k is missing or
         corrupt, raise `ChunkMissing` / `ChunkCorrupt` with `chunk=k` (chunks before k
         complete in every layer). Check each stored chunk with `check` before using
-        it, and layer i's bytes (`layer_hash(spans) == header.layer_hash[i]`) before
-        `job.layer_loaded(i)`; raise `first_failure(failures).error(key)`."""
+        it, and layer i's bytes (`header.layer_intact(i, spans, self.context.store_key)`:
+        under a store key, always) before `job.layer_loaded(i)`; raise
+        `first_failure(failures).error(key)`."""
         raise NotImplementedError("{cls}.load: fill in")
 
     # -- what a store keeps next to each chunk, and checks before using it --------------
     def header(self, key: ChunkKey, num_tokens: int, layers: list[list[memoryview]]) -> bytes:
         """Bytes to store with a chunk whose layer i is `layers[i]`: its key, namespace,
-        shard, token count, each layer's size and XXH3-64, this worker's KV layout
-        (`kvflow.ChunkHeader`)."""
+        shard, token count, each layer's size and hash (keyed under a store key), this
+        worker's KV layout (`kvflow.ChunkHeader`)."""
         return ChunkHeader.of(self.context, key, num_tokens, layers).encode()
 
     def check(

@@ -56,7 +56,7 @@ class BlockSizeConformance:
             await stage.gather(layer)
             return stage.spans(layer)
 
-        keys = chunk_keys(ns, PROMPT, saver)
+        keys = chunk_keys(ns, PROMPT, saver, store_key=writer.context.store_key)  # as it looks
         await writer.save(SaveJob("reblock-save", keys, counts, 2, gathered))
         mine = chunk_token_counts(len(PROMPT), reader)
         looked = await kv.scheduler(namespace=ns)

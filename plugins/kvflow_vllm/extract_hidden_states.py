@@ -22,7 +22,7 @@ import trio
 from kvflow.config import ConfigError
 from kvflow.events import EventBus
 from kvflow.hidden_states import HiddenStatesRef, host_buffer, save_hidden_states
-from kvflow.keys import Fingerprint, chunk_keys, chunk_token_counts
+from kvflow.keys import Fingerprint, StoreKey, chunk_keys, chunk_token_counts
 from kvflow.lending import Lending
 from kvflow.runtime import Runtime, poll_until
 from kvflow.transport import Transport
@@ -91,7 +91,11 @@ class HiddenStatesPlanner:
     """Scheduler side: which finished requests export, where their hidden states go."""
 
     def __init__(
-        self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, transport: str
+        self,
+        vllm_config: VllmConfig,
+        kv_cache_config: KVCacheConfig,
+        transport: str,
+        store_key: StoreKey | None = None,
     ) -> None:
         from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
 
@@ -118,7 +122,9 @@ class HiddenStatesPlanner:
             layout="hidden-states;token-major",
             bytes_per_token=len(self.layer_ids) * self.hidden_size,
             extra=f"layers={self.layer_ids}" + (";dummy" if load_format == "dummy" else ""),
-        ).namespace()
+        ).namespace(store_key)
+        self.store_key = store_key
+        """The engine's store key (`store_key_file`): it keys these chunks' keys too."""
         self._pending: list[HiddenExport] = []
 
     def finished(self, request: Request, block_ids: list[int], salt: str) -> HiddenStatesRef | None:
@@ -137,7 +143,9 @@ class HiddenStatesPlanner:
         ref = HiddenStatesRef(
             transport=self.transport,
             namespace=self.namespace,
-            keys=chunk_keys(self.namespace, tokens, self.block_size, salt=salt),
+            keys=chunk_keys(
+                self.namespace, tokens, self.block_size, salt=salt, store_key=self.store_key
+            ),
             block_size=self.block_size,
             token_ids=tokens,
             num_layers=len(self.layer_ids),

@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 import msgspec
 import trio
 
-from kvflow.chunks import BadHeader, ChunkFailure, ChunkHeader, first_failure, layer_hash
+from kvflow.chunks import BadHeader, ChunkFailure, ChunkHeader, first_failure
 from kvflow.config import default_cache_dir
 from kvflow.findings import Findings
 from kvflow.keys import ChunkKey, is_chunk_key, is_plain_name, shown
@@ -405,9 +405,10 @@ class FsTransport(Transport):
                 return self._corrupt(
                     c, fd, paths[c], f"short read ({got} of {want} bytes) in {where}"
                 )
-            if self.options.verify:
+            sk = self.context.store_key  # a store key's checksums are always checked
+            if self.options.verify or sk is not None:
                 for layer, s in zip(group, mine, strict=True):
-                    if layer_hash(s) != h.layer_hash[layer]:
+                    if not h.layer_intact(layer, s, sk):
                         return self._corrupt(c, fd, paths[c], f"checksum mismatch in layer {layer}")
         return None
 

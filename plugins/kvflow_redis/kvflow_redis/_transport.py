@@ -36,7 +36,7 @@ from kvflow import (
 )
 
 from . import _doctor
-from ._client import NETWORK_ERRORS, TLS, BadURL, Holder, Mode, Target, build, parse_url
+from ._client import NETWORK_ERRORS, TLS, BadURL, Holder, Mode, Target, build, masked, parse_url
 from ._format import decode_trailer, encode_trailer
 from ._guard import MAX_BULK, Limits
 
@@ -86,7 +86,8 @@ class RedisOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     server's `maxmemory-policy allkeys-lru` evicts instead (see the README)."""
     verify: bool = True
     """Check each layer's XXH3-64 on load before vLLM may use it (a mismatch is a load
-    error that vLLM recomputes, never wrong tokens). The hash is always written."""
+    error that vLLM recomputes, never wrong tokens). The hash is always written. Under a
+    store key (`store_key_file`) each layer's keyed hash is checked whatever this says."""
     max_connections: int = 16
     """Connections per transport instance and server (each engine process has one
     instance per worker and one in its scheduler)."""
@@ -216,7 +217,7 @@ class RedisTransport(Transport):
 
     @property
     def where(self) -> str:
-        return self.target.redacted() if self.target else self.options.url
+        return self.target.redacted() if self.target else masked(self.options.url)
 
     async def _ready(self) -> None:
         """Start the client again if its tasks ended (a failure inside coredis); in a
@@ -346,7 +347,10 @@ class RedisTransport(Transport):
             layer_spans = await job.layer(layer)
             chosen = [layer_spans[c] for c in todo]
             spans.append(chosen)
-            hashes.append(await trio.to_thread.run_sync(_hashes, chosen))
+            keys_todo = [job.keys[c] for c in todo]
+            hashes.append(
+                await trio.to_thread.run_sync(_hashes, chosen, self.context, keys_todo, layer)
+            )
         batch: list[tuple[bytes, bytes]] = []  # (key, value) of the SETs sent next
         first = size = 0  # the batch's first chunk (numbered as in the job), its bytes
         for j, c in enumerate(todo):
@@ -511,10 +515,12 @@ class RedisTransport(Transport):
                 )
                 values, layer_spans = values[:c], layer_spans[:c]
                 break
-        verify = self.options.verify
-        hashes = await trio.to_thread.run_sync(_fill, values, layer_spans, verify)
-        for c, h in enumerate(hashes):
-            if h != headers[c].layer_hash[layer]:
+        check = self.options.verify or self.context.store_key is not None
+        intact = await trio.to_thread.run_sync(
+            _fill, values, layer_spans, headers, layer, self.context, check
+        )
+        for c, ok in enumerate(intact):
+            if not ok:
                 found.append(ChunkFailure(c, ChunkCorrupt, f"checksum mismatch in layer {layer}"))
                 bad.append(keys[c])
                 break
@@ -540,14 +546,26 @@ class _Later:
         return self._value
 
 
-def _fill(values: list[bytes], spans: list[list[memoryview]], verify: bool) -> list[int]:
-    """Copy each chunk's value into its spans; their hashes if `verify`."""
+def _fill(
+    values: list[bytes],
+    spans: list[list[memoryview]],
+    headers: list[ChunkHeader],
+    layer: int,
+    context: TransportContext,
+    check: bool,
+) -> list[bool]:
+    """Copy each chunk's value into its spans; if `check`, whether each is intact (its
+    `layer` hashes as its header says, under the context's store key)."""
     for value, chunk_spans in zip(values, spans, strict=True):
         at = 0
         for span in chunk_spans:
             span[:] = value[at : at + len(span)]
             at += len(span)
-    return [layer_hash(s) for s in spans] if verify else []
+    if not check:
+        return []
+    return [
+        h.layer_intact(layer, s, context.store_key) for h, s in zip(headers, spans, strict=False)
+    ]
 
 
 def _leaves(reply: Any) -> Iterator[bytes]:
@@ -595,8 +613,12 @@ def _intact(found: list[ChunkFailure | None], n: int) -> int:
     return min((f.chunk for f in found if f is not None), default=n)
 
 
-def _hashes(spans: list[list[memoryview]]) -> list[int]:
-    return [layer_hash(s) for s in spans]
+def _hashes(
+    spans: list[list[memoryview]], context: TransportContext, keys: list[ChunkKey], layer: int
+) -> list[int]:
+    """Layer `layer`'s hash of each chunk `keys[i]` (`spans[i]`) this context writes."""
+    sk, shard = context.store_key, context.shard
+    return [layer_hash(s, sk, k, shard, layer) for s, k in zip(spans, keys, strict=True)]
 
 
 def _describe(exc: BaseException, timeout_s: float | None = None) -> str:

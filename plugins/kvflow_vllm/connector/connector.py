@@ -23,7 +23,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from kvflow.config import ConfigError, KVFlowConfig, channel_of, parse_config, parse_options
+from kvflow.config import (
+    ConfigError,
+    KVFlowConfig,
+    channel_of,
+    parse_config,
+    parse_options,
+    store_key_of,
+)
 from kvflow.event_stream import start_publisher
 from kvflow.eventlog import JsonlEventLog
 from kvflow.events import EventBus, Origin, Rejected
@@ -104,6 +111,8 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
             self.options = parse_options(self.config.options, self.transport_cls.Options, name)
             self.tiers = lower_tiers(self.config, self.transport_cls)
             channel = channel_of(self.config, peer=self.transport_cls.capabilities.peer)
+            caps = self.transport_cls.capabilities
+            self.store_key = store_key_of(self.config, store=caps.store and not caps.peer)
         except (ConfigError, TransportNotFound) as exc:
             raise ConfigError(f"KVFlowConnector: {exc}") from None
         self.engine_id = str(ktc.engine_id)
@@ -138,7 +147,7 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
         shard = shard_name(self.tp_rank, tp, pp_rank)
         self.rank = self.shards.index(shard)
         fps = [fingerprint(self._vllm_config, self._kv_cache_config, g) for g in self.groups]
-        self.namespaces = [fp.namespace() for fp in fps]
+        self.namespaces = [fp.namespace(self.store_key) for fp in fps]
         self.scopes = [fp.pd_scope() for fp in fps]
         heads = [
             model_shape(self._vllm_config, self._kv_cache_config, g).kv_heads for g in self.groups
@@ -166,6 +175,7 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
                 tp_size=tp,
                 pp_rank=pp_rank,
                 kv_heads=kv_heads,
+                store_key=self.store_key,
             )
             transport = stack_of([(self.transport_cls, self.options), *self.tiers], ctx)
             if side.role == "worker" and own != shard:  # another rank saves these heads

@@ -120,7 +120,7 @@ class KVFlowScheduler:
         self._requests: dict[str, Request] = {}
         """Running requests, while their saves are planned (with KV events only)."""
         self._planner = (
-            HiddenStatesPlanner(vllm_config, kv_cache_config, self.config.transport)
+            HiddenStatesPlanner(vllm_config, kv_cache_config, self.config.transport, conn.store_key)
             if extracts_hidden_states(vllm_config)
             else None
         )

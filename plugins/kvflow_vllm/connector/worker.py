@@ -109,14 +109,17 @@ class KVFlowWorker:
         self._exporter: HiddenStatesExporter | None = None
         """Under extract_hidden_states: copies them out and stores them."""
         if extracts_hidden_states(vllm_config):
-            planner = HiddenStatesPlanner(vllm_config, kv_cache_config, self.config.transport)
+            planner = HiddenStatesPlanner(
+                vllm_config, kv_cache_config, self.config.transport, conn.store_key
+            )
             self._exporter = HiddenStatesExporter(
                 self.runtime, conn.bus, self.config.save_timeout_s
             )
             self._hidden_writer = conn.tp_rank == 0
             transport_cls, options = conn.transport_cls, conn.options
             self._hidden_transport: Callable[[], Transport] = lambda: transport_cls(
-                options, hidden_context(self.engine_id, "worker", planner.namespace)
+                options,
+                hidden_context(self.engine_id, "worker", planner.namespace, conn.store_key),
             )
 
     def _report_evictions(self, namespaces: list[str]) -> None:
