@@ -57,20 +57,28 @@ class Target:
 
     def redacted(self) -> str:
         """The URL without its password."""
-        scheme, _, rest = self.text.partition("://")
-        userinfo, at, hosts = rest.rpartition("@")
-        if not at:
-            return self.text
-        user = userinfo.partition(":")[0]
-        return f"{scheme}://{user}:***@{hosts}" if self.password else self.text
+        return masked(self.text)
+
+
+def masked(url: str) -> str:
+    """`url` with its password, if it names one, as `***` (`redis://user:***@host`): how
+    every message and log line shows a URL."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:  # not a URL, but may still hold `user:password@`
+        scheme, rest = "", url
+    userinfo, at, hosts = rest.rpartition("@")
+    user, colon, _ = userinfo.partition(":")
+    return f"{scheme}{sep}{user}:***@{hosts}" if at and colon else url
 
 
 def parse_url(url: str) -> Target:
     """`redis[s]://[[user]:password@]host[:port][,host[:port]...][/db]` or
-    `unix://[[user]:password@]/path/redis.sock[?db=N]`."""
+    `unix://[[user]:password@]/path/redis.sock[?db=N]`; a `BadURL` names the URL without
+    its password."""
+    shown = masked(url)
     scheme, sep, rest = url.partition("://")
     if not sep or scheme not in SCHEMES:
-        raise BadURL(f"{url!r} is not a redis://, rediss:// or unix:// URL")
+        raise BadURL(f"{shown!r} is not a redis://, rediss:// or unix:// URL")
     userinfo, at, rest = rest.rpartition("@")
     username = password = None
     if at:
@@ -81,15 +89,17 @@ def parse_url(url: str) -> Target:
     params = parse_qs(query)
     if scheme == "unix":
         if not rest.startswith("/"):
-            raise BadURL(f"{url!r}: a unix:// URL names an absolute socket path")
-        db = _db(params.get("db", ["0"])[0], url)
+            raise BadURL(f"{shown!r}: a unix:// URL names an absolute socket path")
+        db = _db(params.get("db", ["0"])[0], shown)
         return Target(False, (), rest, db, username, password, url)
     netloc, _, db_text = rest.partition("/")
-    hosts = tuple(_host(h, url) for h in netloc.split(","))
-    return Target(scheme == "rediss", hosts, "", _db(db_text or "0", url), username, password, url)
+    hosts = tuple(_host(h, shown) for h in netloc.split(","))
+    db = _db(db_text or "0", shown)
+    return Target(scheme == "rediss", hosts, "", db, username, password, url)
 
 
 def _host(text: str, url: str) -> tuple[str, int]:
+    """`host:port` of one of `url`'s hosts (`url`, masked, names it in an error)."""
     if text.startswith("["):  # [v6]:port
         host, _, rest = text[1:].partition("]")
         port = rest.removeprefix(":")
