@@ -20,7 +20,7 @@ from kvflow.cli.doctor import render
 from kvflow.cli.main import main
 from kvflow.doctor import host, vllm_install
 from kvflow.findings import Finding, Findings
-from kvflow.pd.security import KEY_ENV, keygen
+from kvflow.pd.security import KEY_ENV, RUNTIME_ENV, keygen
 from kvflow_vllm.compat import TESTED
 
 
@@ -343,53 +343,66 @@ def test_a_store_root_of_another_users_fails(
 # -- the key and the P/D host ------------------------------------------------------------
 
 
-def test_an_owner_only_key_passes_and_a_readable_one_warns(
+def test_an_owner_only_key_passes_and_a_readable_one_fails(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, store: dict[str, Any]
 ) -> None:
+    """A key file others may read is refused by the engine (as ssh refuses such a
+    private key): doctor says so, with the fix."""
     key = keygen(tmp_path / "key")
-    rc, found = config(capsys, {**store, "key_file": str(key)})
-    assert rc == 0 and only(found, "key file")["status"] == "ok"
-    assert "(0600)" in only(found, "key file")["found"]
+    pd = {**store, "transport": "zmq", "options": {}, "key_file": str(key)}
+    rc, found = config(capsys, pd)
+    f = only(found, "key")
+    assert rc == 0 and f["status"] == "ok" and f["found"] == f"{key}; channel encrypted"
     key.chmod(0o644)
-    rc, found = config(capsys, {**store, "key_file": str(key)})
-    f = only(found, "key file")
-    assert rc == 0 and f["status"] == "warn" and "group and others" in f["found"]
-    assert f["fix"].startswith(f"chmod 600 {key}")
+    rc, found = config(capsys, pd)
+    f = only(found, "key")
+    assert rc == 1 and f["status"] == "FAIL" and "`chmod 600` it" in f["found"]
 
 
 def test_a_missing_or_bad_key_fails(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, store: dict[str, Any]
 ) -> None:
-    rc, found = config(capsys, {**store, "key_file": str(tmp_path / "nokey")})
-    assert rc == 1 and "No such file" in only(found, "key file")["found"]
+    zmq = {"transport": "zmq"}
+    rc, found = config(capsys, {**zmq, "key_file": str(tmp_path / "nokey")})
+    assert rc == 1 and "No such file" in only(found, "key")["found"]
     (tmp_path / "notakey").write_text("hello\n")
     (tmp_path / "notakey").chmod(0o600)
-    rc, found = config(capsys, {**store, "key_file": str(tmp_path / "notakey")})
-    f = only(found, "key file")
+    rc, found = config(capsys, {**zmq, "key_file": str(tmp_path / "notakey")})
+    f = only(found, "key")
     assert rc == 1 and "does not hold a kvflow key" in f["found"] and "keygen" in f["fix"]
-    rc, found = config(capsys, {**store, "channel": "encrypted"})
-    assert rc == 1 and only(found, "key")["status"] == "FAIL"
+    rc, found = config(capsys, {**zmq, "insecure": True, "channel": "encrypted"})
+    assert rc == 1 and "'insecure' leaves the side channel keyless" in only(found, "key")["found"]
 
 
-def test_a_key_from_the_environment(
-    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, store: dict[str, Any]
+def test_a_key_from_the_environment_or_this_hosts(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
+    zmq = {"transport": "zmq"}
     monkeypatch.setenv(KEY_ENV, "ab" * 32)
-    rc, found = config(capsys, store)
-    assert rc == 0 and only(found, "key")["found"].startswith(f"${KEY_ENV}")
+    rc, found = config(capsys, zmq)
+    assert rc == 0 and only(found, "key")["found"] == f"${KEY_ENV}; channel encrypted"
     monkeypatch.setenv(KEY_ENV, "not hex")
-    rc, found = config(capsys, store)
+    rc, found = config(capsys, zmq)
     assert rc == 1 and only(found, "key")["status"] == "FAIL"
+    monkeypatch.delenv(KEY_ENV)
+    monkeypatch.setenv(RUNTIME_ENV, str(tmp_path / "runtime"))
+    rc, found = config(capsys, zmq)
+    f = only(found, "key")
+    assert rc == 0 and f["found"].startswith(f"this host's key ({tmp_path / 'runtime'}")
+    rc, found = config(capsys, {**zmq, "insecure": True})
+    assert rc == 0 and only(found, "key")["status"] == "warn"
 
 
-def test_a_routable_producer_host_needs_a_key(
+def test_a_routable_producer_host_needs_a_deployment_key(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv(KEY_ENV, raising=False)
+    monkeypatch.setenv(RUNTIME_ENV, str(tmp_path / "runtime"))
     routable = {"transport": "zmq", "options": {"host": "10.1.2.3"}}
     rc, found = config(capsys, routable)
     f = only(found, "p/d host")
     assert rc == 1 and f["status"] == "FAIL" and "kvflow keygen" in f["fix"]
+    assert "key is its host's" in f["found"]
     rc, found = config(capsys, {**routable, "insecure": True})
     assert rc == 0 and only(found, "p/d host")["status"] == "warn"
     key = keygen(tmp_path / "key")

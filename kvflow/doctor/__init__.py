@@ -29,9 +29,10 @@ def diagnose(config: str | None) -> Findings:
     findings.items += imports.items
     if configured:
         run_transport_checks(findings, configured)
-    keyed = check_key(findings, cfg) if cfg else False
-    if cfg and configured and configured[0].cls.capabilities.peer:
-        check_peer_host(findings, cfg, configured[0].options, keyed)
+    peer = bool(configured) and configured[0].cls.capabilities.peer
+    channel = check_key(findings, cfg, peer=peer) if cfg else None
+    if configured and channel is not None and peer:
+        check_peer_host(findings, configured[0].options, channel)
     cuda = check_cuda(findings, vllm)
     memory = configured[0].cls.capabilities.memory if configured else frozenset({"cpu"})
     cpu_cache_gib = cfg.cpu_cache_gib if cfg else 0.0
