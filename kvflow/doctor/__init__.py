@@ -29,7 +29,7 @@ def diagnose(config: str | None) -> Findings:
     findings.items += imports.items
     if configured:
         run_transport_checks(findings, configured)
-    peer = bool(configured) and configured[0].cls.capabilities.peer
+    peer = configured[0].cls.capabilities.peer if configured else False
     channel = check_key(findings, cfg, peer=peer) if cfg else None
     if configured and channel is not None and peer:
         check_peer_host(findings, configured[0].options, channel)

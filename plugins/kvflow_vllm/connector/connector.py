@@ -137,8 +137,9 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
         self.bus = EventBus(Origin(self.engine_id, side.role, self.tp_rank))
         self.stats = StatsCollector()
         self.bus.subscribe(self.stats)
-        if self.config.event_log:
-            self.bus.subscribe(JsonlEventLog(self.config.event_log))
+        self.event_log = JsonlEventLog(self.config.event_log) if self.config.event_log else None
+        if self.event_log is not None:
+            self.bus.subscribe(self.event_log)
         if self.config.inspect:
             start_publisher(self.runtime, self.bus)
         pc = self._vllm_config.parallel_config
@@ -199,6 +200,8 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
         if self.worker_side is not None:
             self.worker_side.drain(end)
         self.runtime.shutdown()
+        if self.event_log is not None:
+            self.event_log.close()  # with what its rate limit held back
 
     # ---------------------------------------------------------------- stats
     def _rejected(self, reason: str, detail: str) -> None:
