@@ -125,7 +125,11 @@ class Store:
 class FsStore(Store):
     async def read(self, t: Transport, key: str) -> tuple[ChunkHeader, bytes]:
         assert isinstance(t, FsTransport)
-        raw = t.path(key).read_bytes()
+        return self.parse(t.path(key).read_bytes())
+
+    @staticmethod
+    def parse(raw: bytes) -> tuple[ChunkHeader, bytes]:
+        """A chunk file's header and payload."""
         (n,) = struct.unpack_from("<I", raw, 8)
         return ChunkHeader.decode(raw[12 : 12 + n]), raw[HEADER_SIZE:]
 
@@ -476,3 +480,35 @@ async def test_hidden_states_under_a_store_key_are_read_with_it_only(tmp_path: P
     keyless = HiddenStatesReader("fs", {"path": str(store)}, timeout_s=1)
     with keyless, pytest.raises(HiddenStatesError, match="checksum mismatch"):
         await trio.to_thread.run_sync(keyless.load, ref)
+
+
+# -- a real engine -------------------------------------------------------------------------
+
+
+@pytest.mark.engine
+@pytest.mark.slow  # an engine process of its own
+def test_a_real_engine_under_a_store_key_loads_what_it_saved(tmp_path: Path) -> None:
+    """vLLM (CPU) with `store_key_file`: a prompt computed and saved, then the same prompt
+    (vLLM's prefix cache off) loaded from the store, with identical tokens; the store's
+    names are the keyed ones, its checksums keyed."""
+    from .e2e import assert_same_generation, run_engine
+
+    key_file = tmp_path / "store.key"
+    keygen(str(key_file))
+    store_key = store_key_of(KVFlowConfig(store_key_file=str(key_file)))
+    prompt = [(i * 37) % 997 + 3 for i in range(200)]  # 6 full blocks of 32 and 8 tokens
+    cache = tmp_path / "cache"
+    extra = {"options": {"path": str(cache)}, "store_key_file": str(key_file)}
+    res = run_engine(tmp_path, "keyed", batches=[[prompt], [prompt]], extra_config=extra)
+    (cold,), (warm,) = res.batches
+    assert cold.cached_tokens == 0
+    assert warm.cached_tokens == len(prompt) - 1, "the warm request did not load"
+    assert_same_generation(warm, cold, "loaded under a store key")
+    (ns,) = [d for d in cache.iterdir() if d.is_dir()]
+    stored = {f.name.split(".")[0] for f in ns.rglob("*.kv")}
+    keyed = chunk_keys(ns.name, prompt, 32, store_key=store_key)
+    assert set(keyed) <= stored and not set(chunk_keys(ns.name, prompt, 32)) & stored
+    first = next(ns.rglob(f"{keyed[0]}.*.kv"))
+    h, payload = FsStore.parse(first.read_bytes())
+    n = h.layer_nbytes[0]
+    assert h.layer_hash[0] == layer_hash([memoryview(payload)[:n]], store_key, h.key, h.shard, 0)
