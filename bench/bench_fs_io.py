@@ -2,6 +2,7 @@
 same bytes, in the same run, alternating.
 
     python bench/bench_fs_io.py [--repeats 7] [--quick]
+    python bench/bench_fs_io.py --store-key [--repeats 5] [--quick]
 
 No engine: the transport is driven directly, as kvflow's worker drives it, over KV
 memory laid out as vLLM's CPU build lays it out (block-granular caches). Two
@@ -29,6 +30,15 @@ Saves go into an empty store (the files removed and the disk synced before, unti
 loads read what the side saved, from the page cache. Every load is checked byte for
 byte against the source blocks (untimed). Medians of `--repeats` after one warm-up
 round; ratios are of GB/s against plain. Writes bench/results/fs-io.json.
+
+`--store-key` measures what a store key (`store_key_file`) costs instead, on
+`bench-llama` alone (a run under 2 minutes on 2 cores): two sides, `unkeyed` and
+`keyed`, each `FsTransport` as configured by default (`threads: 2`,
+`verify: true`) with its own store, the keyed one with a `StoreKey` in its context
+(each layer hashed and checked with keyed BLAKE2b-64 instead of XXH3-64), the same save,
+layer load and file load in alternating order; ratios are of GB/s against unkeyed. It
+records the load average before and after (the machine may be shared). Writes
+bench/results/fs-store-key.json.
 """
 
 from __future__ import annotations
@@ -47,7 +57,7 @@ import numpy as np
 import record
 import trio
 
-from kvflow.keys import chunk_keys
+from kvflow.keys import StoreKey, chunk_keys
 from kvflow.layout import KVLayout
 from kvflow.testing.layouts import make_layout
 from kvflow.transport import LoadJob, SaveJob, TransportContext
@@ -114,8 +124,11 @@ def make_case(name: str, geo: Geometry) -> Case:
     return Case(name, geo, src, dst, chunk_keys("bench", tokens, geo.block_size), ids[:n], ids[n:])
 
 
-def _transport(root: Path, case: Case, threads: int = 1) -> FsTransport:
-    ctx = TransportContext("bench", "worker", "ns", "tp0of1pp0", ["tp0of1pp0"], case.src)
+def _transport(
+    root: Path, case: Case, threads: int = 1, store_key: StoreKey | None = None
+) -> FsTransport:
+    shard = "tp0of1pp0"
+    ctx = TransportContext("bench", "worker", "ns", shard, [shard], case.src, store_key=store_key)
     return FsTransport(FsOptions(path=str(root), max_gb=0, threads=threads), ctx)
 
 
@@ -212,13 +225,98 @@ def bench_case(case: Case, repeats: int, tmp: Path) -> dict[str, float]:
     return {k: case.nbytes / statistics.median(v) / 1e9 for k, v in times.items()}
 
 
+KEYED_SIDES = ("unkeyed", "keyed")
+KEYED_GEOMETRIES = ("bench-llama",)
+KEYED_OPS = ("save", "layer load", "file load")
+
+
+def bench_keyed(case: Case, repeats: int, tmp: Path) -> dict[str, float]:
+    """Medians of each side's save and loads, in GB/s: unkeyed and keyed, alternating."""
+    roots = {side: tmp / f"{case.name}-{side}" for side in KEYED_SIDES}
+    key = StoreKey(os.urandom(32))
+    times: dict[str, list[float]] = {}
+
+    async def run() -> None:
+        ts = {
+            side: _transport(roots[side], case, 2, key if side == "keyed" else None)
+            for side in KEYED_SIDES
+        }
+        for t in ts.values():
+            await t.open()
+        for r in range(repeats + 1):  # round 0 warms up and is not counted
+            order = KEYED_SIDES if r % 2 == 0 else KEYED_SIDES[::-1]
+            for side in order:
+                shutil.rmtree(roots[side] / "ns")
+                (roots[side] / "ns").mkdir()
+                os.sync()
+                t0 = time.perf_counter()
+                await kvflow_save(ts[side], case)
+                if r:
+                    times.setdefault(f"{side} save", []).append(time.perf_counter() - t0)
+            for side in order:
+                for op in KEYED_OPS[1:]:
+                    clear(case)
+                    t0 = time.perf_counter()
+                    await kvflow_load(ts[side], case, layerwise=op == "layer load")
+                    if r:
+                        times.setdefault(f"{side} {op}", []).append(time.perf_counter() - t0)
+                    check_loaded(case)
+
+    trio.run(run)
+    return {k: case.nbytes / statistics.median(v) / 1e9 for k, v in times.items()}
+
+
+def main_store_key(args: argparse.Namespace, meta: dict[str, object]) -> int:
+    repeats = 3 if args.quick else args.repeats
+    tmp = Path(tempfile.mkdtemp(prefix="kvflow-fskey-", dir=args.dir or None))
+    load_before = os.getloadavg()
+    cases: dict[str, object] = {}
+    try:
+        for name in KEYED_GEOMETRIES:
+            case = make_case(name, GEOMETRIES[name])
+            gbs = bench_keyed(case, repeats, tmp)
+            ratio = {op: gbs[f"keyed {op}"] / gbs[f"unkeyed {op}"] for op in KEYED_OPS}
+            cases[name] = {
+                "mib": case.nbytes / 2**20,
+                "files": len(case.keys),
+                "gbs": gbs,
+                "ratio": ratio,
+            }
+            print(f"{name}: {case.nbytes / 2**20:.0f} MiB in {len(case.keys)} files, GB/s:")
+            for op in KEYED_OPS:
+                print(
+                    f"  {op:<11} unkeyed {gbs[f'unkeyed {op}']:.2f}   "
+                    f"keyed {gbs[f'keyed {op}']:.2f} ({ratio[op]:.2f}x)",
+                    flush=True,
+                )
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    out = Path(__file__).parent / "results" / "fs-store-key.json"
+    data = {
+        "repeats": repeats,
+        "dir": args.dir or tempfile.gettempdir(),
+        "threads": 2,
+        "loadavg_before": [round(x, 2) for x in load_before],
+        "loadavg_after": [round(x, 2) for x in os.getloadavg()],
+        "cases": cases,
+    }
+    record.save(out, data, meta)
+    print(f"wrote {out}")
+    return 0
+
+
 def main() -> int:
     meta = record.start()
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="3 repeats")
     ap.add_argument("--dir", default="", help="where the stores go (default: the temp dir)")
+    ap.add_argument(
+        "--store-key", action="store_true", help="keyed against unkeyed checksums instead"
+    )
     args = ap.parse_args()
+    if args.store_key:
+        return main_store_key(args, meta)
     repeats = 3 if args.quick else args.repeats
     tmp = Path(tempfile.mkdtemp(prefix="kvflow-fsio-", dir=args.dir or None))
     cases: dict[str, object] = {}

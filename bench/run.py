@@ -64,6 +64,7 @@ def _trace_args() -> list[str]:
 # name: (script and its arguments, whether --quick applies, what it needs)
 BENCHES: dict[str, tuple[list[str], bool, Callable[[], str]]] = {
     "fs-io": (["bench_fs_io.py"], True, lambda: ""),
+    "fs-store-key": (["bench_fs_io.py", "--store-key"], True, lambda: ""),
     "hooks": (["bench_hooks.py"], False, lambda: ""),
     "reshape": (["bench_reshape.py"], True, lambda: ""),
     "convert": (["bench_convert.py"], True, lambda: ""),
@@ -142,6 +143,24 @@ def fs_io_table(d: dict[str, Any]) -> list[str]:
             rows.append(cells)
     head = ["KV", "operation", "plain GB/s", "kvflow GB/s (x plain)", "kvflow 1 thread"]
     return _table(head, rows)
+
+
+def fs_store_key_table(d: dict[str, Any]) -> list[str]:
+    rows = []
+    for name, case in d["cases"].items():
+        g = case["gbs"]
+        for op in ("save", "layer load", "file load"):
+            kv = f"{name}, {case['mib']:.0f} MiB, {case['files']} files"
+            unkeyed, keyed = g[f"unkeyed {op}"], g[f"keyed {op}"]
+            rows.append([kv, op, f"{unkeyed:.2f}", f"{keyed:.2f}", f"{keyed / unkeyed:.2f}x"])
+    head = ["KV", "operation", "unkeyed GB/s", "keyed GB/s", "keyed / unkeyed"]
+    before, after = d["loadavg_before"], d["loadavg_after"]
+    note = (
+        f"medians of {d['repeats']} after a warm-up, `threads: {d['threads']}`; load average "
+        f"(1, 5, 15 min) {', '.join(map(str, before))} before the run and "
+        f"{', '.join(map(str, after))} after: the machine's cores were shared"
+    )
+    return [*_table(head, rows), "", f"_{note}_"]
 
 
 def reshape_table(d: dict[str, Any]) -> list[str]:
@@ -543,6 +562,7 @@ def tests_table(d: dict[str, Any]) -> list[str]:
 # table name in docs: (its results, renderer, section of the file it shows)
 TABLES: dict[str, tuple[str, Callable[[dict[str, Any]], list[str]], str]] = {
     "fs-io": ("fs-io", fs_io_table, ""),
+    "fs-store-key": ("fs-store-key", fs_store_key_table, ""),
     "hooks": ("hooks", hooks_table, ""),
     "reshape": ("reshape", reshape_table, ""),
     "convert": ("convert", convert_table, ""),
