@@ -10,7 +10,8 @@ or threads.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import msgspec
@@ -19,11 +20,24 @@ import zmq
 
 from .runtime import Backoff
 
-__all__ = ["BadFrame", "TrioSocket", "bind_loopback", "decode_frame"]
+__all__ = ["BadFrame", "TrioSocket", "bind_loopback", "decode_frame", "shown"]
 
 T = TypeVar("T")
 BUSY_PEER_MIN_S = 1e-4
 BUSY_PEER_MAX_S = 5e-3
+ANSWER_BATCH = 64
+"""`TrioSocket.answer_all` answers at most this many requests between checkpoints."""
+
+
+def shown(text: str, limit: int = 200) -> str:
+    """A peer's text as kvflow logs or raises it: its first `limit` characters, each one
+    that is not printable (newlines, escapes, other control and separator characters)
+    written as its Python escape, so a line of the log stays one line and says what the
+    peer sent."""
+    cut = text[:limit]
+    if cut.isprintable():
+        return cut
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in cut)
 
 
 class BadFrame(ValueError):
@@ -37,7 +51,7 @@ def decode_frame(decoder: msgspec.msgpack.Decoder[T], data: bytes | memoryview, 
     try:
         return decoder.decode(data)
     except (msgspec.DecodeError, ValueError, RecursionError) as exc:  # bad UTF-8 is ValueError
-        raise BadFrame(f"undecodable control frame: {str(exc)[:200]}") from None
+        raise BadFrame(f"undecodable control frame: {shown(str(exc))}") from None
 
 
 class TrioSocket:
@@ -46,7 +60,8 @@ class TrioSocket:
     def __init__(self, sock: zmq.Socket[Any]) -> None:
         self.sock = sock
 
-    async def _ready(self, flag: int) -> None:
+    async def wait(self, flag: int) -> None:
+        """Until the socket can receive (`zmq.POLLIN`) or send (`zmq.POLLOUT`)."""
         while not (int(self.sock.getsockopt(zmq.EVENTS)) & flag):
             await trio.lowlevel.wait_readable(self.sock.FD)
 
@@ -64,7 +79,7 @@ class TrioSocket:
                     # whose pipe is full): no FD edge will say when; back off.
                     await backoff.wait()
                 else:
-                    await self._ready(zmq.POLLOUT)
+                    await self.wait(zmq.POLLOUT)
 
     async def recv_multipart(self, *, copy: bool = True) -> list[Any]:
         await trio.lowlevel.checkpoint_if_cancelled()
@@ -72,7 +87,33 @@ class TrioSocket:
             try:
                 return self.sock.recv_multipart(zmq.NOBLOCK, copy=copy)
             except zmq.Again:
-                await self._ready(zmq.POLLIN)
+                await self.wait(zmq.POLLIN)
+
+    async def answer_all(
+        self, answer: Callable[[list[bytes]], list[bytes]], batch: int = ANSWER_BATCH
+    ) -> None:
+        """Answer every request on this REP socket with `answer(frames)` until cancelled.
+        A request and its answer are one step (a cancel between them would leave the
+        socket waiting to send, and refusing every later receive); a burst is answered
+        `batch` at a time, a checkpoint between batches (a flood of requests never holds
+        the loop). A socket found waiting to send (EFSM) sends an empty answer first."""
+        sock = self.sock
+        while True:
+            await self.wait(zmq.POLLIN)
+            for _ in range(batch):
+                try:
+                    frames = sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                except zmq.ZMQError as exc:
+                    if exc.errno != zmq.EFSM:
+                        raise
+                    reply = [b""]  # to a request received, never answered
+                else:
+                    reply = answer(frames)
+                with contextlib.suppress(zmq.Again):  # the asker's pipe is full: dropped
+                    sock.send_multipart(reply, zmq.NOBLOCK)  # (next receive: EFSM, above)
+            await trio.lowlevel.checkpoint()
 
     def close(self, linger_ms: int = 0) -> None:
         self.sock.close(linger=linger_ms)

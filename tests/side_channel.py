@@ -31,7 +31,7 @@ from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import parse_monitor_message
 
 from kvflow.layout import KVLayout
-from kvflow.pd.offers import Renew
+from kvflow.pd.offers import Renew, answer_bind
 from kvflow.pd.peer_transport import PeerTransport
 from kvflow.pd.security import Channel
 from kvflow.testing.layouts import fill_blocks, make_layout
@@ -91,6 +91,12 @@ class Seen:
     async def reach(self, reason: str, n: int) -> None:
         while self.count(reason) < n:
             await self._more.wait()
+
+    async def total(self, n: int) -> list[tuple[str, str]]:
+        """The log once it holds `n` refusals, whatever their reasons."""
+        while len(self.log) < n:
+            await self._more.wait()
+        return self.log
 
 
 def worker_context(
@@ -164,8 +170,16 @@ AUTHENTICATORS: dict[int, list[Any]] = {}
 """The ZAP handlers hostile producers started, by context: stopped before it ends."""
 
 
+class AnyPlain(ThreadAuthenticator):
+    """A hostile producer's ZAP handler: any PLAIN user and password pass (a producer
+    needs nothing to accept a consumer's one-time credential)."""
+
+    def _authenticate_plain(self, domain: str, username: str, password: str) -> tuple[bool, bytes]:
+        return True, b"OK"
+
+
 def dealer(
-    zctx: zmq.Context[Any], address: str, *, channel: Channel | None = None, **opts: int
+    zctx: zmq.Context[Any], address: str, *, channel: Channel | None = None, **opts: Any
 ) -> tuple[TrioSocket, TrioSocket]:
     """An attacker's DEALER connected to `address` (the handshake credentials of
     `channel` if given: its PLAIN password, or its CURVE keys) and a monitor of its
@@ -184,15 +198,16 @@ def dealer(
 def hostile_router(
     zctx: zmq.Context[Any], channel: Channel | None = None
 ) -> tuple[TrioSocket, str]:
-    """A hostile producer's ROUTER on loopback and its address; with a keyed `channel`, it
-    passes a keyed consumer's handshake (it learned the PLAIN password, as anyone a
-    consumer connects to does) without the key itself."""
+    """A hostile producer's ROUTER on loopback and its address; with a keyed `kv-in-clear`
+    `channel`, it passes a keyed consumer's handshake without the key (a PLAIN server
+    takes any credential; the consumer cannot tell). An `encrypted` channel's handshake
+    needs the server's secret: this one is given it (a test's shortcut, no attack)."""
     sock = zctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     if channel is not None and channel.keyed:  # a ZAP handler that lets the consumer in
-        auth = ThreadAuthenticator(zctx)
+        auth = AnyPlain(zctx)
         auth.start()
-        auth.configure_plain("kvflow", {"kvflow": channel._password().decode()})
+        auth.configure_plain("kvflow", {"any": "any"})
         auth.configure_curve("kvflow", zmq.auth.CURVE_ALLOW_ANY)
         AUTHENTICATORS.setdefault(id(zctx), []).append(auth)
         channel.secure(sock, server=True)
@@ -303,18 +318,26 @@ def invalid_utf8(frame: bytes, text: str) -> bytes:
     return frame.replace(enc, enc[:-1] + b"\x88")
 
 
-def renew_frame(reqs: list[str], lease_ms: int) -> bytes:
-    return msgspec.msgpack.encode(Renew(reqs, lease_ms))
+def renew_frame(reqs: list[str], lease_ms: int, **kw: Any) -> bytes:
+    return msgspec.msgpack.encode(Renew(reqs, lease_ms, **kw))
+
+
+def renewed(channel: Channel, frame: Any, nonce: bytes = b"") -> Renewed:
+    """A producer's answer to the renewal carrying `nonce`, checked and decoded."""
+    payload = channel.open(frame, "consumer", answer_bind(nonce, 0))
+    return msgspec.msgpack.decode(payload, type=Renewed)
 
 
 async def probe_in_order(p: Peers, attacker: TrioSocket) -> None:
     """Renew an unknown offer from `attacker`: its answer must be the first message the
     socket gets (a ROUTER answers one connection in order), so nothing before it was
     answered."""
-    probe = f"probe-{secrets.token_hex(4)}"
-    await attacker.send_multipart([p.channel.seal(renew_frame([probe], 1000))])
+    probe, nonce = f"probe-{secrets.token_hex(4)}", secrets.token_bytes(16)
+    await attacker.send_multipart(
+        [p.channel.seal(renew_frame([probe], 1000, nonce=nonce), "producer")]
+    )
     frames = await attacker.recv_multipart()
-    answer = msgspec.msgpack.decode(p.channel.open(frames[0]), type=Renewed)
+    answer = renewed(p.channel, frames[0], nonce)
     assert answer == Renewed({}, [probe]), f"an answer to an earlier frame: {answer}"
 
 
@@ -350,7 +373,7 @@ async def against(
         while True:  # skip what earlier loads sent (their Failed)
             ident, *rest = await router.recv_multipart()
             try:
-                msg = decode(channel.open(rest[0]))
+                msg = decode(channel.open(rest[0], "producer"))
             except BadFrame:
                 continue
             if isinstance(msg, zwire.Pull | nwire.Pull) and msg.req == offer:

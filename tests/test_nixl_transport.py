@@ -538,9 +538,9 @@ async def test_a_consumer_that_dies_mid_pull_frees_the_blocks_within_its_heartbe
                 await trio.testing.wait_all_tasks_blocked()
                 sock = producer.connect(producer.address, wire.MAX_TO_CONSUMER_BYTES)
                 pull = wire.Pull("p-req", "a-consumer", "", 0, [1, 2, 3], beat_ms=300)
-                await sock.send_multipart([producer.seal(wire.encode(pull))])
+                await sock.send_multipart([producer.seal_request(wire.encode(pull))])
                 (frame,) = await sock.recv_multipart()
-                blocks = wire.decode_to_consumer(producer.unseal(frame))
+                blocks = producer.answer_to(frame, wire.decode_to_consumer, "p-req")
                 assert isinstance(blocks, wire.Blocks), blocks
                 sock.close()  # and it dies: nothing more comes
                 await ended.wait()  # at the producer's hold of 0.3 s (else: 600 s)

@@ -1,6 +1,7 @@
 """P/D lease: a consumer claims a request's blocks as it arrives and renews the claim
 while it waits; a producer holds claimed blocks past its hold timeout, frees them when
-the claim lapses, and a consumer learns at once that a producer is gone.
+the claim lapses or its claimant (and no other consumer) releases them, and a consumer
+learns at once that a producer is gone.
 
 The producer's deadlines run on trio's MockClock (time moves only when the test says);
 the claims cross real ZMQ sockets between a consumer scheduler and a producer worker.
@@ -8,6 +9,7 @@ the claims cross real ZMQ sockets between a consumer scheduler and a producer wo
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 from collections.abc import Callable, Sequence
@@ -27,7 +29,7 @@ from kvflow.events import (
 )
 from kvflow.metadata import LoadSpec, OfferSpec, WorkerPlan
 from kvflow.pd.params import PD_VERSION, UNSET_SHAPE, PdParams
-from kvflow.pd.security import prompt_digest
+from kvflow.pd.security import Channel, prompt_digest
 from kvflow.runtime import GIVE_UP_AFTER, KVFlowFatal, Runtime
 from kvflow.scheduler import ScheduledRequest, SchedulerEngine
 from kvflow.stats import StatsCollector
@@ -46,6 +48,7 @@ from .engine_harness import (
     run_step,
     transport_context,
 )
+from .side_channel import HANG_GUARD_S, hold, honest_pull, peers, worker
 
 
 def _zmq(_options: object, ctx: object) -> ZmqTransport:
@@ -237,8 +240,8 @@ def _watch_answers(e: Engine, req: str = "p-req") -> threading.Event:
     assert isinstance(peer, ZmqTransport)
     answered, renew = threading.Event(), peer.held.renew
 
-    def watched(reqs: Sequence[str], lease_s: float) -> Renewed:  # the real answer, seen
-        answer = renew(reqs, lease_s)
+    def watched(reqs: Sequence[str], lease_s: float, consumer: str = "") -> Renewed:
+        answer = renew(reqs, lease_s, consumer)  # the real answer, seen
         if _oid(req) in answer.pending or _oid(req) in answer.refused:
             answered.set()
         return answer
@@ -496,3 +499,30 @@ def test_a_pull_that_failed_releases_the_producers_blocks_too(
     _planned_load(sched, "d")  # sent to the workers, whose pull never reached the producer
     sched.loads_failed(["d"])
     _released(producer)
+
+
+async def test_only_the_consumer_that_claimed_an_offer_may_release_it() -> None:
+    """Issue 46 (Low): `release_unpulled` ended any offer a renewal named, whoever sent
+    it. The first consumer to renew an offer claims it: another consumer with the key
+    that releases it (or renews it) is refused, the offer stays held for its claimant,
+    who pulls identical bytes; a claimant's own release still hands the blocks back."""
+    channel = Channel(os.urandom(32), "kv-in-clear")
+    async with peers("zmq", channel) as p, worker("zmq", channel) as (other, _):
+        with trio.fail_after(HANG_GUARD_S):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(p.producer.serve)
+                address = p.producer.address
+                held = await hold(p, nursery)
+                assert await p.consumer.renew(address, [held.offer], 60.0) == Renewed({}, [])
+                answer = await other.renew(address, [held.offer], 60.0, release=[held.offer])
+                assert held.offer in p.producer.held, "another consumer released the offer"
+                assert answer == Renewed({held.offer: "claimed by another consumer"}), answer
+                assert await p.consumer.renew(address, [held.offer], 60.0) == Renewed({}, [])
+                await honest_pull(p, held)
+
+                mine = await hold(p, nursery)  # a claimant's release still counts
+                assert await p.consumer.renew(address, [mine.offer], 60.0) == Renewed({}, [])
+                await p.consumer.renew(address, [], 60.0, release=[mine.offer])
+                await mine.released.wait()
+                assert mine.outcome == ["released unpulled by its consumer"]
+                nursery.cancel_scope.cancel()

@@ -20,7 +20,7 @@ import trio.testing
 import zmq
 
 from kvflow.pd.offers import Renew
-from kvflow.pd.security import Channel
+from kvflow.pd.security import MAC_BYTES, Channel
 from kvflow.testing.layouts import fill_blocks, make_layout
 from kvflow.transport import Offer, Renewed, TransportError
 from kvflow.zmqio import BadFrame, TrioSocket
@@ -41,6 +41,7 @@ from .side_channel import (
     layer0,
     peers,
     renew_frame,
+    renewed,
     spans,
 )
 
@@ -183,7 +184,7 @@ async def test_fuzzing_a_keyed_producer(zctx: zmq.Context[Any]) -> None:
     rng = random.Random(FUZZ_SEED)
     key = os.urandom(32)
     other = Channel(os.urandom(32))
-    async with peers("zmq", Channel(key)) as p:
+    async with peers("zmq", Channel(key, "kv-in-clear")) as p:
         decoy = f"{rng.getrandbits(128):032x}"  # the offer the fuzzer knows (and may pull)
         ours = list(p.prod.geometries)
         templates = [
@@ -208,23 +209,26 @@ async def test_fuzzing_a_keyed_producer(zctx: zmq.Context[Any]) -> None:
                 )
                 nursery.start_soon(p.producer.offer, decoy_offer)
                 await trio.testing.wait_all_tasks_blocked()
-                # it has the handshake credentials (an on-path attacker), not the key
+                # frames injected into a connection that passed the handshake (an on-path
+                # attacker's, in kv-in-clear; the test makes one with the key)
                 attacker, _ = dealer(zctx, p.producer.address, channel=p.channel)
                 for i in range(FUZZ_TO_PRODUCER):
                     frames = _frames(rng, _fuzz_payload(rng, templates))
                     seal = rng.random()
                     if seal < 0.9:
-                        frames[0] = p.channel.seal(frames[0])
+                        frames[0] = p.channel.seal(frames[0], "producer")
                     elif seal < 0.95:
-                        frames[0] = other.seal(frames[0])
+                        frames[0] = other.seal(frames[0], "producer")
                     await attacker.send_multipart(frames)
                     if i % 100 == 99:  # read what it answered, as a consumer does
                         _drain(attacker, answers)
-                await attacker.send_multipart([p.channel.seal(renew_frame([sentinel], 1000))])
+                nonce = rng.randbytes(16)
+                sentinel_frame = renew_frame([sentinel], 1000, nonce=nonce)
+                await attacker.send_multipart([p.channel.seal(sentinel_frame, "producer")])
                 while True:  # every frame before it was handled once its answer is here
                     answers.append(await attacker.recv_multipart())
                     try:
-                        last = msgspec.msgpack.decode(p.channel.open(answers[-1][0]), type=Renewed)
+                        last = renewed(p.channel, answers[-1][0], nonce)
                     except (BadFrame, msgspec.DecodeError):
                         continue
                     if last.pending == [sentinel]:
@@ -240,8 +244,8 @@ async def test_fuzzing_a_keyed_producer(zctx: zmq.Context[Any]) -> None:
     assert all(0 < lease < (1 << 40) / 1000 for lease in leases), leases
     answer_type = zwire.Layer | zwire.Refused | zwire.Ipc | Renewed
     decoder = msgspec.msgpack.Decoder(answer_type)
-    for frames in answers:  # the producer says only what a consumer can read
-        decoder.decode(p.channel.open(frames[0]))
+    for frames in answers:  # the producer says only what a consumer can read (each
+        decoder.decode(frames[0][MAC_BYTES:])  # sealed for the request it answers)
 
 
 async def test_fuzzing_a_consumer(zctx: zmq.Context[Any]) -> None:

@@ -112,14 +112,15 @@ async def test_a_hostile_zmq_producer_gets_nothing_into_a_consumer(
         assert "y" * MAX_REASON in str(got) and "y" * (MAX_REASON + 1) not in str(got)
 
     # A keyed consumer believes no frame without the deployment's MAC.
-    router, address = hostile_router(zctx, Channel(key))
-    async with worker("zmq", Channel(key)) as (consumer, cons):
-        for seal in (lambda f: f, Channel(os.urandom(32)).seal):
+    keyed = Channel(key, "kv-in-clear")
+    router, address = hostile_router(zctx, keyed)
+    async with worker("zmq", keyed) as (consumer, cons):
+        for seal in (lambda f: f, lambda f: Channel(os.urandom(32)).seal(f, "consumer")):
 
             def answer(o: str, seal: Callable[[bytes], bytes] = seal) -> list[list[bytes]]:
                 return one(seal(layer_frame(o, sizes)), *data)
 
-            got = await against(consumer, cons, router, address, answer, channel=Channel(key))
+            got = await against(consumer, cons, router, address, answer, channel=keyed)
             assert isinstance(got, ChunkCorrupt) and "MAC" in str(got), got
             assert untouched(cons)
 
@@ -300,11 +301,10 @@ async def test_a_hostile_nixl_producer_gets_nothing_into_a_consumer(
         assert isinstance(got, ChunkMissing)
         assert "y" * MAX_REASON in str(got) and "y" * (MAX_REASON + 1) not in str(got)
 
-    router, address = hostile_router(zctx, Channel(key))
-    async with worker("nixl", Channel(key)) as (consumer, cons):
-        got = await against(
-            consumer, cons, router, address, blocks(), kind="nixl", channel=Channel(key)
-        )
+    keyed = Channel(key, "kv-in-clear")
+    router, address = hostile_router(zctx, keyed)
+    async with worker("nixl", keyed) as (consumer, cons):
+        got = await against(consumer, cons, router, address, blocks(), kind="nixl", channel=keyed)
         assert isinstance(got, ChunkCorrupt) and "MAC" in str(got), got
         assert untouched(cons) and not consumer.remotes.by_address
 

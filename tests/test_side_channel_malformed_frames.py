@@ -7,6 +7,7 @@ honest pull then gets identical bytes (tests/side_channel.py).
 
 from __future__ import annotations
 
+import logging
 import random
 import secrets
 from typing import Any
@@ -22,22 +23,28 @@ from kvflow.pd.offers import MAX_RENEW_REQS
 from kvflow.pd.peer_transport import FRAME_SLACK
 from kvflow.runtime import Backoff
 from kvflow.testing.layouts import make_layout
-from kvflow.transport import ChunkMissing, Renewed
+from kvflow.transport import ChunkMissing, Renewed, TransportError
 from kvflow_nixl import _wire as nwire
 from kvflow_zmq import _wire as zwire
 
 from .side_channel import (
     BS,
+    COUNTS,
     HANG_GUARD_S,
     HAS_NIXL,
     KINDS,
+    OFFERED,
+    Answer,
+    against,
     dealer,
     hold,
     honest_pull,
+    hostile_router,
     invalid_utf8,
     load_job,
     minimal_geometry,
     new_offer_id,
+    one,
     peers,
     probe_in_order,
     pull_frame,
@@ -321,3 +328,59 @@ async def test_a_nixl_notification_of_invalid_utf8_does_not_end_serve(
                 await p.seen.reach("frame", 1)
                 await honest_pull(p, await hold(p, nursery))
                 nursery.cancel_scope.cancel()
+
+
+# -- issue 46 (Low): a peer's words in the log ----------------------------------------
+
+FORGED = "\nkvflow: a FORGED line\r\x1b[2K\u2028"
+"""What a peer puts in its text to forge log lines: a newline, a carriage return, a
+terminal escape, a Unicode line separator."""
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_a_peers_words_reach_the_log_on_one_line(
+    kind: str, zctx: zmq.Context[Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 46 (Low): a keyless peer's text reached kvflow's log and errors as it sent
+    it: a frame's type tag (in the decoder's error), a NIXL agent's name (the engine id
+    of the consumer is in it) and, from a hostile producer, a refusal's reason or its
+    agent's name. A newline in one forged a line of the log. Each is now written with
+    its control characters escaped: every line that quotes it stays one line."""
+    caplog.set_level(logging.INFO, logger="kvflow")
+    texts: list[str] = []
+    async with peers(kind) as p:
+        with trio.fail_after(HANG_GUARD_S):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(p.producer.serve)
+                held = await hold(p, nursery)
+                attacker, _ = dealer(zctx, p.producer.address)
+                tag = msgspec.msgpack.encode({"type": "Pull" + FORGED, "req": held.offer})
+                await attacker.send_multipart([tag])
+                await p.seen.reach("frame", 1)
+                texts += [detail for _, detail in p.seen.log]
+                if kind == "nixl":  # its hold lapses at once (beat_ms=1): logged, named
+                    lapsing = await hold(p, nursery)
+                    agent = f"kvflow-engine{FORGED}-tp0-1234"
+                    pull = nwire.Pull(lapsing.offer, agent, lease_ms=1, beat_ms=1)
+                    await attacker.send_multipart([nwire.encode(pull)])
+                    await lapsing.released.wait()
+                    texts += lapsing.outcome
+                await honest_pull(p, held)
+                nursery.cancel_scope.cancel()
+
+    router, address = hostile_router(zctx)
+    answer: Answer
+    if kind == "zmq":
+        answer = lambda o: one(zwire.encode(zwire.Refused(o, "gone" + FORGED)))  # noqa: E731
+    else:
+        blocks = nwire.Blocks("", "evil" + FORGED, b"", OFFERED, COUNTS)
+        answer = lambda o: one(nwire.encode(msgspec.structs.replace(blocks, req=o)))  # noqa: E731
+    async with worker(kind) as (consumer, cons):
+        got = await against(consumer, cons, router, address, answer, kind=kind)
+    assert isinstance(got, TransportError), got
+    texts += [str(got)] + [r.getMessage() for r in caplog.records]
+    quoting = [t for t in texts if "FORGED" in t]
+    assert len(quoting) >= (5 if kind == "nixl" else 3), quoting
+    for text in quoting:
+        assert text.isprintable(), f"a peer's words broke a line: {text!r}"
+        assert "\\n" in text, text  # escaped, still said

@@ -1,9 +1,10 @@
 """Issue 27's attacks on a keyed producer's side channel by peers without the deployment
-key: a plain peer, a consumer of another key, an on-path peer with the handshake
-credentials but not the key (frames without the key's MAC, a replayed sealed pull),
-plain-text and wrong-key CURVE peers in encrypted mode. None gets an answer, bytes, or
-ends the hold; each is counted, and a consumer with the key pulls identical bytes
-(tests/side_channel.py).
+key: a plain peer, a consumer of another key, frames without the key's MAC on an
+authenticated connection (an on-path attacker injecting into one) and a replayed
+sealed pull, plain-text and wrong-key CURVE peers in encrypted mode. None gets an
+answer, bytes, or ends the hold; each is counted, and a consumer with the key pulls
+identical bytes (tests/side_channel.py). Replayed handshakes and frames sent back or
+across pulls: tests/test_side_channel_replays.py.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import pytest
 import trio
 import zmq
 
+from kvflow.pd.offers import answer_bind
 from kvflow.pd.security import MAC_BYTES, Channel
 from kvflow_nixl import _wire as nwire
 from kvflow_zmq import _wire as zwire
@@ -40,24 +42,26 @@ from .side_channel import (
 
 @pytest.mark.parametrize("kind", KINDS)
 async def test_a_keyed_producer_answers_only_key_holders(kind: str, zctx: zmq.Context[Any]) -> None:
-    """With a deployment key, two locks. A connection without the key's handshake
+    """With a deployment key (`kv-in-clear`, whose connections an on-path attacker can
+    inject frames into), two locks. A connection without the key's handshake
     credentials (a plain peer, a consumer of another key) fails its handshake: none of
-    its frames reaches kvflow, and it is counted "unauthenticated". A peer that has the
-    handshake credentials (PLAIN sends them in the clear: an on-path attacker) but not
-    the key gets no answer to a frame without its MAC (none, another key's, one byte
-    flipped, truncated), each counted; a sealed pull it replays after the honest pull is
-    refused, never answered with KV. Nobody without the key gets bytes or ends the hold."""
+    its frames reaches kvflow, and it is counted "unauthenticated". Frames on a
+    connection that passed the handshake get no answer without their MAC (none,
+    another key's, one byte flipped, truncated), each counted; a sealed pull replayed
+    after the honest pull is refused, never answered with KV. Nobody without the key
+    gets bytes or ends the hold."""
     key, other = os.urandom(32), os.urandom(32)
     async with (
-        peers(kind, Channel(key)) as p,
-        worker(kind, Channel(other)) as (stranger, stranger_layout),
+        peers(kind, Channel(key, "kv-in-clear")) as p,
+        worker(kind, Channel(other, "kv-in-clear")) as (stranger, stranger_layout),
     ):
         with trio.fail_after(HANG_GUARD_S):
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(p.producer.serve)
                 held = await hold(p, nursery)
-                pull = pull_frame(kind, held.offer)
-                sealed = p.channel.seal(pull)
+                nonce = os.urandom(16)
+                pull = pull_frame(kind, held.offer, nonce=nonce)
+                sealed = p.channel.seal(pull, "producer")
 
                 plain, _ = dealer(zctx, p.producer.address)  # no credentials at all
                 await plain.send_multipart([sealed])
@@ -68,7 +72,7 @@ async def test_a_keyed_producer_answers_only_key_holders(kind: str, zctx: zmq.Co
                 flip_mac[0] ^= 0x80
                 forged = [
                     pull,
-                    Channel(other).seal(pull),
+                    Channel(other).seal(pull, "producer"),
                     bytes(flip_payload),
                     bytes(flip_mac),
                     sealed[:MAC_BYTES],
@@ -76,7 +80,8 @@ async def test_a_keyed_producer_answers_only_key_holders(kind: str, zctx: zmq.Co
                     b"short",
                     b"",
                 ]
-                on_path, _ = dealer(zctx, p.producer.address, channel=Channel(key))
+                # a connection that passed the handshake (the test has the key for it)
+                on_path, _ = dealer(zctx, p.producer.address, channel=p.channel)
                 before = p.seen.count("unauthenticated")
                 for frame in forged:
                     await on_path.send_multipart([frame])
@@ -106,7 +111,7 @@ async def test_a_keyed_producer_answers_only_key_holders(kind: str, zctx: zmq.Co
                 await on_path.send_multipart([sealed])  # replayed, once pulled
                 frames = await on_path.recv_multipart()  # its first answer: the replay's
                 decode = zwire.decode_to_consumer if kind == "zmq" else nwire.decode_to_consumer
-                answer = decode(p.channel.open(frames[0]))
+                answer = decode(p.channel.open(frames[0], "consumer", answer_bind(nonce, 0)))
                 assert isinstance(answer, zwire.Refused | nwire.Refused), answer
                 assert answer.reason == "already pulled" and len(frames) == 1
                 nursery.cancel_scope.cancel()
@@ -132,7 +137,7 @@ async def test_an_encrypted_channel_lets_no_stranger_in(kind: str, zctx: zmq.Con
                 events = await until_event(plain_events, HANDSHAKE_FAILED)
                 wrong_key = Channel(os.urandom(32), "encrypted")
                 curve, curve_events = dealer(zctx, p.producer.address, channel=wrong_key)
-                await curve.send_multipart([wrong_key.seal(pull)])
+                await curve.send_multipart([wrong_key.seal(pull, "producer")])
                 events += await until_event(curve_events, HANDSHAKE_FAILED)
                 assert zmq.EVENT_HANDSHAKE_SUCCEEDED not in events
 

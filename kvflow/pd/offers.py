@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import math
+import secrets
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -38,19 +39,22 @@ import zmq
 from msgspec import Meta
 
 from ..transport import Offer, Renewed, TransportError
-from ..zmqio import BadFrame, TrioSocket, decode_frame
+from ..zmqio import BadFrame, TrioSocket, decode_frame, shown
 from .security import MAC_BYTES, Channel
 
 __all__ = [
     "MAX_READ_LEASE_S",
     "MAX_RENEW_REQS",
     "HeldOffers",
+    "Nonce",
     "NotHeld",
     "OfferId",
     "Renew",
     "Renewed",
+    "answer_bind",
     "answer_renew",
     "dealer",
+    "new_nonce",
     "read_lease",
     "read_lease_ms",
     "renew_at",
@@ -74,6 +78,25 @@ FRAME_SLACK = MAC_BYTES + 256
 
 OfferId = Annotated[str, Meta(max_length=128)]
 """How a peer names an offer on the wire (`PdParams.offer`)."""
+Nonce = Annotated[bytes, Meta(max_length=32)]
+"""A consumer's random bytes in a request that the producer answers (a pull, a
+heartbeat, a renewal): every answer's MAC covers them and its index (`answer_bind`)."""
+ConsumerId = Annotated[str, Meta(max_length=64)]
+"""A consumer's random name in its renewals: the first to renew an offer claims it."""
+
+CLAIMED_BY_ANOTHER = "claimed by another consumer"
+
+
+def new_nonce() -> bytes:
+    return secrets.token_bytes(16)
+
+
+def answer_bind(nonce: bytes, index: int) -> bytes:
+    """What a producer's `index`-th answer to the request carrying `nonce` is bound to
+    (`Channel.seal`): an answer of another pull or renewal, or out of order, fails its
+    MAC."""
+    return nonce + index.to_bytes(4, "big")
+
 
 MAX_ENDED = 16384
 """How many ended offers a producer remembers (why each ended) to answer a late claim;
@@ -92,7 +115,13 @@ class Renew(msgspec.Struct, tag=True, frozen=True):
     release: Annotated[list[OfferId], Meta(max_length=MAX_RENEW_REQS)] = []
     """Offers the consumer will never pull (its request ended or was refused before its
     pull, or its pull failed): the producer hands their blocks back at once, unless a
-    read of them is in flight (`HeldOffers.release_unpulled`)."""
+    read of them is in flight or another consumer claimed them
+    (`HeldOffers.release_unpulled`)."""
+    nonce: Nonce = b""
+    """The answer's MAC covers it (`answer_bind`)."""
+    consumer: ConsumerId = ""
+    """Who renews: the first consumer to renew an offer claims it; only it may renew or
+    release it from then on ("": an anonymous renewal, which claims nothing)."""
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -152,6 +181,8 @@ class _Held:
     producer rank from several of its ranks, each its own heads)."""
     done: set[object] = field(default_factory=set)
     """The claimers that answered done."""
+    renewer: str = ""
+    """The consumer that claimed it by renewing (`Renew.consumer`)."""
     readers: int = 0
     idle: trio.Event = field(default_factory=trio.Event)
 
@@ -189,14 +220,18 @@ class HeldOffers:
         held = self._open(req)
         return None if held is None else held.offer
 
-    def renew(self, reqs: Sequence[str], lease_s: float) -> Renewed:
-        """Answer a consumer's `Renew`: each held request's hold deadline becomes
-        `lease_s` from now (`Offer.renew`); those not offered (yet) are pending; the
-        others are refused with the reason."""
+    def renew(self, reqs: Sequence[str], lease_s: float, consumer: str = "") -> Renewed:
+        """Answer the `Renew` of `consumer`: each held request's hold deadline becomes
+        `lease_s` from now (`Offer.renew`), and the first consumer to renew it claims it;
+        those not offered (yet) are pending; the others (and those another consumer
+        claimed) are refused with the reason."""
         refused, pending = {}, []
         for req in reqs:
             held = self._open(req)
-            if held is not None:
+            if held is not None and consumer and held.renewer not in ("", consumer):
+                refused[req] = CLAIMED_BY_ANOTHER
+            elif held is not None:
+                held.renewer = held.renewer or consumer
                 held.offer.renew(lease_s)
             elif req in self._ended:
                 refused[req] = self._ended[req]
@@ -204,15 +239,18 @@ class HeldOffers:
                 pending.append(req)
         return Renewed(refused, pending)
 
-    def release_unpulled(self, reqs: Sequence[str]) -> int:
-        """A consumer will not pull `reqs` (its request ended, or its pull failed): end
+    def release_unpulled(self, reqs: Sequence[str], consumer: str = "") -> int:
+        """`consumer` will not pull `reqs` (its request ended, or its pull failed): end
         each held offer that no read is in flight from (one that is ends by its own
-        consumer's answer or lease). Returns how many it ended."""
+        consumer's answer or lease) and that no other consumer claimed by renewing it
+        (that one still may pull it; an offer nobody claimed yet anyone with the key may
+        end, as it could claim it first). Returns how many it ended."""
         ended = 0
         for req in reqs:
             held = self._open(req)
-            if held is not None and held.readers == 0:
-                ended += self.release(req, "released unpulled by its consumer")
+            if held is None or held.readers or held.renewer not in ("", consumer):
+                continue
+            ended += self.release(req, "released unpulled by its consumer")
         return ended
 
     def claim(self, req: str, peer: object, readers: int = 1) -> str:
@@ -265,7 +303,7 @@ class HeldOffers:
                 held.done.add(peer)
                 if len(held.done) < held.expected:
                     return False
-        held.outcome = outcome[:MAX_REASON]
+        held.outcome = shown(outcome, MAX_REASON)  # a peer's words: logged, one line
         held.released.set()
         self._end(req, "already pulled" if outcome == "done" else f"released: {held.outcome}")
         return True
@@ -337,12 +375,14 @@ async def renew_at(
     lease_s: float,
     channel: Channel | None = None,
     release: Sequence[str] = (),
+    consumer: str = "",
 ) -> Renewed:
     """The consumer's side of a renewal: ask the producer worker at `address` (its peer
     transport's endpoint, which must answer `Renew` with `Renewed`) to hold `reqs`
-    `lease_s` longer and to let go of `release` (offers this consumer will not pull), over
-    `channel` (the deployment's key; keyless if None; `dealer` checks `address`), in
-    rounds of at most `MAX_RENEW_REQS`. Returns its answer
+    `lease_s` longer for `consumer` (its claim) and to let go of `release` (offers this
+    consumer will not pull), over `channel` (the deployment's key; keyless if None;
+    `dealer` checks `address`), in rounds of at most `MAX_RENEW_REQS`, each answer bound
+    to its round (`answer_bind`). Returns its answer
     (refused and pending requests); raises `TransportError` on an answer that does not
     decode. Waits for the answer until
     cancelled (a producer that is gone never answers: the caller bounds the wait)."""
@@ -354,16 +394,18 @@ async def renew_at(
         lease_ms = max(1, int(lease_s * 1000))
         for i in range(0, max(len(reqs), len(release)), MAX_RENEW_REQS):
             part = slice(i, i + MAX_RENEW_REQS)
-            renew = Renew(list(reqs[part]), lease_ms, list(release[part]))
-            await trio_sock.send_multipart([channel.seal(_encoder.encode(renew))])
+            nonce = new_nonce()
+            renew = Renew(list(reqs[part]), lease_ms, list(release[part]), nonce, consumer)
+            await trio_sock.send_multipart([channel.seal(_encoder.encode(renew), "producer")])
             frames = await trio_sock.recv_multipart()
             try:
                 if len(frames) != 1:
                     raise BadFrame(f"a message of {len(frames)} frames")
-                answer = decode_frame(_renewed, channel.open(frames[0]), MAX_RENEW_BYTES)
+                payload = channel.open(frames[0], "consumer", answer_bind(nonce, 0))
+                answer = decode_frame(_renewed, payload, MAX_RENEW_BYTES)
             except BadFrame as exc:
                 raise TransportError(f"producer {address} answered a renewal with {exc}") from None
-            refused.update((r, why[:MAX_REASON]) for r, why in answer.refused.items())
+            refused.update((r, shown(why, MAX_REASON)) for r, why in answer.refused.items())
             pending += answer.pending
         return Renewed(refused, pending)
     finally:
@@ -374,12 +416,13 @@ async def answer_renew(
     held: HeldOffers, router: TrioSocket, ident: bytes, msg: Renew, channel: Channel | None = None
 ) -> None:
     """A producer's answer to the consumer `ident`'s `Renew` on its ROUTER side channel
-    (every peer transport's serving loop calls it), sealed for `channel`, never waiting: a
-    consumer gone meanwhile, or one that does not read its answers, is logged and its
-    answer dropped."""
-    held.release_unpulled(msg.release)
-    answer = held.renew(msg.reqs, msg.lease_ms / 1000)
-    frame = (channel or Channel()).seal(_encoder.encode(answer))
+    (every peer transport's serving loop calls it), sealed for `channel` and bound to the
+    renewal, never waiting: a consumer gone meanwhile, or one that does not read its
+    answers, is logged and its answer dropped."""
+    held.release_unpulled(msg.release, msg.consumer)
+    answer = held.renew(msg.reqs, msg.lease_ms / 1000, msg.consumer)
+    bind = answer_bind(msg.nonce, 0)
+    frame = (channel or Channel()).seal(_encoder.encode(answer), "consumer", bind)
     await trio.lowlevel.checkpoint()
     try:
         router.sock.send_multipart([ident, frame], zmq.NOBLOCK)

@@ -11,17 +11,22 @@ wire's frames, how the bytes move, how a pull ends) is the subclass's:
 
 Nothing a peer sends is believed. With the deployment's key (`TransportContext.channel`)
 every connection's handshake proves the key before libzmq takes in a message (a ZAP
-task of `serve` checks it; failures are counted), and every control frame, both ways,
-is sealed: a frame without its MAC is dropped unanswered. Every socket refuses frames
-over its bound (`ZMQ_MAXMSGSIZE`); the serving loop handles each message on its own and
-never waits on a consumer: a frame of any shape, count or content is refused and
-counted (`TransportContext.rejected`), never the end of `serve`.
+task of `serve` checks it, a one-time credential in `kv-in-clear`; failures are
+counted), and every control frame, both ways, is sealed toward its side: a frame
+without its MAC is dropped unanswered, and each answer is bound to the request it
+answers and its place among that request's answers (`kvflow.pd.offers.answer_bind`).
+Every socket refuses frames over its bound (`ZMQ_MAXMSGSIZE`) and a handshake not done
+within `HANDSHAKE_IVL_MS`; the serving loop handles each message on its own and never
+waits on a consumer: a frame of any shape, count or content is refused and counted
+(`TransportContext.rejected`), never the end of `serve`. A peer's words are logged
+escaped and cut (`kvflow.zmqio.shown`).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import secrets
 from abc import abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
@@ -45,19 +50,20 @@ from ..transport import (
     TransportContext,
     TransportError,
 )
-from ..zmqio import BadFrame, TrioSocket, bind_loopback
+from ..zmqio import BadFrame, TrioSocket, bind_loopback, shown
 from .offers import (
     FRAME_SLACK,
     MAX_REASON,
     HeldOffers,
     Renew,
     Renewed,
+    answer_bind,
     answer_renew,
     dealer,
     renew_at,
     select_blocks,
 )
-from .security import Rejections
+from .security import Rejections, ZapSocket
 
 __all__ = ["PeerOptions", "PeerTransport"]
 
@@ -65,6 +71,10 @@ log = logging.getLogger("kvflow.pd.offers")
 
 CLOSE_TIMEOUT_S = 5.0
 """How long `aclose` waits for libzmq to close the transport's sockets and context."""
+HANDSHAKE_IVL_MS = 5000
+"""A connection to a producer that has not finished its handshake this long after it was
+made is dropped (libzmq's `ZMQ_HANDSHAKE_IVL`; its default, 30 s, let idle strangers
+hold connections six times as long). An honest handshake takes milliseconds."""
 
 
 class PeerOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -83,7 +93,8 @@ class PeerTransport(Transport):
     Options: ClassVar[type[msgspec.Struct]] = PeerOptions
     capabilities = Capabilities(store=False, peer=True)
     Pull: ClassVar[type[Any]]
-    """The wire's pull frame: it has `req`, `block_ids` and `version`."""
+    """The wire's pull frame: it has `req`, `block_ids` and `version` (and `nonce`: the
+    consumer's random bytes its answers are bound to, `reply`; without one, b"")."""
     wire_version: ClassVar[int]
     max_frame_bytes: ClassVar[int]
     """The largest control frame a consumer sends this producer (its ROUTER's bound)."""
@@ -92,13 +103,16 @@ class PeerTransport(Transport):
         super().__init__(options, context)
         self._zmq = zmq.Context()
         self._router: TrioSocket | None = None
-        self._zap: TrioSocket | None = None
+        self._zap: ZapSocket | None = None
         """Where libzmq asks for each connection's handshake to be checked (keyed
         workers; `serve` answers)."""
         self.held = HeldOffers()
         self.channel = context.channel
         self.reject = Rejections(f"{self.name} side channel", context.rejected)
         """Count and log a refused frame (a reason of `kvflow.pd.security.REJECT_REASONS`)."""
+        self.consumer_id = secrets.token_hex(16)
+        """This consumer's name in its renewals (`Renew.consumer`): what it claims by
+        renewing, no other consumer may renew or release."""
 
     async def open(self) -> None:
         """Workers: bind the producer's endpoint (the scheduler's instance moves nothing).
@@ -111,6 +125,7 @@ class PeerTransport(Transport):
         sock = self._zmq.socket(zmq.ROUTER)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unroutable reply is an error, not a drop
         sock.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes + FRAME_SLACK)
+        sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)
         try:
             self.channel.secure(sock, server=True)
             self.address = bind_loopback(sock, self.options.host, self.options.port)
@@ -127,14 +142,18 @@ class PeerTransport(Transport):
         literal (loopback, keyless), refusing frames over `max_frame_bytes`."""
         return dealer(self._zmq, address, max_frame_bytes, self.channel)
 
-    def seal(self, frame: bytes) -> bytes:
-        """A control frame as sent on the side channel (`Channel.seal`)."""
-        return self.channel.seal(frame)
+    def seal_request(self, frame: bytes) -> bytes:
+        """A consumer's control frame as sent to a producer (`Channel.seal`)."""
+        return self.channel.seal(frame, "producer")
+
+    def seal_answer(self, frame: bytes, nonce: bytes = b"", index: int = 0) -> bytes:
+        """A producer's `index`-th answer to the request carrying `nonce`, as sent."""
+        return self.channel.seal(frame, "consumer", answer_bind(nonce, index))
 
     def unseal(self, frame: Any) -> bytes | memoryview:
-        """A received control frame's payload; `BadFrame` if it lacks this deployment's
-        MAC."""
-        return self.channel.open(frame)
+        """A control frame a producer received: its payload; `BadFrame` if it lacks this
+        deployment's MAC toward a producer."""
+        return self.channel.open(frame, "producer")
 
     async def aclose(self) -> None:
         """Close every socket and the ZMQ context, dropping what is queued. Bounded: once
@@ -174,7 +193,8 @@ class PeerTransport(Transport):
                 try:
                     await self._handle(nursery, router, frames)
                 except Exception as exc:  # one message's failure never ends serve()
-                    self.reject("frame", f"handling a frame failed: {type(exc).__name__}: {exc}")
+                    why = shown(f"{type(exc).__name__}: {exc}")
+                    self.reject("frame", f"handling a frame failed: {why}")
 
     async def _count_failed_handshakes(self, router: TrioSocket) -> None:
         """Count each connection whose handshake failed (a peer without the key)."""
@@ -215,7 +235,8 @@ class PeerTransport(Transport):
         elif not isinstance(msg, self.Pull):
             self.ended(msg, ident)  # only the consumer that claimed it counts
         elif isinstance(found := self._claim(msg, ident), str):
-            await self.reply(ident, msg.req, self.refusal(msg.req, found[:MAX_REASON]))
+            refusal = self.refusal(msg.req, found[:MAX_REASON])
+            await self.reply(ident, msg.req, refusal, getattr(msg, "nonce", b""))
         else:
             await self.answer(nursery, ident, msg, found)
 
@@ -236,10 +257,12 @@ class PeerTransport(Transport):
         why = why or self.held.claim(msg.req, ident, readers)  # not held: why_not(req)
         return offer if offer is not None and not why else why
 
-    async def reply(self, ident: bytes, req: str, frame: bytes) -> bool:
-        """Send a control frame to a consumer, sealed; False if it is gone or does not
-        read (`send`)."""
-        return self.send(ident, [self.seal(frame)], req)
+    async def reply(
+        self, ident: bytes, req: str, frame: bytes, nonce: bytes = b"", index: int = 0
+    ) -> bool:
+        """Send a consumer the `index`-th answer to its request carrying `nonce` (a wire
+        without nonces: b""), sealed; False if it is gone or does not read (`send`)."""
+        return self.send(ident, [self.seal_answer(frame, nonce, index)], req)
 
     def send(self, ident: bytes, frames: list[Any], req: str, copy: bool = True) -> bool:
         """Queue `frames` (copied; `copy=False`: handed to libzmq, for buffers nothing else
@@ -252,9 +275,11 @@ class PeerTransport(Transport):
             self._router.sock.send_multipart([ident, *frames], zmq.NOBLOCK, copy=copy)
             return True
         except zmq.Again:
-            self.reject("frame", f"a consumer of {req} does not read its answers; dropped one")
+            self.reject(
+                "frame", f"a consumer of {shown(req)} does not read its answers; dropped one"
+            )
         except zmq.ZMQError as exc:
-            log.info("kvflow %s: consumer of %s unreachable: %s", self.name, req, exc)
+            log.info("kvflow %s: consumer of %s unreachable: %s", self.name, shown(req), exc)
         return False
 
     # -- what a transport says -------------------------------------------------
@@ -317,11 +342,20 @@ class PeerTransport(Transport):
         """Pull `read` (one producer rank's blocks, or some of their heads) into `job`'s
         blocks, calling `landed(i)` as layer i lands."""
 
-    def answer_to(self, frame: Any, decode: Callable[[bytes | memoryview], Any], req: str) -> Any:
-        """A producer's answer to this consumer's pull of `req`, unsealed and decoded;
-        `BadFrame` if it lacks this deployment's MAC, does not decode, or is about another
-        offer."""
-        msg = decode(self.unseal(frame))
+    def answer_to(
+        self,
+        frame: Any,
+        decode: Callable[[bytes | memoryview], Any],
+        req: str,
+        nonce: bytes = b"",
+        index: int = 0,
+    ) -> Any:
+        """A producer's `index`-th answer to this consumer's request about `req` carrying
+        `nonce`, unsealed and decoded; `BadFrame` if it lacks this deployment's MAC for
+        that answer (another key, a frame sent toward a producer, another request's or
+        another place's answer), does not decode, or is about another offer."""
+        payload = self.channel.open(frame, "consumer", answer_bind(nonce, index))
+        msg = decode(payload)
         if msg.req != req:
             raise BadFrame(f"an answer about {msg.req[:40]!r}, not {req!r}")
         return msg
@@ -341,9 +375,11 @@ class PeerTransport(Transport):
     @staticmethod
     def refused(address: str, req: str, reason: str) -> ChunkMissing:
         """The error of a pull the producer refused, its reason cut to `MAX_REASON`."""
-        return ChunkMissing(f"producer {address} refused {req}: {reason[:MAX_REASON]}")
+        return ChunkMissing(f"producer {address} refused {req}: {shown(reason, MAX_REASON)}")
 
     async def renew(
         self, address: str, reqs: Sequence[str], lease_s: float, release: Sequence[str] = ()
     ) -> Renewed:
-        return await renew_at(self._zmq, address, reqs, lease_s, self.channel, release)
+        return await renew_at(
+            self._zmq, address, reqs, lease_s, self.channel, release, self.consumer_id
+        )

@@ -252,22 +252,34 @@ class Channel:
         return _derive(self.key, label)
 
     # -- control frames ----------------------------------------------------------
-    def seal(self, payload: bytes) -> bytes:
-        """A control frame as sent: the payload after its MAC (keyless: as it is)."""
+    def seal(self, payload: bytes, to: Toward, bind: bytes = b"") -> bytes:
+        """A control frame as sent toward the `to` side: the payload after its MAC
+        (keyless: as it is). Each direction has its own MAC key, so a frame sent back
+        to where it came from fails; the MAC also covers `bind` (not sent), what the
+        receiver expects the frame to answer (`kvflow.pd.offers.answer_bind`: its
+        request's nonce and the answer's index), so an answer of another pull, or out of
+        its order, fails too."""
         if self.key is None:
             return payload
-        return hmac.digest(self._derive("frame"), payload, "sha256")[:MAC_BYTES] + payload
+        return self._mac(payload, to, bind) + payload
 
-    def open(self, frame: Any) -> bytes | memoryview:
-        """The payload of a sealed frame; `BadFrame` if its MAC is wrong."""
+    def open(self, frame: Any, to: Toward, bind: bytes = b"") -> bytes | memoryview:
+        """The payload of a frame sealed toward `to` for `bind`; `BadFrame` if its MAC is
+        wrong (another key, another direction, another answer, or altered)."""
         data = frame if isinstance(frame, bytes | memoryview) else memoryview(frame)
         if self.key is None:
             return data
         mac, payload = bytes(data[:MAC_BYTES]), data[MAC_BYTES:]
-        want = hmac.digest(self._derive("frame"), payload, "sha256")[:MAC_BYTES]
-        if len(data) < MAC_BYTES or not hmac.compare_digest(mac, want):
+        if len(data) < MAC_BYTES or not hmac.compare_digest(mac, self._mac(payload, to, bind)):
             raise BadFrame("a frame without a valid MAC (a peer without this deployment's key)")
         return payload
+
+    def _mac(self, payload: bytes | memoryview, to: Toward, bind: bytes) -> bytes:
+        if len(bind) > 255:
+            raise ValueError("a frame's binding is at most 255 bytes")
+        mac = hmac.new(self._derive(f"frame-to-{to}"), bytes([len(bind)]) + bind, "sha256")
+        mac.update(payload)
+        return mac.digest()[:MAC_BYTES]
 
     # -- sockets -----------------------------------------------------------------
     def secure(self, sock: zmq.Socket[Any], *, server: bool) -> None:
@@ -282,8 +294,10 @@ class Channel:
         if self.mode == "kv-in-clear":
             if server:
                 sock.plain_server = True
-            else:
-                sock.plain_username, sock.plain_password = PLAIN_USER, self._password()
+            else:  # one-time: a nonce and the time, MAC'd (`_password`)
+                nonce, now_ms = secrets.token_hex(16).encode(), time.time_ns() // 1_000_000
+                user = b"%s:%s:%d" % (PLAIN_USER, nonce, now_ms)
+                sock.plain_username, sock.plain_password = user, self._password(user)
             return
         if not zmq.has("curve"):
             raise SecurityError("channel 'encrypted' needs libzmq with CURVE; this one has none")
@@ -296,7 +310,7 @@ class Channel:
             sock.curve_secretkey, sock.curve_publickey = self._curve("client")
             sock.curve_serverkey = server_public
 
-    def zap_socket(self, zctx: zmq.Context[Any]) -> TrioSocket | None:
+    def zap_socket(self, zctx: zmq.Context[Any]) -> ZapSocket | None:
         """The socket through which libzmq asks `zctx`'s keyed producer sockets' handshakes
         to be checked (ZAP, ZeroMQ RFC 27); `answer_zap` answers it. None keyless. Bind it
         before the producer binds: until it is answered, handshakes wait."""
@@ -304,28 +318,42 @@ class Channel:
             return None
         sock = zctx.socket(zmq.REP)
         sock.bind(ZAP_ENDPOINT)
-        return TrioSocket(sock)
+        return ZapSocket(sock)
 
-    async def answer_zap(self, sock: TrioSocket) -> None:
-        """Answer every handshake check on `sock` until cancelled: a PLAIN password, or a
-        CURVE client key, derived from this deployment's key passes; anything else fails
-        (libzmq then ends the connection before it takes in any message)."""
-        if self.mode == "kv-in-clear":
-            want = [PLAIN, PLAIN_USER, self._password()]
-        else:
-            want = [CURVE, z85.decode(self._curve("client")[1])]
-        while True:
-            frames = await sock.recv_multipart()
-            ok = len(frames) >= 6 and frames[0] == b"1.0" and _same(frames[5:], want)
-            request_id = frames[1] if len(frames) > 1 else b""
-            status = [b"200", b"OK"] if ok else [b"400", b"not this deployment's key"]
-            await sock.send_multipart([b"1.0", request_id, *status, b"", b""])
+    async def answer_zap(self, sock: ZapSocket) -> None:
+        """Answer every handshake check on `sock` until cancelled: a one-time PLAIN
+        credential made with this deployment's key (`secure`) and not seen before, or a
+        CURVE client key derived from it, passes; anything else fails (libzmq then ends
+        the connection before it takes in any message). Each check is answered in the
+        step that received it, a burst in batches (`TrioSocket.answer_all`): a flood of
+        handshakes never holds the loop, and a `serve` cancelled and started again finds
+        the socket ready for the next check."""
+        await sock.answer_all(functools.partial(self._zap_reply, sock))
 
-    def _password(self) -> bytes:
-        """The PLAIN password of `authenticated` connections. PLAIN sends it in the clear:
-        it keeps strangers off the network out, not an on-path attacker (every control
-        frame's MAC, and `encrypted`, do that)."""
-        return self._derive("plain").hex().encode()
+    def _zap_reply(self, sock: ZapSocket, frames: list[Any]) -> list[bytes]:
+        """The ZAP reply to one request (RFC 27: version, request id, status, text, user
+        id, metadata)."""
+        request_id = bytes(frames[1]) if len(frames) > 1 else b""
+        ok = len(frames) >= 6 and frames[0] == b"1.0"
+        if ok and self.mode == "kv-in-clear":
+            creds = [bytes(f) for f in frames[5:]]
+            ok = (
+                len(creds) == 3
+                and creds[0] == PLAIN
+                and hmac.compare_digest(creds[2], self._password(creds[1]))
+                and sock.first_use(creds[1])  # only a credential this key made is kept
+            )
+        elif ok:
+            ok = _same(frames[5:], [CURVE, z85.decode(self._curve("client")[1])])
+        status = [b"200", b"OK"] if ok else [b"400", b"not this deployment's key"]
+        return [b"1.0", request_id, *status, b"", b""]
+
+    def _password(self, user: bytes) -> bytes:
+        """The PLAIN password of `kv-in-clear` connections for the one-time user name
+        `user` (a nonce and the time, `secure`): its MAC. PLAIN sends both in the clear;
+        an on-path attacker who reads them cannot use them again (`ZapSocket.first_use`),
+        nor make others without the key."""
+        return hmac.digest(self._derive("plain"), user, "sha256").hex().encode()
 
     def _curve(self, label: str) -> tuple[bytes, bytes]:
         """A CURVE key pair (z85 secret, z85 public) derived from the deployment key."""
@@ -385,6 +413,48 @@ def _same(got: Sequence[bytes], want: Sequence[bytes]) -> bool:
     return len(got) == len(want) and all(
         hmac.compare_digest(bytes(g), w) for g, w in zip(got, want, strict=True)
     )
+
+
+Toward = Literal["producer", "consumer"]
+"""The side a control frame is sent toward (each direction has its own MAC key)."""
+PLAIN_WINDOW_S = 60.0
+"""A one-time PLAIN credential is accepted this long around the time it names (the
+clocks of a consumer and its producer must agree this well)."""
+MAX_PLAIN_SEEN = 1 << 17
+"""The most one-time credentials a producer remembers (those of `PLAIN_WINDOW_S` on
+either side of now); past it, new connections are refused until some expire."""
+
+
+class ZapSocket(TrioSocket):
+    """The REP socket answering handshake checks (`Channel.zap_socket`), and the one-time
+    PLAIN credentials it accepted whose window has not passed: one seen again is a
+    replay (a sniffed handshake) and fails."""
+
+    def __init__(self, sock: zmq.Socket[Any]) -> None:
+        super().__init__(sock)
+        self.seen: dict[bytes, float] = {}
+        """Accepted user names -> when they expire (wall clock), in about that order."""
+
+    def first_use(self, user: bytes, now: float | None = None) -> bool:
+        """Whether `user` (`kvflow:NONCE:MS`, already known to be this key's) is fresh
+        and never seen; if so, remember it until its window passes."""
+        now = time.time() if now is None else now
+        parts = user.split(b":")
+        if len(parts) != 3 or len(parts[1]) != 32 or not parts[2].isdigit():
+            return False
+        made = int(parts[2]) / 1000
+        if abs(now - made) > PLAIN_WINDOW_S or user in self.seen:
+            return False
+        seen = self.seen
+        while seen:  # in arrival order: one that expires later holds the rest back
+            oldest = next(iter(seen))
+            if seen[oldest] > now:
+                break
+            del seen[oldest]
+        if len(seen) >= MAX_PLAIN_SEEN:  # never forget one before its window passes
+            return False
+        seen[user] = made + PLAIN_WINDOW_S
+        return True
 
 
 class Rejections:

@@ -92,17 +92,17 @@ class Reads:
                 or any(not 0 < n <= src.block_size for n in last)
             ):
                 raise ChunkCorrupt(
-                    f"producer {peer.name} offers chunks of {msg.token_counts[:8]} tokens in "
+                    f"producer {peer.shown} offers chunks of {msg.token_counts[:8]} tokens in "
                     f"{len(msg.block_ids)} blocks of {src.block_size}"
                 )
             if sum(msg.token_counts) < src.skip + sum(job.token_counts):
                 raise ChunkCorrupt(
-                    f"producer {peer.name} offers {sum(msg.token_counts)} tokens; {job.req} "
+                    f"producer {peer.shown} offers {sum(msg.token_counts)} tokens; {job.req} "
                     f"expects {src.skip} it skips and {sum(job.token_counts)} it loads"
                 )
         elif msg.token_counts != job.token_counts or len(msg.block_ids) != len(job.block_ids):
             raise ChunkCorrupt(
-                f"producer {peer.name} offers chunks of {msg.token_counts} tokens in blocks "
+                f"producer {peer.shown} offers chunks of {msg.token_counts} tokens in blocks "
                 f"{msg.block_ids}; {job.req} expects {job.token_counts} in "
                 f"{len(job.block_ids)} blocks"
             )
@@ -116,7 +116,7 @@ class Reads:
                         f"KV layouts differ (layer {i}): producer {theirs.describe()}, "
                         f"consumer {ours.describe()}; the pull expects blocks of {tokens}"
                     )
-                theirs.check_blocks(msg.block_ids, f"producer {peer.name}")
+                theirs.check_blocks(msg.block_ids, f"producer {peer.shown}")
                 ours.check_blocks(job.block_ids, "consumer")
         except LayoutError as exc:
             raise ChunkCorrupt(str(exc)) from None
@@ -142,7 +142,7 @@ class Reads:
             ]
         mine, theirs = _pair_descs(
             self.bases, self.layout.geometries, peer.bases, peer.table.geometries,
-            spans, self.heads, peer.name,
+            spans, self.heads, peer.shown,
         )  # fmt: skip
         for layer in mine:
             starts.append(starts[-1] + len(layer))
@@ -151,7 +151,7 @@ class Reads:
                 flat = np.concatenate(descs).astype(np.uint64)
                 self.dlists.append(self.agent.prep_xfer_dlist(who, flat, memory, [self.backend]))
         except Exception as exc:
-            raise TransportError(f"NIXL cannot prepare the READ from {peer.name}: {exc}") from None
+            raise TransportError(f"NIXL cannot prepare the READ from {peer.shown}: {exc}") from None
         return (self.dlists[-2], self.dlists[-1]), starts
 
     async def read(self, job: LoadJob, peer: Remote, msg: wire.Blocks) -> None:
@@ -248,7 +248,7 @@ class Reads:
         first, into, count = self._heads()
         theirs, ours, counts = peer.table.geometries, self.layout.geometries, job.token_counts
         if first + count > min(g.heads for g in theirs):
-            raise TransportError(f"producer {peer.name} does not hold heads {first}..")
+            raise TransportError(f"producer {peer.shown} does not hold heads {first}..")
         ids = np.array(msg.block_ids, np.int64)
         skip = job.source.skip if job.source is not None and job.source.block_size else -1
         starts = list(itertools.accumulate(msg.token_counts, initial=0))  # of their chunks
@@ -343,7 +343,7 @@ class Reads:
                 await backoff.wait()
             if state != "DONE":
                 raise TransportError(
-                    f"NIXL READ of layer {layer} from {peer.name} failed ({state})"
+                    f"NIXL READ of layer {layer} from {peer.shown} failed ({state})"
                 )
 
     def _post(self, peer: Remote, layer: int, sides: list[Any]) -> list[Any]:
@@ -360,11 +360,11 @@ class Reads:
                 state = agent.transfer(h)
             except Exception as exc:
                 raise TransportError(
-                    f"NIXL READ of layer {layer} from {peer.name} failed: {exc}"
+                    f"NIXL READ of layer {layer} from {peer.shown} failed: {exc}"
                 ) from None
             if state == "ERR":
                 raise TransportError(
-                    f"NIXL could not post the READ of layer {layer} from {peer.name}"
+                    f"NIXL could not post the READ of layer {layer} from {peer.shown}"
                 )
         return handles
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from kvflow.layout import KVLayout, peer_cells_problem
 from kvflow.transport import ChunkCorrupt, TransportError
+from kvflow.zmqio import shown
 
 from . import _wire as wire
 from ._descs import Table, prepare, release, remove_agent
@@ -33,6 +34,11 @@ class Remote:
     """Pulls reading with this agent right now."""
     broken: bool = False
     """A READ with it could not be drained: forget it, never take it back."""
+
+    @property
+    def shown(self) -> str:
+        """Its name as logs and errors show it (the producer chose it: escaped, cut)."""
+        return shown(self.name)
 
 
 class RemoteAgents:
@@ -92,7 +98,7 @@ class RemoteAgents:
             remote = self.by_address[address] = self.stale.pop(msg.agent)
             return remote
         if not msg.metadata or msg.regions is None:  # we forgot it while it answered
-            raise TransportError(f"producer {address} sent no NIXL metadata for {msg.agent}")
+            raise TransportError(f"producer {address} sent no NIXL metadata for {shown(msg.agent)}")
         regions = msg.regions
         why = peer_cells_problem(regions.geometries, layout.geometries, any_block_size=True)
         if why or len(regions.bases) != len(regions.geometries):
@@ -105,7 +111,9 @@ class RemoteAgents:
         name = added.decode() if isinstance(added, bytes) else str(added)
         if name != msg.agent:
             remove_agent(agent, name)
-            raise ChunkCorrupt(f"producer {address} sent metadata of {name}, not {msg.agent}")
+            raise ChunkCorrupt(
+                f"producer {address} sent metadata of {shown(name)}, not {shown(msg.agent)}"
+            )
         try:
             table = prepare(
                 agent, name, regions.bases, regions.geometries, msg.memory, self.backend

@@ -61,6 +61,7 @@ import zmq
 
 from kvflow.layout import KVLayout
 from kvflow.pd.offers import (
+    new_nonce,
     read_lease,
     read_lease_ms,
 )
@@ -77,7 +78,7 @@ from kvflow.transport import (
     TransportContext,
     TransportError,
 )
-from kvflow.zmqio import BadFrame
+from kvflow.zmqio import BadFrame, shown
 
 from . import _wire as wire
 from ._bounce import Bounce
@@ -308,7 +309,7 @@ class NixlTransport(PeerTransport):  # ~340 lines: the producer's lease of a pul
                 if held_ms
                 else wire.Refused(msg.req, "not held: its hold lapsed or the pull ended")
             )
-            self.send(ident, [self.seal(wire.encode(answer))], msg.req)
+            self.send(ident, [self.seal_answer(wire.encode(answer), msg.nonce)], msg.req)
         elif pull is not None:
             pull.end("done" if isinstance(msg, wire.Read) else msg.reason)
 
@@ -317,7 +318,7 @@ class NixlTransport(PeerTransport):  # ~340 lines: the producer's lease of a pul
     ) -> None:
         pull = await nursery.start(self._hold, msg, ident)
         if pull is None:
-            await self.reply(ident, msg.req, self.refusal(msg.req, "expired"))
+            await self.reply(ident, msg.req, self.refusal(msg.req, "expired"), msg.nonce)
         else:
             await self._reply(ident, self._require_agent(), msg, offer, pull)
 
@@ -341,14 +342,15 @@ class NixlTransport(PeerTransport):  # ~340 lines: the producer's lease of a pul
                 with pull.hold:
                     await pull.ended.wait()
                 if not pull.ended.is_set():
+                    agent = shown(msg.agent)  # a peer's words (its engine id in it)
                     log.warning(
                         "kvflow nixl: %s: consumer %s neither finished nor failed within its "
                         "read lease (%.1fs)",
-                        msg.req,
-                        msg.agent,
+                        shown(msg.req),
+                        agent,
                         pull.lease_s,
                     )
-                    pull.end(f"consumer {msg.agent} silent past its read lease")
+                    pull.end(f"consumer {agent} silent past its read lease")
                 self.held.release(msg.req, pull.outcome, peer=ident)
         finally:
             if self._pulls.get((msg.req, ident)) is pull:
@@ -372,10 +374,10 @@ class NixlTransport(PeerTransport):  # ~340 lines: the producer's lease of a pul
                 regions = wire.Regions(self._bases, list(layout.geometries))
                 metadata = agent.get_agent_metadata()
                 reply = msgspec.structs.replace(reply, metadata=metadata, regions=regions)
-            if not self.send(ident, [self.seal(wire.encode(reply))], msg.req):
+            if not self.send(ident, [self.seal_answer(wire.encode(reply), msg.nonce)], msg.req):
                 pull.end("the consumer is gone or does not read")  # it can READ nothing
         except TransportError as exc:
-            log.warning("kvflow nixl: answering the pull of %s failed: %s", msg.req, exc)
+            log.warning("kvflow nixl: answering the pull of %s failed: %s", shown(msg.req), exc)
             pull.end(f"answering the pull failed: {exc}")  # no descriptors left: no READ
 
     async def _poll_notifs(self, agent: Any) -> None:
@@ -409,7 +411,7 @@ class NixlTransport(PeerTransport):  # ~340 lines: the producer's lease of a pul
             note = wire.decode_notif(self.unseal(data))
         except Exception as exc:  # BadFrame, or anything else a stranger's bytes raise:
             # one notification never ends the poll, and with it every pull's end
-            self.reject("frame", f"a bad notification from {sender[:100]!r}: {exc}")
+            self.reject("frame", f"a bad notification from {sender[:100]!r}: {shown(str(exc))}")
             return
         for pull in self._pulls.values():  # else late, foreign or stray
             if pull.req == note.req and pull.agent == sender:
@@ -432,6 +434,7 @@ class NixlTransport(PeerTransport):  # ~340 lines: the producer's lease of a pul
             lease_ms = read_lease_ms(DRAIN_TIMEOUT_S)
             beat_ms = max(1, int(self.context.progress_timeout_s * 1000))
             known = self.remotes.known(address)
+            nonce = new_nonce()
             pull = wire.Pull(
                 src.req,
                 agent.name,
@@ -440,10 +443,11 @@ class NixlTransport(PeerTransport):  # ~340 lines: the producer's lease of a pul
                 list(src.block_ids),
                 beat_ms=beat_ms,
                 readers=read.readers,
+                nonce=nonce,
             )
             sent = trio.current_time()  # the producer holds beat_ms past its arrival
-            await sock.send_multipart([self.seal(wire.encode(pull))])
-            msg = await self._answer(sock, address, src.req)
+            await sock.send_multipart([self.seal_request(wire.encode(pull))])
+            msg = await self._answer(sock, address, src.req, nonce)
             if isinstance(msg, wire.Refused):
                 refused = True  # nothing is held for us: nothing to answer
                 raise self.refused(address, src.req, msg.reason)
@@ -458,9 +462,9 @@ class NixlTransport(PeerTransport):  # ~340 lines: the producer's lease of a pul
                 raise group.exceptions[0] from None
             lease.check()
             try:  # every READ is DONE: the producer may hand the blocks back
-                agent.send_notif(peer.name, self.seal(wire.encode(wire.Read(src.req))))
+                agent.send_notif(peer.name, self.seal_request(wire.encode(wire.Read(src.req))))
             except Exception as exc:  # the side channel's Read below still tells it
-                log.info("kvflow nixl: notifying %s of %s: %s", peer.name, src.req, exc)
+                log.info("kvflow nixl: notifying %s of %s: %s", peer.shown, src.req, exc)
             ok = True
         except BadFrame as exc:
             raise ChunkCorrupt(f"producer {address}: {exc}") from None
@@ -480,7 +484,7 @@ class NixlTransport(PeerTransport):  # ~340 lines: the producer's lease of a pul
                 answer = wire.Failed(src.req, "consumer gave up")
             try:
                 if answer is not None:
-                    sock.sock.send_multipart([self.seal(wire.encode(answer))], zmq.NOBLOCK)
+                    sock.sock.send_multipart([self.seal_request(wire.encode(answer))], zmq.NOBLOCK)
                 sock.close(linger_ms=1000 if answer is not None else 0)  # let it arrive
             except zmq.ZMQError:
                 sock.close()
@@ -492,12 +496,13 @@ class NixlTransport(PeerTransport):  # ~340 lines: the producer's lease of a pul
             raise TransportError("the nixl transport has no registered KV memory")
         return self._local
 
-    async def _answer(self, sock: Any, address: str, req: str) -> Any:
-        """The producer's next answer on this pull (within `progress_timeout_s`)."""
+    async def _answer(self, sock: Any, address: str, req: str, nonce: bytes) -> Any:
+        """The producer's answer to the request about `req` carrying `nonce` (within
+        `progress_timeout_s`)."""
         frames = await self.receive(sock, address, req)
         if len(frames) != 1:
             raise BadFrame(f"an answer of {len(frames)} frames")
-        return self.answer_to(frames[0], wire.decode_to_consumer, req)
+        return self.answer_to(frames[0], wire.decode_to_consumer, req, nonce)
 
     async def _read_held(
         self,
@@ -526,10 +531,12 @@ class NixlTransport(PeerTransport):  # ~340 lines: the producer's lease of a pul
             while True:
                 await trio.sleep(beat_s / 4)
                 asked = trio.current_time()
-                await sock.send_multipart([self.seal(wire.encode(wire.Reading(lease.req)))])
-                msg = await self._answer(sock, lease.address, lease.req)
+                nonce = new_nonce()  # an earlier beat's Held, replayed, fails
+                beat = wire.encode(wire.Reading(lease.req, nonce))
+                await sock.send_multipart([self.seal_request(beat)])
+                msg = await self._answer(sock, lease.address, lease.req, nonce)
                 if not isinstance(msg, wire.Held):
-                    why = getattr(msg, "reason", type(msg).__name__)
+                    why = shown(getattr(msg, "reason", type(msg).__name__))
                     raise TransportError(f"producer {lease.address} stopped holding: {why}")
                 lease.until = max(lease.until, asked + msg.held_ms / 1000)
         except (TransportError, BadFrame) as exc:

@@ -3,13 +3,13 @@
 A pull is one DEALER->ROUTER conversation on the side channel, plus one NIXL
 notification for the data path:
 
-    consumer -> producer   Pull(req, agent, known, lease_ms, block_ids, beat_ms, readers)
+    consumer -> producer   Pull(req, agent, known, lease_ms, block_ids, beat_ms, readers, nonce)
     producer -> consumer   Blocks(req, agent, metadata, block_ids, token_counts, memory,
                            regions)
                            (or Refused(req, reason))
     consumer ==> producer  NIXL READs, one per layer (two for a layer whose last
                            chunk is a partial block of a token-granular cache)
-    consumer -> producer   Reading(req), every beat_ms / 4 while they run: the producer
+    consumer -> producer   Reading(req, nonce), every beat_ms / 4 while they run: the producer
     producer -> consumer   Held(req, held_ms): held that long past it (or Refused)
     consumer ==> producer  the NIXL notification Read(req), once every READ is DONE,
     consumer -> producer   and the same Read(req) over the side channel (UCX may hold a
@@ -18,8 +18,13 @@ notification for the data path:
 
 and, from the consumer's scheduler while the request waits (`kvflow.pd.offers`):
 
-    consumer -> producer   Renew(reqs, lease_ms)
+    consumer -> producer   Renew(reqs, lease_ms, release, nonce, consumer)
     producer -> consumer   Renewed(refused, pending)
+
+Keyed, every control frame (and notification) carries a MAC toward its side
+(`Channel.seal`), and each answer is bound to the `nonce` of the request it answers
+(`Blocks`/`Refused` to the pull's, `Held`/`Refused` to that heartbeat's): an answer of
+another pull or an earlier heartbeat, or a consumer's frame sent back, fails it.
 
 `metadata` (the producer agent's NIXL metadata) and `regions` (where its KV memory
 starts and how it is paged) come only on a consumer's first pull from that agent:
@@ -35,7 +40,7 @@ import msgspec
 from msgspec import Meta
 
 from kvflow.layout import LayerGeometry
-from kvflow.pd.offers import OfferId, Renew
+from kvflow.pd.offers import Nonce, OfferId, Renew
 from kvflow.pd.params import MAX_SHARDS
 from kvflow.zmqio import decode_frame
 
@@ -68,12 +73,17 @@ class Pull(msgspec.Struct, tag=True, frozen=True):
     readers: Annotated[int, Meta(ge=1, le=MAX_SHARDS)] = 1
     """How many of the consumer's ranks pull this offer (a consumer of another tensor
     parallel size: each its heads); the producer holds it until every one is done."""
+    nonce: Nonce = b""
+    """The consumer's random bytes for this pull: the answer is bound to them."""
 
 
 class Reading(msgspec.Struct, tag=True, frozen=True):
     """The consumer still reads `req`'s blocks: hold them `beat_ms` longer."""
 
     req: OfferId
+    nonce: Nonce = b""
+    """Fresh for each heartbeat: its answer is bound to them (an earlier `Held` replayed
+    fails)."""
 
 
 class Held(msgspec.Struct, tag=True, frozen=True):

@@ -21,6 +21,7 @@ import zmq
 
 from kvflow.cells import cell_index, cells_of, put_cells, token_major
 from kvflow.layout import KVLayout, LayoutError, peer_cells_problem, peer_layout_problem
+from kvflow.pd.offers import new_nonce
 from kvflow.pd.peer_transport import PeerOptions, PeerTransport
 from kvflow.pd.topology import HeadRead
 from kvflow.transport import (
@@ -33,7 +34,7 @@ from kvflow.transport import (
     TransportContext,
     TransportError,
 )
-from kvflow.zmqio import BadFrame
+from kvflow.zmqio import BadFrame, shown
 
 from . import _ipc as ipc
 from . import _wire as wire
@@ -146,10 +147,10 @@ class ZmqTransport(PeerTransport):
         if self._handles:
             lent = await nursery.start(self.held.lend, msg.req, self.options.ipc_lease_s)
             reply = self._ipc_reply(offer) if lent else wire.Refused(msg.req, "expired")
-            if not await self.reply(ident, msg.req, wire.encode(reply)):
+            if not await self.reply(ident, msg.req, wire.encode(reply), msg.nonce):
                 self.held.release(msg.req, "the consumer went away", peer=ident)
-        elif not await self._send(ident, offer, msg.heads, self._as_cells(msg)):
-            await self.reply(ident, msg.req, self.refusal(msg.req, "expired"))
+        elif not await self._send(ident, offer, msg, self._as_cells(msg)):
+            await self.reply(ident, msg.req, self.refusal(msg.req, "expired"), msg.nonce)
 
     def _ipc_reply(self, offer: Offer) -> wire.Ipc:
         layout = self._layout()
@@ -162,11 +163,10 @@ class ZmqTransport(PeerTransport):
             self._handles,
         )
 
-    async def _send(
-        self, ident: bytes, o: Offer, heads: wire.Heads | None, as_cells: list[bool]
-    ) -> bool:
-        """Answer one host-memory pull: queue copies of `o`'s layers (of `heads` only, if
-        given; token-major cells where `as_cells`) for `ident` (serve() waits, letting
+    async def _send(self, ident: bytes, o: Offer, pull: wire.Pull, as_cells: list[bool]) -> bool:
+        """Answer one host-memory pull: queue copies of `o`'s layers (of the pull's heads
+        only, if it names some; token-major cells where `as_cells`), each layer's header
+        answer i of the pull, for `ident` (serve() waits, letting
         other tasks run between layers: the socket keeps one user at a time), never
         waiting on the consumer: one that does not read gets no more. Once queued, nothing
         reads the blocks for this consumer. False, sending nothing, if `o` is no longer
@@ -175,6 +175,7 @@ class ZmqTransport(PeerTransport):
             return False
         outcome = "done"
         layout = self._layout()
+        heads = pull.heads
         with self.held.reading(o.req):
             for layer in range(o.num_layers):
                 g = layout.geometries[layer]
@@ -192,7 +193,8 @@ class ZmqTransport(PeerTransport):
                     spans = [s for chunk in chunks for s in chunk]
                 sizes = [s.nbytes for s in spans]
                 header = wire.Layer(o.req, layer, sizes, cells=as_cells[layer])
-                frames = [self.seal(wire.encode(header)), *spans]  # gathered: a fresh array
+                sealed = self.seal_answer(wire.encode(header), pull.nonce, layer)
+                frames = [sealed, *spans]  # gathered: a fresh array
                 if not self.send(ident, frames, o.req, copy=not gathered):
                     outcome = "the consumer went away or does not read"
                     break
@@ -218,17 +220,21 @@ class ZmqTransport(PeerTransport):
         h = read.heads
         try:
             pulled = trio.current_time()  # a lease can start no earlier than this
+            nonce = new_nonce()
             pull = wire.Pull(
                 src.req,
                 list(src.block_ids),
                 geometries=layout.geometries,
                 heads=None if h is None else wire.Heads(h.first, h.count),
                 readers=read.readers,
+                nonce=nonce,
             )
-            await sock.send_multipart([self.seal(wire.encode(pull))])
-            for layer in range(job.num_layers):
+            await sock.send_multipart([self.seal_request(wire.encode(pull))])
+            for layer in range(job.num_layers):  # answer i: layer i (or Ipc, Refused)
                 frames: list[Any] = await self.receive(sock, address, src.req, copy=False)
-                msg = self.answer_to(frames[0].buffer, wire.decode_to_consumer, src.req)
+                msg = self.answer_to(
+                    frames[0].buffer, wire.decode_to_consumer, src.req, nonce, layer
+                )
                 if isinstance(msg, wire.Refused):
                     refused = True  # nothing held for us: nothing to answer
                     raise self.refused(address, src.req, msg.reason)
@@ -250,7 +256,7 @@ class ZmqTransport(PeerTransport):
             linger = 0
             try:
                 if not refused:  # a refused pull holds nothing: nothing to answer
-                    sock.sock.send_multipart([self.seal(wire.encode(reply))], zmq.NOBLOCK)
+                    sock.sock.send_multipart([self.seal_request(wire.encode(reply))], zmq.NOBLOCK)
                     linger = 200  # let Done/Failed reach the producer
             except zmq.ZMQError:
                 pass
@@ -415,7 +421,7 @@ def _check_ipc_offer(
     if msg.host != here:
         raise TransportError(
             f"CUDA IPC needs producer and consumer on one host: {address} is on "
-            f"{msg.host}, this consumer on {here}"
+            f"{shown(msg.host)}, this consumer on {here}"
         )
     if h is None and not src.block_size:
         why = peer_layout_problem(msg.geometries, layout.geometries, cells=True)

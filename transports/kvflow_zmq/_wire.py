@@ -2,7 +2,7 @@
 
 A pull is one DEALER->ROUTER conversation:
 
-    consumer -> producer   Pull(req, block_ids, geometries, heads, readers)
+    consumer -> producer   Pull(req, block_ids, geometries, heads, readers, nonce)
     producer -> consumer   Layer(req, layer, sizes, cells) + one raw frame per span, per layer
                            (host memory), or
                            Ipc(req, host, geometries, block_ids, lease_s, handles) (CUDA memory:
@@ -12,8 +12,13 @@ A pull is one DEALER->ROUTER conversation:
 
 and, from the consumer's scheduler while the request waits (`kvflow.pd.offers`):
 
-    consumer -> producer   Renew(reqs, lease_ms)
+    consumer -> producer   Renew(reqs, lease_ms, release, nonce, consumer)
     producer -> consumer   Renewed(refused, pending)
+
+Keyed, every control frame carries a MAC toward its side (`Channel.seal`), and a
+producer's answers are bound to their request's `nonce` and their index among its
+answers (`Layer` i is answer i; `Ipc` and `Refused` answer 0), so an answer of another
+pull, a reordered one or a consumer's frame sent back fails it.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import msgspec
 from msgspec import Meta
 
 from kvflow.layout import LayerGeometry
-from kvflow.pd.offers import OfferId, Renew
+from kvflow.pd.offers import Nonce, OfferId, Renew
 from kvflow.pd.params import MAX_SHARDS
 from kvflow.zmqio import decode_frame
 
@@ -62,6 +67,8 @@ class Pull(msgspec.Struct, tag=True, frozen=True):
     readers: Annotated[int, Meta(ge=1, le=MAX_SHARDS)] = 1
     """How many of the consumer's ranks pull this offer (the producer holds it until every
     one of them is done)."""
+    nonce: Nonce = b""
+    """The consumer's random bytes for this pull: every answer is bound to them."""
 
 
 class Layer(msgspec.Struct, tag=True, frozen=True):
