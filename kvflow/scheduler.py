@@ -46,6 +46,7 @@ from .reblock import StoredRun, load_window, lookup_blocks
 from .reshape import lookup_sources, other_shapes
 from .runtime import GAVE_UP_THEN, KVFlowFatal, Runtime, given_up
 from .transport import PeerSource, Transport
+from .zmqio import shown
 
 __all__ = ["ScheduledRequest", "SchedulerEngine"]
 
@@ -202,7 +203,9 @@ class SchedulerEngine:  # ~440 lines: one request's life in the scheduler (looku
             # params also fail the prompt's digest: name the field instead)
             refusal = self._refuse_pull(pd) if reason in ("", "prompt") else ""
             if refusal:
-                log.error("kvflow: request %s: %s: computing its prompt here", req, refusal)
+                log.error(
+                    "kvflow: request %s: %s: computing its prompt here", shown(req, 100), refusal
+                )
                 if self._claims:  # signed for this consumer: its producer hands them back
                     self._claims.release(pd.offer, pd.addresses)
                 pd = None

@@ -250,6 +250,30 @@ def test_a_client_that_hoards_prefills_holds_at_most_max_offer_fraction_of_the_c
     assert out.kv_transfer_params, "offered again once the hoard's offers ended"
 
 
+def test_a_clients_words_reach_the_log_on_one_line(
+    harness: MakeHarness, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 46, Low: under `insecure`, an unsigned params' engine id, and any request id,
+    are a client's words; the consumer's log lines that name them stay one line each."""
+    prompt = prompt_of(3, 40)
+    params = _offered(harness, prompt, insecure=True)
+    forged = "x\nkvflow: FORGED line\u2028"
+    two = ["tcp://127.0.0.1:5", "tcp://127.0.0.1:6"]
+    bad = {**params, "kvflow": {**params["kvflow"], "engine_id": forged, "pp_size": 2,
+                                "addresses": two}}  # fmt: skip
+    consumer = harness(make_vllm_config(transport="zmq", kv_role="kv_consumer",
+                                        extra={"insecure": True}), 16)  # fmt: skip
+    caplog.clear()
+    consumer.add(make_request("d\nkvflow: FORGED", prompt, max_tokens=1, kv_transfer_params=bad))
+    other = {**params, "kvflow": {**params["kvflow"], "prompt": "0" * 32}}
+    consumer.add(make_request("e\r\n", prompt, max_tokens=1, kv_transfer_params=other))
+    assert not consumer.step().plan.loads
+    lines = [r.getMessage() for r in caplog.records if "kvflow" in r.getMessage()]
+    assert any("pipeline parallel size 2" in line for line in lines), lines
+    assert any("refused (prompt)" in line for line in lines), lines
+    assert all("\n" not in line and "\r" not in line and "\u2028" not in line for line in lines)
+
+
 def test_a_repeated_request_id_gets_an_offer_of_its_own(harness: MakeHarness) -> None:
     """Issue 27, finding 5: clients choose request ids. A request that reuses the id of
     an earlier one is offered under a new random offer id: params of the earlier request

@@ -24,6 +24,7 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta
 
+from ..zmqio import shown
 from .security import Channel, prompt_digest
 from .topology import TopologyError, readers
 
@@ -213,28 +214,29 @@ def pull_refusal(
     tokens cannot pull `p` ("" if it can), naming what differs. `hetero_tp`: its transport
     pulls between tensor-parallel sizes (`kvflow.pd.topology`); `hetero_blocks`: between
     block sizes."""
-    if why := shape.mismatch(p.shape, p.engine_id):
+    producer = shown(p.engine_id, 100)  # a client wrote it: one line in the log
+    if why := shape.mismatch(p.shape, producer):
         return why
     if len(p.addresses) != p.tp_size * p.pp_size:
-        return f"producer {p.engine_id} sent {len(p.addresses)} addresses for its ranks"
+        return f"producer {producer} sent {len(p.addresses)} addresses for its ranks"
     if p.pp_size != pp_size:
         return (
-            f"producer {p.engine_id} runs pipeline parallel size {p.pp_size}, this consumer "
+            f"producer {producer} runs pipeline parallel size {p.pp_size}, this consumer "
             f"{pp_size}; kvflow pulls between equal pipeline parallel sizes only"
         )
     if p.tp_size != tp_size:
         if not hetero_tp:
             return (
-                f"producer {p.engine_id} runs tensor parallel size {p.tp_size}, this consumer "
+                f"producer {producer} runs tensor parallel size {p.tp_size}, this consumer "
                 f"{tp_size}; this transport pulls between equal tensor parallel sizes only"
             )
         try:
             readers(shape.kv_heads, p.tp_size, tp_size)  # every rank's reads can be planned
         except TopologyError as exc:
-            return f"producer {p.engine_id} (tensor parallel size {p.tp_size}): {exc}"
+            return f"producer {producer} (tensor parallel size {p.tp_size}): {exc}"
     if p.block_size != block_size and not hetero_blocks:
         return (
-            f"producer {p.engine_id} has blocks of {p.block_size} tokens, this consumer "
+            f"producer {producer} has blocks of {p.block_size} tokens, this consumer "
             f"{block_size}; this transport pulls between equal block sizes only (give "
             "both instances the same --block-size)"
         )

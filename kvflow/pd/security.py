@@ -4,9 +4,13 @@ A deployment shares one secret (`kvflow keygen` writes it; every instance reads
 it from `key_file` or the `KVFLOW_KEY` environment variable, never from a
 request). From it `Channel` derives, with HMAC-SHA256 and a label per use:
 
-- the MAC that seals every control frame of the peer transports' side channel
-  (`seal` / `open`): a frame without a valid MAC is dropped unanswered, so a peer
-  without the secret learns nothing, not even which requests exist;
+- the MACs that seal every control frame of the peer transports' side channel
+  (`seal` / `open`), one key per direction, an answer's MAC also covering its request's
+  nonce and its index: a frame without a valid MAC is dropped unanswered, so a peer
+  without the secret learns nothing, not even which requests exist, and a frame sent
+  back, into another pull or out of order fails too;
+- in `kv-in-clear` mode, each connection's one-time handshake credential (ZMQ PLAIN: a
+  nonce and the time, and their MAC; accepted once, within a window);
 - in `encrypted` mode, the CURVE key pairs of ZMQ's built-in encryption
   (`secure`): every frame, KV bytes included, is encrypted on the wire;
 - the MAC of a producer's P/D params (`sign`), which binds the offer id, the
@@ -44,7 +48,7 @@ from urllib.parse import urlsplit
 import zmq
 from zmq.utils import z85
 
-from ..zmqio import BadFrame, TrioSocket
+from ..zmqio import BadFrame, TrioSocket, shown
 
 __all__ = [
     "KEY_ENV",
@@ -468,7 +472,7 @@ class Rejections:
         self._logged: dict[str, tuple[float, int]] = {}  # reason -> (last logged, since)
 
     def __call__(self, reason: str, detail: str) -> None:
-        detail = detail[:300]
+        detail = shown(detail, 300)  # it may quote a peer or a client: one line, bounded
         if self.sink is not None:
             self.sink(reason, detail)
         now = time.monotonic()
