@@ -44,7 +44,7 @@ from kvflow.pd.offers import Nonce, OfferId, Renew
 from kvflow.pd.params import MAX_SHARDS
 from kvflow.zmqio import decode_frame
 
-WIRE_VERSION = 8
+WIRE_VERSION = 9
 MAX_TO_PRODUCER_BYTES = 64 << 10
 """Pull / Failed / notifications: small, fixed-shape frames."""
 MAX_TO_CONSUMER_BYTES = 64 << 20

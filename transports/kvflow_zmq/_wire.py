@@ -35,7 +35,7 @@ from kvflow.zmqio import decode_frame
 
 from ._ipc import IpcHandle
 
-WIRE_VERSION = 7
+WIRE_VERSION = 8
 MAX_CONTROL_BYTES = 1 << 20
 MAX_BLOCKS = 1 << 20
 MAX_LAYERS = 1 << 12
