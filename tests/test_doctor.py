@@ -374,6 +374,28 @@ def test_a_missing_or_bad_key_fails(
     assert rc == 1 and "'insecure' leaves the side channel keyless" in only(found, "key")["found"]
 
 
+def test_a_store_key_owner_only_passes_and_a_readable_one_fails(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, store: dict[str, Any]
+) -> None:
+    """`store_key_file` is read as the engine reads it (`kvflow.config.store_key_of`): a
+    key others may read fails, with the fix; so does one set for a peer transport."""
+    rc, found = config(capsys, store)
+    assert not [f for f in found if f["check"] == "store key"]  # unset: nothing to say
+    key = keygen(tmp_path / "store.key")
+    rc, found = config(capsys, {**store, "store_key_file": str(key)})
+    f = only(found, "store key")
+    assert rc == 0 and f["status"] == "ok" and f["found"].startswith(f"{key}: ")
+    key.chmod(0o644)
+    rc, found = config(capsys, {**store, "store_key_file": str(key)})
+    f = only(found, "store key")
+    assert rc == 1 and f["status"] == "FAIL" and "`chmod 600` it" in f["found"]
+    assert "['store_key_file']" in f["found"] and "kvflow keygen" in f["fix"]
+    key.chmod(0o600)
+    rc, found = config(capsys, {"transport": "zmq", "store_key_file": str(key)})
+    f = only(found, "store key")
+    assert rc == 1 and f["status"] == "FAIL" and "peer transport" in f["found"]
+
+
 def test_a_key_from_the_environment_or_this_hosts(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:

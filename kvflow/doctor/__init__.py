@@ -8,7 +8,7 @@ from __future__ import annotations
 from ..findings import Findings
 from .host import check_cuda, check_memory
 from .inputs import read_config
-from .keys import check_key, check_peer_host
+from .keys import check_key, check_peer_host, check_store_key
 from .transports import check_config, configured_transports, import_transports, run_transport_checks
 from .vllm_install import check_vllm
 
@@ -33,6 +33,9 @@ def diagnose(config: str | None) -> Findings:
     channel = check_key(findings, cfg, peer=peer) if cfg else None
     if configured and channel is not None and peer:
         check_peer_host(findings, configured[0].options, channel)
+    if cfg:
+        caps = configured[0].cls.capabilities if configured else None
+        check_store_key(findings, cfg, store=caps is None or (caps.store and not caps.peer))
     cuda = check_cuda(findings, vllm)
     memory = configured[0].cls.capabilities.memory if configured else frozenset({"cpu"})
     cpu_cache_gib = cfg.cpu_cache_gib if cfg else 0.0

@@ -1,18 +1,23 @@
-"""`kvflow doctor`'s side-channel checks: the key a P/D engine will hold (`key_file` or
+"""`kvflow doctor`'s key checks: the key a P/D engine will hold (`key_file` or
 `$KVFLOW_KEY`: readable, a key, the user's alone; else this host's key) and where its
-producer may bind. Both ask `kvflow.config.channel_of`, as the engine does."""
+producer may bind, both asking `kvflow.config.channel_of`; and a store's key
+(`store_key_file`), asking `kvflow.config.store_key_of`: each as the engine does."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from ..config import ConfigError, KVFlowConfig, channel_of
+from ..config import ConfigError, KVFlowConfig, channel_of, store_key_of
 from ..findings import Findings
 from ..pd.security import HOST_KEY, KEY_ENV, Channel, is_loopback, runtime_dir
 
-__all__ = ["check_key", "check_peer_host"]
+__all__ = ["check_key", "check_peer_host", "check_store_key"]
 
 KEYGEN = "make a key with `kvflow keygen PATH` and set 'key_file': PATH on every instance"
+STORE_KEYGEN = (
+    "make a key with `kvflow keygen PATH` and set 'store_key_file': PATH on every engine "
+    "that shares the store's chunks"
+)
 
 
 def check_key(findings: Findings, cfg: KVFlowConfig, *, peer: bool) -> Channel | None:
@@ -63,3 +68,20 @@ def check_peer_host(findings: Findings, options: Any, channel: Channel) -> None:
             "read this engine's KV",
             f"{KEYGEN}, then drop 'insecure'",
         )
+
+
+def check_store_key(findings: Findings, cfg: KVFlowConfig, store: bool) -> None:
+    """`store_key_file`, where set: a key the engine will read (the user's alone), and a
+    `store` transport to key (a peer transport's engine refuses one)."""
+    if not cfg.store_key_file:
+        return
+    try:
+        store_key_of(cfg, store=store)
+    except ConfigError as exc:
+        what = str(exc).removeprefix("kv_connector_extra_config")
+        findings.fail("store key", what, STORE_KEYGEN)
+        return
+    findings.ok(
+        "store key",
+        f"{cfg.store_key_file}: the store's chunk keys and layer checksums are keyed with it",
+    )
