@@ -25,18 +25,11 @@ from kvflow_fs import FsOptions, FsTransport
 from kvflow_fs import _usage as usage_module
 from kvflow_fs._format import HEADER_SIZE
 
+from .test_fs import Factory, fs_worker
+
 ROOT = os.geteuid() == 0
 OTHER_UID = 4242
 """A user id that is not this process's (the tests chown to it as root)."""
-
-
-class Factory:
-    def __init__(self, store: Path) -> None:
-        self.store = store
-        self.options: dict[str, Any] = {}
-
-    def __call__(self, context: TransportContext) -> FsTransport:
-        return FsTransport(FsOptions(path=str(self.store), **self.options), context)
 
 
 @pytest.fixture
@@ -49,12 +42,6 @@ async def kv(factory: Factory) -> AsyncIterator[Harness]:
     suite = TransportConformance()
     async with suite.harness(factory, suite.build_layout(False)) as harness:
         yield harness
-
-
-async def fs_worker(kv: Harness) -> FsTransport:
-    worker = await kv.worker()
-    assert isinstance(worker, FsTransport)
-    return worker
 
 
 def chunk_files(store: Path) -> list[Path]:
