@@ -8,9 +8,9 @@ hash (`layer_hash`) before vLLM may use that layer. Where the header goes (a fil
 first page, a value's trailer, an object's metadata) is the transport's.
 
 Under a store key (`TransportContext.store_key`) each layer's hash is instead a keyed
-BLAKE2b-64 of the chunk key, shard, layer index and bytes: bytes written by whoever
-lacks the key, or copied from another chunk, shard or layer, fail it (`ChunkCorrupt`:
-vLLM recomputes). The header's format is the same.
+BLAKE3 (its first 8 bytes) of the chunk key, shard, layer index and bytes: bytes written
+by whoever lacks the key, or copied from another chunk, shard or layer, fail it
+(`ChunkCorrupt`: vLLM recomputes). The header's format is the same.
 
 A load that stops reports the earliest chunk that failed (`first_failure`): every
 chunk before it arrived whole, so vLLM keeps those and recomputes from there.
@@ -18,10 +18,10 @@ chunk before it arrived whole, so vLLM keeps those and recomputes from there.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import blake3
 import msgspec
 import xxhash
 
@@ -42,8 +42,8 @@ class ChunkHeader(msgspec.Struct, frozen=True, array_like=True):
     num_tokens: int
     layer_nbytes: list[int]
     layer_hash: list[int]
-    """XXH3-64 of each layer's bytes, or under a store key their keyed BLAKE2b-64
-    (`layer_hash`)."""
+    """XXH3-64 of each layer's bytes, or under a store key their keyed BLAKE3's first 8
+    bytes (`layer_hash`)."""
     layout: str = ""
     """`KVLayout.describe()` of the writer ("" in chunks of a kvflow before it was kept)."""
 
@@ -129,6 +129,14 @@ _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(ChunkHeader)
 
 
+KEYED_HASH_THREADS = 1
+"""`max_threads` of each keyed layer hash: one. A store transport already hashes in
+threads of its own (`fs`: `threads`, 2 by default), a layer at a time; BLAKE3's own
+threads (`blake3.blake3.AUTO`) on top of those saved no faster and loaded slower on 2
+cores, and take cores from whatever else runs there (`bench/bench_fs_io.py --store-key`,
+docs/benchmarks.md)."""
+
+
 def layer_hash(
     spans: Sequence[memoryview],
     store_key: StoreKey | None = None,
@@ -138,15 +146,18 @@ def layer_hash(
 ) -> int:
     """XXH3-64 of the spans' bytes, in order (at memory speed: ~4x zlib's CRC32).
 
-    With a `store_key`: keyed BLAKE2b-64 of layer `layer` of shard `shard` of chunk
-    `key`, then the spans' bytes (an unsigned 64-bit number, as XXH3-64 is), which only
-    holders of the key can compute, and which differs for any other chunk, shard or
-    layer holding the same bytes."""
+    With a `store_key`: keyed BLAKE3 of layer `layer` of shard `shard` of chunk `key`,
+    then the spans' bytes, its first 8 bytes as an unsigned 64-bit number (as XXH3-64
+    is), which only holders of the key can compute, and which differs for any other
+    chunk, shard or layer holding the same bytes. It releases the GIL for spans of 2 KiB
+    and more, so a transport's threads hash at once."""
     if store_key is not None:
-        keyed = hashlib.blake2b(_binding(key, shard, layer), digest_size=8, key=store_key.checksums)
+        keyed = blake3.blake3(
+            _binding(key, shard, layer), key=store_key.checksums, max_threads=KEYED_HASH_THREADS
+        )
         for s in spans:
             keyed.update(s)
-        return int.from_bytes(keyed.digest(), "little")
+        return int.from_bytes(keyed.digest(8), "little")
     if len(spans) == 1:  # the common case (a block-granular or dense chunk): one call
         return xxhash.xxh3_64_intdigest(spans[0])
     h = xxhash.xxh3_64()

@@ -47,10 +47,10 @@ _PLAIN_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}")
 
 
 class StoreKey:
-    """The keys a store key (`store_key_file`'s secret) gives, each derived with keyed
-    BLAKE2b under a label of its own: `names` keys the namespace and the chain of chunk
-    keys (`chunk_keys`), `checksums` keys each layer's checksum (`kvflow.chunks.
-    layer_hash`). The secret itself is kept nowhere."""
+    """The keys a store key (`store_key_file`'s secret) gives, each 32 bytes derived with
+    keyed BLAKE2b under a label of its own: `names` keys the namespace and the chain of
+    chunk keys (keyed BLAKE2b, `chunk_keys`), `checksums` each layer's checksum (keyed
+    BLAKE3, `kvflow.chunks.layer_hash`). The secret itself is kept nowhere."""
 
     __slots__ = ("checksums", "names")
 

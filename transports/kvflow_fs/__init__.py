@@ -2,7 +2,8 @@
 
 kvflow's embedded default. One file per chunk and shard:
 `<root>/<namespace>/<key[:2]>/<key>.<shard>.kv`, holding a 4 KiB header
-(magic, key, namespace, shard, token count, per-layer byte counts and XXH3-64s)
+(magic, key, namespace, shard, token count, per-layer byte counts and XXH3-64s, or
+under a store key keyed BLAKE3s)
 and then the layers' bytes, page-aligned. Files appear atomically (temp file +
 rename), are read with `preadv` straight into vLLM's KV blocks, and are
 validated on read: a missing, truncated, foreign or corrupt file becomes a

@@ -2,8 +2,10 @@
 (`kvflow.chunks`), then the layer-major payload.
 
 Format 2 (magic `KVFLOWC2`) checks each layer's payload with XXH3-64, which runs at
-memory speed (~4x zlib's CRC32 here); format 1 (`KVFLOWC1`, CRC32) files are refused
-with a message saying so: the chunk is computed again and rewritten in format 2.
+memory speed (~4x zlib's CRC32 here), or under a store key (`store_key_file`) with a
+keyed BLAKE3 bound to the chunk, shard and layer, in the same header field
+(`kvflow.chunks.layer_hash`); format 1 (`KVFLOWC1`, CRC32) files are refused with a
+message saying so: the chunk is computed again and rewritten in format 2.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ def read_header(fd: int) -> ChunkHeader:
     if magic in OLD_MAGICS:
         raise BadHeader(
             f"written in kvflow's chunk {OLD_MAGICS[magic]}; this kvflow reads format 2 "
-            "(XXH3): computed again and rewritten"
+            "(XXH3, or keyed BLAKE3 under a store key): computed again and rewritten"
         )
     if magic != MAGIC:
         raise BadHeader("not a kvflow chunk file (bad magic)")

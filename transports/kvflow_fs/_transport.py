@@ -48,7 +48,9 @@ class FsOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_gb: float = 16.0
     """Size cap; least-recently-used chunk files are evicted above it. 0: no cap."""
     verify: bool = True
-    """Check each layer's XXH3-64 on load (a mismatch is a load error, never wrong tokens)."""
+    """Check each layer's XXH3-64 on load (a mismatch is a load error, never wrong tokens).
+    Under a store key (`store_key_file`) each layer's keyed BLAKE3 is checked whatever
+    this says."""
     fsync: bool = False
     """fsync each file before it becomes visible (survives power loss; slower)."""
     threads: int = 2
@@ -306,9 +308,9 @@ class FsTransport(Transport):
 
     # -- load --------------------------------------------------------------
     async def load(self, job: LoadJob) -> None:
-        """Read straight into KV memory, each layer checked (XXH3-64, hashed right after
-        it is read, from the CPU's cache) before it is signalled: vLLM may write into a
-        loaded block as soon as its layer is signalled.
+        """Read straight into KV memory, each layer checked (XXH3-64, or under a store key
+        keyed BLAKE3, hashed right after it is read, from the CPU's cache) before it is
+        signalled: vLLM may write into a loaded block as soon as its layer is signalled.
 
         A load the forward waits on (`job.layerwise`) reads layers in groups of 1, 1, 2,
         4, ... (`_layer_groups`): the first layer lands as soon as it can, and later
