@@ -2,7 +2,7 @@
 virtualenv's python, from a directory outside the repository, after a non-editable
 install of the built wheels.
 
-    python check_installed.py --version 0.2.0 [--skip-demo]
+    python check_installed.py --version 0.3.0 [--skip-demo]
 
 It fails (exit 1, naming each problem) unless:
 - every module of the `kvflow` and `kvflow-redis` distributions imports, from the
