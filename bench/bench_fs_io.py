@@ -32,31 +32,42 @@ byte against the source blocks (untimed). Medians of `--repeats` after one warm-
 round; ratios are of GB/s against plain. Writes bench/results/fs-io.json.
 
 `--store-key` measures what a store key (`store_key_file`) costs instead, on
-`bench-llama` alone (a run under 2 minutes on 2 cores): two sides, `unkeyed` and
-`keyed`, each `FsTransport` as configured by default (`threads: 2`,
-`verify: true`) with its own store, the keyed one with a `StoreKey` in its context
-(each layer hashed and checked with keyed BLAKE2b-64 instead of XXH3-64), the same save,
-layer load and file load in alternating order; ratios are of GB/s against unkeyed. It
-records the load average before and after (the machine may be shared). Writes
-bench/results/fs-store-key.json.
+`bench-llama` alone (a run under 2 minutes on 2 cores): three sides, `unkeyed`, `keyed`
+and `keyed AUTO`, each `FsTransport` as configured by default (`threads: 2`,
+`verify: true`) with its own store, the keyed ones with a `StoreKey` in their context
+(each layer hashed and checked with keyed BLAKE3 instead of XXH3-64: `keyed` in one
+thread per layer as kvflow does, `keyed AUTO` with `max_threads=blake3.blake3.AUTO`
+inside each of the transport's threads), the same save, layer load and file load in
+alternating order; ratios are of GB/s against unkeyed. Before them, the hashes alone over
+one chunk's layers (1 MiB each): XXH3-64, the keyed BLAKE2b-64 kvflow used before, keyed
+BLAKE3 and keyed BLAKE3 AUTO, in one thread and in two threads at once (each on its own
+layers, as `fs`'s two threads hash). It records the load average before and after (the
+machine may be shared). Writes bench/results/fs-store-key.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import blake3
 import numpy as np
 import record
 import trio
 
+import kvflow.chunks
+from kvflow.chunks import layer_hash
 from kvflow.keys import StoreKey, chunk_keys
 from kvflow.layout import KVLayout
 from kvflow.testing.layouts import make_layout
@@ -225,22 +236,101 @@ def bench_case(case: Case, repeats: int, tmp: Path) -> dict[str, float]:
     return {k: case.nbytes / statistics.median(v) / 1e9 for k, v in times.items()}
 
 
-KEYED_SIDES = ("unkeyed", "keyed")
+KEYED_SIDES = ("unkeyed", "keyed", "keyed AUTO")
 KEYED_GEOMETRIES = ("bench-llama",)
 KEYED_OPS = ("save", "layer load", "file load")
 
 
+@contextmanager
+def hash_threads(n: int) -> Iterator[None]:
+    """Keyed layer hashes with `max_threads=n` (kvflow's is 1) while inside."""
+    was, kvflow.chunks.KEYED_HASH_THREADS = kvflow.chunks.KEYED_HASH_THREADS, n
+    try:
+        yield
+    finally:
+        kvflow.chunks.KEYED_HASH_THREADS = was
+
+
+def _blake2b_before(spans: list[memoryview], key: StoreKey, chunk: str, layer: int) -> int:
+    """The keyed layer hash kvflow had before BLAKE3 (e25b338), for comparison."""
+    h = hashlib.blake2b(kvflow.chunks._binding(chunk, "s", layer), digest_size=8, key=key.checksums)
+    for s in spans:
+        h.update(s)
+    return int.from_bytes(h.digest(), "little")
+
+
+def bench_hashes(case: Case, rounds: int = 5, secs: float = 0.2) -> dict[str, dict[str, float]]:
+    """GB/s of each layer hash over the case's layers, in one thread and in two at once
+    (the first thread on the even chunks, the second on the odd): medians of `rounds`
+    rounds of about `secs` each, every hash and width in turn within a round."""
+    key = StoreKey(os.urandom(32))
+    layers = [case.src.chunk_spans(i, case.src_ids, case.counts) for i in range(case.geo.layers)]
+    work = [(c, i, layers[i][c]) for c in range(len(case.keys)) for i in range(case.geo.layers)]
+
+    def keyed(spans: list[memoryview], c: int, i: int) -> object:
+        return layer_hash(spans, key, case.keys[c], "s", i)
+
+    # name: (hash, its max_threads where keyed BLAKE3)
+    hashes: dict[str, tuple[Callable[[list[memoryview], int, int], object], int]] = {
+        "XXH3-64 (no key)": (lambda spans, c, i: layer_hash(spans), 1),
+        "keyed BLAKE2b-64 (before)": (lambda spans, c, i: _blake2b_before(spans, key, "k", i), 1),
+        "keyed BLAKE3": (keyed, 1),
+        "keyed BLAKE3 AUTO": (keyed, blake3.blake3.AUTO),
+    }
+
+    def rate(fn: Callable[[list[memoryview], int, int], object], width: int) -> float:
+        done = [0] * width
+        stop = time.perf_counter() + secs
+
+        def one(w: int) -> None:
+            mine = work[w::width]
+            while time.perf_counter() < stop:
+                for c, i, spans in mine[:8]:
+                    fn(spans, c, i)
+                    done[w] += sum(len(s) for s in spans)
+                mine = mine[8:] + mine[:8]
+
+        threads = [threading.Thread(target=one, args=(w,)) for w in range(width)]
+        t0 = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return sum(done) / (time.perf_counter() - t0) / 1e9
+
+    got: dict[tuple[str, str], list[float]] = {}
+    for r in range(rounds + 1):  # round 0 warms up and is not counted
+        for name, (fn, threads) in hashes.items():
+            with hash_threads(threads):
+                for width, label in ((1, "1 thread"), (2, "2 threads")):
+                    gbs = rate(fn, width)
+                    if r:
+                        got.setdefault((name, label), []).append(gbs)
+    out: dict[str, dict[str, float]] = {}
+    for (name, label), v in got.items():
+        out.setdefault(name, {})[label] = statistics.median(v)
+    for name, at in out.items():
+        print(
+            f"  {name:<26} 1 thread {at['1 thread']:5.2f} GB/s   "
+            f"2 threads at once {at['2 threads']:5.2f} GB/s",
+            flush=True,
+        )
+    return out
+
+
 def bench_keyed(case: Case, repeats: int, tmp: Path) -> dict[str, float]:
-    """Medians of each side's save and loads, in GB/s: unkeyed and keyed, alternating."""
+    """Medians of each side's save and loads, in GB/s: unkeyed, keyed and keyed with
+    BLAKE3's own threads (`keyed AUTO`), alternating."""
     roots = {side: tmp / f"{case.name}-{side}" for side in KEYED_SIDES}
     key = StoreKey(os.urandom(32))
     times: dict[str, list[float]] = {}
 
     async def run() -> None:
         ts = {
-            side: _transport(roots[side], case, 2, key if side == "keyed" else None)
+            side: _transport(roots[side], case, 2, None if side == "unkeyed" else key)
             for side in KEYED_SIDES
         }
+        threads = {side: blake3.blake3.AUTO if side == "keyed AUTO" else 1 for side in KEYED_SIDES}
         for t in ts.values():
             await t.open()
         for r in range(repeats + 1):  # round 0 warms up and is not counted
@@ -250,14 +340,16 @@ def bench_keyed(case: Case, repeats: int, tmp: Path) -> dict[str, float]:
                 (roots[side] / "ns").mkdir()
                 os.sync()
                 t0 = time.perf_counter()
-                await kvflow_save(ts[side], case)
+                with hash_threads(threads[side]):
+                    await kvflow_save(ts[side], case)
                 if r:
                     times.setdefault(f"{side} save", []).append(time.perf_counter() - t0)
             for side in order:
                 for op in KEYED_OPS[1:]:
                     clear(case)
                     t0 = time.perf_counter()
-                    await kvflow_load(ts[side], case, layerwise=op == "layer load")
+                    with hash_threads(threads[side]):
+                        await kvflow_load(ts[side], case, layerwise=op == "layer load")
                     if r:
                         times.setdefault(f"{side} {op}", []).append(time.perf_counter() - t0)
                     check_loaded(case)
@@ -274,19 +366,26 @@ def main_store_key(args: argparse.Namespace, meta: dict[str, object]) -> int:
     try:
         for name in KEYED_GEOMETRIES:
             case = make_case(name, GEOMETRIES[name])
+            print(f"{name}: each layer hash alone, over 1 MiB layers:")
+            hashes = bench_hashes(case)
             gbs = bench_keyed(case, repeats, tmp)
             ratio = {op: gbs[f"keyed {op}"] / gbs[f"unkeyed {op}"] for op in KEYED_OPS}
+            auto = {op: gbs[f"keyed AUTO {op}"] / gbs[f"unkeyed {op}"] for op in KEYED_OPS}
             cases[name] = {
                 "mib": case.nbytes / 2**20,
                 "files": len(case.keys),
+                "layer_mib": case.nbytes / 2**20 / len(case.keys) / case.geo.layers,
+                "hashes": hashes,
                 "gbs": gbs,
                 "ratio": ratio,
+                "ratio_auto": auto,
             }
             print(f"{name}: {case.nbytes / 2**20:.0f} MiB in {len(case.keys)} files, GB/s:")
             for op in KEYED_OPS:
                 print(
                     f"  {op:<11} unkeyed {gbs[f'unkeyed {op}']:.2f}   "
-                    f"keyed {gbs[f'keyed {op}']:.2f} ({ratio[op]:.2f}x)",
+                    f"keyed {gbs[f'keyed {op}']:.2f} ({ratio[op]:.2f}x)   "
+                    f"keyed AUTO {gbs[f'keyed AUTO {op}']:.2f} ({auto[op]:.2f}x)",
                     flush=True,
                 )
     finally:
@@ -296,6 +395,7 @@ def main_store_key(args: argparse.Namespace, meta: dict[str, object]) -> int:
         "repeats": repeats,
         "dir": args.dir or tempfile.gettempdir(),
         "threads": 2,
+        "cores": os.cpu_count(),
         "loadavg_before": [round(x, 2) for x in load_before],
         "loadavg_after": [round(x, 2) for x in os.getloadavg()],
         "cases": cases,

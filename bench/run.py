@@ -151,9 +151,25 @@ def fs_store_key_table(d: dict[str, Any]) -> list[str]:
         g = case["gbs"]
         for op in ("save", "layer load", "file load"):
             kv = f"{name}, {case['mib']:.0f} MiB, {case['files']} files"
-            unkeyed, keyed = g[f"unkeyed {op}"], g[f"keyed {op}"]
-            rows.append([kv, op, f"{unkeyed:.2f}", f"{keyed:.2f}", f"{keyed / unkeyed:.2f}x"])
-    head = ["KV", "operation", "unkeyed GB/s", "keyed GB/s", "keyed / unkeyed"]
+            unkeyed, keyed, auto = g[f"unkeyed {op}"], g[f"keyed {op}"], g[f"keyed AUTO {op}"]
+            rows.append(
+                [
+                    kv,
+                    op,
+                    f"{unkeyed:.2f}",
+                    f"{keyed:.2f}",
+                    f"{keyed / unkeyed:.2f}x",
+                    f"{auto:.2f} ({auto / unkeyed:.2f}x)",
+                ]
+            )
+    head = [
+        "KV",
+        "operation",
+        "unkeyed GB/s",
+        "keyed GB/s",
+        "keyed / unkeyed",
+        "keyed, BLAKE3 `AUTO` threads GB/s (x unkeyed)",
+    ]
     before, after = d["loadavg_before"], d["loadavg_after"]
     note = (
         f"medians of {d['repeats']} after a warm-up, `threads: {d['threads']}`; load average "
@@ -161,6 +177,23 @@ def fs_store_key_table(d: dict[str, Any]) -> list[str]:
         f"{', '.join(map(str, after))} after: the machine's cores were shared"
     )
     return [*_table(head, rows), "", f"_{note}_"]
+
+
+def fs_store_key_hashes_table(d: dict[str, Any]) -> list[str]:
+    """bench_fs_io.py --store-key: each layer hash alone, in one thread and two at once."""
+    rows = []
+    for name, case in d["cases"].items():
+        for hash_, gbs in case["hashes"].items():
+            one, two = gbs["1 thread"], gbs["2 threads"]
+            rows.append([name, hash_, f"{one:.2f}", f"{two:.2f} ({two / one:.2f}x)"])
+    head = ["KV", "layer hash", "1 thread GB/s", "2 threads at once GB/s (x 1 thread)"]
+    layer = next(iter(d["cases"].values()))["layer_mib"]
+    note = (
+        f"over the request's layers, {layer:g} MiB each (most not in the CPU's cache); medians "
+        f"of 5 rounds of 0.2 s, every hash in turn; {d['cores']} cores, shared (the load "
+        "average above)"
+    )
+    return [*_table(head, rows, left=2), "", f"_{note}_"]
 
 
 def reshape_table(d: dict[str, Any]) -> list[str]:
@@ -563,6 +596,7 @@ def tests_table(d: dict[str, Any]) -> list[str]:
 TABLES: dict[str, tuple[str, Callable[[dict[str, Any]], list[str]], str]] = {
     "fs-io": ("fs-io", fs_io_table, ""),
     "fs-store-key": ("fs-store-key", fs_store_key_table, ""),
+    "fs-store-key-hashes": ("fs-store-key", fs_store_key_hashes_table, ""),
     "hooks": ("hooks", hooks_table, ""),
     "reshape": ("reshape", reshape_table, ""),
     "convert": ("convert", convert_table, ""),
