@@ -29,18 +29,9 @@ from kvflow_fs._format import HEADER_SIZE, encode_header, read_header
 from kvflow_fs._transport import THREADS
 from kvflow_fs._usage import StoreUsage
 
+from .fs_store import Factory, fs_worker
+
 PATH_OPTION = "kv_connector_extra_config['options']['path']"
-
-
-class Factory:
-    """Makes fs transports over one store; `options` apply to instances made after."""
-
-    def __init__(self, store: Path) -> None:
-        self.store = store
-        self.options: dict[str, Any] = {}
-
-    def __call__(self, context: TransportContext) -> FsTransport:
-        return FsTransport(FsOptions(path=str(self.store), **self.options), context)
 
 
 @pytest.fixture
@@ -53,12 +44,6 @@ async def kv(factory: Factory) -> AsyncIterator[Harness]:
     suite = TransportConformance()
     async with suite.harness(factory, suite.build_layout(False)) as harness:
         yield harness
-
-
-async def fs_worker(kv: Harness, **kw: Any) -> FsTransport:
-    worker = await kv.worker(**kw)
-    assert isinstance(worker, FsTransport)
-    return worker
 
 
 async def saved(kv: Harness, worker: FsTransport, n: int, partial: int = 0) -> Chunks:
