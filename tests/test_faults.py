@@ -64,11 +64,12 @@ def _config(path: Path, policy: str, events: Path) -> dict[str, Any]:
 
 
 HOLDER = """
-mount -t tmpfs -o size="$2" tmpfs "$1" || exit 1
+mount -t tmpfs -o size="$2",mode=0700 tmpfs "$1" || exit 1
 echo mounted
 while read -r mode; do mount -o remount,bind,"$mode" "$1" && echo "$mode" || echo failed; done
 """
-"""Mounts the tmpfs in its namespace, then remounts it `ro` or `rw` as told on stdin
+"""Mounts the tmpfs in its namespace (mode 0700: `fs` refuses a store others may write
+to, as a tmpfs's default 1777 allows), then remounts it `ro` or `rw` as told on stdin
 (a bind remount: a user namespace may not remount the superblock it mounted)."""
 
 
