@@ -16,7 +16,7 @@ import torch
 
 from kvflow.events import TransferDone
 from kvflow.hidden_states import PARAM, HiddenStatesReader
-from kvflow_vllm.engine_process import tiny_model_dir
+from kvflow_vllm.engine_process import ScenarioResult, tiny_model_dir
 
 from .e2e import assert_same_generation, events_for, run_engine
 
@@ -31,30 +31,6 @@ SPECULATIVE = {
 }
 
 
-def test_a_prompt_saved_under_extract_hidden_states_is_loaded_again(tmp_path: Path) -> None:
-    """Saved by one engine (its shutdown drains the save), loaded by the next: a second
-    request in the same engine could look up before the first one's save is stored."""
-    (first,), (second,) = (
-        run_engine(
-            tmp_path,
-            f"hidden-{n}",
-            batches=[[PROMPT]],
-            max_tokens=1,
-            extra_config={"options": {"path": str(tmp_path / "store")}},
-            llm_args={"speculative_config": SPECULATIVE},
-        ).batches[0]
-        for n in (1, 2)
-    )
-    assert first.cached_tokens == 0
-    assert second.cached_tokens == len(PROMPT) - 1, "the second request did not hit"
-    assert_same_generation(second, first, "loaded under extract_hidden_states")
-    # the scheduler's transport and the worker's use one KV namespace (next to the
-    # hidden states' own)
-    store = tmp_path / "store"
-    kv = [d for d in store.iterdir() if d.is_dir() and any(d.glob("*/*.tp0of1pp0.kv"))]
-    assert len(kv) == 1
-
-
 def reference_rows(tokens: list[int], layer_ids: list[int]) -> torch.Tensor:
     """What vLLM's aux hidden state `i` is (the input of decoder layer i), from Hugging
     Face transformers' forward of the same weights: `[tokens, layers, hidden]`."""
@@ -66,17 +42,28 @@ def reference_rows(tokens: list[int], layer_ids: list[int]) -> torch.Tensor:
     return torch.stack([out.hidden_states[i][0] for i in layer_ids], dim=1)
 
 
-def test_hidden_states_are_stored_and_read_back_by_request(tmp_path: Path) -> None:
-    store = tmp_path / "store"
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, ScenarioResult]:
+    """One engine: PROMPT computed (cold), PROMPT again (warm: loaded from the store), a
+    prefix of it with its output tokens' rows; the store is the next test's too."""
+    tmp = tmp_path_factory.mktemp("hidden")
     res = run_engine(
-        tmp_path,
+        tmp,
         "export",
         batches=[[PROMPT], [PROMPT], [PROMPT[:77]]],
         batch_params=[{}, {}, {"include_output_tokens": True}],
         max_tokens=4,
-        extra_config={"options": {"path": str(store)}, "event_log": str(tmp_path / "ev.jsonl")},
+        extra_config={"options": {"path": str(tmp / "store")}, "event_log": str(tmp / "ev.jsonl")},
         llm_args={"speculative_config": SPECULATIVE},
     )
+    return tmp, res
+
+
+def test_hidden_states_are_stored_and_read_back_by_request(
+    exported: tuple[Path, ScenarioResult],
+) -> None:
+    tmp_path, res = exported
+    store = tmp_path / "store"
     (cold,), (warm,), (outputs,) = res.batches
     for r in (cold, warm, outputs):  # what `kvflow inspect` shows as an export
         done = [
@@ -103,6 +90,32 @@ def test_hidden_states_are_stored_and_read_back_by_request(tmp_path: Path) -> No
     )
     # the same prompt's chunks are stored once: KV and hidden states in their namespaces
     assert len([d for d in store.iterdir() if d.is_dir()]) == 2
+
+
+def test_a_prompt_saved_under_extract_hidden_states_is_loaded_again(
+    exported: tuple[Path, ScenarioResult],
+) -> None:
+    """Saved by one engine (its shutdown drains the save), loaded by the next: a second
+    request in the same engine could look up before the first one's save is stored.
+    (The first engine is `exported`'s: its cold request's tokens are the reference.)"""
+    tmp_path, res = exported
+    store = tmp_path / "store"
+    (first,) = res.batches[0]
+    ((second,),) = run_engine(
+        tmp_path,
+        "reload",
+        batches=[[PROMPT]],
+        max_tokens=4,
+        extra_config={"options": {"path": str(store)}},
+        llm_args={"speculative_config": SPECULATIVE},
+    ).batches
+    assert first.cached_tokens == 0
+    assert second.cached_tokens == len(PROMPT) - 1, "the second engine did not hit"
+    assert_same_generation(second, first, "loaded under extract_hidden_states")
+    # the scheduler's transport and the worker's use one KV namespace (next to the
+    # hidden states' own)
+    kv = [d for d in store.iterdir() if d.is_dir() and any(d.glob("*/*.tp0of1pp0.kv"))]
+    assert len(kv) == 1
 
 
 def test_through_vllms_openai_server_as_the_docs_say(tmp_path: Path) -> None:
