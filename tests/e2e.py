@@ -2,20 +2,61 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from kvflow.eventlog import read_event_log
 from kvflow.events import Event
-from kvflow_vllm.engine_process import GenResult, Scenario, ScenarioResult, spawn_engine
+from kvflow_vllm.engine_process import (
+    EngineFailed,
+    GenResult,
+    Scenario,
+    ScenarioResult,
+    spawn_engine,
+)
 from kvflow_vllm.serving import ServingEngine, close_all
 
-__all__ = ["ServingEngine", "assert_same_generation", "close_all", "events_for", "run_engine"]
+__all__ = [
+    "ServingEngine",
+    "assert_same_generation",
+    "close_all",
+    "events_for",
+    "run_engine",
+    "run_engines",
+    "started",
+]
 
 
 def run_engine(tmp: Path, name: str, **scenario: Any) -> ScenarioResult:
     """A fresh engine process running `Scenario(**scenario)`."""
     return spawn_engine(tmp, name, Scenario(**scenario))
+
+
+def run_engines(
+    tmp: Path, scenarios: dict[str, dict[str, Any]]
+) -> dict[str, ScenarioResult | EngineFailed]:
+    """Fresh engine processes running `Scenario(**scenarios[name])`, two at a time: by
+    name, each one's result, or the `EngineFailed` of one that did not start (any other
+    error is raised). An engine process spends most of its life importing vLLM, three
+    times over (itself, its engine core, its worker), on one core; two at once overlap
+    those on two cores, and their short forwards rarely meet."""
+    with ThreadPoolExecutor(2) as pool:
+        futures = {name: pool.submit(run_engine, tmp, name, **sc) for name, sc in scenarios.items()}
+    out: dict[str, ScenarioResult | EngineFailed] = {}
+    for name, future in futures.items():
+        exc = future.exception()
+        if exc is not None and not isinstance(exc, EngineFailed):
+            raise exc
+        out[name] = exc if isinstance(exc, EngineFailed) else future.result()
+    return out
+
+
+def started(result: ScenarioResult | EngineFailed) -> ScenarioResult:
+    """`run_engines`' result of an engine that must have started (else its error)."""
+    if isinstance(result, EngineFailed):
+        raise result
+    return result
 
 
 def events_for(path: Path, result: GenResult) -> list[Event]:

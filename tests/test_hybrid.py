@@ -4,11 +4,12 @@ window loads only the blocks inside it, and tokens match a run without kvflow.
 
 `tiny-swa` is `tiny-llama` with `layer_types` (three sliding-window layers of 64 tokens,
 one full): vLLM gives it four KV cache groups. Engines run once for the module: a
-baseline without a connector, a prefill instance (`kv_producer`) that saves to a fresh
-`fs` store and a decode instance (`kv_consumer`, a fresh process) that loads from it,
-with a KV cache small enough that vLLM hands the blocks a sliding window gave back to
-other requests while their saves may still read them. Prefill/decode runs between two
-more live engines over `zmq` and `nixl`, one pull per group.
+baseline without a connector and, at the same time, a prefill instance (`kv_producer`)
+that saves to a fresh `fs` store, then a decode instance (`kv_consumer`, a fresh
+process) that loads from it, with a KV cache small enough that vLLM hands the blocks a
+sliding window gave back to other requests while their saves may still read them.
+Prefill/decode runs between two more live engines over `zmq` and `nixl`, one pull per
+group.
 """
 
 from __future__ import annotations
@@ -28,7 +29,15 @@ from kvflow.events import (
 )
 from kvflow_vllm.engine_process import GenResult, ScenarioResult, model_dir
 
-from .e2e import ServingEngine, assert_same_generation, close_all, events_for, run_engine
+from .e2e import (
+    ServingEngine,
+    assert_same_generation,
+    close_all,
+    events_for,
+    run_engine,
+    run_engines,
+    started,
+)
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -65,24 +74,30 @@ class Run:
         return (self.tmp / f"{name}.log").read_text()
 
 
-def _engine(run: Run, name: str, **kw: object) -> ScenarioResult:
-    return run_engine(
-        run.tmp,
-        name,
-        batches=[PROMPTS],
-        model=model_dir("tiny-swa"),
-        block_size=BLOCK,
-        llm_args=LLM_ARGS,
+def _scenario(**kw: object) -> dict[str, object]:
+    return {
+        "batches": [PROMPTS],
+        "model": model_dir("tiny-swa"),
+        "block_size": BLOCK,
+        "llm_args": LLM_ARGS,
         **kw,
-    )
+    }
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
     r = Run(tmp_path_factory.mktemp("hybrid"))
-    r.baseline = _engine(r, "baseline", connector=False)
-    r.prefill = _engine(r, "prefill", kv_role="kv_producer", extra_config=r.extra("prefill"))
-    r.decode = _engine(r, "decode", kv_role="kv_consumer", extra_config=r.extra("decode"))
+    first = run_engines(  # two at once: the decode instance needs the prefill's store
+        r.tmp,
+        {
+            "baseline": _scenario(connector=False),
+            "prefill": _scenario(kv_role="kv_producer", extra_config=r.extra("prefill")),
+        },
+    )
+    r.baseline, r.prefill = started(first["baseline"]), started(first["prefill"])
+    r.decode = run_engine(
+        r.tmp, "decode", **_scenario(kv_role="kv_consumer", extra_config=r.extra("decode"))
+    )
     return r
 
 

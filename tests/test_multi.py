@@ -2,9 +2,10 @@
 
 vLLM builds each child from its own `kv_transfer_config` dict, saves through every
 child and loads through the first that has the prompt. Engines run once for the
-module: a baseline without a connector, then two fresh engine processes with the
-same `MultiConnector` configuration (kvflow `fs` first): the first computes and saves
-the prompts through both children, the second loads them through kvflow.
+module: a baseline without a connector and, at the same time, the first of two fresh
+engine processes with the same `MultiConnector` configuration (kvflow `fs` first),
+which computes and saves the prompts through both children; the second loads them
+through kvflow.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import pytest
 from kvflow.events import LoadStarted, TransferDone
 from kvflow_vllm.engine_process import ScenarioResult
 
-from .e2e import assert_same_generation, events_for, run_engine
+from .e2e import assert_same_generation, events_for, run_engine, run_engines, started
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -59,16 +60,16 @@ class Run:
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
     r = Run(tmp_path_factory.mktemp("multi"))
-    r.baseline = run_engine(r.tmp, "baseline", batches=[PROMPTS], connector=False)
-    for name in ("first", "second"):
-        result = run_engine(
-            r.tmp,
-            name,
-            batches=[PROMPTS],
-            connector_name="MultiConnector",
-            extra_config=r.connectors(name),
-        )
-        setattr(r, name, result)
+    multi = {"batches": [PROMPTS], "connector_name": "MultiConnector"}
+    first = run_engines(
+        r.tmp,
+        {
+            "baseline": {"batches": [PROMPTS], "connector": False},
+            "first": {**multi, "extra_config": r.connectors("first")},
+        },
+    )
+    r.baseline, r.first = started(first["baseline"]), started(first["first"])
+    r.second = run_engine(r.tmp, "second", **multi, extra_config=r.connectors("second"))
     return r
 
 
