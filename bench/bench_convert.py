@@ -40,10 +40,10 @@ import record
 import trio
 import trio.testing
 
-from kvflow.cells import copy_heads
-from kvflow.layout import KVLayout
+from kvflow.geometry.cells import copy_heads
+from kvflow.geometry.layout import KVLayout
+from kvflow.geometry.topology import HeadRead
 from kvflow.pd.peer_transport import PeerTransport
-from kvflow.pd.topology import HeadRead
 from kvflow.testing.layouts import make_layout
 from kvflow.transport import LoadJob, Offer, PeerSource, TransportContext
 from kvflow_nixl import NixlOptions, NixlTransport

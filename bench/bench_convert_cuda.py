@@ -30,7 +30,7 @@ import record
 import torch
 import trio
 
-from kvflow.layout import KVLayout
+from kvflow.geometry.layout import KVLayout
 from kvflow.pd.peer_transport import PeerTransport
 from kvflow.testing.layouts import device_layout
 from kvflow.transport import LoadJob, Offer, PeerSource, TransportContext

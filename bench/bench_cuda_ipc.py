@@ -58,7 +58,7 @@ import record
 import torch
 import trio
 
-from kvflow.layout import KVLayout
+from kvflow.geometry.layout import KVLayout
 from kvflow.testing.layouts import device_layout
 from kvflow.transport import LoadJob, Offer, PeerSource, TransportContext
 from kvflow_zmq import ZmqOptions, ZmqTransport

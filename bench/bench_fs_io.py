@@ -68,8 +68,8 @@ import trio
 
 import kvflow.chunks
 from kvflow.chunks import layer_hash
+from kvflow.geometry.layout import KVLayout
 from kvflow.keys import StoreKey, chunk_keys
-from kvflow.layout import KVLayout
 from kvflow.testing.layouts import make_layout
 from kvflow.transport import LoadJob, SaveJob, TransportContext
 from kvflow_fs import FsOptions, FsTransport

@@ -85,7 +85,7 @@ import record
 import trio
 import zmq
 
-from kvflow.layout import KVLayout
+from kvflow.geometry.layout import KVLayout
 from kvflow.testing.layouts import make_layout
 from kvflow.transport import LoadJob, Offer, PeerSource, Transport, TransportContext
 from kvflow_nixl import NixlOptions, NixlTransport

@@ -38,8 +38,8 @@ from pathlib import Path
 import record
 import trio
 
+from kvflow.geometry.layout import KVLayout
 from kvflow.keys import chunk_keys
-from kvflow.layout import KVLayout
 from kvflow.reshape import load_reshaped, shard_name
 from kvflow.testing.layouts import fill_blocks, make_layout
 from kvflow.transport import LoadJob, SaveJob, TransportContext

@@ -104,7 +104,7 @@ import trio
 import trio.testing
 import zmq
 
-from kvflow.layout import KVLayout
+from kvflow.geometry.layout import KVLayout
 from kvflow.pd.offers import answer_bind
 from kvflow.pd.params import PD_VERSION, UNSET_SHAPE, PdParams, check_pd_params
 from kvflow.pd.security import Channel, Toward, prompt_digest

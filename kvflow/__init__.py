@@ -16,8 +16,8 @@ from importlib import metadata as _metadata
 
 from .chunks import BadHeader, ChunkFailure, ChunkHeader, first_failure, layer_hash
 from .config import ConfigError, KVFlowConfig
+from .geometry.layout import KVLayout, LayerGeometry, LayoutError
 from .keys import ChunkKey
-from .layout import KVLayout, LayerGeometry, LayoutError
 from .pd.offers import HeldOffers, NotHeld, Renew, answer_renew, renew_at, select_blocks
 from .pd.peer_transport import PeerOptions, PeerTransport
 from .tiers import stacked, with_host_tier

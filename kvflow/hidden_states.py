@@ -24,8 +24,8 @@ import trio
 
 from .config import ConfigError, KVFlowConfig, parse_options, store_key_of
 from .events import EventBus, SaveStarted, TransferDone, TransferFailed
+from .geometry.layout import KVLayout, view_geometry
 from .keys import ChunkKey, StoreKey, chunk_token_counts, is_chunk_key, is_plain_name, shown
-from .layout import KVLayout, view_geometry
 from .runtime import Backoff, Runtime, RuntimeClosed
 from .transport import LoadJob, SaveJob, Transport, TransportContext, TransportError, load_transport
 

@@ -27,6 +27,7 @@ from .events import (
     StepPlanned,
     TaskFailed,
 )
+from .geometry.topology import readers
 from .keys import ChunkKey, chunk_keys, chunk_token_counts
 from .lending import lent_at_finish
 from .metadata import LoadSpec, OfferSpec, SaveSpec, WorkerPlan
@@ -41,7 +42,6 @@ from .pd.params import (
     pull_refusal,
 )
 from .pd.security import Rejections, prompt_digest
-from .pd.topology import readers
 from .reblock import StoredRun, load_window, lookup_blocks
 from .reshape import lookup_sources, other_shapes
 from .runtime import GAVE_UP_THEN, KVFlowFatal, Runtime, given_up

@@ -27,7 +27,7 @@ from typing import Any
 
 import trio
 
-from .layout import KVLayout, LayerGeometry
+from .geometry.layout import KVLayout, LayerGeometry
 from .runtime import poll_until
 
 __all__ = [

@@ -31,8 +31,8 @@ from .events import (
     TransferDone,
     TransferFailed,
 )
+from .geometry.layout import KVLayout
 from .keys import ChunkKey
-from .layout import KVLayout
 from .lending import Lending
 from .metadata import LoadSpec, OfferSpec, SaveSpec, WorkerPlan
 from .reblock import load_reblocked

@@ -24,10 +24,10 @@ import msgspec
 import trio
 
 from .findings import Findings
+from .geometry.layout import KVLayout
+from .geometry.topology import HeadRead, TopologyError, plan_reads, readers
 from .keys import ChunkKey, StoreKey
-from .layout import KVLayout
 from .pd.security import Channel
-from .pd.topology import HeadRead, TopologyError, plan_reads, readers
 
 __all__ = [
     "Capabilities",
@@ -92,7 +92,7 @@ class Capabilities(msgspec.Struct, frozen=True):
     memory: frozenset[str] = frozenset({"cpu"})
     hetero_tp: bool = False
     """A peer transport whose consumers pull from producers of another tensor-parallel
-    size, each rank its own heads (`PeerSource.tp_size`, `kvflow.pd.topology`)."""
+    size, each rank its own heads (`PeerSource.tp_size`, `kvflow.geometry.topology`)."""
     hetero_blocks: bool = False
     """A peer transport whose consumers pull from producers of another block size
     (`PeerSource.block_size`, `.skip`), converting cell by cell."""
@@ -149,7 +149,7 @@ class TransportContext:
     """This worker's place in the engine's parallel shape (`shard` names it too)."""
     kv_heads: int = 0
     """The model's KV heads over all ranks (1 for MLA; 0: not known), which tell the heads
-    each rank holds (`kvflow.pd.topology.held_heads`)."""
+    each rank holds (`kvflow.geometry.topology.held_heads`)."""
     store_key: StoreKey | None = None
     """The deployment's store key (`store_key_file`), if set: `namespace` and the chunk
     keys were computed with it, and store transports hash and check each layer with it
@@ -169,7 +169,7 @@ class TransportContext:
     def peer_reads(self, src: PeerSource) -> list[PeerRead]:
         """Where this worker pulls its part of `src` from: its own shard's endpoint, whole
         blocks, when the producer has this engine's tensor parallel size; else the heads
-        this rank holds from the producer ranks that hold them (`kvflow.pd.topology`)."""
+        this rank holds from the producer ranks that hold them (`kvflow.geometry.topology`)."""
         if src.tp_size == self.tp_size:
             return [PeerRead(self.peer_address(src))]
         stage = src.addresses[self.pp_rank * src.tp_size : (self.pp_rank + 1) * src.tp_size]

@@ -28,8 +28,8 @@ import time
 from . import transfers
 from .config import KVFlowConfig
 from .events import BlocksReleased, CachesRegistered, EventBus, TaskFailed
+from .geometry.layout import KVLayout, LayoutError
 from .keys import ChunkKey
-from .layout import KVLayout, LayoutError
 from .lending import Lending
 from .metadata import WorkerPlan
 from .runtime import GAVE_UP_THEN, KVFlowFatal, Runtime, given_up, supervised

@@ -22,8 +22,8 @@ import trio
 
 from kvflow.config import KVFlowConfig
 from kvflow.events import Event, EventBus, LookupAnswered, Origin, TransferDone
+from kvflow.geometry.layout import KVLayout
 from kvflow.keys import ChunkKey, Fingerprint, chunk_keys
-from kvflow.layout import KVLayout
 from kvflow.metadata import WorkerPlan, decode_plan, encode_plan
 from kvflow.runtime import Runtime
 from kvflow.scheduler import ScheduledRequest, SchedulerEngine

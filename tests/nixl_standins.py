@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvflow.layout import KVLayout
+from kvflow.geometry.layout import KVLayout
 from kvflow_nixl import NixlTransport
 from kvflow_nixl._bounce import Bounce
 

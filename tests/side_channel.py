@@ -30,7 +30,7 @@ import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import parse_monitor_message
 
-from kvflow.layout import KVLayout
+from kvflow.geometry.layout import KVLayout
 from kvflow.pd.offers import Renew, answer_bind
 from kvflow.pd.peer_transport import PeerTransport
 from kvflow.pd.security import Channel

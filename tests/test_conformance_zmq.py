@@ -13,7 +13,7 @@ import trio
 import trio.testing
 import zmq
 
-from kvflow.layout import KVLayout
+from kvflow.geometry.layout import KVLayout
 from kvflow.testing.conformance import ContractViolation
 from kvflow.testing.layouts import fill_blocks
 from kvflow.testing.peer_conformance import PeerConformance, PeerPromise

@@ -18,7 +18,7 @@ import trio.testing
 
 from kvflow.config import KVFlowConfig
 from kvflow.events import TransferFailed
-from kvflow.layout import LayoutError
+from kvflow.geometry.layout import LayoutError
 from kvflow.metadata import WorkerPlan
 from kvflow.pd.params import PD_VERSION, UNSET_SHAPE, ModelShape, PdParams
 from kvflow.pd.security import prompt_digest

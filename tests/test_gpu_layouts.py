@@ -21,8 +21,8 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 )
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 
-from kvflow.cells import cell_index, cells_of, head_copy_runs  # noqa: E402
-from kvflow.layout import LayoutError  # noqa: E402
+from kvflow.geometry.cells import cell_index, cells_of, head_copy_runs  # noqa: E402
+from kvflow.geometry.layout import LayoutError  # noqa: E402
 from kvflow.testing.layouts import LAYOUTS  # noqa: E402
 from kvflow_vllm.connector.cache_spec import check_spec, layout_from_tensors  # noqa: E402
 
@@ -146,7 +146,7 @@ PAIRS = [(s, d) for s in KVCacheLayout for d in KVCacheLayout]
 def test_cells_move_between_any_two_layouts_and_head_counts(
     src: KVCacheLayout, dst: KVCacheLayout, heads: tuple[int, int, int, int]
 ) -> None:
-    """What P/D converts on receive (`kvflow.cells`): heads `first..` of a producer's
+    """What P/D converts on receive (`kvflow.geometry.cells`): heads `first..` of a producer's
     blocks into heads `into..` of a consumer's, between every pair of vLLM's layouts and
     tensor-parallel head counts, by byte runs between blocks (a NIXL READ's pieces) and by
     gathering and scattering cells (zmq's frames); each cell lands where vLLM's view of

@@ -18,7 +18,7 @@ import pytest
 import torch
 import trio
 
-from kvflow.layout import KVLayout
+from kvflow.geometry.layout import KVLayout
 from kvflow.pd.peer_transport import PeerTransport
 from kvflow.testing.layouts import device_layout
 from kvflow.transport import LoadJob, Offer, PeerSource, TransportContext

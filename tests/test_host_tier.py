@@ -16,7 +16,7 @@ import trio
 import trio.testing
 
 from kvflow.events import TierRead, TierWrite
-from kvflow.layout import KVLayout
+from kvflow.geometry.layout import KVLayout
 from kvflow.testing.conformance import TransportConformance
 from kvflow.testing.layouts import fill_blocks, make_layout
 from kvflow.tiers import LRU, S3FIFO, HostCache, HostTier, with_host_tier

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvflow.layout import LayoutError, view_geometry
+from kvflow.geometry.layout import LayoutError, view_geometry
 from kvflow.testing.layouts import LAYOUTS, make_layout
 
 KINDS = {name: {"layout": name} for name in LAYOUTS} | {

@@ -13,7 +13,7 @@ import pytest
 import trio
 import trio.testing
 
-from kvflow.layout import KVLayout
+from kvflow.geometry.layout import KVLayout
 from kvflow.testing.layouts import fill_blocks, make_layout
 from kvflow.transport import (
     ChunkCorrupt,

@@ -16,8 +16,8 @@ import torch
 import trio
 import trio.testing
 
+from kvflow.geometry.layout import KVLayout
 from kvflow.keys import chunk_keys
-from kvflow.layout import KVLayout
 from kvflow.testing.layouts import LAYOUTS, fill_blocks, make_layout, token_bytes
 from kvflow.transport import LoadJob, Offer, PeerSource, SaveJob, TransportContext, TransportError
 from kvflow_fs import FsOptions, FsTransport

@@ -1,6 +1,6 @@
 """P/D between tensor-parallel sizes on real sockets, over the `zmq` transport's host
 frames and real NIXL agents' READs: each consumer rank reads exactly its heads from the
-producer ranks that hold them (`kvflow.pd.topology`), and a producer rank read by
+producer ranks that hold them (`kvflow.geometry.topology`), and a producer rank read by
 several consumer ranks holds its blocks until every one of them is done."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 import trio
 import trio.testing
 
-from kvflow.layout import KVLayout, peer_cells_problem
+from kvflow.geometry.layout import KVLayout, peer_cells_problem
 from kvflow.pd.peer_transport import PeerTransport
 from kvflow.testing.layouts import fill_blocks, make_layout, token_bytes
 from kvflow.transport import LoadJob, Offer, PeerSource, TransportContext, TransportError

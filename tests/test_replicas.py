@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from kvflow.layout import KVLayout
-from kvflow.pd.topology import HeadRead, first_replica, plan_reads, readers
+from kvflow.geometry.layout import KVLayout
+from kvflow.geometry.topology import HeadRead, first_replica, plan_reads, readers
 from kvflow.replicas import ReplicaStore, as_replica, store_shards
 from kvflow.reshape import StoreShape, other_shapes
 from kvflow.testing.layouts import fill_blocks, make_layout

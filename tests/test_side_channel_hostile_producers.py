@@ -21,7 +21,7 @@ import trio
 import trio.testing
 import zmq
 
-from kvflow.layout import LayerGeometry
+from kvflow.geometry.layout import LayerGeometry
 from kvflow.pd.offers import MAX_REASON
 from kvflow.pd.security import Channel
 from kvflow.testing.layouts import fill_blocks, make_layout

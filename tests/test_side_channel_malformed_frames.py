@@ -17,8 +17,8 @@ import pytest
 import trio
 import zmq
 
-from kvflow import layout as kvlayout
-from kvflow.layout import LayerGeometry
+from kvflow.geometry import layout as kvlayout
+from kvflow.geometry.layout import LayerGeometry
 from kvflow.pd.offers import MAX_RENEW_REQS
 from kvflow.pd.peer_transport import FRAME_SLACK
 from kvflow.runtime import Backoff
@@ -200,7 +200,7 @@ async def test_hostile_geometries_are_refused_before_any_work(zctx: zmq.Context[
                 assert (runs_after.misses, runs_after.currsize) == (
                     runs_before.misses,
                     runs_before.currsize,
-                ), "the attacker's layouts were computed (kvflow.layout._runs)"
+                ), "the attacker's layouts were computed (kvflow.geometry.layout._runs)"
                 assert held.offer in p.producer.held and not held.released.is_set()
                 await honest_pull(p, held)
                 await probe_in_order(p, attacker)

@@ -12,7 +12,7 @@ import pytest
 import trio
 
 from kvflow.events import TierRead
-from kvflow.layout import KVLayout
+from kvflow.geometry.layout import KVLayout
 from kvflow.testing.conformance import TransportConformance
 from kvflow.testing.layouts import fill_blocks, make_layout
 from kvflow.tiers import StackedStore, stack_of, stacked, with_host_tier

@@ -9,7 +9,7 @@ import pytest
 import torch
 import trio
 
-from kvflow.layout import KVLayout, LayoutError
+from kvflow.geometry.layout import KVLayout, LayoutError
 from kvflow.staging import HostStage
 from kvflow.testing.layouts import LAYOUTS, fill_blocks, make_layout, token_bytes
 

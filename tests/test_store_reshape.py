@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from kvflow import reshape
-from kvflow.cells import head_copy_runs
+from kvflow.geometry.cells import head_copy_runs
+from kvflow.geometry.layout import KVLayout, LayoutError
 from kvflow.keys import chunk_keys
-from kvflow.layout import KVLayout, LayoutError
 from kvflow.reshape import (
     load_reshaped,
     lookup_sources,

@@ -1,4 +1,4 @@
-"""Which heads a consumer rank reads from which producer ranks (`kvflow.pd.topology`),
+"""Which heads a consumer rank reads from which producer ranks (`kvflow.geometry.topology`),
 checked against vLLM's own `TransferTopology` for every shape its NixlConnector takes."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import itertools
 import pytest
 from vllm.distributed.kv_transfer.kv_connector.utils import EngineTransferInfo, TransferTopology
 
-from kvflow.pd.topology import HeadRead, TopologyError, held_heads, plan_reads, readers
+from kvflow.geometry.topology import HeadRead, TopologyError, held_heads, plan_reads, readers
 from kvflow.reshape import shard_name
 from kvflow.transport import PeerSource, TransportContext
 

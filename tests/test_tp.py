@@ -3,7 +3,7 @@
 `fs` keeps each rank's slice of a chunk in its own file; an engine of either size
 loads what the other saved. P/D from a TP=2 producer to a TP=2 consumer pulls per
 rank; between TP=1 and TP=2 (both ways, over zmq and nixl) each consumer rank reads the
-heads it holds from the producer ranks that hold them (`kvflow.pd.topology`), and
+heads it holds from the producer ranks that hold them (`kvflow.geometry.topology`), and
 decodes the same text as the consumer alone. The engines run in this test's session
 (three TP=2 engines need all six workers on two cores: see docs/transports.md on
 sharing cores).

@@ -11,7 +11,7 @@ import trio
 import trio.testing
 import zmq
 
-from kvflow.layout import KVLayout
+from kvflow.geometry.layout import KVLayout
 from kvflow.pd.security import Channel, keygen, read_key
 from kvflow.testing.layouts import fill_blocks, make_layout
 from kvflow.transport import (

@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import torch
 
-from kvflow.layout import KVLayout
+from kvflow.geometry.layout import KVLayout
 from kvflow_zmq import ZmqTransport
 from kvflow_zmq._ipc import Device, IpcHandle
 

@@ -24,9 +24,9 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta
 
+from ..geometry.topology import TopologyError, readers
 from ..zmqio import shown
 from .security import Channel, prompt_digest
-from .topology import TopologyError, readers
 
 __all__ = [
     "PD_VERSION",
@@ -212,7 +212,7 @@ def pull_refusal(
 ) -> str:
     """Why a consumer of `shape`, `tp_size` x `pp_size` ranks and blocks of `block_size`
     tokens cannot pull `p` ("" if it can), naming what differs. `hetero_tp`: its transport
-    pulls between tensor-parallel sizes (`kvflow.pd.topology`); `hetero_blocks`: between
+    pulls between tensor-parallel sizes (`kvflow.geometry.topology`); `hetero_blocks`: between
     block sizes."""
     producer = shown(p.engine_id, 100)  # a client wrote it: one line in the log
     if why := shape.mismatch(p.shape, producer):

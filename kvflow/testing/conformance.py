@@ -60,7 +60,7 @@ import pytest
 import trio
 import trio.testing
 
-from ..layout import KVLayout
+from ..geometry.layout import KVLayout
 from ..reshape import load_reshaped, lookup_sources, other_shapes, shard_name
 from ..transport import SaveJob, Transport, TransportError
 from .contract import ContractViolation, Promise, violated

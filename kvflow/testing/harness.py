@@ -24,8 +24,8 @@ from typing import Any, NoReturn
 import numpy as np
 import trio
 
+from ..geometry.layout import KVLayout
 from ..keys import ChunkKey, chunk_keys
-from ..layout import KVLayout
 from ..runtime import all_or_first_error
 from ..transport import LoadJob, PeerSource, SaveJob, Transport, TransportContext, TransportError
 from .contract import ContractViolation, Promise, violated

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..layout import KVLayout, block_geometry, view_extent, view_geometry
+from ..geometry.layout import KVLayout, block_geometry, view_extent, view_geometry
 
 __all__ = ["LAYOUTS", "device_layout", "fill_blocks", "make_layout", "token_bytes"]
 

@@ -31,7 +31,7 @@ import pytest
 import trio
 import trio.testing
 
-from ..layout import KVLayout
+from ..geometry.layout import KVLayout
 from ..transport import ChunkMissing, Offer, PeerSource, Renewed, Transport, TransportError
 from .contract import Promise, violated
 from .harness import Chunks, Harness, _all, _spans, open_nursery

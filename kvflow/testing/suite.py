@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 import pytest
 import trio
 
-from ..layout import KVLayout
+from ..geometry.layout import KVLayout
 from ..transport import Transport, TransportContext
 from .harness import Harness, _single_errors
 from .layouts import make_layout

@@ -37,8 +37,8 @@ from typing import Any
 import trio
 
 from ..events import TierRead
+from ..geometry.layout import KVLayout
 from ..keys import ChunkKey
-from ..layout import KVLayout
 from ..transport import (
     Capabilities,
     LoadJob,

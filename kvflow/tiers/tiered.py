@@ -34,8 +34,8 @@ import numpy as np
 import trio
 
 from ..events import TierRead, TierWrite
+from ..geometry.layout import KVLayout
 from ..keys import ChunkKey
-from ..layout import KVLayout
 from ..transport import LoadJob, SaveJob, Transport, TransportError, wrapper_class
 from .host import HostCache
 

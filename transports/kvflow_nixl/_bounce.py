@@ -1,7 +1,7 @@
 """A consumer's bounce buffer: where a pull whose cells lie in many small runs (NHD
 blocks of another head count: a run per token; NHD against HND: a run per cell) READs
 the producer's whole blocks, run for run as the prepared lists hold them, then takes the
-cells it needs with one gather and scatter per piece (`kvflow.cells`). One READ
+cells it needs with one gather and scatter per piece (`kvflow.geometry.cells`). One READ
 descriptor per block and run instead of one per token or cell: UCX moves few large
 descriptors far faster than many small ones (bench/bench_convert.py; on an H100, a
 strided READ per cell ran at 0.09x of an unconverted pull, bench_convert_cuda.py).
@@ -27,8 +27,8 @@ from typing import Any
 import numpy as np
 import trio
 
-from kvflow.cells import cell_index, cell_offsets, cells_of, put_cells
-from kvflow.layout import LayerGeometry, LayoutError
+from kvflow.geometry.cells import cell_index, cell_offsets, cells_of, put_cells
+from kvflow.geometry.layout import LayerGeometry, LayoutError
 from kvflow.transport import TransportError
 
 __all__ = [
@@ -146,7 +146,7 @@ def bounce_cells(
     g: LayerGeometry, token_counts: Sequence[int], first: int, count: int, base: int
 ) -> np.ndarray:
     """Where heads `[first, first + count)` of each chunk's first tokens lie in the bounce,
-    as cell indices, token-major (the order of `kvflow.cells.cell_index`), when its
+    as cell indices, token-major (the order of `kvflow.geometry.cells.cell_index`), when its
     blocks' runs were READ from `base` on run by run (run r of chunk i at `base + sum of
     the runs before r times the chunks + i * its length`)."""
     runs = g.block_runs()
@@ -183,7 +183,7 @@ def scatter_cells(
     (blocks of the producer's `g`, run by run) into heads `into[3]..` of blocks `into[2]`
     of our layer `into[0]` (of geometry `into[1]`): a strided copy a chunk where both
     blocks are grids of cells (a dense block, one kernel block), else one gather and
-    scatter of every cell (`kvflow.cells.cell_index`)."""
+    scatter of every cell (`kvflow.geometry.cells.cell_index`)."""
     ours, og, blocks, at = into
     runs = g.block_runs()
     cell = g.cell_bytes

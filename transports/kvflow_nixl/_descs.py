@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from kvflow.layout import KVLayout, LayerGeometry
+from kvflow.geometry.layout import KVLayout, LayerGeometry
 from kvflow.transport import TransportError
 
 __all__ = [

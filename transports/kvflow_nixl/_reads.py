@@ -14,9 +14,9 @@ from typing import Any, NamedTuple
 import numpy as np
 import trio
 
-from kvflow.cells import cell_index, head_copy_runs
-from kvflow.layout import KVLayout, LayerGeometry, LayoutError, layout_mismatch
-from kvflow.pd.topology import HeadRead
+from kvflow.geometry.cells import cell_index, head_copy_runs
+from kvflow.geometry.layout import KVLayout, LayerGeometry, LayoutError, layout_mismatch
+from kvflow.geometry.topology import HeadRead
 from kvflow.runtime import Backoff
 from kvflow.staging import event_done
 from kvflow.transport import ChunkCorrupt, LoadJob, TransferStuck, TransportError
@@ -126,7 +126,7 @@ class Reads:
     ) -> tuple[tuple[Any, Any] | None, list[int]]:
         """Descriptor lists (ours, theirs) of this pull only, over `chunks`: their heads
         (`self.heads`) cell by cell where they lie in each side's blocks, neighbours
-        merged (`kvflow.cells.head_copy_runs`), kept for `drain`; and where each layer's
+        merged (`kvflow.geometry.cells.head_copy_runs`), kept for `drain`; and where each layer's
         rows start in them."""
         starts = [0]
         if not chunks:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kvflow.layout import KVLayout, peer_cells_problem
+from kvflow.geometry.layout import KVLayout, peer_cells_problem
 from kvflow.transport import ChunkCorrupt, TransportError
 from kvflow.zmqio import shown
 

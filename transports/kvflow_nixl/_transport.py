@@ -59,7 +59,7 @@ import msgspec
 import trio
 import zmq
 
-from kvflow.layout import KVLayout
+from kvflow.geometry.layout import KVLayout
 from kvflow.pd.offers import (
     new_nonce,
     read_lease,

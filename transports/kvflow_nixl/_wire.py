@@ -39,7 +39,7 @@ from typing import Annotated
 import msgspec
 from msgspec import Meta
 
-from kvflow.layout import LayerGeometry
+from kvflow.geometry.layout import LayerGeometry
 from kvflow.pd.offers import Nonce, OfferId, Renew
 from kvflow.pd.params import MAX_SHARDS
 from kvflow.zmqio import decode_frame

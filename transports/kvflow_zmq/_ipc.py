@@ -29,7 +29,7 @@ import msgspec
 import torch
 import trio
 
-from kvflow.layout import LayerGeometry
+from kvflow.geometry.layout import LayerGeometry
 from kvflow.staging import (
     block_views,
     cell_view,

@@ -19,11 +19,11 @@ import numpy as np
 import trio
 import zmq
 
-from kvflow.cells import cell_index, cells_of, put_cells, token_major
-from kvflow.layout import KVLayout, LayoutError, peer_cells_problem, peer_layout_problem
+from kvflow.geometry.cells import cell_index, cells_of, put_cells, token_major
+from kvflow.geometry.layout import KVLayout, LayoutError, peer_cells_problem, peer_layout_problem
+from kvflow.geometry.topology import HeadRead
 from kvflow.pd.offers import new_nonce
 from kvflow.pd.peer_transport import PeerOptions, PeerTransport
-from kvflow.pd.topology import HeadRead
 from kvflow.transport import (
     Capabilities,
     ChunkCorrupt,
@@ -275,7 +275,7 @@ class ZmqTransport(PeerTransport):
         """Copy one layer's frames into `job`'s blocks: span by span (the producer's runs
         are ours), or, when the producer sent the cells token-major (`Layer.cells`: another
         layout, block size, or heads that lie otherwise in a block of another head count),
-        each cell into place (`kvflow.cells`), from `src.skip` tokens into the stream."""
+        each cell into place (`kvflow.geometry.cells`), from `src.skip` tokens into the stream."""
         layout = self._layout()
         g = layout.geometries[layer]
         got = [len(f.buffer) for f in frames]

@@ -28,7 +28,7 @@ from typing import Annotated
 import msgspec
 from msgspec import Meta
 
-from kvflow.layout import LayerGeometry
+from kvflow.geometry.layout import LayerGeometry
 from kvflow.pd.offers import Nonce, OfferId, Renew
 from kvflow.pd.params import MAX_SHARDS
 from kvflow.zmqio import decode_frame
@@ -49,7 +49,7 @@ Count = Annotated[int, Meta(ge=0, le=MAX_HEADS)]
 
 
 class Heads(msgspec.Struct, frozen=True):
-    """Heads `[first, first + count)` of the producer's blocks (`kvflow.pd.topology`)."""
+    """Heads `[first, first + count)` of the producer's blocks (`kvflow.geometry.topology`)."""
 
     first: Count
     count: Count
@@ -78,7 +78,7 @@ class Layer(msgspec.Struct, tag=True, frozen=True):
     """Byte size of each data frame that follows, chunk by chunk, span by span."""
     cells: bool = False
     """A frame a chunk holding the cells of the heads asked for, token-major (`[tokens,
-    heads, cell]`: `kvflow.cells.cell_index`), for a consumer whose runs of them differ
+    heads, cell]`: `kvflow.geometry.cells.cell_index`), for a consumer whose runs of them differ
     (another layout or head count); False: the producer's runs as they lie."""
 
 

@@ -12,10 +12,10 @@ import msgspec
 import torch
 
 from kvflow.config import ConfigError, KVFlowConfig
+from kvflow.geometry.layout import KVLayout, LayoutError, block_geometry, view_extent, view_geometry
+from kvflow.geometry.topology import held_heads
 from kvflow.keys import Fingerprint
-from kvflow.layout import KVLayout, LayoutError, block_geometry, view_extent, view_geometry
 from kvflow.pd.params import ModelShape
-from kvflow.pd.topology import held_heads
 
 from ..extract_hidden_states import extracts_hidden_states
 from ..kv_events import events_enabled
@@ -235,7 +235,7 @@ def layout_from_tensors(
     *,
     opaque_blocks: bool | None = None,
 ) -> KVLayout:
-    """Describe vLLM's per-layer KV views as byte spans (see kvflow.layout).
+    """Describe vLLM's per-layer KV views as byte spans (see kvflow.geometry.layout).
 
     vLLM (0.32 and later) hands every layer over as its `create_kv_cache_views`
     view: logical `[blocks, heads, tokens, content]` whatever the memory order

@@ -352,7 +352,7 @@ def peer_cells_problem(
     same_heads: bool = False,
 ) -> str:
     """Why cells cannot move between a peer's layers (`theirs`; `producer`: the
-    producer's) and ours in any order or head count (`kvflow.cells`), checked in
+    producer's) and ours in any order or head count (`kvflow.geometry.cells`), checked in
     O(layers) without trusting them: "" when each is within bounds and holds cells of our
     size in blocks of our tokens (`any_block_size`: of any tokens; block-granular blocks:
     heads of our size, or blocks of our shape), and, with `same_heads`, as many heads."""

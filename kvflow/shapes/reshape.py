@@ -2,7 +2,7 @@
 to read, and how a rank takes its heads from them.
 
 A store keeps each rank's slice of a chunk under that rank's shard (`shard_name`):
-the KV heads the rank holds (`kvflow.pd.topology.held_heads`), its bytes as they lie
+the KV heads the rank holds (`kvflow.geometry.topology.held_heads`), its bytes as they lie
 (a device cache token-major); ranks that replicate heads (more ranks than KV heads;
 MLA) keep them once, under the first of them (`kvflow.replicas`). The namespace does
 not depend on the tensor-parallel size, so an engine of another size computes the same
@@ -28,9 +28,9 @@ from dataclasses import dataclass
 import numpy as np
 import trio
 
-from .cells import copy_heads, head_copy_runs, slices
-from .layout import KVLayout, LayerGeometry, LayoutError
-from .pd.topology import HeadRead, TopologyError, held_heads, plan_reads, readers
+from .geometry.cells import copy_heads, head_copy_runs, slices
+from .geometry.layout import KVLayout, LayerGeometry, LayoutError
+from .geometry.topology import HeadRead, TopologyError, held_heads, plan_reads, readers
 from .transport import LoadJob, Transport, TransportError
 
 __all__ = [
@@ -179,7 +179,7 @@ async def _load_window(
     keeps them; raise the failure at the earliest chunk (every piece of the chunks before
     it arrived, checked). A layer whose heads lie in a few long runs is read straight
     into them (`_read_spans`); one of many short runs (NHD: a run per token) is read
-    whole into a buffer, then copied by numpy (`kvflow.cells.copy_heads`)."""
+    whole into a buffer, then copied by numpy (`kvflow.geometry.cells.copy_heads`)."""
     ours = transport.context.layout
     assert ours is not None
     errors: list[TransportError] = []

@@ -4,7 +4,7 @@ With more tensor-parallel ranks than KV heads (`tp_size > heads`), and for an ML
 (one "head" every rank holds whole), several ranks of an engine hold the same bytes,
 unless vLLM also splits tokens over them (decode or prefill context parallelism: then
 each keeps its own shard). A store keeps them once, under the shard of the first rank
-holding them (`kvflow.pd.topology.first_replica`): that rank saves them; the others'
+holding them (`kvflow.geometry.topology.first_replica`): that rank saves them; the others'
 saves write nothing (`as_replica`) and their lookups and loads name that rank's shard
 (`store_shards`). The host tier (`cpu_cache_gib`) is on the saving ranks only, so host
 memory holds each chunk once too; the other ranks read the store below it (for `fs`,
@@ -17,9 +17,9 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
+from .geometry.layout import KVLayout
+from .geometry.topology import TopologyError, first_replica
 from .keys import ChunkKey
-from .layout import KVLayout
-from .pd.topology import TopologyError, first_replica
 from .reshape import shard_name
 from .transport import LoadJob, SaveJob, Transport, wrapper_class
 

@@ -1,6 +1,6 @@
 """Which bytes of one block go where in a block of another layout or head count.
 
-A KV *cell*, one token of one head (`kvflow.layout`), is contiguous in every layout
+A KV *cell*, one token of one head (`kvflow.geometry.layout`), is contiguous in every layout
 vLLM has; caches of other layouts (NHD, HND, split kernel blocks) or of other
 tensor-parallel sizes (other heads per rank) hold the same cells at other offsets.
 `head_copy_runs` pairs them: the (source, destination, length) byte runs that copy some
@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from .layout import LayerGeometry, LayoutError
-from .pd.topology import HeadRead
+from .topology import HeadRead
 
 __all__ = [
     "cell_index",

@@ -24,7 +24,7 @@ import msgspec
 import numpy as np
 import trio
 
-from .cells import slices
+from .geometry.cells import slices
 from .keys import ChunkKey, chunk_keys, chunk_token_counts
 from .transport import LoadJob, Transport, TransportError
 
