@@ -1,4 +1,4 @@
-"""Benchmark: an `fs` load of chunks another tensor-parallel size saved (`kvflow.reshape`)
+"""Benchmark: an `fs` load of chunks another tensor-parallel size saved (`kvflow.shapes.reshape`)
 against the load of the same bytes saved at the reader's own size, in the same run,
 alternating.
 
@@ -40,7 +40,7 @@ import trio
 
 from kvflow.geometry.layout import KVLayout
 from kvflow.keys import chunk_keys
-from kvflow.reshape import load_reshaped, shard_name
+from kvflow.shapes.reshape import load_reshaped, shard_name
 from kvflow.testing.layouts import fill_blocks, make_layout
 from kvflow.transport import LoadJob, SaveJob, TransportContext
 from kvflow_fs import FsOptions, FsTransport

@@ -99,7 +99,7 @@ class ChunkHeader(msgspec.Struct, frozen=True, array_like=True):
         """Why this chunk is not the one `context` asked for under `key` with `num_tokens`
         tokens ("" when it is): another key, configuration, shard, token count, layer
         sizes or byte order. A `job` that names another shard and layout (a chunk saved
-        at another tensor-parallel size: `kvflow.reshape`) is checked against those."""
+        at another tensor-parallel size: `kvflow.shapes.reshape`) is checked against those."""
         layout = job.layout if job is not None and job.layout is not None else context.layout
         shard = job.shard if job is not None and job.shard else context.shard
         assert layout is not None, "a store reads chunks into registered KV caches"

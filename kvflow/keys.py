@@ -7,7 +7,7 @@ BLAKE2b of the token ids of each chunk (one chunk per KV block), rooted in a
 The same tokens under the same configuration give the same key in any process;
 a different model, dtype, block size or layout gives a different one. kvflow's
 vLLM adapter leaves the tensor-parallel size out: a store serves engines of any
-size, each rank's heads under its shard (`kvflow.reshape`).
+size, each rank's heads under its shard (`kvflow.shapes.reshape`).
 
 A trailing partial chunk (fewer tokens than a block) gets its own key, which
 differs from any full chunk's because the token count is hashed in.

@@ -10,7 +10,7 @@ from __future__ import annotations
 import msgspec
 
 from .keys import ChunkKey
-from .reblock import StoredRun
+from .shapes.reblock import StoredRun
 from .transport import PeerSource
 
 __all__ = ["LoadSpec", "OfferSpec", "SaveSpec", "WorkerPlan", "decode_plan", "encode_plan"]
@@ -32,10 +32,10 @@ class LoadSpec(msgspec.Struct, frozen=True, array_like=True):
     request as its `kv_load_failure_policy` says."""
     tp_sizes: list[int] = []
     """Per chunk, the tensor-parallel size whose shards a store holds it under (0: this
-    engine's own; empty: every chunk its own): `kvflow.reshape`."""
+    engine's own; empty: every chunk its own): `kvflow.shapes.reshape`."""
     stored: StoredRun | None = None
     """Set when a store holds these tokens in chunks of another block size: load those
-    (`keys` are this engine's, for reports): `kvflow.reblock`."""
+    (`keys` are this engine's, for reports): `kvflow.shapes.reblock`."""
 
 
 class OfferSpec(msgspec.Struct, frozen=True, array_like=True):

@@ -42,9 +42,9 @@ from .pd.params import (
     pull_refusal,
 )
 from .pd.security import Rejections, prompt_digest
-from .reblock import StoredRun, load_window, lookup_blocks
-from .reshape import lookup_sources, other_shapes
 from .runtime import GAVE_UP_THEN, KVFlowFatal, Runtime, given_up
+from .shapes.reblock import StoredRun, load_window, lookup_blocks
+from .shapes.reshape import lookup_sources, other_shapes
 from .transport import PeerSource, Transport
 from .zmqio import shown
 
@@ -80,7 +80,7 @@ class _Request:
     sources: list[int] = field(default_factory=list)
     """Per hit chunk, the tensor-parallel size whose shards hold it (0: this engine's)."""
     reblock: StoredRun | None = None
-    """The chunks of another block size holding every hit chunk (`kvflow.reblock`)."""
+    """The chunks of another block size holding every hit chunk (`kvflow.shapes.reblock`)."""
     own_hits: int = 0
     """With `reblock`: the leading chunks the store holds as this engine keys them."""
     stored_upto: int = 0
@@ -148,9 +148,10 @@ class SchedulerEngine:  # ~440 lines: one request's life in the scheduler (looku
         """This engine's model and KV cache, as P/D params carry it (`ModelShape`)."""
         reshapes = transport.capabilities.store and transport.capabilities.reshape
         self._store_shapes = other_shapes(self.shape.kv_heads, tp_size, pp_size) if reshapes else []
-        """The other tensor-parallel sizes whose chunks a lookup looks for (`kvflow.reshape`)."""
+        """The other tensor-parallel sizes whose chunks a lookup looks for
+        (`kvflow.shapes.reshape`)."""
         self._store_blocks = list(store_block_sizes) if reshapes else []
-        """The other block sizes whose chunks a lookup looks for (`kvflow.reblock`)."""
+        """The other block sizes whose chunks a lookup looks for (`kvflow.shapes.reblock`)."""
         self.peer_addresses: list[str] = []
         """This engine's worker endpoints by shard, learned from the workers' handshake."""
         self.null_block = null_block

@@ -35,10 +35,10 @@ from .geometry.layout import KVLayout
 from .keys import ChunkKey
 from .lending import Lending
 from .metadata import LoadSpec, OfferSpec, SaveSpec, WorkerPlan
-from .reblock import load_reblocked
-from .replicas import ReplicaStore
-from .reshape import load_reshaped
 from .runtime import Runtime, poll_until
+from .shapes.reblock import load_reblocked
+from .shapes.replicas import ReplicaStore
+from .shapes.reshape import load_reshaped
 from .staging import HostStage, event_done
 from .transport import (
     ChunkMissing,

@@ -98,7 +98,7 @@ class Capabilities(msgspec.Struct, frozen=True):
     (`PeerSource.block_size`, `.skip`), converting cell by cell."""
     reshape: bool = False
     """A store that also serves engines of another tensor-parallel size than the one that
-    saved a chunk (`kvflow.reshape`): its `lookup` takes the shards to look for, its
+    saved a chunk (`kvflow.shapes.reshape`): its `lookup` takes the shards to look for, its
     `load` reads the shard a `LoadJob` names and checks the bytes against the job's
     `layout`."""
 

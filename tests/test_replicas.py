@@ -1,4 +1,4 @@
-"""Ranks that replicate KV heads keep them in a store once (`kvflow.replicas`): the first
+"""Ranks that replicate KV heads keep them in a store once (`kvflow.shapes.replicas`): the first
 rank holding them saves, the others read its shard. The engine-level check (a real TP=2
 engine over one KV head) is in tests/test_tp.py."""
 
@@ -11,8 +11,8 @@ import pytest
 
 from kvflow.geometry.layout import KVLayout
 from kvflow.geometry.topology import HeadRead, first_replica, plan_reads, readers
-from kvflow.replicas import ReplicaStore, as_replica, store_shards
-from kvflow.reshape import StoreShape, other_shapes
+from kvflow.shapes.replicas import ReplicaStore, as_replica, store_shards
+from kvflow.shapes.reshape import StoreShape, other_shapes
 from kvflow.testing.layouts import fill_blocks, make_layout
 from kvflow.tiers import stacked
 from kvflow.transport import LoadJob, SaveJob, TransportContext

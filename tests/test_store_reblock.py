@@ -1,4 +1,4 @@
-"""A store serves engines of another block size (`kvflow.reblock`), on real `fs` files
+"""A store serves engines of another block size (`kvflow.shapes.reblock`), on real `fs` files
 through kvflow's scheduler and worker engines: what an engine of blocks of 4 tokens
 saved, an engine of blocks of 8 finds and loads token for token, and back, from any
 first block; device caches (staged token-major) only, each stand-in here a host cache
@@ -14,8 +14,8 @@ import pytest
 from kvflow.events import TransferDone, TransferFailed
 from kvflow.geometry.layout import KVLayout
 from kvflow.keys import chunk_token_counts
-from kvflow.reblock import StoredRun, load_window, other_block_sizes
 from kvflow.scheduler import ScheduledRequest
+from kvflow.shapes.reblock import StoredRun, load_window, other_block_sizes
 from kvflow.testing.layouts import token_bytes
 
 from .engine_harness import Engine, lookup, run_step, save_prompt, stored_files

@@ -1,4 +1,4 @@
-"""A store serves engines of another tensor-parallel size (`kvflow.reshape`), on real
+"""A store serves engines of another tensor-parallel size (`kvflow.shapes.reshape`), on real
 `fs` files: what TP=2 ranks saved loads into a TP=1 engine's blocks and back, each head
 where the other size keeps it, in every layout vLLM lays KV out in."""
 
@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvflow import reshape
 from kvflow.geometry.cells import head_copy_runs
 from kvflow.geometry.layout import KVLayout, LayoutError
 from kvflow.keys import chunk_keys
-from kvflow.reshape import (
+from kvflow.shapes import reshape
+from kvflow.shapes.reshape import (
     load_reshaped,
     lookup_sources,
     other_shapes,

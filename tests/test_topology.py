@@ -9,7 +9,7 @@ import pytest
 from vllm.distributed.kv_transfer.kv_connector.utils import EngineTransferInfo, TransferTopology
 
 from kvflow.geometry.topology import HeadRead, TopologyError, held_heads, plan_reads, readers
-from kvflow.reshape import shard_name
+from kvflow.shapes.reshape import shard_name
 from kvflow.transport import PeerSource, TransportContext
 
 SIZES = (1, 2, 4, 8)

@@ -41,7 +41,7 @@ def _engine(tmp: Path, name: str, tp: int, transport: str = "zmq") -> ServingEng
 def test_a_store_serves_engines_of_either_tensor_parallel_size(tmp_path: Path) -> None:
     """`fs` keeps one file per chunk and rank. A TP=2 engine loads what a TP=1 engine
     saved (each rank its KV head of the file's two), and the TP=1 engine loads what the
-    TP=2 engine saved (both ranks' files), the same tokens (`kvflow.reshape`); each saves
+    TP=2 engine saved (both ranks' files), the same tokens (`kvflow.shapes.reshape`); each saves
     what it loaded again at its own size."""
 
     # first in the module: no other engine of this module is up yet
@@ -82,7 +82,7 @@ def test_a_store_serves_engines_of_either_tensor_parallel_size(tmp_path: Path) -
 
 def test_ranks_that_replicate_a_head_store_it_once(tmp_path: Path) -> None:
     """TP=2 over a model of one KV head (`tiny-mqa`): both ranks hold the same head. The
-    store gets one file per chunk (rank 0's, `kvflow.replicas`); rank 0 holds it in its
+    store gets one file per chunk (rank 0's, `kvflow.shapes.replicas`); rank 0 holds it in its
     host tier, rank 1 none and reads the file; the warm request decodes as the cold."""
     log = tmp_path / "mqa.events.jsonl"
     extra = {"options": {"path": str(tmp_path / "kv")}, "event_log": str(log), "cpu_cache_gib": 0.1}

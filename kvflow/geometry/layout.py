@@ -106,7 +106,7 @@ class LayerGeometry(msgspec.Struct, frozen=True, kw_only=True):
 
     def describe_cells(self, block: bool = True) -> str:
         """`describe()` of the token-major image of a block (any order of the same cells);
-        without `block`, of any run of tokens (a store's chunks: `kvflow.reblock`)."""
+        without `block`, of any run of tokens (a store's chunks: `kvflow.shapes.reblock`)."""
         if self.block_bytes:
             return self.describe()
         size = f" block={self.block_size}" if block else ""
@@ -499,7 +499,7 @@ class KVLayout:
         """Stable text for chunk headers: what makes the bytes a store holds incompatible.
         Host memory is stored as it lies; device memory is staged token-major
         (`kvflow.staging`), so only its cells count, not the order vLLM keeps them in nor
-        its block size (chunks of any block size line up: `kvflow.reblock`)."""
+        its block size (chunks of any block size line up: `kvflow.shapes.reblock`)."""
         if self.memory == "cpu":
             kinds = sorted({g.describe() for g in self.geometries})
         else:
@@ -512,7 +512,7 @@ class KVLayout:
 
     def with_heads(self, count: int) -> KVLayout:
         """This layout as a rank holding `count` heads has it, without memory: what a chunk
-        a store holds for an engine of another tensor-parallel size is (`kvflow.reshape`)."""
+        a store holds for an engine of another tensor-parallel size is (`kvflow.shapes.reshape`)."""
         return KVLayout(
             names=list(self.names),
             geometries=[g.with_heads(count) for g in self.geometries],

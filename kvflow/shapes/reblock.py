@@ -24,9 +24,9 @@ import msgspec
 import numpy as np
 import trio
 
-from .geometry.cells import slices
-from .keys import ChunkKey, chunk_keys, chunk_token_counts
-from .transport import LoadJob, Transport, TransportError
+from ..geometry.cells import slices
+from ..keys import ChunkKey, chunk_keys, chunk_token_counts
+from ..transport import LoadJob, Transport, TransportError
 
 __all__ = [
     "STORE_BLOCK_SIZES",

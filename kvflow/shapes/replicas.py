@@ -17,11 +17,11 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from .geometry.layout import KVLayout
-from .geometry.topology import TopologyError, first_replica
-from .keys import ChunkKey
+from ..geometry.layout import KVLayout
+from ..geometry.topology import TopologyError, first_replica
+from ..keys import ChunkKey
+from ..transport import LoadJob, SaveJob, Transport, wrapper_class
 from .reshape import shard_name
-from .transport import LoadJob, SaveJob, Transport, wrapper_class
 
 __all__ = ["ReplicaStore", "as_replica", "store_shards"]
 

@@ -4,7 +4,7 @@ to read, and how a rank takes its heads from them.
 A store keeps each rank's slice of a chunk under that rank's shard (`shard_name`):
 the KV heads the rank holds (`kvflow.geometry.topology.held_heads`), its bytes as they lie
 (a device cache token-major); ranks that replicate heads (more ranks than KV heads;
-MLA) keep them once, under the first of them (`kvflow.replicas`). The namespace does
+MLA) keep them once, under the first of them (`kvflow.shapes.replicas`). The namespace does
 not depend on the tensor-parallel size, so an engine of another size computes the same
 chunk keys. Its scheduler looks up its own shards first, then, from the first chunk
 they miss, the shards of each other size in `STORE_TP_SIZES` that splits the model's
@@ -28,10 +28,10 @@ from dataclasses import dataclass
 import numpy as np
 import trio
 
-from .geometry.cells import copy_heads, head_copy_runs, slices
-from .geometry.layout import KVLayout, LayerGeometry, LayoutError
-from .geometry.topology import HeadRead, TopologyError, held_heads, plan_reads, readers
-from .transport import LoadJob, Transport, TransportError
+from ..geometry.cells import copy_heads, head_copy_runs, slices
+from ..geometry.layout import KVLayout, LayerGeometry, LayoutError
+from ..geometry.topology import HeadRead, TopologyError, held_heads, plan_reads, readers
+from ..transport import LoadJob, Transport, TransportError
 
 __all__ = [
     "STORE_TP_SIZES",

@@ -61,7 +61,7 @@ import trio
 import trio.testing
 
 from ..geometry.layout import KVLayout
-from ..reshape import load_reshaped, lookup_sources, other_shapes, shard_name
+from ..shapes.reshape import load_reshaped, lookup_sources, other_shapes, shard_name
 from ..transport import SaveJob, Transport, TransportError
 from .contract import ContractViolation, Promise, violated
 from .harness import Chunks, GatedSave, Harness, _all, _spans, expect_none_stored

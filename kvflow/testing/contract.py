@@ -53,7 +53,7 @@ class Promise:
     REBLOCK = (
         "with capabilities.reshape, a device cache finds and loads, token for token, the "
         "chunks an engine of another block size saved (plain chunks of the same namespace: "
-        "kvflow.reblock)"
+        "kvflow.shapes.reblock)"
     )
     RESHAPE = (
         "with capabilities.reshape, an engine of another tensor-parallel size finds and "

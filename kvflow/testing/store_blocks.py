@@ -1,4 +1,4 @@
-"""The store conformance suite's promise about block sizes (`kvflow.reblock`): a device
+"""The store conformance suite's promise about block sizes (`kvflow.shapes.reblock`): a device
 cache's chunks are stored token-major, so what an engine of blocks of 16 saved, one of
 blocks of 32 finds under its keys and loads token for token, and back. The caches are
 host tensors labelled `cuda` (`device_layout("cpu")`), staged as a GPU's are
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ..keys import chunk_keys, chunk_token_counts
-from ..reblock import load_reblocked, load_window, lookup_blocks
+from ..shapes.reblock import load_reblocked, load_window, lookup_blocks
 from ..staging import HostStage
 from ..transport import LoadJob, SaveJob, Transport, TransportError
 from .contract import Promise, violated

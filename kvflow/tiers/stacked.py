@@ -85,7 +85,7 @@ def tiers_of(transport: Transport) -> list[Transport]:
     """The tiers holding what `transport` saves, top first: the host tier, then each
     store of a stack (a store alone: itself; a replica rank's store: none, it saves
     nothing)."""
-    from ..replicas import ReplicaStore
+    from ..shapes.replicas import ReplicaStore
     from .tiered import HostTier
 
     if isinstance(transport, ReplicaStore):

@@ -70,7 +70,7 @@ def fingerprint(
     if len(groups) > 1:  # which layers, which window (one group: as before groups)
         window = getattr(spec, "sliding_window", None)
         extra += f";group={group}/{len(groups)};window={window}"
-    # Not the tensor-parallel size: a store serves engines of any (`kvflow.reshape`). A
+    # Not the tensor-parallel size: a store serves engines of any (`kvflow.shapes.reshape`). A
     # token's bytes over all heads, though a rank holds a share (or a replica) of them.
     shape = model_shape(vllm_config, kv_cache_config, group)
     per_rank = len(held_heads(shape.kv_heads, vllm_config.parallel_config.tensor_parallel_size, 0))
@@ -79,7 +79,7 @@ def fingerprint(
     if load_format == "dummy":
         extra += f";load_format={load_format}"
     # Nor the block size where chunks are token-major: a store serves engines of any
-    # (`kvflow.reblock`); vLLM's CPU blocks do not split into tokens.
+    # (`kvflow.shapes.reblock`); vLLM's CPU blocks do not split into tokens.
     layout = _stored_layout(kv_cache_config)
     return Fingerprint(
         model=f"{mc.model}@{mc.revision or ''}",
@@ -213,7 +213,7 @@ TOKEN_MAJOR = "token-major"
 
 def stores_token_major(kv_cache_config: KVCacheConfig) -> bool:
     """Whether a store holds this engine's chunks token-major (a device cache): then it
-    loads chunks saved at other block sizes (`kvflow.reblock`)."""
+    loads chunks saved at other block sizes (`kvflow.shapes.reblock`)."""
     return _stored_layout(kv_cache_config) == TOKEN_MAJOR
 
 

@@ -34,9 +34,9 @@ from kvflow.config import (
 from kvflow.event_stream import start_publisher
 from kvflow.eventlog import JsonlEventLog
 from kvflow.events import EventBus, Origin, Rejected
-from kvflow.replicas import as_replica, store_shards
-from kvflow.reshape import shard_name
 from kvflow.runtime import Runtime
+from kvflow.shapes.replicas import as_replica, store_shards
+from kvflow.shapes.reshape import shard_name
 from kvflow.stats import StatsCollector
 from kvflow.tiers import stack_of, with_host_tier
 from kvflow.transport import (
@@ -161,7 +161,7 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
         self.transports: list[Transport] = []  # per KV cache group, as namespaces, scopes
         for namespace, kv_heads in zip(self.namespaces, heads, strict=True):
             own, shards = shard, self.shards
-            if store:  # replicated heads are stored once (`kvflow.replicas`)
+            if store:  # replicated heads are stored once (`kvflow.shapes.replicas`)
                 own, shards = store_shards(kv_heads, tp, pp, self.tp_rank, pp_rank, cp)
             ctx = TransportContext(
                 engine_id=self.engine_id,

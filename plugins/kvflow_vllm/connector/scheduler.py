@@ -15,8 +15,8 @@ from kvflow.config import KVFlowConfig
 from kvflow.lending import lent_at_finish
 from kvflow.metadata import WorkerPlan
 from kvflow.pd.params import PdParams, PdParamsError, join_groups, parse_pd_params
-from kvflow.reblock import other_block_sizes
 from kvflow.scheduler import ScheduledRequest, SchedulerEngine
+from kvflow.shapes.reblock import other_block_sizes
 
 from ..extract_hidden_states import HiddenStatesPlanner, extracts_hidden_states
 from ..kv_events import KVEventTracker, KVFlowWorkerMeta, media
