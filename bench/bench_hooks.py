@@ -25,8 +25,8 @@ def hot_path_us(iterations: int = 200_000) -> dict[str, float]:
     import torch
 
     from kvflow.config import KVFlowConfig
-    from kvflow.events import EventBus, Origin
     from kvflow.metadata import SaveSpec, WorkerPlan
+    from kvflow.observe.events import EventBus, Origin
     from kvflow.runtime import Runtime
     from kvflow.testing.layouts import make_layout
     from kvflow.transport import TransportContext

@@ -30,8 +30,8 @@ from typing import Any
 
 import zmq
 
-from kvflow.event_stream import open_subscriber, start_publisher
-from kvflow.events import EventBus, LookupRequested, Origin, TransferDone
+from kvflow.observe.events import EventBus, LookupRequested, Origin, TransferDone
+from kvflow.observe.stream import open_subscriber, start_publisher
 from kvflow.runtime import Runtime
 
 EVENT = TransferDone(

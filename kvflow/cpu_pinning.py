@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 
 from .config import host_cpus
-from .event_stream import Registration, discover
+from .observe.stream import Registration, discover
 
 __all__ = ["pinned_neighbours"]
 

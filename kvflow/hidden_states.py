@@ -23,9 +23,9 @@ import torch
 import trio
 
 from .config import ConfigError, KVFlowConfig, parse_options, store_key_of
-from .events import EventBus, SaveStarted, TransferDone, TransferFailed
 from .geometry.layout import KVLayout, view_geometry
 from .keys import ChunkKey, StoreKey, chunk_token_counts, is_chunk_key, is_plain_name, shown
+from .observe.events import EventBus, SaveStarted, TransferDone, TransferFailed
 from .runtime import Backoff, Runtime, RuntimeClosed
 from .transport import LoadJob, SaveJob, Transport, TransportContext, TransportError, load_transport
 

@@ -17,7 +17,11 @@ from dataclasses import dataclass, field
 import trio
 
 from .config import KVFlowConfig
-from .events import (
+from .geometry.topology import readers
+from .keys import ChunkKey, chunk_keys, chunk_token_counts
+from .lending import lent_at_finish
+from .metadata import LoadSpec, OfferSpec, SaveSpec, WorkerPlan
+from .observe.events import (
     BlocksAllocated,
     EventBus,
     LookupAnswered,
@@ -27,10 +31,6 @@ from .events import (
     StepPlanned,
     TaskFailed,
 )
-from .geometry.topology import readers
-from .keys import ChunkKey, chunk_keys, chunk_token_counts
-from .lending import lent_at_finish
-from .metadata import LoadSpec, OfferSpec, SaveSpec, WorkerPlan
 from .pd.claims import Claim, Claims
 from .pd.params import (
     PD_VERSION,

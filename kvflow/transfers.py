@@ -20,7 +20,11 @@ from typing import Any
 import trio
 
 from .config import KVFlowConfig
-from .events import (
+from .geometry.layout import KVLayout
+from .keys import ChunkKey
+from .lending import Lending
+from .metadata import LoadSpec, OfferSpec, SaveSpec, WorkerPlan
+from .observe.events import (
     Direction,
     EventBus,
     LayerComputed,
@@ -31,10 +35,6 @@ from .events import (
     TransferDone,
     TransferFailed,
 )
-from .geometry.layout import KVLayout
-from .keys import ChunkKey
-from .lending import Lending
-from .metadata import LoadSpec, OfferSpec, SaveSpec, WorkerPlan
 from .runtime import Runtime, poll_until
 from .shapes.reblock import load_reblocked
 from .shapes.replicas import ReplicaStore

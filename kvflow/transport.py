@@ -141,7 +141,7 @@ class TransportContext:
 
     tier_event: Callable[[Any], None] | None = None
     """Set by kvflow's worker: a host tier calls it (loop thread) with a
-    `kvflow.events.TierRead` after each load and a `TierWrite` after each save."""
+    `kvflow.observe.events.TierRead` after each load and a `TierWrite` after each save."""
 
     tp_rank: int = 0
     tp_size: int = 1

@@ -27,11 +27,11 @@ import time
 
 from . import transfers
 from .config import KVFlowConfig
-from .events import BlocksReleased, CachesRegistered, EventBus, TaskFailed
 from .geometry.layout import KVLayout, LayoutError
 from .keys import ChunkKey
 from .lending import Lending
 from .metadata import WorkerPlan
+from .observe.events import BlocksReleased, CachesRegistered, EventBus, TaskFailed
 from .runtime import GAVE_UP_THEN, KVFlowFatal, Runtime, given_up, supervised
 from .staging import mark
 from .transfers import (

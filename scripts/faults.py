@@ -61,8 +61,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from kvflow.eventlog import read_event_log
-from kvflow.events import LookupAnswered
+from kvflow.observe.events import LookupAnswered
+from kvflow.observe.log import read_event_log
 from kvflow.pd.proxy import PREFILL_PARAMS
 from kvflow.pd.security import keygen
 from kvflow_vllm.apiserver import ApiServer, free_port, post

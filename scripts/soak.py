@@ -184,8 +184,8 @@ class Soak:
 
 def kvflow_loads(event_log: Path) -> dict[str, int]:
     """kvflow's loads in its event log: done (chunks and bytes) and failed."""
-    from kvflow.eventlog import read_event_log
-    from kvflow.events import TransferDone, TransferFailed
+    from kvflow.observe.events import TransferDone, TransferFailed
+    from kvflow.observe.log import read_event_log
 
     out = Counter({"done": 0, "chunks": 0, "bytes": 0, "failed": 0})
     for e in read_event_log(str(event_log)):

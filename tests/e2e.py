@@ -6,8 +6,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from kvflow.eventlog import read_event_log
-from kvflow.events import Event
+from kvflow.observe.events import Event
+from kvflow.observe.log import read_event_log
 from kvflow_vllm.engine_process import (
     EngineFailed,
     GenResult,

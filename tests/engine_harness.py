@@ -21,10 +21,10 @@ import torch
 import trio
 
 from kvflow.config import KVFlowConfig
-from kvflow.events import Event, EventBus, LookupAnswered, Origin, TransferDone
 from kvflow.geometry.layout import KVLayout
 from kvflow.keys import ChunkKey, Fingerprint, chunk_keys
 from kvflow.metadata import WorkerPlan, decode_plan, encode_plan
+from kvflow.observe.events import Event, EventBus, LookupAnswered, Origin, TransferDone
 from kvflow.runtime import Runtime
 from kvflow.scheduler import ScheduledRequest, SchedulerEngine
 from kvflow.testing.layouts import fill_blocks, make_layout

@@ -13,7 +13,7 @@ import msgspec
 import pytest
 
 from kvflow.cpu_pinning import pinned_neighbours
-from kvflow.event_stream import Registration, _proc_start
+from kvflow.observe.stream import Registration, _proc_start
 
 pytestmark = pytest.mark.skipif(
     not hasattr(os, "sched_setaffinity") or (os.cpu_count() or 1) < 2, reason="needs 2 cores"

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from kvflow.events import (
+from kvflow.keys import chunk_keys
+from kvflow.observe.events import (
     BlocksAllocated,
     LoadStarted,
     LookupAnswered,
@@ -23,7 +24,6 @@ from kvflow.events import (
     TransferDone,
     TransferFailed,
 )
-from kvflow.keys import chunk_keys
 from kvflow_vllm.engine_process import EngineFailed, GenResult, ScenarioResult
 
 from .e2e import assert_same_generation, events_for, run_engine, run_engines, started

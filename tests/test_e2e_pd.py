@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from kvflow.events import BlocksAllocated, Event, TransferDone, TransferFailed
+from kvflow.observe.events import BlocksAllocated, Event, TransferDone, TransferFailed
 from kvflow_vllm.engine_process import GenResult
 
 from .e2e import ServingEngine, assert_same_generation, close_all, events_for

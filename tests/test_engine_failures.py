@@ -17,8 +17,8 @@ import trio
 import trio.testing
 
 from kvflow.config import KVFlowConfig
-from kvflow.events import SaveStarted, TransferDone, TransferFailed
 from kvflow.metadata import LoadSpec, SaveSpec, WorkerPlan, decode_plan, encode_plan
+from kvflow.observe.events import SaveStarted, TransferDone, TransferFailed
 from kvflow.scheduler import ScheduledRequest
 from kvflow.testing.layouts import fill_blocks
 from kvflow.worker import KVFlowFatal

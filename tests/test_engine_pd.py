@@ -17,9 +17,9 @@ import trio
 import trio.testing
 
 from kvflow.config import KVFlowConfig
-from kvflow.events import TransferFailed
 from kvflow.geometry.layout import LayoutError
 from kvflow.metadata import WorkerPlan
+from kvflow.observe.events import TransferFailed
 from kvflow.pd.params import PD_VERSION, UNSET_SHAPE, ModelShape, PdParams
 from kvflow.pd.security import prompt_digest
 from kvflow.scheduler import SchedulerEngine
@@ -33,8 +33,8 @@ def test_a_producer_hands_blocks_back_when_no_consumer_comes(
     start_engine: Callable[..., Engine],
 ) -> None:
     """P/D: held blocks go back to vLLM after hold_timeout_s (trio's MockClock: instantly)."""
-    from kvflow.events import BlocksReleased
     from kvflow.metadata import OfferSpec
+    from kvflow.observe.events import BlocksReleased
     from kvflow_zmq import ZmqOptions, ZmqTransport
 
     e = start_engine(

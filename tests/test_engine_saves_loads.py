@@ -16,7 +16,9 @@ import trio
 import trio.testing
 
 from kvflow.config import KVFlowConfig
-from kvflow.events import (
+from kvflow.keys import ChunkKey
+from kvflow.metadata import LoadSpec, SaveSpec, WorkerPlan
+from kvflow.observe.events import (
     BlocksReleased,
     EventBus,
     LookupAnswered,
@@ -26,8 +28,6 @@ from kvflow.events import (
     TransferDone,
     TransferFailed,
 )
-from kvflow.keys import ChunkKey
-from kvflow.metadata import LoadSpec, SaveSpec, WorkerPlan
 from kvflow.scheduler import ScheduledRequest, SchedulerEngine
 from kvflow.testing.layouts import fill_blocks
 from kvflow_fs import FsTransport

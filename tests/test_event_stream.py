@@ -1,4 +1,5 @@
-"""kvflow.event_stream on real runtimes: events reach a SUB, discovery, cleanup, stalled readers."""
+"""kvflow.observe.stream on real runtimes: events reach a SUB, discovery, cleanup, stalled
+readers."""
 
 from __future__ import annotations
 
@@ -17,7 +18,16 @@ import pytest
 import trio
 import zmq
 
-from kvflow.event_stream import (
+from kvflow.observe.events import (
+    Event,
+    EventBus,
+    LoadStarted,
+    LookupRequested,
+    Origin,
+    TransferDone,
+    TransferFailed,
+)
+from kvflow.observe.stream import (
     Envelope,
     EventPublisher,
     Registration,
@@ -28,15 +38,6 @@ from kvflow.event_stream import (
     pid_alive,
     runtime_dir,
     start_publisher,
-)
-from kvflow.events import (
-    Event,
-    EventBus,
-    LoadStarted,
-    LookupRequested,
-    Origin,
-    TransferDone,
-    TransferFailed,
 )
 from kvflow.runtime import Runtime
 from kvflow.zmqio import TrioSocket

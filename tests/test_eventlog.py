@@ -10,14 +10,14 @@ from pathlib import Path
 import pytest
 
 from kvflow.config import ConfigError
-from kvflow.eventlog import (
+from kvflow.observe.events import EventBus, Origin, Rejected, TransferDone
+from kvflow.observe.log import (
     REJECTED_PER_WINDOW,
     WINDOW_S,
     JsonlEventLog,
     not_written,
     read_event_log,
 )
-from kvflow.events import EventBus, Origin, Rejected, TransferDone
 
 
 def test_a_new_log_is_owner_only(tmp_path: Path) -> None:

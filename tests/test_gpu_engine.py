@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvflow.events import BlocksAllocated, LoadStarted, TransferDone
+from kvflow.observe.events import BlocksAllocated, LoadStarted, TransferDone
 
 from .e2e import ServingEngine, assert_same_generation, events_for, run_engine
 

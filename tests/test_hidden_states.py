@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvflow.events import TransferDone
 from kvflow.hidden_states import PARAM, HiddenStatesReader
+from kvflow.observe.events import TransferDone
 from kvflow_vllm.engine_process import ScenarioResult, tiny_model_dir
 
 from .e2e import assert_same_generation, events_for, run_engine

@@ -13,8 +13,8 @@ if not torch.cuda.is_available():
 
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
-from kvflow.events import EventBus, Origin
 from kvflow.hidden_states import HiddenStatesReader, hidden_context, hidden_layout
+from kvflow.observe.events import EventBus, Origin
 from kvflow.runtime import Runtime
 from kvflow.transport import load_transport
 from kvflow_vllm import extract_hidden_states as hs

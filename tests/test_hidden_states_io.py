@@ -19,7 +19,6 @@ hs = pytest.importorskip("kvflow_vllm.extract_hidden_states", reason="needs vLLM
 
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 
-from kvflow.events import EventBus, Origin, SaveStarted, TransferDone  # noqa: E402
 from kvflow.hidden_states import (  # noqa: E402
     PARAM,
     HiddenStatesError,
@@ -29,6 +28,7 @@ from kvflow.hidden_states import (  # noqa: E402
     host_buffer,
     save_hidden_states,
 )
+from kvflow.observe.events import EventBus, Origin, SaveStarted, TransferDone  # noqa: E402
 from kvflow.transport import load_transport  # noqa: E402
 
 from .hidden_states_cache import (  # noqa: E402

@@ -15,8 +15,8 @@ import pytest
 import trio
 import trio.testing
 
-from kvflow.events import TierRead, TierWrite
 from kvflow.geometry.layout import KVLayout
+from kvflow.observe.events import TierRead, TierWrite
 from kvflow.testing.conformance import TransportConformance
 from kvflow.testing.layouts import fill_blocks, make_layout
 from kvflow.tiers import LRU, S3FIFO, HostCache, HostTier, with_host_tier

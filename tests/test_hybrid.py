@@ -19,14 +19,14 @@ from pathlib import Path
 
 import pytest
 
-from kvflow.eventlog import read_event_log
-from kvflow.events import (
+from kvflow.observe.events import (
     CachesRegistered,
     LoadStarted,
     Rejected,
     TransferDone,
     TransferFailed,
 )
+from kvflow.observe.log import read_event_log
 from kvflow_vllm.engine_process import GenResult, ScenarioResult, model_dir
 
 from .e2e import (

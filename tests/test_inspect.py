@@ -29,8 +29,7 @@ from rich.console import Console
 
 from kvflow.cli.inspect import human_bytes, render
 from kvflow.cli.inspect_state import EVENT_KINDS, EventFilter, InspectState
-from kvflow.event_stream import discover, start_publisher
-from kvflow.events import (
+from kvflow.observe.events import (
     BlocksReleased,
     Event,
     EventBus,
@@ -47,6 +46,7 @@ from kvflow.events import (
     TransferDone,
     TransferFailed,
 )
+from kvflow.observe.stream import discover, start_publisher
 from kvflow.runtime import Runtime
 
 MakeRuntime = Callable[..., Runtime]

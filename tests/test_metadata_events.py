@@ -1,4 +1,4 @@
-"""kvflow.metadata and kvflow.events: what crosses process boundaries, and the bus."""
+"""kvflow.metadata and kvflow.observe.events: what crosses process boundaries, and the bus."""
 
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ import typing
 import msgspec
 import pytest
 
-from kvflow import events as ev
 from kvflow import metadata
-from kvflow.events import (
+from kvflow.metadata import LoadSpec, SaveSpec, WorkerPlan, decode_plan, encode_plan
+from kvflow.observe import events as ev
+from kvflow.observe.events import (
     Event,
     EventBus,
     LayerComputed,
@@ -18,7 +19,6 @@ from kvflow.events import (
     decode_event,
     encode_event,
 )
-from kvflow.metadata import LoadSpec, SaveSpec, WorkerPlan, decode_plan, encode_plan
 
 PLAN = WorkerPlan(
     step=7,

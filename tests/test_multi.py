@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from kvflow.events import LoadStarted, TransferDone
+from kvflow.observe.events import LoadStarted, TransferDone
 from kvflow_vllm.engine_process import ScenarioResult
 
 from .e2e import assert_same_generation, events_for, run_engine, run_engines, started

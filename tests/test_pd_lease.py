@@ -19,7 +19,8 @@ import trio
 import trio.testing
 
 from kvflow.config import KVFlowConfig
-from kvflow.events import (
+from kvflow.metadata import LoadSpec, OfferSpec, WorkerPlan
+from kvflow.observe.events import (
     BlocksReleased,
     EventBus,
     LookupAnswered,
@@ -27,12 +28,11 @@ from kvflow.events import (
     TaskFailed,
     TransferFailed,
 )
-from kvflow.metadata import LoadSpec, OfferSpec, WorkerPlan
+from kvflow.observe.stats import StatsCollector
 from kvflow.pd.params import PD_VERSION, UNSET_SHAPE, PdParams
 from kvflow.pd.security import Channel, prompt_digest
 from kvflow.runtime import GIVE_UP_AFTER, KVFlowFatal, Runtime
 from kvflow.scheduler import ScheduledRequest, SchedulerEngine
-from kvflow.stats import StatsCollector
 from kvflow.transport import Renewed
 from kvflow_zmq import ZmqOptions, ZmqTransport
 

@@ -100,8 +100,8 @@ def test_transport_authors_import_public_names_only(source: Path | str) -> None:
     public = {
         "kvflow",
         "kvflow.testing",
-        "kvflow.events",
-        "kvflow.eventlog",
+        "kvflow.observe.events",
+        "kvflow.observe.log",
         "kvflow.hidden_states",
     }
     assert used <= public, f"{source} imports {sorted(used)}"

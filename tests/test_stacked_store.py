@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 import trio
 
-from kvflow.events import TierRead
 from kvflow.geometry.layout import KVLayout
+from kvflow.observe.events import TierRead
 from kvflow.testing.conformance import TransportConformance
 from kvflow.testing.layouts import fill_blocks, make_layout
 from kvflow.tiers import StackedStore, stack_of, stacked, with_host_tier

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from kvflow import stats
-from kvflow.events import (
+from kvflow.observe import stats
+from kvflow.observe.events import (
     Event,
     LoadStarted,
     LookupAnswered,

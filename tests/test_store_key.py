@@ -25,7 +25,6 @@ import xxhash
 
 from kvflow.chunks import ChunkHeader, layer_hash
 from kvflow.config import ConfigError, KVFlowConfig, parse_config, store_key_of
-from kvflow.events import EventBus, Origin
 from kvflow.geometry.layout import KVLayout
 from kvflow.hidden_states import (
     HiddenStatesError,
@@ -37,6 +36,7 @@ from kvflow.hidden_states import (
     save_hidden_states,
 )
 from kvflow.keys import Fingerprint, StoreKey, chunk_keys, chunk_token_counts
+from kvflow.observe.events import EventBus, Origin
 from kvflow.pd.security import keygen
 from kvflow.testing.conformance import TransportConformance
 from kvflow.testing.layouts import fill_blocks, make_layout, token_bytes

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from kvflow.config import KVFlowConfig
-from kvflow.events import LookupAnswered, TransferDone
+from kvflow.observe.events import LookupAnswered, TransferDone
 from kvflow.transport import Transport, TransportContext
 
 from .engine_harness import PROMPT, Engine, lookup, prefill_cold, run_step

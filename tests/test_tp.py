@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from kvflow.events import LoadStarted, TierRead, TransferDone, TransferFailed
+from kvflow.observe.events import LoadStarted, TierRead, TransferDone, TransferFailed
 from kvflow_vllm.engine_process import model_dir
 
 from .e2e import ServingEngine, assert_same_generation, close_all, events_for, run_engine

@@ -62,8 +62,8 @@ from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
 from kvflow.config import parse_options
-from kvflow.events import Event, EventBus, LookupAnswered, Origin
 from kvflow.metadata import WorkerPlan
+from kvflow.observe.events import Event, EventBus, LookupAnswered, Origin
 from kvflow.pd.params import PdParams
 from kvflow.pd.security import Channel, host_key
 from kvflow.runtime import Runtime

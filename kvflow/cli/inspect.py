@@ -27,7 +27,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from ..event_stream import (
+from ..observe.stream import (
     Registration,
     SeqTracker,
     decode_envelope,

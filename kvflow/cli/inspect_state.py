@@ -10,7 +10,7 @@ import typing
 from collections import deque
 from dataclasses import dataclass, field
 
-from ..events import (
+from ..observe.events import (
     BlocksReleased,
     Event,
     LoadStarted,

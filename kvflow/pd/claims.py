@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 import trio
 
-from ..events import EventBus, LookupAnswered, TaskFailed
+from ..observe.events import EventBus, LookupAnswered, TaskFailed
 from ..runtime import Backoff, Report, Runtime, supervised
 from ..transport import Renewed, Transport
 

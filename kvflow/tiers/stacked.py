@@ -36,9 +36,9 @@ from typing import Any
 
 import trio
 
-from ..events import TierRead
 from ..geometry.layout import KVLayout
 from ..keys import ChunkKey
+from ..observe.events import TierRead
 from ..transport import (
     Capabilities,
     LoadJob,

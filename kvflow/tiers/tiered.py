@@ -33,9 +33,9 @@ from typing import Any
 import numpy as np
 import trio
 
-from ..events import TierRead, TierWrite
 from ..geometry.layout import KVLayout
 from ..keys import ChunkKey
+from ..observe.events import TierRead, TierWrite
 from ..transport import LoadJob, SaveJob, Transport, TransportError, wrapper_class
 from .host import HostCache
 

@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from kvflow.config import default_cache_dir
-from kvflow.eventlog import read_event_log
-from kvflow.events import Event, LoadStarted, TransferDone, TransferFailed
+from kvflow.observe.events import Event, LoadStarted, TransferDone, TransferFailed
+from kvflow.observe.log import read_event_log
 from kvflow.pd.proxy import PdProxy
 
 from .apiserver import ApiServer

@@ -1,6 +1,6 @@
 """kvflow's transfer statistics in vLLM's metrics: the periodic log line and Prometheus.
 
-`KVFlowStats` wraps `kvflow.stats` data (collected from events in each
+`KVFlowStats` wraps `kvflow.observe.stats` data (collected from events in each
 worker and the scheduler) in vLLM's `KVConnectorStats`; vLLM merges the
 workers' stats with `aggregate` and logs `reduce()`. `KVFlowPromMetrics`
 turns each merged interval into Prometheus histograms (transfer time and
@@ -22,7 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.v1.metrics.utils import create_metric_per_engine
 
-from kvflow import stats
+from kvflow.observe import stats
 from kvflow.pd.security import REJECT_REASONS
 
 __all__ = ["KVFlowPromMetrics", "KVFlowStats"]

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from kvflow.eventlog import read_event_log
-from kvflow.events import BlocksAllocated, Event, LoadStarted, TransferDone, TransferFailed
+from kvflow.observe.events import BlocksAllocated, Event, LoadStarted, TransferDone, TransferFailed
+from kvflow.observe.log import read_event_log
 from kvflow_vllm.engine_process import GenResult, Scenario, ScenarioResult, spawn_engine
 
 # Slow (CI runs it): two engine processes; the conformance suite covers the transport.

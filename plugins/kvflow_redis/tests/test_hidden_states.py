@@ -9,7 +9,6 @@ import msgspec
 import torch
 import trio
 
-from kvflow.events import EventBus, Origin
 from kvflow.hidden_states import (
     HiddenStatesReader,
     HiddenStatesRef,
@@ -18,6 +17,7 @@ from kvflow.hidden_states import (
     host_buffer,
     save_hidden_states,
 )
+from kvflow.observe.events import EventBus, Origin
 from kvflow_redis import RedisOptions, RedisTransport
 
 

@@ -31,13 +31,13 @@ from kvflow.config import (
     parse_options,
     store_key_of,
 )
-from kvflow.event_stream import start_publisher
-from kvflow.eventlog import JsonlEventLog
-from kvflow.events import EventBus, Origin, Rejected
+from kvflow.observe.events import EventBus, Origin, Rejected
+from kvflow.observe.log import JsonlEventLog
+from kvflow.observe.stats import StatsCollector
+from kvflow.observe.stream import start_publisher
 from kvflow.runtime import Runtime
 from kvflow.shapes.replicas import as_replica, store_shards
 from kvflow.shapes.reshape import shard_name
-from kvflow.stats import StatsCollector
 from kvflow.tiers import stack_of, with_host_tier
 from kvflow.transport import (
     Transport,

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from .config import ConfigError
+from ..config import ConfigError
 from .events import Event, Origin, Rejected
 
 __all__ = [

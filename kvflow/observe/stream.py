@@ -30,8 +30,8 @@ import msgspec
 import trio
 import zmq
 
+from ..runtime import Runtime
 from .events import Event, EventBus, Origin
-from .runtime import Runtime
 
 __all__ = [
     "RUNTIME_DIR_ENV",
