@@ -25,12 +25,12 @@ def hot_path_us(iterations: int = 200_000) -> dict[str, float]:
     import torch
 
     from kvflow.config import KVFlowConfig
-    from kvflow.metadata import SaveSpec, WorkerPlan
+    from kvflow.engine.metadata import SaveSpec, WorkerPlan
+    from kvflow.engine.worker import WorkerEngine
     from kvflow.observe.events import EventBus, Origin
     from kvflow.runtime import Runtime
     from kvflow.testing.layouts import make_layout
     from kvflow.transport import TransportContext
-    from kvflow.worker import WorkerEngine
     from kvflow_fs import FsOptions, FsTransport
     from kvflow_vllm.connector import KVFlowConnector
     from kvflow_vllm.connector.worker import KVFlowWorker

@@ -21,15 +21,15 @@ import torch
 import trio
 
 from kvflow.config import KVFlowConfig
+from kvflow.engine.metadata import WorkerPlan, decode_plan, encode_plan
+from kvflow.engine.scheduler import ScheduledRequest, SchedulerEngine
+from kvflow.engine.worker import WorkerEngine
 from kvflow.geometry.layout import KVLayout
 from kvflow.keys import ChunkKey, Fingerprint, chunk_keys
-from kvflow.metadata import WorkerPlan, decode_plan, encode_plan
 from kvflow.observe.events import Event, EventBus, LookupAnswered, Origin, TransferDone
 from kvflow.runtime import Runtime
-from kvflow.scheduler import ScheduledRequest, SchedulerEngine
 from kvflow.testing.layouts import fill_blocks, make_layout
 from kvflow.transport import LoadJob, SaveJob, TransferStuck, Transport, TransportContext
-from kvflow.worker import WorkerEngine
 from kvflow_fs import FsOptions, FsTransport
 
 WAIT = 10.0
@@ -215,7 +215,7 @@ def engine_starter(make_runtime: MakeRuntime, store: Path) -> Callable[..., Engi
             block_size=block_size,
             block_granular=block_granular,
         )
-        if device:  # a stand-in for a CUDA cache: tensors only kvflow.staging copies from
+        if device:  # a stand-in for a CUDA cache: tensors only kvflow.engine.staging copies from
             layout.memory = "cuda"
             layout.tensors = [torch.frombuffer(b, dtype=torch.uint8) for b in layout.buffers]
         ns = Fingerprint(

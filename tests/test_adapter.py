@@ -9,7 +9,7 @@ import msgspec
 import pytest
 import torch
 
-from kvflow.metadata import LoadSpec, SaveSpec, WorkerPlan, encode_plan
+from kvflow.engine.metadata import LoadSpec, SaveSpec, WorkerPlan, encode_plan
 
 connector = pytest.importorskip("kvflow_vllm.connector", reason="needs vLLM installed")
 

@@ -1,4 +1,4 @@
-"""kvflow.cpu_pinning against real processes: real CPU affinities, real discovery records."""
+"""kvflow.engine.cpu_pinning against real processes: real CPU affinities, real discovery records."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from kvflow.cpu_pinning import pinned_neighbours
+from kvflow.engine.cpu_pinning import pinned_neighbours
 from kvflow.observe.stream import Registration, _proc_start
 
 pytestmark = pytest.mark.skipif(

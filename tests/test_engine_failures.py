@@ -17,11 +17,11 @@ import trio
 import trio.testing
 
 from kvflow.config import KVFlowConfig
-from kvflow.metadata import LoadSpec, SaveSpec, WorkerPlan, decode_plan, encode_plan
+from kvflow.engine.metadata import LoadSpec, SaveSpec, WorkerPlan, decode_plan, encode_plan
+from kvflow.engine.scheduler import ScheduledRequest
+from kvflow.engine.worker import KVFlowFatal
 from kvflow.observe.events import SaveStarted, TransferDone, TransferFailed
-from kvflow.scheduler import ScheduledRequest
 from kvflow.testing.layouts import fill_blocks
-from kvflow.worker import KVFlowFatal
 from kvflow_fs import FsTransport
 
 from .engine_harness import (
@@ -170,7 +170,7 @@ def test_a_read_stuck_in_the_kernel_stops_the_engine_instead_of_a_late_write(
     """The load's deadline passes while its read hangs in a thread: handing the blocks
     back (as failed, to recompute) would let the read land in them later. vLLM's thread
     gets `KVFlowFatal` instead, and no block is ever reported back."""
-    monkeypatch.setattr("kvflow.transfers.STOP_GRACE_S", 0.5)
+    monkeypatch.setattr("kvflow.engine.transfers.STOP_GRACE_S", 0.5)
     a = start_engine("a")
     save_prompt(a, "src", PROMPT, [1, 2, 3])
     b = start_engine("b", config=KVFlowConfig(load_timeout_s=0.5), worker_transport=StuckReadFs)

@@ -17,12 +17,12 @@ import trio
 import trio.testing
 
 from kvflow.config import KVFlowConfig
+from kvflow.engine.metadata import WorkerPlan
+from kvflow.engine.scheduler import SchedulerEngine
 from kvflow.geometry.layout import LayoutError
-from kvflow.metadata import WorkerPlan
 from kvflow.observe.events import TransferFailed
 from kvflow.pd.params import PD_VERSION, UNSET_SHAPE, ModelShape, PdParams
 from kvflow.pd.security import prompt_digest
-from kvflow.scheduler import SchedulerEngine
 from kvflow.transport import Capabilities, PeerSource, TransportContext, TransportError
 from kvflow_fs import FsTransport
 
@@ -33,7 +33,7 @@ def test_a_producer_hands_blocks_back_when_no_consumer_comes(
     start_engine: Callable[..., Engine],
 ) -> None:
     """P/D: held blocks go back to vLLM after hold_timeout_s (trio's MockClock: instantly)."""
-    from kvflow.metadata import OfferSpec
+    from kvflow.engine.metadata import OfferSpec
     from kvflow.observe.events import BlocksReleased
     from kvflow_zmq import ZmqOptions, ZmqTransport
 

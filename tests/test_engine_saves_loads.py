@@ -16,8 +16,9 @@ import trio
 import trio.testing
 
 from kvflow.config import KVFlowConfig
+from kvflow.engine.metadata import LoadSpec, SaveSpec, WorkerPlan
+from kvflow.engine.scheduler import ScheduledRequest, SchedulerEngine
 from kvflow.keys import ChunkKey
-from kvflow.metadata import LoadSpec, SaveSpec, WorkerPlan
 from kvflow.observe.events import (
     BlocksReleased,
     EventBus,
@@ -28,7 +29,6 @@ from kvflow.observe.events import (
     TransferDone,
     TransferFailed,
 )
-from kvflow.scheduler import ScheduledRequest, SchedulerEngine
 from kvflow.testing.layouts import fill_blocks
 from kvflow_fs import FsTransport
 

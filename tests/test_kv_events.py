@@ -19,8 +19,8 @@ import pytest
 import zmq
 
 from kvflow.config import KVFlowConfig, TierConfig
+from kvflow.engine.worker import ChunkOutcomes
 from kvflow.keys import chunk_keys
-from kvflow.worker import ChunkOutcomes
 from kvflow_vllm import kv_events
 from kvflow_vllm.apiserver import free_port
 from kvflow_vllm.kv_events import ChunkReport, KVEventTracker, KVFlowWorkerMeta, media

@@ -1,4 +1,4 @@
-"""`kvflow.lending.Lending` on its own: every state of a request's blocks and every way
+"""`kvflow.engine.lending.Lending` on its own: every state of a request's blocks and every way
 out of it (the module text draws them)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import trio
 import trio.testing
 
-from kvflow.lending import Lending, lent_at_finish
+from kvflow.engine.lending import Lending, lent_at_finish
 
 
 def make() -> tuple[Lending, list[str]]:

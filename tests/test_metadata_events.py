@@ -1,4 +1,5 @@
-"""kvflow.metadata and kvflow.observe.events: what crosses process boundaries, and the bus."""
+"""kvflow.engine.metadata and kvflow.observe.events: what crosses process boundaries, and
+the bus."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ import typing
 import msgspec
 import pytest
 
-from kvflow import metadata
-from kvflow.metadata import LoadSpec, SaveSpec, WorkerPlan, decode_plan, encode_plan
+from kvflow.engine import metadata
+from kvflow.engine.metadata import LoadSpec, SaveSpec, WorkerPlan, decode_plan, encode_plan
 from kvflow.observe import events as ev
 from kvflow.observe.events import (
     Event,

@@ -19,7 +19,8 @@ import trio
 import trio.testing
 
 from kvflow.config import KVFlowConfig
-from kvflow.metadata import LoadSpec, OfferSpec, WorkerPlan
+from kvflow.engine.metadata import LoadSpec, OfferSpec, WorkerPlan
+from kvflow.engine.scheduler import ScheduledRequest, SchedulerEngine
 from kvflow.observe.events import (
     BlocksReleased,
     EventBus,
@@ -32,7 +33,6 @@ from kvflow.observe.stats import StatsCollector
 from kvflow.pd.params import PD_VERSION, UNSET_SHAPE, PdParams
 from kvflow.pd.security import Channel, prompt_digest
 from kvflow.runtime import GIVE_UP_AFTER, KVFlowFatal, Runtime
-from kvflow.scheduler import ScheduledRequest, SchedulerEngine
 from kvflow.transport import Renewed
 from kvflow_zmq import ZmqOptions, ZmqTransport
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 import trio
 
+from kvflow.engine.staging import HostStage
 from kvflow.geometry.layout import KVLayout, LayoutError
-from kvflow.staging import HostStage
 from kvflow.testing.layouts import LAYOUTS, fill_blocks, make_layout, token_bytes
 
 BS = 4

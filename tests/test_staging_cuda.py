@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvflow.engine.staging import HostStage
 from kvflow.geometry.layout import KVLayout
 from kvflow.keys import chunk_keys
 from kvflow.observe.events import TierRead
-from kvflow.staging import HostStage
 from kvflow.testing.layouts import device_layout
 from kvflow.tiers import HostTier, with_host_tier
 from kvflow.transport import LoadJob, SaveJob, TransportContext

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from kvflow.engine.scheduler import ScheduledRequest
 from kvflow.geometry.layout import KVLayout
 from kvflow.keys import chunk_token_counts
 from kvflow.observe.events import TransferDone, TransferFailed
-from kvflow.scheduler import ScheduledRequest
 from kvflow.shapes.reblock import StoredRun, load_window, other_block_sizes
 from kvflow.testing.layouts import token_bytes
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvflow.engine.staging import HostStage
 from kvflow.geometry.cells import head_copy_runs
 from kvflow.geometry.layout import KVLayout, LayoutError
 from kvflow.keys import chunk_keys
@@ -19,7 +20,6 @@ from kvflow.shapes.reshape import (
     other_shapes,
     shard_name,
 )
-from kvflow.staging import HostStage
 from kvflow.testing.layouts import LAYOUTS, fill_blocks, make_layout
 from kvflow.transport import ChunkCorrupt, ChunkMissing, LoadJob, SaveJob, TransportContext
 from kvflow_fs import FsOptions, FsTransport
@@ -233,7 +233,7 @@ def test_heads_copy_between_orders_cell_by_cell() -> None:
 
 def _device(kind: str, heads: int) -> KVLayout:
     """A cache standing in for a CUDA one (memory 'cuda'; `buffers` alias its tensors
-    so the test reads its bytes), staged token-major for the store (`kvflow.staging`)."""
+    so the test reads its bytes), staged token-major for the store (`kvflow.engine.staging`)."""
     layout = _layout(kind, heads)
     layout.memory = "cuda"
     layout.tensors = [torch.frombuffer(b, dtype=torch.uint8) for b in layout.buffers]

@@ -39,8 +39,8 @@ from vllm.v1.worker.kv_connector_model_runner_mixin import (
     KVConnectorModelRunnerMixin,
 )
 
+from kvflow.engine.metadata import LoadSpec, SaveSpec, WorkerPlan
 from kvflow.keys import chunk_keys
-from kvflow.metadata import LoadSpec, SaveSpec, WorkerPlan
 from kvflow.observe.events import TransferDone
 from kvflow.transport import ChunkCorrupt, LoadJob
 from kvflow_vllm.connector import KVFlowConnector, KVFlowMetadata

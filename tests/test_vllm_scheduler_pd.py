@@ -19,7 +19,7 @@ import trio
 
 pytest.importorskip("vllm.v1.core.sched.scheduler", reason="needs vLLM installed")
 
-from kvflow.metadata import OfferSpec
+from kvflow.engine.metadata import OfferSpec
 from kvflow.observe.events import Event, Rejected
 from kvflow.pd.params import PdParams, parse_pd_params
 from kvflow.pd.security import Channel, keygen, read_key

@@ -62,13 +62,13 @@ from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
 from kvflow.config import parse_options
-from kvflow.metadata import WorkerPlan
+from kvflow.engine.metadata import WorkerPlan
+from kvflow.engine.worker import TransferResults, WorkerEngine
 from kvflow.observe.events import Event, EventBus, LookupAnswered, Origin
 from kvflow.pd.params import PdParams
 from kvflow.pd.security import Channel, host_key
 from kvflow.runtime import Runtime
 from kvflow.transport import Offer, TransportContext, load_transport
-from kvflow.worker import TransferResults, WorkerEngine
 from kvflow_vllm.connector import KVFlowConnector, KVFlowMetadata
 from kvflow_vllm.connector.cache_spec import layout_from_tensors
 from kvflow_vllm.engine_process import model_dir

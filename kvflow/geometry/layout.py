@@ -231,7 +231,7 @@ class LayerGeometry(msgspec.Struct, frozen=True, kw_only=True):
 
     def token_major(self) -> LayerGeometry:
         """The token-major image of a block of this layout (`[tokens, heads, cell]`, as
-        `kvflow.staging` stages a device cache for a store)."""
+        `kvflow.engine.staging` stages a device cache for a store)."""
         return LayerGeometry(
             num_blocks=1,
             block_size=self.block_size,
@@ -294,7 +294,7 @@ def layout_mismatch(
     """Why a consumer cannot copy a producer's blocks, naming both layouts; "" when it
     can. By default every layer's blocks must match byte for byte
     (`LayerGeometry.block_shape`); with `cells`, a copier that converts between orders
-    (`kvflow.staging.copy_tokens`) needs only the same cells in blocks of the same size."""
+    (`kvflow.engine.staging.copy_tokens`) needs only the same cells in blocks of the same size."""
     if len(producer) != len(consumer):
         return f"the producer has {len(producer)} KV layers, the consumer {len(consumer)}"
     for i, (p, c) in enumerate(zip(producer, consumer, strict=True)):
@@ -498,7 +498,7 @@ class KVLayout:
     def describe(self) -> str:
         """Stable text for chunk headers: what makes the bytes a store holds incompatible.
         Host memory is stored as it lies; device memory is staged token-major
-        (`kvflow.staging`), so only its cells count, not the order vLLM keeps them in nor
+        (`kvflow.engine.staging`), so only its cells count, not the order vLLM keeps them in nor
         its block size (chunks of any block size line up: `kvflow.shapes.reblock`)."""
         if self.memory == "cpu":
             kinds = sorted({g.describe() for g in self.geometries})
@@ -523,7 +523,7 @@ class KVLayout:
 
     def image(self, layer: int) -> LayerGeometry:
         """The geometry of a chunk's bytes of `layer` as a store holds them: host memory
-        and opaque blocks as they lie, device memory token-major (`kvflow.staging`)."""
+        and opaque blocks as they lie, device memory token-major (`kvflow.engine.staging`)."""
         g = self.geometries[layer]
         return g if self.memory == "cpu" or g.block_bytes else g.token_major()
 

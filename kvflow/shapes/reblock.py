@@ -1,7 +1,7 @@
 """Chunks a store holds for engines of another block size: which to look up, which of
 them hold a load's tokens, and how their bytes land in this engine's blocks.
 
-A device cache is stored token-major (`kvflow.staging`): a chunk of n tokens is
+A device cache is stored token-major (`kvflow.engine.staging`): a chunk of n tokens is
 `[tokens, heads, cell]` whatever the block size, so the chunks of a run of tokens,
 end to end, are the same bytes at any block size. Such engines share a namespace
 across block sizes (the fingerprint leaves the block size out) and each keys its

@@ -28,7 +28,7 @@ server). The suite then drives each instance the way kvflow does:
 
 - `await transport.open()`, with `context.layout` still `None`;
 - on workers, `await transport.register(layout)` follows `open()`, as
-  `kvflow.worker.WorkerEngine.register` does when vLLM registers its caches;
+  `kvflow.engine.worker.WorkerEngine.register` does when vLLM registers its caches;
 - lookups go to the scheduler instance, saves and loads to workers;
 - `await transport.aclose()` once at the end of the test, also after
   cancelled transfers.

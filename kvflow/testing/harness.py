@@ -189,7 +189,7 @@ class Harness:  # ~345 lines: every test's vocabulary (workers, chunks, jobs, ch
     layout: KVLayout
     stack: contextlib.AsyncExitStack
     nursery: trio.Nursery
-    """Runs each worker instance's `serve()`, as `kvflow.worker.WorkerEngine` does."""
+    """Runs each worker instance's `serve()`, as `kvflow.engine.worker.WorkerEngine` does."""
     namespace: str = "conformance-ns-a"
     progress_timeout_s: float = 10.0
     _next_block: dict[int, int] = field(default_factory=dict)

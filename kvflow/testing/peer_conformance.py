@@ -12,7 +12,7 @@ the producer. An author writes, as for the store suite::
 
 Every instance is a worker (scheduler instances are only used to probe the
 capabilities); the harness runs each worker's `serve()` as a task, the way
-`kvflow.worker.WorkerEngine` does, and stops it before `aclose()`. Producer
+`kvflow.engine.worker.WorkerEngine` does, and stops it before `aclose()`. Producer
 and consumer share one test layout and use distinct blocks of it, so every
 byte of the consumer's memory is checked against the producer's. Transports
 whose capabilities lack `peer` or the `cpu` memory kind are skipped.

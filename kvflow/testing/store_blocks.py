@@ -2,16 +2,16 @@
 cache's chunks are stored token-major, so what an engine of blocks of 16 saved, one of
 blocks of 32 finds under its keys and loads token for token, and back. The caches are
 host tensors labelled `cuda` (`device_layout("cpu")`), staged as a GPU's are
-(`kvflow.staging.HostStage`)."""
+(`kvflow.engine.staging.HostStage`)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from ..engine.staging import HostStage
 from ..keys import chunk_keys, chunk_token_counts
 from ..shapes.reblock import load_reblocked, load_window, lookup_blocks
-from ..staging import HostStage
 from ..transport import LoadJob, SaveJob, Transport, TransportError
 from .contract import Promise, violated
 from .harness import Harness

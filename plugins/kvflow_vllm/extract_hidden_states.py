@@ -20,9 +20,9 @@ import torch
 import trio
 
 from kvflow.config import ConfigError
+from kvflow.engine.lending import Lending
 from kvflow.hidden_states import HiddenStatesRef, host_buffer, save_hidden_states
 from kvflow.keys import Fingerprint, StoreKey, chunk_keys, chunk_token_counts
-from kvflow.lending import Lending
 from kvflow.observe.events import EventBus
 from kvflow.runtime import Runtime, poll_until
 from kvflow.transport import Transport

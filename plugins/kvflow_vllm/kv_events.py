@@ -31,8 +31,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerM
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
 from kvflow.config import KVFlowConfig
+from kvflow.engine.worker import ChunkOutcomes
 from kvflow.keys import ChunkKey
-from kvflow.worker import ChunkOutcomes
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request

@@ -29,8 +29,7 @@ import msgspec
 import torch
 import trio
 
-from kvflow.geometry.layout import LayerGeometry
-from kvflow.staging import (
+from kvflow.engine.staging import (
     block_views,
     cell_view,
     copy_tokens,
@@ -38,6 +37,7 @@ from kvflow.staging import (
     from_token_major,
     token_major,
 )
+from kvflow.geometry.layout import LayerGeometry
 
 __all__ = [
     "CudaDevice",

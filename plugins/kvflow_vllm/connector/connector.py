@@ -68,8 +68,8 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
+    from kvflow.engine.scheduler import SchedulerEngine
     from kvflow.pd.security import Channel
-    from kvflow.scheduler import SchedulerEngine
 
 __all__ = ["KVFlowConnector"]
 

@@ -12,7 +12,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
 )
 
-from kvflow.metadata import WorkerPlan, decode_plan, encode_plan
+from kvflow.engine.metadata import WorkerPlan, decode_plan, encode_plan
 
 from ..extract_hidden_states import HiddenExport
 

@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 import msgspec
 
 from kvflow.config import KVFlowConfig
-from kvflow.lending import lent_at_finish
-from kvflow.metadata import WorkerPlan
+from kvflow.engine.lending import lent_at_finish
+from kvflow.engine.metadata import WorkerPlan
+from kvflow.engine.scheduler import ScheduledRequest, SchedulerEngine
 from kvflow.pd.params import PdParams, PdParamsError, join_groups, parse_pd_params
-from kvflow.scheduler import ScheduledRequest, SchedulerEngine
 from kvflow.shapes.reblock import other_block_sizes
 
 from ..extract_hidden_states import HiddenStatesPlanner, extracts_hidden_states

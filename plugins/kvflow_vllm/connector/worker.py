@@ -16,11 +16,11 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
 from kvflow.config import ConfigError, KVFlowConfig
-from kvflow.cpu_pinning import pinned_neighbours
+from kvflow.engine.cpu_pinning import pinned_neighbours
+from kvflow.engine.worker import WorkerEngine
 from kvflow.hidden_states import hidden_context, hidden_layout
 from kvflow.tiers import HostTier, tiers_of
 from kvflow.transport import Transport, TransportError
-from kvflow.worker import WorkerEngine
 
 from ..extract_hidden_states import (
     HiddenStatesExporter,

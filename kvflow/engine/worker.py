@@ -3,11 +3,11 @@
 vLLM's model-runner thread calls in through the connector adapter:
 `bind` (a step's plan), `wait_layer` (attention is about to read layer i),
 `layer_computed` (layer i's KV is final), `end_step`, `take_results`. Those
-calls hand work to the runtime's loop (`kvflow.transfers`) and return; the only
+calls hand work to the runtime's loop (`kvflow.engine.transfers`) and return; the only
 waits are the ones the contract demands (layer i's load before attention reads
 it, preemption before blocks are reused), each bounded by a timeout.
 
-The flows report through `kvflow.transfers.Reports` (one lock); a failed load's
+The flows report through `kvflow.engine.transfers.Reports` (one lock); a failed load's
 block ids are recorded before (or with) its completion, so vLLM always learns
 which blocks to recompute no later than it learns the load ended.
 
@@ -25,14 +25,15 @@ import functools
 import logging
 import time
 
+from ..config import KVFlowConfig
+from ..geometry.layout import KVLayout, LayoutError
+from ..keys import ChunkKey
+from ..observe.events import BlocksReleased, CachesRegistered, EventBus, TaskFailed
+from ..runtime import GAVE_UP_THEN, KVFlowFatal, Runtime, given_up, supervised
+from ..transport import Transport
 from . import transfers
-from .config import KVFlowConfig
-from .geometry.layout import KVLayout, LayoutError
-from .keys import ChunkKey
 from .lending import Lending
 from .metadata import WorkerPlan
-from .observe.events import BlocksReleased, CachesRegistered, EventBus, TaskFailed
-from .runtime import GAVE_UP_THEN, KVFlowFatal, Runtime, given_up, supervised
 from .staging import mark
 from .transfers import (
     ChunkOutcomes,
@@ -42,7 +43,6 @@ from .transfers import (
     Reports,
     TransferResults,
 )
-from .transport import Transport
 
 __all__ = ["KVFlowFatal", "TransferResults", "WorkerEngine"]
 
@@ -98,7 +98,7 @@ class WorkerEngine:  # ~310 lines: every call vLLM's thread makes, each bounded,
     @property
     def staged(self) -> bool:
         """The cache is device memory the transport cannot move: jobs go through host
-        memory (`kvflow.staging`)."""
+        memory (`kvflow.engine.staging`)."""
         return self._flows.staged
 
     # -- vLLM thread -------------------------------------------------------

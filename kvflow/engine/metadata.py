@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import msgspec
 
-from .keys import ChunkKey
-from .shapes.reblock import StoredRun
-from .transport import PeerSource
+from ..keys import ChunkKey
+from ..shapes.reblock import StoredRun
+from ..transport import PeerSource
 
 __all__ = ["LoadSpec", "OfferSpec", "SaveSpec", "WorkerPlan", "decode_plan", "encode_plan"]
 

@@ -16,12 +16,10 @@ from dataclasses import dataclass, field
 
 import trio
 
-from .config import KVFlowConfig
-from .geometry.topology import readers
-from .keys import ChunkKey, chunk_keys, chunk_token_counts
-from .lending import lent_at_finish
-from .metadata import LoadSpec, OfferSpec, SaveSpec, WorkerPlan
-from .observe.events import (
+from ..config import KVFlowConfig
+from ..geometry.topology import readers
+from ..keys import ChunkKey, chunk_keys, chunk_token_counts
+from ..observe.events import (
     BlocksAllocated,
     EventBus,
     LookupAnswered,
@@ -31,8 +29,8 @@ from .observe.events import (
     StepPlanned,
     TaskFailed,
 )
-from .pd.claims import Claim, Claims
-from .pd.params import (
+from ..pd.claims import Claim, Claims
+from ..pd.params import (
     PD_VERSION,
     UNSET_SHAPE,
     ModelShape,
@@ -41,12 +39,14 @@ from .pd.params import (
     consumer_params,
     pull_refusal,
 )
-from .pd.security import Rejections, prompt_digest
-from .runtime import GAVE_UP_THEN, KVFlowFatal, Runtime, given_up
-from .shapes.reblock import StoredRun, load_window, lookup_blocks
-from .shapes.reshape import lookup_sources, other_shapes
-from .transport import PeerSource, Transport
-from .zmqio import shown
+from ..pd.security import Rejections, prompt_digest
+from ..runtime import GAVE_UP_THEN, KVFlowFatal, Runtime, given_up
+from ..shapes.reblock import StoredRun, load_window, lookup_blocks
+from ..shapes.reshape import lookup_sources, other_shapes
+from ..transport import PeerSource, Transport
+from ..zmqio import shown
+from .lending import lent_at_finish
+from .metadata import LoadSpec, OfferSpec, SaveSpec, WorkerPlan
 
 __all__ = ["ScheduledRequest", "SchedulerEngine"]
 

@@ -26,7 +26,7 @@ task runs.
 
 Who calls it: the scheduler process decides what is lent (`lent_at_finish`, its
 answer to vLLM's `request_finished`) and ships it to the workers (`WorkerPlan.lent`,
-the hidden-state exports); each worker's `WorkerEngine` and `kvflow.transfers` keep one
+the hidden-state exports); each worker's `WorkerEngine` and `kvflow.engine.transfers` keep one
 `Lending` per KV cache group, the adapter's hidden-state exporter one of its own,
 and the adapter joins a request's releases over them before vLLM hears of it.
 """

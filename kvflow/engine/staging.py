@@ -27,8 +27,8 @@ from typing import Any
 
 import trio
 
-from .geometry.layout import KVLayout, LayerGeometry
-from .runtime import poll_until
+from ..geometry.layout import KVLayout, LayerGeometry
+from ..runtime import poll_until
 
 __all__ = [
     "HostStage",

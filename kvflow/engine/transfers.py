@@ -4,8 +4,8 @@
 vLLM's thread through `Reports` (one lock): completions in vLLM's terms, the
 blocks of failed loads, what became of saved chunks, and why the engine must
 stop. Which blocks kvflow uses, and when vLLM may have them back, is
-`kvflow.lending`'s. `LayerGate` is what vLLM's thread waits on for a step's
-synchronous loads; `WorkerEngine` (`kvflow.worker`) is the vLLM-thread side.
+`kvflow.engine.lending`'s. `LayerGate` is what vLLM's thread waits on for a step's
+synchronous loads; `WorkerEngine` (`kvflow.engine.worker`) is the vLLM-thread side.
 """
 
 from __future__ import annotations
@@ -19,12 +19,10 @@ from typing import Any
 
 import trio
 
-from .config import KVFlowConfig
-from .geometry.layout import KVLayout
-from .keys import ChunkKey
-from .lending import Lending
-from .metadata import LoadSpec, OfferSpec, SaveSpec, WorkerPlan
-from .observe.events import (
+from ..config import KVFlowConfig
+from ..geometry.layout import KVLayout
+from ..keys import ChunkKey
+from ..observe.events import (
     Direction,
     EventBus,
     LayerComputed,
@@ -35,12 +33,11 @@ from .observe.events import (
     TransferDone,
     TransferFailed,
 )
-from .runtime import Runtime, poll_until
-from .shapes.reblock import load_reblocked
-from .shapes.replicas import ReplicaStore
-from .shapes.reshape import load_reshaped
-from .staging import HostStage, event_done
-from .transport import (
+from ..runtime import Runtime, poll_until
+from ..shapes.reblock import load_reblocked
+from ..shapes.replicas import ReplicaStore
+from ..shapes.reshape import load_reshaped
+from ..transport import (
     ChunkMissing,
     LoadJob,
     Offer,
@@ -49,6 +46,9 @@ from .transport import (
     Transport,
     TransportError,
 )
+from .lending import Lending
+from .metadata import LoadSpec, OfferSpec, SaveSpec, WorkerPlan
+from .staging import HostStage, event_done
 
 __all__ = [
     "STOP_GRACE_S",
@@ -318,7 +318,7 @@ class Flows:  # ~295 lines: a step's loads, saves and offers and how they affect
         self.layout: KVLayout | None = None
         self.staged = False
         """The cache is device memory the transport cannot move: jobs go through host
-        memory (`kvflow.staging`)."""
+        memory (`kvflow.engine.staging`)."""
         self._steps: dict[int, _Step] = {}
         self._limiters: dict[str, trio.CapacityLimiter] = {}
         self._saves = 0

@@ -13,8 +13,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .config import host_cpus
-from .observe.stream import Registration, discover
+from ..config import host_cpus
+from ..observe.stream import Registration, discover
 
 __all__ = ["pinned_neighbours"]
 
