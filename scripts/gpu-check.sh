@@ -2,7 +2,8 @@
 # The GPU suite in one command, on a machine with an NVIDIA GPU and kvflow installed
 # (bash scripts/install.sh): every CUDA test (CUDA IPC, NIXL VRAM, host staging of a
 # device cache, real vLLM GPU engines with fs and zmq P/D on vLLM's default KV layout and
-# on HND) and the GPU benchmarks, then a summary. Logs and results: bench/results/.
+# on HND) and the GPU benchmarks, then a summary. Logs: docs/gpu-runs/DATE-GPU/ (GPU_RUN_DIR
+# overrides; e.g. docs/gpu-runs/2026-11-27-h200/), results files: bench/results/.
 #
 #     bash scripts/gpu-check.sh            # tests + full benchmarks
 #     bash scripts/gpu-check.sh --quick    # tests + quick benchmarks
@@ -13,8 +14,6 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 QUICK=()
 [[ "${1:-}" == "--quick" ]] && QUICK=(--quick)
-OUT=bench/results
-mkdir -p "$OUT"
 
 if ! "$PY" -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
     echo "gpu-check: no CUDA device here (torch.cuda.is_available() is False)" >&2
@@ -22,6 +21,11 @@ if ! "$PY" -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
 fi
 "$PY" -c "import torch, vllm; print('gpu-check:', torch.cuda.get_device_name(), \
 'torch', torch.__version__, 'vllm', vllm.__version__)"
+gpu=$("$PY" -c "import torch; print(torch.cuda.get_device_name())")
+gpu=$(tr 'A-Z' 'a-z' <<<"$gpu" | sed -E 's/^nvidia //; s/[^a-z0-9]+/-/g; s/^-+|-+$//g')
+OUT=${GPU_RUN_DIR:-docs/gpu-runs/$(date -u +%F)-$gpu}
+mkdir -p "$OUT"
+echo "gpu-check: logs in $OUT"
 
 names=() results=()
 step() {  # step NAME CMD...: run, log to $OUT/gpu-check-NAME.log, record the outcome
