@@ -176,6 +176,18 @@ def test_every_results_file_records_what_measured_it(path: Path) -> None:
             assert own.get("commit") or own.get("committed_in"), name
 
 
+def test_bench_results_holds_results_files_only() -> None:
+    """bench/results/ holds the results files the tables are rendered from (each checked
+    above) and nothing else: no logs, no folder of a GPU session's logs and raw outputs
+    (those are docs/gpu-runs/'s). Files git tracks or would add; ignored scratch
+    (*.tmp) is not counted."""
+    done = git("ls-files", "--cached", "--others", "--exclude-standard", "--", "bench/results")
+    assert done.returncode == 0, done.stderr
+    files = [Path(p) for p in done.stdout.splitlines()]
+    others = [str(p) for p in files if p.parent != Path("bench/results") or p.suffix != ".json"]
+    assert files and others == [], f"not results files (GPU runs go to docs/gpu-runs/): {others}"
+
+
 def _a_run(tmp_path: Path) -> tuple[dict[str, Any], str]:
     """A results file as record.save writes it, and a results file's path in git."""
     out = tmp_path / "x.json"

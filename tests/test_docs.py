@@ -56,6 +56,36 @@ def test_the_gpu_suite_runs_files_that_exist_and_says_when_there_is_no_gpu() -> 
     assert proc.returncode == 2 and "no CUDA device here" in proc.stderr, proc.stderr
 
 
+def test_the_gpu_suite_logs_to_docs_gpu_runs_not_bench_results(tmp_path: Path) -> None:
+    """scripts/gpu-check.sh, run in a copy with a stand-in interpreter that says it has
+    CUDA on an "NVIDIA H200", logs to docs/gpu-runs/DATE-h200/ and nothing to bench/."""
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "scripts" / "gpu-check.sh").write_text(
+        (ROOT / "scripts" / "gpu-check.sh").read_text()
+    )
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\necho 'NVIDIA H200'\n")
+    fake.chmod(0o755)
+    env = {"PATH": "/usr/bin:/bin", "PYTHON": str(fake)}
+    proc = subprocess.run(
+        ["bash", "scripts/gpu-check.sh"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    logs = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*.log"))
+    assert logs and all(p.startswith("docs/gpu-runs/") for p in logs), logs
+    (day,) = {p.split("/")[2] for p in logs}
+    assert day.endswith("-h200") and logs == [
+        f"docs/gpu-runs/{day}/gpu-check-bench_cuda_ipc.log",
+        f"docs/gpu-runs/{day}/gpu-check-tests.log",
+    ], logs
+    assert not (tmp_path / "bench").exists()
+
+
 def test_the_readme_is_a_front_door() -> None:
     """What kvflow is in at most five lines, both set-up commands in the first 30 lines,
     a quick start of at most 15 lines and a feature list of at most 25 that links to the
