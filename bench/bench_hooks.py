@@ -53,7 +53,7 @@ def hot_path_us(iterations: int = 200_000) -> dict[str, float]:
     side._layer_index = {n: (worker, i) for i, n in enumerate(layout.names)}
     side._sending, side._receiving = Pending(), Pending()
     conn = KVFlowConnector.__new__(KVFlowConnector)
-    conn.worker_side, conn.scheduler_side, conn.config = side, None, cfg
+    conn.worker_side, conn.scheduler_side = side, None  # no context: these hooks read none
     kv = torch.zeros(1)
     name = layout.names[1]
 

@@ -303,7 +303,7 @@ def test_a_host_key_directory_others_could_plant_is_refused(
 def test_tiers_below_the_store_are_checked_at_start_naming_the_key() -> None:
     """`tiers` (kvflow.tiers.stacked): each names an installed store transport and its
     options; anything else fails at start naming `['tiers'][i]` and the valid choices."""
-    from kvflow_vllm.connector.connector import lower_tiers
+    from kvflow_vllm.connector.context import lower_tiers
 
     installed = list(available_transports())
     with pytest.raises(ConfigError, match=r"\['tiers'\]\[0\]\['transport'\]: 'ftp'.*fs"):

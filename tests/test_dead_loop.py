@@ -168,7 +168,7 @@ class Worker:
     def kill_loop(self) -> None:
         """kvflow's worker loop dies: a BaseException escapes it, as no task's error
         does (test_engine_failures.py's dead-loop tests kill it so)."""
-        kill_loop(self.conn.runtime)
+        kill_loop(self.conn.context.runtime)
 
 
 def step_until_idle(h: Harness, worker: Worker, *, drain: bool = False) -> None:
@@ -259,7 +259,7 @@ def engine(distributed: None) -> Iterator[Engine]:
             block_size=BLOCK_SIZE,
         )
         h = Harness(scheduler=scheduler, lookups=LookupWaiter())
-        h.connector.bus.subscribe(h.lookups)
+        h.connector.context.bus.subscribe(h.lookups)
         made.append(h)
         return h, Worker(cfg, conn, caches)
 
@@ -290,7 +290,7 @@ def test_saves_and_exports_in_flight_when_the_loop_dies(
 
     side, signals = worker.conn.worker_side, worker.signals
     assert side is not None and side._exporter is not None
-    transport = worker.conn.transport
+    transport = worker.conn.context.transport
     monkeypatch.setattr(transport, "save", signals.hold("save", transport.save, {"a", "b"}))
     exporter = side._exporter
     monkeypatch.setattr(exporter, "_copy_out", signals.hold("export", exporter._copy_out, {"b"}))
@@ -333,7 +333,7 @@ def test_an_offer_in_flight_when_the_loop_dies(
     handshake = worker.conn.get_handshake_metadata()
     assert isinstance(handshake, KVFlowHandshake)
     h.connector.set_xfer_handshake_metadata({0: handshake})  # as vLLM's engine core does
-    transport = worker.conn.transport
+    transport = worker.conn.context.transport
     monkeypatch.setattr(transport, "offer", worker.signals.hold("offer", transport.offer, ()))
     start = h.free_blocks
     remote = {"do_remote_decode": True}

@@ -61,10 +61,10 @@ class Worker:
     ) -> None:
         self.conn, self.caches, self.mrv2 = conn, caches, mrv2
         self.saved = threading.Event()
-        conn.bus.subscribe(
+        conn.context.bus.subscribe(
             lambda e: isinstance(e, TransferDone) and e.direction == "save" and self.saved.set()
         )
-        self.keys = chunk_keys(conn.transport.context.namespace, PROMPT, BLOCK_SIZE)
+        self.keys = chunk_keys(conn.context.transport.context.namespace, PROMPT, BLOCK_SIZE)
         self.step = 0
 
     def output(self, plan_kw: dict[str, Any], runner: str, defer: bool) -> KVConnectorOutput:
@@ -165,7 +165,7 @@ def test_a_load_that_fails_late_is_reported_in_its_own_step(
     """The transport signals every layer, then fails (a checksum at the end, a peer that
     reports a bad read): vLLM's forward used the blocks, so this step's output must name
     them, even when the runner reads the errors before `wait_for_save`."""
-    transport = worker.conn.transport
+    transport = worker.conn.context.transport
     real_load = transport.load
     forward_over = threading.Event()
 

@@ -50,7 +50,7 @@ def blocks_for(num_tokens: int) -> int:
 def check_saves(h: Harness, prompts: dict[str, list[int]]) -> dict[str, set[int]]:
     """Every save kvflow planned names the chunks' keys and, for each, the block vLLM
     holds that chunk in at that step. Returns the chunk indices saved per request."""
-    ns = h.connector.sched.namespace
+    ns = h.connector.context.namespaces[0]
     keys = {r: chunk_keys(ns, p, BLOCK_SIZE) for r, p in prompts.items()}
     saved: dict[str, set[int]] = {r: set() for r in prompts}
     for n, step in enumerate(h.steps):
@@ -349,8 +349,8 @@ def store_prefix(harness: MakeHarness, store: Path, prompt: list[int]) -> list[s
     results = run_real_worker(a, a.plans())
     assert results.finished_sending == {"seed"}, "the worker released the lent request"
     keys = [k for plan in a.plans() for s in plan.saves for k in s.keys]
-    assert keys == chunk_keys(a.connector.sched.namespace, prompt, BLOCK_SIZE)
-    ns_dir = store / a.connector.sched.namespace
+    assert keys == chunk_keys(a.connector.context.namespaces[0], prompt, BLOCK_SIZE)
+    ns_dir = store / a.connector.context.namespaces[0]
     assert {p.name for p in ns_dir.rglob("*.kv")} == {f"{k}.{SHARD}.kv" for k in keys}
     return keys
 
@@ -524,9 +524,9 @@ def test_with_vllms_prefix_cache_loads_are_between_steps(
     prompt = prompt_of(1, 40)
     store_prefix(harness, tmp_path, prompt)
     plain = harness(fs_config(tmp_path, enable_prefix_caching=False), 16)
-    assert plain.connector.config.load_mode == "layer"
+    assert plain.connector.context.config.load_mode == "layer"
     h = harness(fs_config(tmp_path, kv_load_failure_policy="fail"), 16)
-    assert h.connector.config.load_mode == "async"
+    assert h.connector.context.config.load_mode == "async"
     h.add(make_request("r", prompt, max_tokens=2))
     (load,) = h.step().plan.loads
     assert load.asynchronous
@@ -557,7 +557,7 @@ def test_vllm_keeps_blocks_computed_over_a_failed_load_in_the_same_step(
             "vLLM's prefix cache is the same in both loops; the async one would "
             "report the failed load a step later, past this test's one step"
         )
-    assert h.connector.config.load_mode == "layer"
+    assert h.connector.context.config.load_mode == "layer"
     other = prompt[:32] + prompt_of(9, 20)  # shares "r"'s first two chunks
     h.add(make_request("r", prompt, max_tokens=2), make_request("b", other, max_tokens=2))
     tables: dict[str, list[int]] = {}

@@ -79,7 +79,7 @@ def test_pd_producer_offers_blocks_and_consumer_pulls_them(harness: MakeHarness)
     (pd,) = parse_pd_params(params) or []
     table = prefill.block_ids["pd"]
     assert pd.block_ids == table and pd.num_tokens == 40 and pd.block_size == BLOCK_SIZE
-    assert pd.addresses == [address] and pd.engine_id == producer.connector.engine_id
+    assert pd.addresses == [address] and pd.engine_id == producer.connector.context.engine_id
     assert set(producer.scheduler.requests) == {"pd"}, "plain's blocks are free already"
     assert producer.free_blocks == start - 3
 
@@ -138,10 +138,11 @@ def _rejections(h: Harness) -> Callable[[], dict[str, int]]:
         if isinstance(event, Rejected):
             seen[event.reason] = seen.get(event.reason, 0) + 1
 
-    h.connector.bus.subscribe(count)
+    h.connector.context.bus.subscribe(count)
 
     def counted() -> dict[str, int]:
-        h.connector.runtime.call(trio.lowlevel.checkpoint, timeout=10.0)  # after its submits
+        runtime = h.connector.context.runtime
+        runtime.call(trio.lowlevel.checkpoint, timeout=10.0)  # after its submits
         return dict(seen)
 
     return counted

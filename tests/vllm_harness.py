@@ -63,6 +63,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 
 from kvflow.config import parse_options
 from kvflow.engine.metadata import WorkerPlan
+from kvflow.engine.scheduler import SchedulerEngine
 from kvflow.engine.worker import TransferResults, WorkerEngine
 from kvflow.observe.events import Event, EventBus, LookupAnswered, Origin
 from kvflow.pd.params import PdParams
@@ -306,6 +307,13 @@ class Harness:
         return conn
 
     @property
+    def kvflow_sched(self) -> SchedulerEngine:
+        """kvflow's scheduler engine (the first, here the only, KV cache group's)."""
+        side = self.connector.scheduler_side
+        assert side is not None
+        return side.sched
+
+    @property
     def free_blocks(self) -> int:
         return self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
 
@@ -319,18 +327,18 @@ class Harness:
 
     def kvflow_block_table(self, req_id: str) -> list[int]:
         """The block table kvflow's scheduler engine plans with (its private state)."""
-        return list(self.connector.sched._reqs[req_id].block_ids)
+        return list(self.kvflow_sched._reqs[req_id].block_ids)
 
     @property
     def kvflow_requests(self) -> set[str]:
         """Requests kvflow's scheduler engine still keeps state for (its private state)."""
-        return set(self.connector.sched._reqs)
+        return set(self.kvflow_sched._reqs)
 
     def add(self, *reqs: Request) -> None:
         """Add requests, then wait until kvflow has answered each one's store lookup."""
         for req in reqs:
             self.scheduler.add_request(req)
-        sched = self.connector.sched
+        sched = self.kvflow_sched
         claims = sched._claims is not None  # a P/D request's claim is its lookup
         waits = [
             r.request_id
@@ -559,7 +567,7 @@ def make_harness(vllm_config: VllmConfig, num_blocks: int, loop: Loop = "sync") 
         block_size=block_size,
     )
     harness = Harness(scheduler=scheduler, lookups=LookupWaiter(), loop=loop)
-    harness.connector.bus.subscribe(harness.lookups)
+    harness.connector.context.bus.subscribe(harness.lookups)
     return harness
 
 
@@ -580,19 +588,19 @@ def run_real_worker(harness: Harness, plans: Sequence[WorkerPlan]) -> TransferRe
     laid out as vLLM's CPU attention lays it out (block `b` of layer `l` filled with
     `l * 1000 + b`), wait until every save has finished, and return what the worker
     reports (`finished_sending`: the lent requests it released)."""
-    conn = harness.connector
+    shared = harness.connector.context
     num_blocks = harness.scheduler.kv_cache_config.num_blocks
     caches = {
         name: torch.full((num_blocks, 1, BLOCK_SIZE, 16), float(layer * 1000))
         + torch.arange(num_blocks, dtype=torch.float32).view(-1, 1, 1, 1)
         for layer, name in enumerate(LAYERS)
     }
-    transport_cls = load_transport(conn.config.transport)
-    options = parse_options(conn.config.options, transport_cls.Options, conn.config.transport)
+    transport_cls = load_transport(shared.config.transport)
+    options = parse_options(shared.config.options, transport_cls.Options, shared.config.transport)
     ctx = TransportContext(
-        engine_id=conn.engine_id,
+        engine_id=shared.engine_id,
         role="worker",
-        namespace=conn.sched.namespace,
+        namespace=shared.namespaces[0],
         shard=SHARD,
         shards=[SHARD],
     )
@@ -601,10 +609,10 @@ def run_real_worker(harness: Harness, plans: Sequence[WorkerPlan]) -> TransferRe
     runtime.call(transport.open, timeout=30.0)
     runtime.add_closer(transport.aclose)
     worker = WorkerEngine(
-        config=conn.config,
+        config=shared.config,
         transport=transport,
         runtime=runtime,
-        bus=EventBus(Origin(conn.engine_id, "worker", 0)),
+        bus=EventBus(Origin(shared.engine_id, "worker", 0)),
     )
     try:
         worker.register(layout_from_tensors(caches, num_blocks, BLOCK_SIZE))

@@ -3,6 +3,8 @@
 - `connector.py`: `KVFlowConnector`, registered by this package's path in
   `kvflow_vllm.plugin`: builds what both roles share and forwards each vLLM call to
   its role's side;
+- `context.py`: `ConnectorContext`, what both roles share (built once, frozen): each
+  side gets it, never the connector, so no side module imports `connector.py`;
 - `scheduler.py`: `KVFlowScheduler`, the scheduler's side;
 - `worker.py`: `KVFlowWorker`, a worker's side;
 - `metadata.py`: what the scheduler and the workers send each other;

@@ -6,6 +6,7 @@ kvflow's configuration gives up under vLLM's settings (checked once, at start)."
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -151,7 +152,7 @@ def fit_config(
     config: KVFlowConfig,
     vllm_config: VllmConfig,
     kv_cache_config: KVCacheConfig,
-    groups: list[int],
+    groups: Sequence[int],
     store: bool,
 ) -> KVFlowConfig:
     """`config` as this vLLM allows it, for the KV cache `groups` kvflow moves through a
@@ -171,7 +172,7 @@ def fit_config(
 
 
 def check_groups(
-    kv_cache_config: KVCacheConfig, groups: list[int], config: KVFlowConfig
+    kv_cache_config: KVCacheConfig, groups: Sequence[int], config: KVFlowConfig
 ) -> KVFlowConfig:
     """Several KV cache groups (vLLM's hybrid manager): refuse what kvflow cannot move
     per group, and load between steps (vLLM recovers from a failed load of several

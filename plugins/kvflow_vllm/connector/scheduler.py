@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import msgspec
 
@@ -21,6 +21,7 @@ from kvflow.shapes.reblock import other_block_sizes
 from ..extract_hidden_states import HiddenStatesPlanner, extracts_hidden_states
 from ..kv_events import KVEventTracker, KVFlowWorkerMeta, media
 from .cache_spec import model_shape, request_salt, stores_token_major
+from .context import ConnectorContext, Placement, Role
 from .metadata import KVFlowHandshake, KVFlowMetadata
 
 if TYPE_CHECKING:
@@ -36,8 +37,6 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-    from .connector import KVFlowConnector
-
 __all__ = ["KVFlowScheduler"]
 
 log = logging.getLogger("kvflow.vllm")
@@ -50,22 +49,24 @@ holds before the window."""
 class KVFlowScheduler:
     """The scheduler's connector calls, on kvflow's scheduler engines."""
 
-    role: ClassVar[Literal["scheduler", "worker"]] = "scheduler"
+    role: ClassVar[Role] = "scheduler"
 
     @staticmethod
-    def placement(config: KVFlowConfig) -> tuple[int, int, set[int] | None, str]:
+    def placement(config: KVFlowConfig) -> Placement:
         """Tensor and pipeline parallel ranks, the cores for kvflow's threads (None: any)
         and the runtime's name."""
         return 0, 0, None, "scheduler"
 
     def __init__(
-        self, conn: KVFlowConnector, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
+        self, context: ConnectorContext, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
     ) -> None:
-        self.config = conn.config
-        self.groups = conn.groups
-        self._hash_block = conn.hash_block
+        self.context = context
+        """What this side shares with its connector (built once, frozen)."""
+        self.config = context.config
+        self.groups = context.groups
+        self._hash_block = context.hash_block
         """Tokens of each of vLLM's `request.block_hashes` (a divisor of the block size)."""
-        caps = conn.transport_cls.capabilities
+        caps = context.transport_cls.capabilities
         ktc = vllm_config.kv_transfer_config
         assert ktc is not None  # vLLM's connector base refuses to start without one
         kv_role = ktc.kv_role or "kv_both"
@@ -76,26 +77,26 @@ class KVFlowScheduler:
             SchedulerEngine(
                 config=self.config,
                 transport=transport,
-                runtime=conn.runtime,
-                bus=conn.bus,
+                runtime=context.runtime,
+                bus=context.bus,
                 namespace=namespace,
-                block_size=conn.block_size,
+                block_size=context.block_size,
                 can_load=consumes and caps.store,
                 can_save=produces and caps.store,
                 can_pull=consumes and caps.peer,
                 can_offer=produces and caps.peer,
-                engine_id=conn.engine_id,
+                engine_id=context.engine_id,
                 tp_size=pc.tensor_parallel_size,
                 pp_size=pc.pipeline_parallel_size,
                 shape=model_shape(vllm_config, kv_cache_config, group),
                 null_block=_NULL_BLOCK if len(self.groups) > 1 else None,
                 pd_scope=scope,
-                store_block_sizes=other_block_sizes(conn.block_size)
+                store_block_sizes=other_block_sizes(context.block_size)
                 if stores_token_major(kv_cache_config)
                 else (),
             )
             for transport, namespace, scope, group in zip(
-                conn.transports, conn.namespaces, conn.scopes, self.groups, strict=True
+                context.transports, context.namespaces, context.scopes, self.groups, strict=True
             )
         ]
         """The scheduler engines, one per KV cache group kvflow moves."""
@@ -107,20 +108,22 @@ class KVFlowScheduler:
             [
                 KVEventTracker(
                     media=media(self.config),
-                    block_size=conn.block_size,
+                    block_size=context.block_size,
                     workers=len(transport.context.shards),  # the store's: replicas save none
                     group=g,
                 )
-                for g, transport in zip(self.groups, conn.transports, strict=True)
+                for g, transport in zip(self.groups, context.transports, strict=True)
             ]
-            if conn.events
+            if context.events
             else []
         )
         """vLLM's KV events for what kvflow stored and its store evicted."""
         self._requests: dict[str, Request] = {}
         """Running requests, while their saves are planned (with KV events only)."""
         self._planner = (
-            HiddenStatesPlanner(vllm_config, kv_cache_config, self.config.transport, conn.store_key)
+            HiddenStatesPlanner(
+                vllm_config, kv_cache_config, self.config.transport, context.store_key
+            )
             if extracts_hidden_states(vllm_config)
             else None
         )

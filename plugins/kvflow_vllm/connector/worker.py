@@ -9,8 +9,8 @@ import functools
 import logging
 import os
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
@@ -31,6 +31,7 @@ from ..extract_hidden_states import (
 from ..groups import Pending
 from ..kv_events import ChunkReport, KVFlowWorkerMeta, media
 from .cache_spec import check_spec, layer_specs, layout_from_tensors
+from .context import ConnectorContext, Placement, Role
 from .metadata import KVFlowHandshake, KVFlowMetadata
 
 if TYPE_CHECKING:
@@ -44,8 +45,6 @@ if TYPE_CHECKING:
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-    from .connector import KVFlowConnector
-
 __all__ = ["KVFlowWorker"]
 
 log = logging.getLogger("kvflow.vllm")
@@ -57,10 +56,10 @@ _HIDDEN = -1
 class KVFlowWorker:
     """A worker's connector calls, on kvflow's worker engines."""
 
-    role: ClassVar[Literal["scheduler", "worker"]] = "worker"
+    role: ClassVar[Role] = "worker"
 
     @staticmethod
-    def placement(config: KVFlowConfig) -> tuple[int, int, set[int] | None, str]:
+    def placement(config: KVFlowConfig) -> Placement:
         """Tensor and pipeline parallel ranks, the cores for kvflow's threads (None: any)
         and the runtime's name."""
         from vllm.distributed.parallel_state import get_pp_group, get_tp_group
@@ -74,55 +73,57 @@ class KVFlowWorker:
         return tp_rank, pp_rank, cpus, f"worker{tp_rank}"
 
     def __init__(
-        self, conn: KVFlowConnector, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
+        self, context: ConnectorContext, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
     ) -> None:
-        self.config = conn.config
-        self.runtime = conn.runtime
-        self.engine_id = conn.engine_id
-        self.block_size = conn.block_size
-        self.transports = conn.transports
+        self.context = context
+        """What this side shares with its connector (built once, frozen)."""
+        self.config = context.config
+        self.runtime = context.runtime
+        self.engine_id = context.engine_id
+        self.block_size = context.block_size
+        self.transports = context.transports
         self._kv_cache_config = kv_cache_config
         self._num_blocks = kv_cache_config.num_blocks
         kv_cache_groups = kv_cache_config.kv_cache_groups
-        self._group_layers = [set(kv_cache_groups[g].layer_names) for g in conn.groups]
+        self._group_layers = [set(kv_cache_groups[g].layer_names) for g in context.groups]
         self.workers = [
             WorkerEngine(
                 config=self.config,
                 transport=transport,
                 runtime=self.runtime,
-                bus=conn.bus,
-                report_chunks=conn.events,
+                bus=context.bus,
+                report_chunks=context.events,
             )
-            for transport in conn.transports
+            for transport in context.transports
         ]
         """The worker engines, one per KV cache group kvflow moves."""
         self._layer_index: dict[str, tuple[WorkerEngine, int]] = {}
         """A layer's engine and index in its group's layout (set at registration)."""
-        self._rank = conn.rank
+        self._rank = context.rank
         """This worker's index in vLLM's shards (its KV events' reports say it)."""
         self._media: list[dict[int, str]] = [{} for _ in self.workers]
         """Per KV cache group, the medium of each tier (by `id`) for KV events."""
-        if conn.events:
-            self._report_evictions(conn.namespaces)
+        if context.events:
+            self._report_evictions(context.namespaces)
         self._sending = Pending()
         self._receiving = Pending()
         self._exporter: HiddenStatesExporter | None = None
         """Under extract_hidden_states: copies them out and stores them."""
         if extracts_hidden_states(vllm_config):
             planner = HiddenStatesPlanner(
-                vllm_config, kv_cache_config, self.config.transport, conn.store_key
+                vllm_config, kv_cache_config, self.config.transport, context.store_key
             )
             self._exporter = HiddenStatesExporter(
-                self.runtime, conn.bus, self.config.save_timeout_s
+                self.runtime, context.bus, self.config.save_timeout_s
             )
-            self._hidden_writer = conn.tp_rank == 0
-            transport_cls, options = conn.transport_cls, conn.options
+            self._hidden_writer = context.tp_rank == 0
+            transport_cls, options = context.transport_cls, context.options
             self._hidden_transport: Callable[[], Transport] = lambda: transport_cls(
                 options,
-                hidden_context(self.engine_id, "worker", planner.namespace, conn.store_key),
+                hidden_context(self.engine_id, "worker", planner.namespace, context.store_key),
             )
 
-    def _report_evictions(self, namespaces: list[str]) -> None:
+    def _report_evictions(self, namespaces: Sequence[str]) -> None:
         """Hand what each tier evicted to the engine of its namespace, named by the tier's
         medium (for vLLM's KV events), and learn each tier's medium for its saves."""
         by_namespace = dict(zip(namespaces, self.workers, strict=True))
