@@ -38,6 +38,7 @@ __all__ = [
     "Runtime",
     "RuntimeClosed",
     "all_or_first_error",
+    "event_done",
     "given_up",
     "poll_until",
     "supervised",
@@ -436,3 +437,10 @@ async def all_or_first_error(
             nursery.start_soon(run, call)
     if errors:
         raise errors[0]
+
+
+async def event_done(event: Any) -> None:
+    """Wait for a CUDA event from trio (completion is poll-only); None: nothing to wait
+    for."""
+    if event is not None:
+        await poll_until(event.query)

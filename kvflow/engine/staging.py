@@ -27,71 +27,11 @@ from typing import Any
 
 import trio
 
-from ..geometry.layout import KVLayout, LayerGeometry
-from ..runtime import poll_until
+from ..geometry.layout import KVLayout
+from ..geometry.views import block_views, cell_view, copy_tokens, from_token_major, to_token_major
+from ..runtime import event_done
 
-__all__ = [
-    "HostStage",
-    "block_views",
-    "cell_view",
-    "copy_tokens",
-    "event_done",
-    "from_token_major",
-    "mark",
-    "token_major",
-]
-
-
-def block_views(flat: Any, g: LayerGeometry) -> list[Any]:
-    """One `[num_blocks, run length]` view per run of a whole block of a flat uint8
-    layer tensor (`LayerGeometry.block_runs`): row b is that run of block b."""
-    base = flat.storage_offset()
-    return [
-        flat.as_strided((g.num_blocks, n), (g.block_stride, 1), base + off)
-        for off, n in g.block_runs()
-    ]
-
-
-def cell_view(flat: Any, g: LayerGeometry) -> Any:
-    """A token-granular layer as `[blocks, kernel blocks, heads, kernel tokens, cell]`
-    (a strided view of the flat uint8 tensor, whatever vLLM's layout)."""
-    return flat.as_strided(
-        (g.num_blocks, g.kernel_blocks, g.heads, g.kernel_tokens, g.cell_bytes),
-        (g.block_stride, g.kernel_stride, g.head_stride, g.token_stride, 1),
-        flat.storage_offset(),
-    )
-
-
-def token_major(cells: Any, g: LayerGeometry) -> Any:
-    """`[k, kernel blocks, heads, kernel tokens, cell]` cells of k blocks as the canonical
-    image `[k, block_size, heads, cell]` (a view when the layout is NHD, else a copy)."""
-    return cells.permute(0, 1, 3, 2, 4).reshape(len(cells), g.block_size, g.heads, g.cell_bytes)
-
-
-def from_token_major(image: Any, g: LayerGeometry) -> Any:
-    """The canonical image `[k, block_size, heads, cell]` as `g`'s cells (a view)."""
-    k = len(image)
-    shape = (k, g.kernel_blocks, g.kernel_tokens, g.heads, g.cell_bytes)
-    return image.reshape(shape).permute(0, 1, 3, 2, 4)
-
-
-def copy_tokens(dst: Any, g_dst: LayerGeometry, src: Any, g_src: LayerGeometry, n: int) -> None:
-    """Copy the first `n` tokens of one block's cells (`cell_view(...)[b]`) into another's,
-    kernel blocks of either size, nothing past them written."""
-    t = 0
-    while t < n:
-        ks, ts = divmod(t, g_src.kernel_tokens)
-        kd, td = divmod(t, g_dst.kernel_tokens)
-        m = min(n - t, g_src.kernel_tokens - ts, g_dst.kernel_tokens - td)
-        dst[kd, :, td : td + m].copy_(src[ks, :, ts : ts + m], non_blocking=True)
-        t += m
-
-
-async def event_done(event: Any) -> None:
-    """Wait for a CUDA event from trio (completion is poll-only); None: nothing to wait
-    for."""
-    if event is not None:
-        await poll_until(event.query)
+__all__ = ["HostStage", "mark"]
 
 
 def mark(layout: KVLayout) -> Any:
@@ -153,7 +93,7 @@ class HostStage:
                 (view,) = block_views(flat, g)
                 host.copy_(view.index_select(0, self._index), non_blocking=True)
             else:
-                image = token_major(cell_view(flat, g).index_select(0, self._index), g)
+                image = to_token_major(cell_view(flat, g).index_select(0, self._index), g)
                 host.copy_(image.reshape(len(host), -1), non_blocking=True)
         await self._done()
 

@@ -33,7 +33,7 @@ from ..observe.events import (
     TransferDone,
     TransferFailed,
 )
-from ..runtime import Runtime, poll_until
+from ..runtime import Runtime, event_done, poll_until
 from ..shapes.reblock import load_reblocked
 from ..shapes.replicas import ReplicaStore
 from ..shapes.reshape import load_reshaped
@@ -48,7 +48,7 @@ from ..transport import (
 )
 from .lending import Lending
 from .metadata import LoadSpec, OfferSpec, SaveSpec, WorkerPlan
-from .staging import HostStage, event_done
+from .staging import HostStage
 
 __all__ = [
     "STOP_GRACE_S",

@@ -33,10 +33,10 @@ __all__ = [
     "cells_of",
     "copy_heads",
     "head_copy_runs",
+    "is_token_major",
     "positions",
     "put_cells",
     "slices",
-    "token_major",
 ]
 
 
@@ -100,7 +100,7 @@ def cell_index(
     return np.concatenate(parts) if parts else np.empty(0, np.int64)
 
 
-def token_major(g: LayerGeometry, first: int, count: int) -> bool:
+def is_token_major(g: LayerGeometry, first: int, count: int) -> bool:
     """Whether heads `[first, first + count)` of a block of `g` lie token-major in one run
     (NHD with every head: the cells `cell_index` lists are the block's own bytes, in
     order, and need no gather or scatter)."""

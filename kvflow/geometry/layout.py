@@ -294,7 +294,7 @@ def layout_mismatch(
     """Why a consumer cannot copy a producer's blocks, naming both layouts; "" when it
     can. By default every layer's blocks must match byte for byte
     (`LayerGeometry.block_shape`); with `cells`, a copier that converts between orders
-    (`kvflow.engine.staging.copy_tokens`) needs only the same cells in blocks of the same size."""
+    (`kvflow.geometry.views.copy_tokens`) needs only the same cells in blocks of the same size."""
     if len(producer) != len(consumer):
         return f"the producer has {len(producer)} KV layers, the consumer {len(consumer)}"
     for i, (p, c) in enumerate(zip(producer, consumer, strict=True)):

@@ -14,11 +14,10 @@ from typing import Any, NamedTuple
 import numpy as np
 import trio
 
-from kvflow.engine.staging import event_done
 from kvflow.geometry.cells import cell_index, head_copy_runs
 from kvflow.geometry.layout import KVLayout, LayerGeometry, LayoutError, layout_mismatch
 from kvflow.geometry.topology import HeadRead
-from kvflow.runtime import Backoff
+from kvflow.runtime import Backoff, event_done
 from kvflow.transport import ChunkCorrupt, LoadJob, TransferStuck, TransportError
 
 from . import _wire as wire

@@ -29,15 +29,15 @@ import msgspec
 import torch
 import trio
 
-from kvflow.engine.staging import (
+from kvflow.geometry.layout import LayerGeometry
+from kvflow.geometry.views import (
     block_views,
     cell_view,
     copy_tokens,
-    event_done,
     from_token_major,
-    token_major,
+    to_token_major,
 )
-from kvflow.geometry.layout import LayerGeometry
+from kvflow.runtime import event_done
 
 __all__ = [
     "CudaDevice",
@@ -202,7 +202,7 @@ def copy_chunks(
     if g_src.block_shape() != g_dst.block_shape():  # the same cells in another order
         src_cells, dst_cells = cell_view(src, g_src), cell_view(dst, g_dst)
         if full:
-            image = token_major(src_cells.index_select(0, si), g_src)
+            image = to_token_major(src_cells.index_select(0, si), g_src)
             dst_cells.index_copy_(0, di, from_token_major(image.to(dst.device), g_dst))
         for i in partial:
             copy_tokens(

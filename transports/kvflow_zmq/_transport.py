@@ -19,7 +19,7 @@ import numpy as np
 import trio
 import zmq
 
-from kvflow.geometry.cells import cell_index, cells_of, put_cells, token_major
+from kvflow.geometry.cells import cell_index, cells_of, is_token_major, put_cells
 from kvflow.geometry.layout import KVLayout, LayoutError, peer_cells_problem, peer_layout_problem
 from kvflow.geometry.topology import HeadRead
 from kvflow.pd.offers import new_nonce
@@ -180,7 +180,7 @@ class ZmqTransport(PeerTransport):
             for layer in range(o.num_layers):
                 g = layout.geometries[layer]
                 first, count = (0, g.heads) if heads is None else (heads.first, heads.count)
-                gathered = as_cells[layer] and not token_major(g, first, count)
+                gathered = as_cells[layer] and not is_token_major(g, first, count)
                 if gathered:  # a frame a chunk (each within the consumer's bound)
                     idx = cell_index(g, o.block_ids, o.token_counts, first, count)
                     cells = cells_of(layout.buffers[layer], g.cell_bytes)[idx]
@@ -285,7 +285,7 @@ class ZmqTransport(PeerTransport):
                 f"frames of {got[:8]}; expected layer {layer}"
             )
         into, count = (0, g.heads) if h is None else (h.into, h.count)
-        if msg.cells and (src.block_size or not token_major(g, into, count)):
+        if msg.cells and (src.block_size or not is_token_major(g, into, count)):
             try:
                 idx = cell_index(g, job.block_ids, job.token_counts, into, count)
             except LayoutError as exc:
