@@ -27,12 +27,20 @@ import 'x': No module named 'x'") and the reason the check's modules give it ins
 modules to this pattern."""
 
 
+def _module(dotted: str) -> str:
+    """The test module's path from a case's dotted class name, at any depth of folders
+    (`tests.connector.test_adapter.TestX` -> `tests/connector/test_adapter.py`)."""
+    parts = dotted.split(".")
+    last = next((i for i, p in enumerate(parts) if p.startswith("test_")), 1)
+    return "/".join(parts[: last + 1]) + ".py"
+
+
 def main(report: str, modules: list[str]) -> int:
     passed: Counter[str] = Counter()
     bad: list[str] = []
     for case in ET.parse(report).getroot().iter("testcase"):
         dotted = case.get("classname") or case.get("name") or ""  # a collection skip: no class
-        name = "/".join(dotted.split(".")[:2]) + ".py"
+        name = _module(dotted)
         skipped = case.find("skipped")
         if skipped is None and case.find("failure") is None and case.find("error") is None:
             passed[name] += 1

@@ -46,7 +46,7 @@ def test_the_gpu_suite_runs_files_that_exist_and_says_when_there_is_no_gpu() -> 
     import torch
 
     script = (ROOT / "scripts" / "gpu-check.sh").read_text()
-    named = re.findall(r"(?:tests|bench)/\w+\.py", script)
+    named = re.findall(r"(?:tests|bench)/[\w/]+\.py", script)
     assert len(named) >= 5 and all((ROOT / p).exists() for p in named), named
     if torch.cuda.is_available():
         return  # there it runs the suite: scripts/gpu-check.sh itself

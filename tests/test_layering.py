@@ -83,7 +83,7 @@ def test_the_adapter_adds_kvflow_demo_which_says_it_needs_vllm_when_vllm_is_miss
 # -- the house's shape (issue 29): sizes a reader can take in, and tests that stand alone
 
 SOURCES = [p for d in ("kvflow", "transports", "plugins") for p in sorted((ROOT / d).rglob("*.py"))]
-TESTS = sorted((ROOT / "tests").glob("*.py")) + sorted(
+TESTS = sorted((ROOT / "tests").rglob("*.py")) + sorted(
     (ROOT / "plugins" / "kvflow_redis" / "tests").glob("*.py")
 )
 
