@@ -1,7 +1,7 @@
 """Shared fixtures: real runtimes that are always shut down after the test, the engines
-of the SchedulerEngine + WorkerEngine tests (tests/engine_harness.py), vLLM's real
-Scheduler in both of the engine core's loops (tests/vllm_harness.py) and the side-channel
-attacker's ZMQ context (tests/side_channel.py).
+of the SchedulerEngine + WorkerEngine tests (tests/support/kvflow_engines.py), vLLM's
+real Scheduler in both of the engine core's loops (tests/support/vllm_scheduler.py) and
+the side-channel attacker's ZMQ context (tests/support/side_channel_attacks.py).
 
 The helpers behind a fixture are imported where it runs, so that a test module that
 uses none of them does not import them (torch, the transports)."""
@@ -19,14 +19,17 @@ from kvflow.runtime import Runtime
 
 # Helper modules with the asserts of tests: rewritten as the tests' own (before any imports them).
 pytest.register_assert_rewrite(
-    "tests.engine_harness", "tests.servers", "tests.side_channel", "tests.vllm_harness"
+    "tests.support.kvflow_engines",
+    "tests.support.vllm_servers",
+    "tests.support.side_channel_attacks",
+    "tests.support.vllm_scheduler",
 )
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
-    from .engine_harness import Engine
-    from .vllm_harness import Harness, Loop, MakeHarness
+    from .support.kvflow_engines import Engine
+    from .support.vllm_scheduler import Harness, Loop, MakeHarness
 
 
 @pytest.fixture
@@ -52,15 +55,16 @@ def store(tmp_path: Path) -> Path:
 @pytest.fixture
 def start_engine(make_runtime: Callable[..., Runtime], store: Path) -> Callable[..., Engine]:
     """`start_engine(name, **options)`: one vLLM instance's scheduler- and worker-side
-    engines over the `fs` store `store` (tests/engine_harness.py)."""
-    from .engine_harness import engine_starter
+    engines over the `fs` store `store` (tests/support/kvflow_engines.py)."""
+    from .support.kvflow_engines import engine_starter
 
     return engine_starter(make_runtime, store)
 
 
 @pytest.fixture(params=["sync", "async"])
 def loop(request: pytest.FixtureRequest) -> Loop:
-    """The engine core loop the test's harnesses run (`Loop`: see `tests/vllm_harness.py`)."""
+    """The engine core loop the test's harnesses run (`Loop`: see
+    `tests/support/vllm_scheduler.py`)."""
     value: Loop = request.param
     return value
 
@@ -69,7 +73,7 @@ def loop(request: pytest.FixtureRequest) -> Loop:
 def harness(loop: Loop) -> Iterator[MakeHarness]:
     """`harness(vllm_config, num_blocks)`: a scheduler driven in the test's `loop`, shut
     down (kvflow's runtime with it) at teardown."""
-    from .vllm_harness import make_harness
+    from .support.vllm_scheduler import make_harness
 
     made: list[Harness] = []
 
@@ -86,7 +90,7 @@ def harness(loop: Loop) -> Iterator[MakeHarness]:
 @pytest.fixture
 def zctx() -> Iterator[zmq.Context[Any]]:
     """The attacker's (or hostile producer's) own ZMQ context."""
-    from .side_channel import AUTHENTICATORS
+    from .support.side_channel_attacks import AUTHENTICATORS
 
     ctx: zmq.Context[Any] = zmq.Context()
     yield ctx

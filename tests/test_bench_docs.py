@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from .scripts import load
+from .support.by_path import load
 
 ROOT = Path(__file__).parent.parent
 

@@ -1,7 +1,7 @@
 """kvflow's loop dies with transfers in flight: vLLM's own block pool gets every block back.
 
 docs/reliability.md's row "kvflow's loop dies", checked against vLLM's real `Scheduler`
-and `BlockPool` (`tests/vllm_harness.py`, the sync loop) and kvflow's real worker-side
+and `BlockPool` (`tests/support/vllm_scheduler.py`, the sync loop) and kvflow's real worker-side
 connector, built by vLLM (`ensure_kv_transfer_initialized`) and run by vLLM's model-runner
 wrapper (`KVConnectorModelRunnerMixin`) over CPU caches: each step the scheduler plans,
 the worker binds the plan, the forward visits every layer, and the `KVConnectorOutput`
@@ -60,8 +60,8 @@ from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunne
 from kvflow_vllm.connector import KVFlowConnector, KVFlowHandshake
 from kvflow_vllm.connector.cache_spec import layer_specs
 
-from .engine_harness import kill_loop
-from .vllm_harness import (
+from .support.kvflow_engines import kill_loop
+from .support.vllm_scheduler import (
     BLOCK_SIZE,
     LAYERS,
     Harness,

@@ -26,7 +26,13 @@ from kvflow.observe.events import (
 )
 from kvflow_vllm.engine_process import EngineFailed, GenResult, ScenarioResult
 
-from .e2e import assert_same_generation, events_for, run_engine, run_engines, started
+from .support.vllm_engines import (
+    assert_same_generation,
+    events_for,
+    run_engine,
+    run_engines,
+    started,
+)
 
 pytestmark = pytest.mark.engine
 

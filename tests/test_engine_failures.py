@@ -1,7 +1,7 @@
 """SchedulerEngine + WorkerEngine when things go wrong: loads that fail, hang or cannot be
 stopped, kvflow's loop dying, preemption and shutdown with transfers in flight.
 
-Driven the way the vLLM connector drives them, with the harness of tests/engine_harness.py.
+Driven the way the vLLM connector drives them, with the harness of tests/support/kvflow_engines.py.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from kvflow.observe.events import SaveStarted, TransferDone, TransferFailed
 from kvflow.testing.layouts import fill_blocks
 from kvflow_fs import FsTransport
 
-from .engine_harness import (
+from .support.kvflow_engines import (
     COUNTS,
     LAYERS,
     PROMPT,

@@ -3,7 +3,7 @@ consumer comes, peer transports and device caches, and the P/D params a consumer
 (a cached prefix, another block size pulled across, another parallel shape or block size
 refused naming both where the transport cannot).
 
-Driven the way the vLLM connector drives them, with the harness of tests/engine_harness.py;
+Driven the way the vLLM connector drives them, with the harness of tests/support/kvflow_engines.py;
 the claims and leases between a consumer and a producer are in tests/test_pd_lease.py.
 """
 
@@ -26,7 +26,7 @@ from kvflow.pd.security import prompt_digest
 from kvflow.transport import Capabilities, PeerSource, TransportContext, TransportError
 from kvflow_fs import FsTransport
 
-from .engine_harness import BS, COUNTS, PROMPT, Engine, run_step
+from .support.kvflow_engines import BS, COUNTS, PROMPT, Engine, run_step
 
 
 def test_a_producer_hands_blocks_back_when_no_consumer_comes(

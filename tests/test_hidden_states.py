@@ -18,7 +18,7 @@ from kvflow.hidden_states import PARAM, HiddenStatesReader
 from kvflow.observe.events import TransferDone
 from kvflow_vllm.engine_process import ScenarioResult, tiny_model_dir
 
-from .e2e import assert_same_generation, events_for, run_engine
+from .support.vllm_engines import assert_same_generation, events_for, run_engine
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 

@@ -19,7 +19,13 @@ import pytest
 from kvflow.observe.events import LoadStarted, TransferDone
 from kvflow_vllm.engine_process import ScenarioResult
 
-from .e2e import assert_same_generation, events_for, run_engine, run_engines, started
+from .support.vllm_engines import (
+    assert_same_generation,
+    events_for,
+    run_engine,
+    run_engines,
+    started,
+)
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 

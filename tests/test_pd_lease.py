@@ -36,7 +36,7 @@ from kvflow.runtime import GIVE_UP_AFTER, KVFlowFatal, Runtime
 from kvflow.transport import Renewed
 from kvflow_zmq import ZmqOptions, ZmqTransport
 
-from .engine_harness import (
+from .support.kvflow_engines import (
     BS,
     PROMPT,
     WAIT,
@@ -48,7 +48,7 @@ from .engine_harness import (
     run_step,
     transport_context,
 )
-from .side_channel import HANG_GUARD_S, hold, honest_pull, peers, worker
+from .support.side_channel_attacks import HANG_GUARD_S, hold, honest_pull, peers, worker
 
 
 def _zmq(_options: object, ctx: object) -> ZmqTransport:

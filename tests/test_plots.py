@@ -8,7 +8,7 @@ from types import ModuleType
 
 import pytest
 
-from .scripts import load
+from .support.by_path import load
 
 ROOT = Path(__file__).parent.parent
 

@@ -25,7 +25,7 @@ import pytest
 
 from kvflow_vllm.apiserver import ApiServer
 
-from .servers import assert_same, wait_idle
+from .support.vllm_servers import assert_same, wait_idle
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 

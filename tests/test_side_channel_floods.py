@@ -1,7 +1,7 @@
 """Issue 27's floods of a producer's side channel: a peer that sends far more than it
 reads (renewals and pulls whose answers it never reads) stalls no honest pull, and a
 stranger's one huge multipart message does not grow a keyed producer's memory
-(tests/side_channel.py).
+(tests/support/side_channel_attacks.py).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from kvflow.pd.security import ZAP_ENDPOINT, Channel
 from kvflow.zmqio import TrioSocket
 from kvflow_zmq import _wire as zwire
 
-from .side_channel import (
+from .support.side_channel_attacks import (
     HANDSHAKE_FAILED,
     HANG_GUARD_S,
     dealer,

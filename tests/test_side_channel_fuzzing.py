@@ -2,7 +2,7 @@
 mis-sealed frames to a keyed producer, and a thousand mutated answers from a hostile
 producer to a consumer. The producer refuses or answers only what a consumer can read,
 every load ends with a transport error, memory stays bounded, and an honest pull then
-gets identical bytes (tests/side_channel.py).
+gets identical bytes (tests/support/side_channel_attacks.py).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from kvflow.zmqio import BadFrame, TrioSocket
 from kvflow_zmq import _ipc as ipc
 from kvflow_zmq import _wire as zwire
 
-from .side_channel import (
+from .support.side_channel_attacks import (
     BS,
     COUNTS,
     HANG_GUARD_S,

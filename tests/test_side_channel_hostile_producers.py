@@ -4,7 +4,7 @@ offer, refusals of any length, CUDA IPC offers and NIXL regions of hostile layou
 another host, a frame over the consumer's bound, data frames of other lengths than
 announced, ids that are not UTF-8, frames without a keyed channel's MAC. Each makes the
 load raise a transport error (or, cut by libzmq, get nothing) before a byte lands in its
-destination blocks (tests/side_channel.py).
+destination blocks (tests/support/side_channel_attacks.py).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from kvflow_zmq import ZmqTransport
 from kvflow_zmq import _ipc as ipc
 from kvflow_zmq import _wire as zwire
 
-from .side_channel import (
+from .support.side_channel_attacks import (
     BS,
     COUNTS,
     HANG_GUARD_S,
@@ -57,7 +57,7 @@ from .side_channel import (
     untouched,
     worker,
 )
-from .zmq_standins import as_device
+from .support.zmq_standins import as_device
 
 # -- 5. a hostile producer ---------------------------------------------------------
 

@@ -2,7 +2,7 @@
 of any frame count, empty, random or of the wrong shape, hostile layouts in a pull,
 renewals out of bounds, a pull naming a block twice, a NIXL notification that is not
 UTF-8. Each is refused (counted as a "frame" where it is no answerable request), and an
-honest pull then gets identical bytes (tests/side_channel.py).
+honest pull then gets identical bytes (tests/support/side_channel_attacks.py).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from kvflow.transport import ChunkMissing, Renewed, TransportError
 from kvflow_nixl import _wire as nwire
 from kvflow_zmq import _wire as zwire
 
-from .side_channel import (
+from .support.side_channel_attacks import (
     BS,
     COUNTS,
     HANG_GUARD_S,

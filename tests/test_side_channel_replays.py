@@ -4,7 +4,7 @@ one-time), an honest consumer whose connection drops and reconnects with its spe
 credential, a sealed frame sent back the way it came, and a producer's answers to one
 pull replayed into a later pull of the same offer (each answer is bound to its pull and
 its place in it). Real sockets, a real TCP relay that records what crosses it
-(tests/side_channel.py).
+(tests/support/side_channel_attacks.py).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from kvflow.pd.security import PLAIN_WINDOW_S, Channel
 from kvflow.transport import ChunkCorrupt, TransportError
 from kvflow_zmq import _wire as zwire
 
-from .side_channel import (
+from .support.side_channel_attacks import (
     DEST,
     HANDSHAKE_FAILED,
     HANG_GUARD_S,

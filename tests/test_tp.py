@@ -22,7 +22,13 @@ import pytest
 from kvflow.observe.events import LoadStarted, TierRead, TransferDone, TransferFailed
 from kvflow_vllm.engine_process import model_dir
 
-from .e2e import ServingEngine, assert_same_generation, close_all, events_for, run_engine
+from .support.vllm_engines import (
+    ServingEngine,
+    assert_same_generation,
+    close_all,
+    events_for,
+    run_engine,
+)
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 

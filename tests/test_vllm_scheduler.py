@@ -1,7 +1,7 @@
 """kvflow's scheduler side inside vLLM's real `Scheduler` (no engine, no model forward).
 
 Each test builds vLLM's v1 `Scheduler` with `KVFlowConnector` as its KV connector
-(see `tests/vllm_harness.py`), steps it by hand and plays the worker: it reads the
+(see `tests/support/vllm_scheduler.py`), steps it by hand and plays the worker: it reads the
 `WorkerPlan` kvflow ships in `scheduler_output.kv_connector_metadata` and answers with
 the `KVConnectorOutput` a worker would send. Checked against vLLM's own state: block
 tables (`kv_cache_manager.get_block_ids`), the block pool's free count, request
@@ -29,7 +29,7 @@ from vllm.v1.request import RequestStatus
 from kvflow.hidden_states import HiddenStatesRef
 from kvflow.keys import chunk_keys
 
-from .vllm_harness import (
+from .support.vllm_scheduler import (
     BLOCK_SIZE,
     SHARD,
     Harness,

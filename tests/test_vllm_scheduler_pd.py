@@ -3,7 +3,7 @@ a producer offers a request's blocks and a consumer pulls them; the P/D params a
 believes (its prompt's, its deployment's, from loopback without a key) and the offer id
 a reused request id gets.
 
-Driven by hand as in tests/test_vllm_scheduler.py (see `tests/vllm_harness.py`), in both
+Driven by hand as in tests/test_vllm_scheduler.py (see `tests/support/vllm_scheduler.py`), in both
 of the engine core's loops (the `loop` fixture).
 """
 
@@ -26,7 +26,7 @@ from kvflow.pd.security import Channel, keygen, read_key
 from kvflow.transport import Offer, PeerSource
 from kvflow_vllm.connector import KVFlowHandshake
 
-from .vllm_harness import (
+from .support.vllm_scheduler import (
     BLOCK_SIZE,
     Harness,
     MakeHarness,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from .vllm_api import connector_api
+from .support.connector_api import connector_api
 
 compat = pytest.importorskip("kvflow_vllm.compat", reason="needs vLLM installed")
 
