@@ -14,7 +14,7 @@ machine, date, the files it ran, its earlier runs). Every table of README.md and
 docs/*.md between `<!-- bench:NAME -->` and `<!-- /bench:NAME -->` is then rendered
 from its file, captioned with that record and, where the code it measured has changed
 since its commit, saying so; the plots in docs/img/ are redrawn (bench/plots.py, if
-matplotlib is installed). tests/test_bench_docs.py fails when a table and its file
+matplotlib is installed). tests/project/test_bench_docs.py fails when a table and its file
 disagree. A benchmark that needs what this machine lacks (a GPU for `cuda-ipc`) is
 skipped, saying so.
 """

@@ -23,7 +23,7 @@ IMPORT_FAILED = re.compile(
 )
 """Skip reasons that say an import failed: pytest.importorskip's own wording ("could not
 import 'x': No module named 'x'") and the reason the check's modules give it instead
-("needs vLLM installed"). tests/test_skips_script.py holds every such reason in those
+("needs vLLM installed"). tests/project/test_skips_script.py holds every such reason in those
 modules to this pattern."""
 
 

@@ -14,7 +14,7 @@ import pytest
 import kvflow
 from kvflow.cli import scaffold
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 PUBLIC = [  # a change here is a change of kvflow's API: say so in the changelog
     "BadFrame",

@@ -8,9 +8,9 @@ from types import ModuleType
 
 import pytest
 
-from .support.by_path import load
+from ..support.by_path import load
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).parents[2]
 
 pytest.importorskip("matplotlib", reason="the plots need matplotlib (pip install -e '.[bench]')")
 

@@ -21,9 +21,9 @@ from typing import Any
 
 import pytest
 
-from .support.by_path import load
+from ..support.by_path import load
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).parents[2]
 
 
 run = load("bench/run.py", "bench_run")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 NOT_CORE = ("vllm", "kvflow_vllm", "kvflow_fs", "kvflow_zmq", "kvflow_nixl", "kvflow_redis")
 
 # Run before the code under test: any import of vLLM fails, as on a machine without it.

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).parents[2]
 
 pytest.importorskip("mkdocs", reason="the docs build needs mkdocs (pip install -e '.[test]')")
 

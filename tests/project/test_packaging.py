@@ -18,7 +18,7 @@ import pytest
 
 import kvflow
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 REDIS = ROOT / "plugins" / "kvflow_redis"
 
 # Where each distribution's importable packages live in the tree.
@@ -134,7 +134,7 @@ def test_the_version_is_read_from_the_installed_metadata() -> None:
 
 def test_the_installed_check_fails_on_a_partial_load_or_other_tokens() -> None:
     """scripts/check_installed.py's reading of `kvflow demo`'s table can fail."""
-    from .support.by_path import load
+    from ..support.by_path import load
 
     problems = load("scripts/check_installed.py", "check_installed").demo_problems
     good = "│ 300 │ 300 │ 1.0 │ 0.5 │ 1.2 │ 0.1 │ yes │"

@@ -1,0 +1,1 @@
+"""The repository itself: layering and public API, packaging, docs, bench pages, scripts."""
