@@ -1,0 +1,1 @@
+"""kvflow's core modules on their own: no vLLM, no transport."""
