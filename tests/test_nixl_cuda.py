@@ -1,7 +1,7 @@
 """The `nixl` transport on CUDA caches (VRAM): two agents READ blocks laid out as
 vLLM's FlashAttention default (LBNHC) device to device, every byte checked. Skipped
-without a GPU (the DRAM path runs everywhere: tests/test_nixl_transport.py,
-tests/test_conformance_nixl.py)."""
+without a GPU (the DRAM path runs everywhere: tests/transports/test_nixl_transport.py,
+tests/transports/test_conformance_nixl.py)."""
 
 from __future__ import annotations
 

@@ -303,7 +303,7 @@ def test_a_consumer_of_another_block_size_pulls_the_blocks_holding_its_tokens(
     """Issue 30, item 2: a producer of blocks of 16 tokens and a consumer of 32 (and the
     reverse), vLLM's real schedulers: the consumer plans the load of every prompt token
     into its own blocks from the producer's blocks that hold them (`PeerSource.block_size`;
-    zmq converts on receive: tests/test_peer_layouts.py)."""
+    zmq converts on receive: tests/transports/test_peer_layouts.py)."""
     config = make_vllm_config(transport="zmq", kv_role="kv_producer", block_size=p_bs)
     producer = harness(config, 16)
     producer.connector.set_xfer_handshake_metadata({0: KVFlowHandshake(["tcp://127.0.0.1:9"])})

@@ -3,7 +3,7 @@ caches, this process pulls blocks device to device and checks every byte.
 
 Runs `bench/bench_cuda_ipc.py --quick`; skipped where there is no CUDA device (the
 IPC path's logic also runs on CPU with a stand-in for the handles, in
-tests/test_conformance_zmq.py).
+tests/transports/test_conformance_zmq.py).
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from kvflow.observe.events import TransferDone, TransferFailed
 from kvflow.shapes.reblock import StoredRun, load_window, other_block_sizes
 from kvflow.testing.layouts import token_bytes
 
-from .support.kvflow_engines import Engine, lookup, run_step, save_prompt, stored_files
+from ..support.kvflow_engines import Engine, lookup, run_step, save_prompt, stored_files
 
 PROMPT = list(range(300, 321))  # 21 tokens: blocks of 4 (5 and a partial 1), of 8 (2 and 5)
 

@@ -29,7 +29,7 @@ from kvflow_fs._format import HEADER_SIZE, encode_header, read_header
 from kvflow_fs._transport import THREADS
 from kvflow_fs._usage import StoreUsage
 
-from .support.fs_store import Factory, fs_worker
+from ..support.fs_store import Factory, fs_worker
 
 PATH_OPTION = "kv_connector_extra_config['options']['path']"
 

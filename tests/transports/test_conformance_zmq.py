@@ -29,7 +29,7 @@ from kvflow.zmqio import TrioSocket
 from kvflow_zmq import ZmqOptions, ZmqTransport
 from kvflow_zmq import _wire as wire
 
-from .support.zmq_standins import InProcessDevice, StandInIpcZmq, as_device
+from ..support.zmq_standins import InProcessDevice, StandInIpcZmq, as_device
 
 
 class TestZmqConformance(PeerConformance):

@@ -26,8 +26,8 @@ from kvflow_zmq import ZmqOptions, ZmqTransport
 pytest.importorskip("nixl_cu12", reason="NIXL is an optional extra: kvflow[nixl]")
 from kvflow_nixl import NixlOptions, NixlTransport
 
-from .support.nixl_standins import StridedNixl, TorchBounceNixl
-from .support.zmq_standins import InProcessDevice, StandInIpcZmq, as_device
+from ..support.nixl_standins import StridedNixl, TorchBounceNixl
+from ..support.zmq_standins import InProcessDevice, StandInIpcZmq, as_device
 
 BS = 8
 SRC, DST, COUNTS = [1, 4, 6], [7, 2, 5], [BS, BS, 5]

@@ -19,8 +19,8 @@ from kvflow.config import KVFlowConfig
 from kvflow.observe.events import LookupAnswered, TransferDone
 from kvflow.transport import Transport, TransportContext
 
-from .support.by_path import load
-from .support.kvflow_engines import PROMPT, Engine, lookup, prefill_cold, run_step
+from ..support.by_path import load
+from ..support.kvflow_engines import PROMPT, Engine, lookup, prefill_cold, run_step
 
 kvflow_redis = pytest.importorskip("kvflow_redis")
 
