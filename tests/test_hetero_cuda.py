@@ -4,7 +4,7 @@ consumer rank of another tensor-parallel size, layout or block size pulls exactl
 heads' tokens device to device, over `zmq`'s CUDA IPC and over NIXL VRAM READs (UCX
 between processes); every cell of every head is compared with the producer's.
 Skipped without a GPU (the same pulls run on host memory everywhere:
-tests/test_peer_tensor_parallel.py and tests/transports/test_peer_layouts.py, CUDA IPC's copies
+tests/pd/test_peer_tensor_parallel.py and tests/transports/test_peer_layouts.py, CUDA IPC's copies
 through an in-process stand-in, NIXL's device READs as strided READs of host memory and
 its device bounce buffer with torch scattering host tensors)."""
 

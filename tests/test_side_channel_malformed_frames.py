@@ -217,7 +217,7 @@ async def test_renewals_out_of_bounds_are_dropped(kind: str, zctx: zmq.Context[A
     someone else's hold (lease_ms<=0) or name 200 000 ids. Each such renewal is dropped
     whole, unanswered, and never reaches the offer (`Offer.renew`); a renewal within the
     wire's bounds reaches it with the consumer's lease as sent (the worker clamps it to
-    its own lease_s and max_hold_s: kvflow/engine/transfers.py, tests/test_pd_lease.py)."""
+    its own lease_s and max_hold_s: kvflow/engine/transfers.py, tests/pd/test_pd_lease.py)."""
     async with peers(kind) as p:
         bound = p.producer.max_frame_bytes + FRAME_SLACK
         leases: list[float] = []

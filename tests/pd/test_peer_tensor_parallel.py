@@ -20,8 +20,8 @@ from kvflow.transport import LoadJob, Offer, PeerSource, TransportContext, Trans
 from kvflow_nixl import NixlOptions, NixlTransport
 from kvflow_zmq import ZmqOptions, ZmqTransport
 
-from .support.nixl_standins import StridedNixl, TorchBounceNixl
-from .support.zmq_standins import StandInIpcZmq, as_device
+from ..support.nixl_standins import StridedNixl, TorchBounceNixl
+from ..support.zmq_standins import StandInIpcZmq, as_device
 
 TRANSPORTS: dict[str, tuple[type[PeerTransport], type]] = {
     "zmq": (ZmqTransport, ZmqOptions),

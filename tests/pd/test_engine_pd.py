@@ -4,7 +4,7 @@ consumer comes, peer transports and device caches, and the P/D params a consumer
 refused naming both where the transport cannot).
 
 Driven the way the vLLM connector drives them, with the harness of tests/support/kvflow_engines.py;
-the claims and leases between a consumer and a producer are in tests/test_pd_lease.py.
+the claims and leases between a consumer and a producer are in tests/pd/test_pd_lease.py.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from kvflow.pd.security import prompt_digest
 from kvflow.transport import Capabilities, PeerSource, TransportContext, TransportError
 from kvflow_fs import FsTransport
 
-from .support.kvflow_engines import BS, COUNTS, PROMPT, Engine, run_step
+from ..support.kvflow_engines import BS, COUNTS, PROMPT, Engine, run_step
 
 
 def test_a_producer_hands_blocks_back_when_no_consumer_comes(

@@ -28,7 +28,7 @@ pytest.importorskip("vllm.v1.core.sched.scheduler", reason="needs vLLM installed
 
 from kvflow.pd.params import parse_pd_params
 
-from .support.vllm_scheduler import (
+from ..support.vllm_scheduler import (
     BLOCK_SIZE,
     LAYERS,
     MakeHarness,

@@ -36,7 +36,7 @@ from kvflow.runtime import GIVE_UP_AFTER, KVFlowFatal, Runtime
 from kvflow.transport import Renewed
 from kvflow_zmq import ZmqOptions, ZmqTransport
 
-from .support.kvflow_engines import (
+from ..support.kvflow_engines import (
     BS,
     PROMPT,
     WAIT,
@@ -48,7 +48,7 @@ from .support.kvflow_engines import (
     run_step,
     transport_context,
 )
-from .support.side_channel_attacks import HANG_GUARD_S, hold, honest_pull, peers, worker
+from ..support.side_channel_attacks import HANG_GUARD_S, hold, honest_pull, peers, worker
 
 
 def _zmq(_options: object, ctx: object) -> ZmqTransport:

@@ -26,7 +26,7 @@ from kvflow.pd.security import Channel, keygen, read_key
 from kvflow.transport import Offer, PeerSource
 from kvflow_vllm.connector import KVFlowHandshake
 
-from .support.vllm_scheduler import (
+from ..support.vllm_scheduler import (
     BLOCK_SIZE,
     Harness,
     MakeHarness,
