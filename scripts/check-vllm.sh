@@ -22,9 +22,10 @@ fi
 got=$(PYTHONPATH="$target" "$PY" -c "import vllm; print(vllm.__version__)")
 [ "$got" = "$version" ] || { echo "check-vllm: imported vLLM $got, not $version" >&2; exit 1; }
 echo "check-vllm: kvflow against vLLM $got's Python code ($target)"
-modules=(tests/test_vllm_versions.py tests/test_gpu_layouts.py tests/test_adapter.py
-  tests/test_vllm_scheduler.py tests/pd/test_vllm_scheduler_pd.py tests/test_vllm_runner.py
-  tests/test_hidden_states_io.py tests/pd/test_topology.py tests/pd/test_pp.py)
+modules=(tests/connector/test_vllm_versions.py tests/connector/test_gpu_layouts.py
+  tests/connector/test_adapter.py tests/connector/test_vllm_scheduler.py
+  tests/pd/test_vllm_scheduler_pd.py tests/connector/test_vllm_runner.py
+  tests/connector/test_hidden_states_io.py tests/pd/test_topology.py tests/pd/test_pp.py)
 report=$(mktemp)
 trap 'rm -f "$report"' EXIT
 PYTHONPATH="$target" "$PY" -m pytest -q -p no:cacheprovider -m '' -rs \

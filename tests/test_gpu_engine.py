@@ -1,7 +1,7 @@
 """kvflow in real vLLM engines on an NVIDIA GPU: `fs` across engine processes and `zmq`
 P/D (CUDA IPC), on the KV layout vLLM picks by default and on HND. Skipped without a GPU
 (`scripts/gpu-check.sh` runs it where there is one); the same geometry runs on CPU memory
-in tests/test_gpu_layouts.py and tests/transports/test_peer_layouts.py."""
+in tests/connector/test_gpu_layouts.py and tests/transports/test_peer_layouts.py."""
 
 from __future__ import annotations
 

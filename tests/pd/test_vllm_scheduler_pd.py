@@ -3,8 +3,8 @@ a producer offers a request's blocks and a consumer pulls them; the P/D params a
 believes (its prompt's, its deployment's, from loopback without a key) and the offer id
 a reused request id gets.
 
-Driven by hand as in tests/test_vllm_scheduler.py (see `tests/support/vllm_scheduler.py`), in both
-of the engine core's loops (the `loop` fixture).
+Driven by hand as in tests/connector/test_vllm_scheduler.py (see
+`tests/support/vllm_scheduler.py`), in both of the engine core's loops (the `loop` fixture).
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ from vllm.v1.request import RequestStatus
 from kvflow.hidden_states import HiddenStatesRef
 from kvflow.keys import chunk_keys
 
-from .support.vllm_scheduler import (
+from ..support.vllm_scheduler import (
     BLOCK_SIZE,
     SHARD,
     Harness,

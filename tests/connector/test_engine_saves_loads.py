@@ -32,7 +32,7 @@ from kvflow.observe.events import (
 from kvflow.testing.layouts import fill_blocks
 from kvflow_fs import FsTransport
 
-from .support.kvflow_engines import (
+from ..support.kvflow_engines import (
     BS,
     COUNTS,
     LAYERS,

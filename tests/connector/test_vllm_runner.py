@@ -45,7 +45,7 @@ from kvflow.observe.events import TransferDone
 from kvflow.transport import ChunkCorrupt, LoadJob
 from kvflow_vllm.connector import KVFlowConnector, KVFlowMetadata
 
-from .support.vllm_scheduler import BLOCK_SIZE, LAYERS, fs_config, make_kv_cache_config
+from ..support.vllm_scheduler import BLOCK_SIZE, LAYERS, fs_config, make_kv_cache_config
 
 NUM_BLOCKS = 16
 PROMPT = list(range(1, 3 * BLOCK_SIZE + 1))

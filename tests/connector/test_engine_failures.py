@@ -24,7 +24,7 @@ from kvflow.observe.events import SaveStarted, TransferDone, TransferFailed
 from kvflow.testing.layouts import fill_blocks
 from kvflow_fs import FsTransport
 
-from .support.kvflow_engines import (
+from ..support.kvflow_engines import (
     COUNTS,
     LAYERS,
     PROMPT,

@@ -31,7 +31,7 @@ from kvflow.hidden_states import (  # noqa: E402
 from kvflow.observe.events import EventBus, Origin, SaveStarted, TransferDone  # noqa: E402
 from kvflow.transport import load_transport  # noqa: E402
 
-from .support.hidden_states_cache import (  # noqa: E402
+from ..support.hidden_states_cache import (  # noqa: E402
     HIDDEN,
     LAYERS,
     NUM_BLOCKS,

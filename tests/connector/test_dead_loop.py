@@ -9,7 +9,7 @@ the wrapper builds is what `update_from_output` gets.
 
 With a save, a hidden-states export (`extract_hidden_states`) or a P/D offer in flight,
 kvflow's worker loop dies (a `BaseException` escapes it, as in
-`tests/test_engine_failures.py`). vLLM steps on until it holds no request: its pool's
+`tests/connector/test_engine_failures.py`). vLLM steps on until it holds no request: its pool's
 free blocks are back to the count it started with, also for requests that finished
 after the death, and a load planned after the death fails in its own step.
 """
@@ -60,8 +60,8 @@ from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunne
 from kvflow_vllm.connector import KVFlowConnector, KVFlowHandshake
 from kvflow_vllm.connector.cache_spec import layer_specs
 
-from .support.kvflow_engines import kill_loop
-from .support.vllm_scheduler import (
+from ..support.kvflow_engines import kill_loop
+from ..support.vllm_scheduler import (
     BLOCK_SIZE,
     LAYERS,
     Harness,
