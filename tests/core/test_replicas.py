@@ -1,6 +1,6 @@
 """Ranks that replicate KV heads keep them in a store once (`kvflow.shapes.replicas`): the first
 rank holding them saves, the others read its shard. The engine-level check (a real TP=2
-engine over one KV head) is in tests/test_tp.py."""
+engine over one KV head) is in tests/engine/test_tp.py."""
 
 from __future__ import annotations
 

@@ -131,7 +131,7 @@ def test_a_pd_producer_with_another_parallel_shape_is_refused_naming_both(
     start_engine: Callable[..., Engine], caplog: pytest.LogCaptureFixture
 ) -> None:
     """A TP=1 producer and a TP=2 consumer whose transport pulls between equal sizes only
-    (here `fs`; zmq reads each rank's heads: tests/test_tp.py), and another pipeline
+    (here `fs`; zmq reads each rank's heads: tests/engine/test_tp.py), and another pipeline
     parallel size (no transport pulls across it): the prompt is computed here, never pulled
     shard-crossed (each rank holds other heads, each stage other layers)."""
     sched = _pd_consumer(start_engine("tp"), tp_size=2)

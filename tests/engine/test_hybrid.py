@@ -29,7 +29,7 @@ from kvflow.observe.events import (
 from kvflow.observe.log import read_event_log
 from kvflow_vllm.engine_process import GenResult, ScenarioResult, model_dir
 
-from .support.vllm_engines import (
+from ..support.vllm_engines import (
     ServingEngine,
     assert_same_generation,
     close_all,

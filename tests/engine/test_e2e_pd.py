@@ -19,7 +19,7 @@ import pytest
 from kvflow.observe.events import BlocksAllocated, Event, TransferDone, TransferFailed
 from kvflow_vllm.engine_process import GenResult
 
-from .support.vllm_engines import ServingEngine, assert_same_generation, close_all, events_for
+from ..support.vllm_engines import ServingEngine, assert_same_generation, close_all, events_for
 
 pytestmark = pytest.mark.engine
 

@@ -18,7 +18,7 @@ from kvflow.hidden_states import PARAM, HiddenStatesReader
 from kvflow.observe.events import TransferDone
 from kvflow_vllm.engine_process import ScenarioResult, tiny_model_dir
 
-from .support.vllm_engines import assert_same_generation, events_for, run_engine
+from ..support.vllm_engines import assert_same_generation, events_for, run_engine
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -131,7 +131,7 @@ def test_through_vllms_openai_server_as_the_docs_say(tmp_path: Path) -> None:
         "kv_role": "kv_both",
         "kv_connector_extra_config": {"transport": "fs", "options": {"path": str(store)}},
     }
-    doc = (Path(__file__).parent.parent / "docs" / "models.md").read_text()
+    doc = (Path(__file__).parents[2] / "docs" / "models.md").read_text()
     assert f"--speculative-config '{json.dumps(SPECULATIVE, separators=(',', ':'))}'" in doc
     server = ApiServer(tmp_path, "server", kv, "--speculative-config", json.dumps(SPECULATIVE))
     try:

@@ -22,7 +22,7 @@ import pytest
 from kvflow.observe.events import LoadStarted, TierRead, TransferDone, TransferFailed
 from kvflow_vllm.engine_process import model_dir
 
-from .support.vllm_engines import (
+from ..support.vllm_engines import (
     ServingEngine,
     assert_same_generation,
     close_all,

@@ -26,7 +26,7 @@ from kvflow.observe.events import (
 )
 from kvflow_vllm.engine_process import EngineFailed, GenResult, ScenarioResult
 
-from .support.vllm_engines import (
+from ..support.vllm_engines import (
     assert_same_generation,
     events_for,
     run_engine,

@@ -25,8 +25,8 @@ from kvflow_vllm import kv_events
 from kvflow_vllm.apiserver import free_port
 from kvflow_vllm.kv_events import ChunkReport, KVEventTracker, KVFlowWorkerMeta, media
 
-from .support import vllm_scheduler as vh
-from .support.vllm_engines import ServingEngine
+from ..support import vllm_scheduler as vh
+from ..support.vllm_engines import ServingEngine
 
 BLOCK = 32
 MEDIUM = "kvflow:fs"

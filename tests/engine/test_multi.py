@@ -19,7 +19,7 @@ import pytest
 from kvflow.observe.events import LoadStarted, TransferDone
 from kvflow_vllm.engine_process import ScenarioResult
 
-from .support.vllm_engines import (
+from ..support.vllm_engines import (
     assert_same_generation,
     events_for,
     run_engine,
