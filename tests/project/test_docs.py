@@ -34,7 +34,9 @@ def test_the_readmes_server_and_proxy_commands_are_the_ones_the_tests_run() -> N
 
     readme = (ROOT / "README.md").read_text()
     cmd = server_command("m", 8100, {})
-    assert f"python -m {cmd[2]} --model <model>" in readme  # tests/test_serve_pd.py starts it
+    assert (
+        f"python -m {cmd[2]} --model <model>" in readme
+    )  # tests/serving/test_serve_pd.py starts it
     (line,) = [ln for ln in readme.splitlines() if ln.startswith("kvflow proxy ")]
     args = build_parser().parse_args(shlex.split(line)[1:])
     assert args.prefill == ["http://127.0.0.1:8100"] and args.decode == ["http://127.0.0.1:8200"]

@@ -11,9 +11,9 @@ from types import ModuleType
 
 import pytest
 
-from .support.by_path import load
+from ..support.by_path import load
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _soak() -> ModuleType:

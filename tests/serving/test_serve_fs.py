@@ -25,7 +25,7 @@ import pytest
 
 from kvflow_vllm.apiserver import ApiServer
 
-from .support.vllm_servers import assert_same, wait_idle
+from ..support.vllm_servers import assert_same, wait_idle
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -131,9 +131,7 @@ def test_clients_that_leave_mid_stream_leave_no_block_behind(
     assert m.get("vllm:kv_cache_usage_perc") == 0, "blocks still held when idle"
 
 
-DASHBOARD = (
-    Path(__file__).resolve().parent.parent / "examples" / "grafana" / "kvflow-dashboard.json"
-)
+DASHBOARD = Path(__file__).resolve().parents[2] / "examples" / "grafana" / "kvflow-dashboard.json"
 SUFFIX = {"_bucket": "histogram", "_sum": "histogram", "_count": "histogram", "_total": "counter"}
 
 

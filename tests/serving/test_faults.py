@@ -36,7 +36,7 @@ from kvflow_vllm.apiserver import ApiServer
 from kvflow_vllm.engine_process import EngineFailed, Scenario, spawn_engine
 from kvflow_vllm.serving import close_all
 
-from .support.vllm_servers import assert_same, wait_idle
+from ..support.vllm_servers import assert_same, wait_idle
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 

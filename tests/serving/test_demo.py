@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from .support.by_path import load
+from ..support.by_path import load
 
 demo_problems = load("scripts/check_installed.py", "check_installed").demo_problems
 

@@ -27,7 +27,7 @@ from kvflow.pd.security import keygen
 from kvflow_vllm.apiserver import ApiServer, post
 from kvflow_vllm.serving import close_all
 
-from .support.vllm_servers import assert_same
+from ..support.vllm_servers import assert_same
 
 pytestmark = pytest.mark.engine
 
