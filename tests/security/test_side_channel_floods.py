@@ -22,7 +22,7 @@ from kvflow.pd.security import ZAP_ENDPOINT, Channel
 from kvflow.zmqio import TrioSocket
 from kvflow_zmq import _wire as zwire
 
-from .support.side_channel_attacks import (
+from ..support.side_channel_attacks import (
     HANDSHAKE_FAILED,
     HANG_GUARD_S,
     dealer,

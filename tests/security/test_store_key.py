@@ -52,7 +52,7 @@ from kvflow.transport import (
 from kvflow_fs import FsOptions, FsTransport
 from kvflow_fs._format import HEADER_SIZE, encode_header
 
-from .support.by_path import load as load_module
+from ..support.by_path import load as load_module
 
 BS = 4
 LAYERS = 3
@@ -491,7 +491,7 @@ def test_a_real_engine_under_a_store_key_loads_what_it_saved(tmp_path: Path) -> 
     """vLLM (CPU) with `store_key_file`: a prompt computed and saved, then the same prompt
     (vLLM's prefix cache off) loaded from the store, with identical tokens; the store's
     names are the keyed ones, its checksums keyed."""
-    from .support.vllm_engines import assert_same_generation, run_engine
+    from ..support.vllm_engines import assert_same_generation, run_engine
 
     key_file = tmp_path / "store.key"
     keygen(str(key_file))

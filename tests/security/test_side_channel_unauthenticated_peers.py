@@ -4,7 +4,7 @@ authenticated connection (an on-path attacker injecting into one) and a replayed
 sealed pull, plain-text and wrong-key CURVE peers in encrypted mode. None gets an
 answer, bytes, or ends the hold; each is counted, and a consumer with the key pulls
 identical bytes (tests/support/side_channel_attacks.py). Replayed handshakes and frames sent back or
-across pulls: tests/test_side_channel_replays.py.
+across pulls: tests/security/test_side_channel_replays.py.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from kvflow.pd.security import MAC_BYTES, Channel
 from kvflow_nixl import _wire as nwire
 from kvflow_zmq import _wire as zwire
 
-from .support.side_channel_attacks import (
+from ..support.side_channel_attacks import (
     HANDSHAKE_FAILED,
     HANG_GUARD_S,
     KINDS,

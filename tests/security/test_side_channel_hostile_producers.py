@@ -31,7 +31,7 @@ from kvflow_zmq import ZmqTransport
 from kvflow_zmq import _ipc as ipc
 from kvflow_zmq import _wire as zwire
 
-from .support.side_channel_attacks import (
+from ..support.side_channel_attacks import (
     BS,
     COUNTS,
     HANG_GUARD_S,
@@ -57,7 +57,7 @@ from .support.side_channel_attacks import (
     untouched,
     worker,
 )
-from .support.zmq_standins import as_device
+from ..support.zmq_standins import as_device
 
 # -- 5. a hostile producer ---------------------------------------------------------
 

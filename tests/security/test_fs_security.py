@@ -25,7 +25,7 @@ from kvflow_fs import FsOptions, FsTransport
 from kvflow_fs import _usage as usage_module
 from kvflow_fs._format import HEADER_SIZE
 
-from .support.fs_store import Factory, fs_worker
+from ..support.fs_store import Factory, fs_worker
 
 ROOT = os.geteuid() == 0
 OTHER_UID = 4242

@@ -23,7 +23,7 @@ from kvflow.pd.security import PLAIN_WINDOW_S, Channel
 from kvflow.transport import ChunkCorrupt, TransportError
 from kvflow_zmq import _wire as zwire
 
-from .support.side_channel_attacks import (
+from ..support.side_channel_attacks import (
     DEST,
     HANDSHAKE_FAILED,
     HANG_GUARD_S,

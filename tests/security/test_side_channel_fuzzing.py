@@ -27,7 +27,7 @@ from kvflow.zmqio import BadFrame, TrioSocket
 from kvflow_zmq import _ipc as ipc
 from kvflow_zmq import _wire as zwire
 
-from .support.side_channel_attacks import (
+from ..support.side_channel_attacks import (
     BS,
     COUNTS,
     HANG_GUARD_S,

@@ -27,7 +27,7 @@ from kvflow.transport import ChunkMissing, Renewed, TransportError
 from kvflow_nixl import _wire as nwire
 from kvflow_zmq import _wire as zwire
 
-from .support.side_channel_attacks import (
+from ..support.side_channel_attacks import (
     BS,
     COUNTS,
     HANG_GUARD_S,
