@@ -1,0 +1,1 @@
+"""kvflow's commands as a user runs them: `doctor`, `inspect`, `new-transport`."""
