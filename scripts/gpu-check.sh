@@ -43,9 +43,9 @@ step() {  # step NAME CMD...: run, log to $OUT/gpu-check-NAME.log, record the ou
 }
 
 step tests "$PY" -m pytest -q -rs -m '' \
-    tests/test_zmq_cuda.py tests/test_nixl_cuda.py tests/test_hetero_cuda.py tests/test_staging_cuda.py \
-    tests/test_hidden_states_cuda.py \
-    tests/test_gpu_engine.py
+    tests/gpu/test_zmq_cuda.py tests/gpu/test_nixl_cuda.py tests/gpu/test_hetero_cuda.py \
+    tests/gpu/test_staging_cuda.py tests/gpu/test_hidden_states_cuda.py \
+    tests/gpu/test_gpu_engine.py
 step bench_cuda_ipc "$PY" bench/bench_cuda_ipc.py "${QUICK[@]}"
 
 echo

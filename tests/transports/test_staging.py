@@ -1,5 +1,5 @@
 """Host staging of device KV caches, on CPU tensors standing in for a CUDA cache (the
-copies are the same torch indexing on any device; tests/test_staging_cuda.py runs them on
+copies are the same torch indexing on any device; tests/gpu/test_staging_cuda.py runs them on
 a GPU where one exists)."""
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(
     reason="CUDA IPC needs an NVIDIA GPU; torch.cuda.is_available() is False here",
 )
 
-BENCH = Path(__file__).parent.parent / "bench" / "bench_cuda_ipc.py"
+BENCH = Path(__file__).parents[2] / "bench" / "bench_cuda_ipc.py"
 
 
 def test_blocks_move_device_to_device_with_every_byte_equal() -> None:

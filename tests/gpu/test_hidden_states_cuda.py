@@ -19,7 +19,7 @@ from kvflow.runtime import Runtime
 from kvflow.transport import load_transport
 from kvflow_vllm import extract_hidden_states as hs
 
-from .support.hidden_states_cache import (
+from ..support.hidden_states_cache import (
     HIDDEN,
     LAYERS,
     NUM_BLOCKS,

@@ -13,7 +13,7 @@ import torch
 
 from kvflow.observe.events import BlocksAllocated, LoadStarted, TransferDone
 
-from .support.vllm_engines import ServingEngine, assert_same_generation, events_for, run_engine
+from ..support.vllm_engines import ServingEngine, assert_same_generation, events_for, run_engine
 
 pytestmark = [
     pytest.mark.engine,
