@@ -3,7 +3,7 @@
 The core (this package) imports no vLLM module: the vLLM adapter lives in
 `kvflow_vllm`, built-in transports in `kvflow_fs` and friends.
 
-What this module exports is the public API (pinned by `tests/test_public_api.py`):
+What this module exports is the public API (pinned by `tests/project/test_public_api.py`):
 what a transport author implements and is handed (`Transport`, its jobs, context,
 layout and errors, the `PeerTransport` base and its helpers), kvflow's configuration,
 `with_host_tier` (a store behind the host-memory tier, to test it there) and `stacked`

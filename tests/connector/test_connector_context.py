@@ -15,13 +15,13 @@ from typing import TYPE_CHECKING
 import pytest
 
 if TYPE_CHECKING:
-    from .vllm_harness import MakeHarness
+    from ..support.vllm_scheduler import MakeHarness
 
 needs_vllm = pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None, reason="needs vLLM installed"
 )
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = "kvflow_vllm.connector"
 DIR = ROOT / "plugins" / "kvflow_vllm" / "connector"
 SIDES = ("scheduler", "worker")
@@ -161,7 +161,7 @@ def test_a_live_scheduler_side_shares_the_context_and_holds_no_connector(
 ) -> None:
     """vLLM's real scheduler builds the connector: its side holds the connector's
     context itself, and nothing of the side's is the connector."""
-    from .vllm_harness import fs_config
+    from ..support.vllm_scheduler import fs_config
 
     conn = harness(fs_config(tmp_path), 16).connector
     side = conn.scheduler_side
