@@ -105,6 +105,7 @@ import trio.testing
 import zmq
 
 from kvflow.geometry.layout import KVLayout
+from kvflow.pd.context import PeerContext
 from kvflow.pd.offers import answer_bind
 from kvflow.pd.params import PD_VERSION, UNSET_SHAPE, PdParams, check_pd_params
 from kvflow.pd.security import Channel, Toward, prompt_digest
@@ -190,11 +191,9 @@ def _layouts(model: str, layers: int, num_blocks: int, block_size: int) -> tuple
 # -- kvflow ----------------------------------------------------------------------------
 
 
-def _ctx(layout: KVLayout, channel: Channel | None = None) -> TransportContext:
+def _ctx(layout: KVLayout, channel: Channel | None = None) -> PeerContext:
     ctx = TransportContext("bench", "worker", "ns", "tp0of1pp0", ["tp0of1pp0"], layout)
-    if channel is not None:
-        ctx.channel = channel
-    return ctx
+    return PeerContext.of(ctx, channel=channel or Channel())
 
 
 async def _hold_offers(

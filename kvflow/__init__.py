@@ -5,20 +5,23 @@ The core (this package) imports no vLLM module: the vLLM adapter lives in
 
 What this module exports is the public API (pinned by `tests/project/test_public_api.py`):
 what a transport author implements and is handed (`Transport`, its jobs, context,
-layout and errors, the `PeerTransport` base and its helpers), kvflow's configuration,
+layout and errors, the `PeerTransport` base and its context), kvflow's configuration,
 `with_host_tier` (a store behind the host-memory tier, to test it there) and `stacked`
 (stores one below another, as the `tiers` option stacks them). The
-conformance suites are in `kvflow.testing` (extra `kvflow[testing]`). Everything
-else is kvflow's own and may change.
+conformance suites are in `kvflow.testing` (extra `kvflow[testing]`), the helpers a
+peer transport's producer holds offers with in `kvflow.pd` (`HeldOffers`,
+`select_blocks`, `answer_renew`, `renew_at`, `Renew`, `NotHeld`). Everything else is
+kvflow's own and may change.
 """
 
 from importlib import metadata as _metadata
 
+from . import _moved
 from .chunks import BadHeader, ChunkFailure, ChunkHeader, first_failure, layer_hash
 from .config import ConfigError, KVFlowConfig
 from .geometry.layout import KVLayout, LayerGeometry, LayoutError
 from .keys import ChunkKey
-from .pd.offers import HeldOffers, NotHeld, Renew, answer_renew, renew_at, select_blocks
+from .pd.context import PeerContext
 from .pd.peer_transport import PeerOptions, PeerTransport
 from .tiers import stacked, with_host_tier
 from .transport import (
@@ -39,6 +42,8 @@ from .transport import (
 )
 from .zmqio import BadFrame
 
+_moved.install()  # the modules 0.4 moved, by their old names until 0.5
+
 try:  # one place to bump: pyproject.toml's version, read back from the installed metadata
     __version__ = _metadata.version("kvflow")
 except _metadata.PackageNotFoundError:  # a source tree on sys.path, never installed
@@ -54,31 +59,45 @@ __all__ = [
     "ChunkKey",
     "ChunkMissing",
     "ConfigError",
-    "HeldOffers",
     "KVFlowConfig",
     "KVLayout",
     "LayerGeometry",
     "LayoutError",
     "LoadJob",
     "NoOptions",
-    "NotHeld",
     "Offer",
+    "PeerContext",
     "PeerOptions",
     "PeerSource",
     "PeerTransport",
-    "Renew",
     "Renewed",
     "SaveJob",
     "TransferStuck",
     "Transport",
     "TransportContext",
     "TransportError",
-    "answer_renew",
     "first_failure",
     "layer_hash",
     "one_error",
-    "renew_at",
-    "select_blocks",
     "stacked",
     "with_host_tier",
 ]
+
+_MOVED_TO_PD = ("HeldOffers", "NotHeld", "Renew", "answer_renew", "renew_at", "select_blocks")
+
+
+def __getattr__(name: str) -> object:
+    """P/D's offer helpers, exported here before 0.4 (`kvflow.pd` holds them now): until
+    0.5, with a `DeprecationWarning`."""
+    if name in _MOVED_TO_PD:
+        import warnings
+
+        from . import pd
+
+        warnings.warn(
+            f"kvflow.{name} moved to kvflow.pd.{name}; the old name goes in kvflow 0.5",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(pd, name)
+    raise AttributeError(f"module 'kvflow' has no attribute {name!r}")

@@ -25,9 +25,7 @@ import trio
 
 from .findings import Findings
 from .geometry.layout import KVLayout
-from .geometry.topology import HeadRead, TopologyError, plan_reads, readers
 from .keys import ChunkKey, StoreKey
-from .pd.security import Channel
 
 __all__ = [
     "Capabilities",
@@ -36,7 +34,6 @@ __all__ = [
     "LoadJob",
     "NoOptions",
     "Offer",
-    "PeerRead",
     "PeerSource",
     "Renewed",
     "SaveJob",
@@ -111,7 +108,9 @@ class Capabilities(msgspec.Struct, frozen=True):
 
 @dataclass
 class TransportContext:
-    """Where a transport instance runs and what it serves."""
+    """Where a transport instance runs and what it serves. A peer transport's is a
+    `kvflow.pd.PeerContext`: this and what P/D needs (the side channel's security,
+    where each consumer rank reads)."""
 
     engine_id: str
     role: str
@@ -125,16 +124,6 @@ class TransportContext:
     layout: KVLayout | None = None
     """The registered KV memory (workers only)."""
     extra: dict[str, Any] = field(default_factory=dict)
-    channel: Channel = field(default_factory=Channel)
-    """The deployment's side-channel security (peer transports seal every control
-    frame with it and refuse peers without the key; `kvflow.pd.security`)."""
-    rejected: Callable[[str, str], None] | None = None
-    """Set by kvflow's vLLM adapter: a peer transport calls it with a reason from
-    `kvflow.pd.security.REJECT_REASONS` and a detail for each frame it refuses (the
-    counter `vllm:kvflow_rejected_total`)."""
-    progress_timeout_s: float = 2.0
-    """Peer transports' consumers: the longest a pull waits for its producer's next
-    message (kvflow's `progress_timeout_s`); past it the producer is dead or hung."""
     evicted: Callable[[str, list[ChunkKey]], None] | None = None
     """Set by kvflow's vLLM adapter when vLLM publishes KV events: a store transport that
     deletes chunks to make room calls it with their namespace and keys (any thread)."""
@@ -155,49 +144,10 @@ class TransportContext:
     keys were computed with it, and store transports hash and check each layer with it
     (`kvflow.chunks.layer_hash`), always, whatever their `verify` says."""
 
-    def peer_address(self, src: PeerSource) -> str:
-        """The producer endpoint serving this worker's shard; a `TransportError` if the
-        producer has another number of shards (another tensor/pipeline parallel shape)."""
-        if len(src.addresses) != len(self.shards):
-            raise TransportError(
-                f"producer {src.engine_id} runs {len(src.addresses)} worker shard(s), this "
-                f"consumer {len(self.shards)}; this pull needs equal parallel shapes",
-                chunk=0,
-            )
-        return src.addresses[self.shards.index(self.shard)]
-
-    def peer_reads(self, src: PeerSource) -> list[PeerRead]:
-        """Where this worker pulls its part of `src` from: its own shard's endpoint, whole
-        blocks, when the producer has this engine's tensor parallel size; else the heads
-        this rank holds from the producer ranks that hold them (`kvflow.geometry.topology`)."""
-        if src.tp_size == self.tp_size:
-            return [PeerRead(self.peer_address(src))]
-        stage = src.addresses[self.pp_rank * src.tp_size : (self.pp_rank + 1) * src.tp_size]
-        try:
-            count = readers(src.kv_heads, src.tp_size, self.tp_size)
-            reads = plan_reads(src.kv_heads, src.tp_size, self.tp_size, self.tp_rank)
-        except TopologyError as exc:
-            raise TransportError(f"producer {src.engine_id}: {exc}", chunk=0) from None
-        if len(stage) != src.tp_size:
-            raise TransportError(f"producer {src.engine_id}: too few addresses", chunk=0)
-        return [PeerRead(stage[r.rank], r, count[r.rank]) for r in reads]
-
     def emit_tier_event(self, event: Any) -> None:
         """`tier_event(event)`, if set."""
         if self.tier_event is not None:
             self.tier_event(event)
-
-
-@dataclass(frozen=True)
-class PeerRead:
-    """One producer endpoint a consumer worker reads (`TransportContext.peer_reads`)."""
-
-    address: str
-    heads: HeadRead | None = None
-    """Which heads, from which into which; None: every head, as they lie."""
-    readers: int = 1
-    """How many of the consumer's ranks read this producer rank (it holds the blocks until
-    all are done)."""
 
 
 @dataclass

@@ -30,6 +30,7 @@ from ..observe.events import (
     TaskFailed,
 )
 from ..pd.claims import Claim, Claims
+from ..pd.context import channel_of_transport
 from ..pd.params import (
     PD_VERSION,
     UNSET_SHAPE,
@@ -198,7 +199,7 @@ class SchedulerEngine:  # ~440 lines: one request's life in the scheduler (looku
             return
         if pd is not None and self.can_pull:
             reason, why = check_pd_params(
-                pd, self.transport.context.channel, token_ids, salt, self.pd_scope
+                pd, channel_of_transport(self.transport), token_ids, salt, self.pd_scope
             )
             # params this deployment signed say truly what differs (another model's
             # params also fail the prompt's digest: name the field instead)
@@ -444,7 +445,7 @@ class SchedulerEngine:  # ~440 lines: one request's life in the scheduler (looku
                 pp_size=self.pp_size,
                 prompt=prompt_digest(st.tokens[: sum(counts)], st.salt, self.pd_scope),
             )
-            params = consumer_params(pd.signed(self.transport.context.channel))
+            params = consumer_params(pd.signed(channel_of_transport(self.transport)))
         lend = st is not None and lent_at_finish(
             saving=st.saves_issued, offering=params is not None
         )

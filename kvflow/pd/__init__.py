@@ -5,12 +5,31 @@
 - `security`: the deployment key, the side channel's MACs and the sealed params.
 - `claims`: a consumer's claims on its producers' blocks, renewed while a request waits.
 - `offers`: a producer's held blocks (`HeldOffers`) and the renew protocol.
+- `context`: `PeerContext`, a peer transport's `TransportContext` with what P/D needs
+  (the side channel's security, refusals counted, the producer ranks each consumer
+  rank reads).
 - `peer_transport`: `PeerTransport`, the base every peer transport's producer and
   consumer build on (the side channel's serve loop, pulls, releases).
 - `proxy`: `kvflow proxy`, a P/D proxy between OpenAI servers following vLLM's
   convention (standard library only: it runs without vLLM).
 
-The names a transport author needs are re-exported by `kvflow`.
+A peer transport author's names are here: the base, its options and context (also
+exported by `kvflow`) and the helpers a producer holds offers with.
 """
 
-__all__: list[str] = []
+from .context import PeerContext, PeerRead
+from .offers import HeldOffers, NotHeld, Renew, answer_renew, renew_at, select_blocks
+from .peer_transport import PeerOptions, PeerTransport
+
+__all__ = [
+    "HeldOffers",
+    "NotHeld",
+    "PeerContext",
+    "PeerOptions",
+    "PeerRead",
+    "PeerTransport",
+    "Renew",
+    "answer_renew",
+    "renew_at",
+    "select_blocks",
+]

@@ -9,7 +9,7 @@ all offered, or another consumer claimed it. What differs between transports (th
 wire's frames, how the bytes move, how a pull ends) is the subclass's:
 `decode`, `Pull`, `refusal`, `check_pull`, `answer` and `ended`.
 
-Nothing a peer sends is believed. With the deployment's key (`TransportContext.channel`)
+Nothing a peer sends is believed. With the deployment's key (`PeerContext.channel`)
 every connection's handshake proves the key before libzmq takes in a message (a ZAP
 task of `serve` checks it, a one-time credential in `kv-in-clear`; failures are
 counted), and every control frame, both ways, is sealed toward its side: a frame
@@ -18,7 +18,7 @@ answers and its place among that request's answers (`kvflow.pd.offers.answer_bin
 Every socket refuses frames over its bound (`ZMQ_MAXMSGSIZE`) and a handshake not done
 within `HANDSHAKE_IVL_MS`; the serving loop handles each message on its own and never
 waits on a consumer: a frame of any shape, count or content is refused and counted
-(`TransportContext.rejected`), never the end of `serve`. A peer's words are logged
+(`PeerContext.rejected`), never the end of `serve`. A peer's words are logged
 escaped and cut (`kvflow.zmqio.shown`).
 """
 
@@ -43,7 +43,6 @@ from ..transport import (
     ChunkMissing,
     LoadJob,
     Offer,
-    PeerRead,
     PeerSource,
     SaveJob,
     Transport,
@@ -51,6 +50,7 @@ from ..transport import (
     TransportError,
 )
 from ..zmqio import BadFrame, TrioSocket, bind_loopback, shown
+from .context import PeerContext, PeerRead
 from .offers import (
     FRAME_SLACK,
     MAX_REASON,
@@ -99,7 +99,11 @@ class PeerTransport(Transport):
     max_frame_bytes: ClassVar[int]
     """The largest control frame a consumer sends this producer (its ROUTER's bound)."""
 
+    context: PeerContext
+
     def __init__(self, options: Any, context: TransportContext) -> None:
+        if not isinstance(context, PeerContext):  # a test's or a benchmark's
+            context = PeerContext.of(context)
         super().__init__(options, context)
         self._zmq = zmq.Context()
         self._router: TrioSocket | None = None
@@ -312,7 +316,7 @@ class PeerTransport(Transport):
     # -- consumer --------------------------------------------------------------
     async def load(self, job: LoadJob) -> None:
         """Pull `job`'s blocks from the producer ranks that hold this worker's part of
-        them (`TransportContext.peer_reads`): one rank's whole blocks when both sides have
+        them (`PeerContext.peer_reads`): one rank's whole blocks when both sides have
         one tensor-parallel size, else each rank's heads; a layer is loaded once every
         pull delivered it, and the load fails as one."""
         src = job.source

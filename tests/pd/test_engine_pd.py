@@ -21,9 +21,10 @@ from kvflow.engine.metadata import WorkerPlan
 from kvflow.engine.scheduler import SchedulerEngine
 from kvflow.geometry.layout import LayoutError
 from kvflow.observe.events import TransferFailed
+from kvflow.pd.context import PeerContext
 from kvflow.pd.params import PD_VERSION, UNSET_SHAPE, ModelShape, PdParams
 from kvflow.pd.security import prompt_digest
-from kvflow.transport import Capabilities, PeerSource, TransportContext, TransportError
+from kvflow.transport import Capabilities, PeerSource, TransportError
 from kvflow_fs import FsTransport
 
 from ..support.kvflow_engines import BS, COUNTS, PROMPT, Engine, run_step
@@ -185,7 +186,7 @@ def test_a_pd_producer_with_other_block_sizes_is_refused_naming_both(
 
 
 def test_a_worker_refuses_a_pull_from_another_number_of_shards() -> None:
-    ctx = TransportContext("e", "worker", "ns", "tp1of2pp0", ["tp0of2pp0", "tp1of2pp0"])
+    ctx = PeerContext("e", "worker", "ns", "tp1of2pp0", ["tp0of2pp0", "tp1of2pp0"])
     assert ctx.peer_address(PeerSource("p", ["a", "b"], "r", [1])) == "b"
     with pytest.raises(
         TransportError, match=r"producer p runs 1 worker shard\(s\), this consumer 2"

@@ -9,8 +9,9 @@ import pytest
 from vllm.distributed.kv_transfer.kv_connector.utils import EngineTransferInfo, TransferTopology
 
 from kvflow.geometry.topology import HeadRead, TopologyError, held_heads, plan_reads, readers
+from kvflow.pd.context import PeerContext
 from kvflow.shapes.reshape import shard_name
-from kvflow.transport import PeerSource, TransportContext
+from kvflow.transport import PeerSource
 
 SIZES = (1, 2, 4, 8)
 SHAPES = [
@@ -107,10 +108,10 @@ def test_each_consumer_stage_reads_the_producer_stage_holding_its_layers() -> No
     shards = [shard_name(r, 2, p) for p in range(2) for r in range(2)]
     for p in range(2):
         for r in range(2):
-            ctx = TransportContext(
+            ctx = PeerContext(
                 "e", "worker", "ns", shard_name(r, 2, p), shards, tp_rank=r, tp_size=2, pp_rank=p
             )
             assert [read.address for read in ctx.peer_reads(src)] == [f"s{p}r{r}"]
     one = [shard_name(0, 1, p) for p in range(2)]
-    ctx = TransportContext("e", "worker", "ns", one[1], one, tp_rank=0, tp_size=1, pp_rank=1)
+    ctx = PeerContext("e", "worker", "ns", one[1], one, tp_rank=0, tp_size=1, pp_rank=1)
     assert [read.address for read in ctx.peer_reads(src)] == ["s1r0", "s1r1"]

@@ -7,11 +7,14 @@ from __future__ import annotations
 import importlib
 import pkgutil
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 import kvflow
+from kvflow._moved import MOVED
 from kvflow.cli import scaffold
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -26,31 +29,26 @@ PUBLIC = [  # a change here is a change of kvflow's API: say so in the changelog
     "ChunkKey",
     "ChunkMissing",
     "ConfigError",
-    "HeldOffers",
     "KVFlowConfig",
     "KVLayout",
     "LayerGeometry",
     "LayoutError",
     "LoadJob",
     "NoOptions",
-    "NotHeld",
     "Offer",
+    "PeerContext",
     "PeerOptions",
     "PeerSource",
     "PeerTransport",
-    "Renew",
     "Renewed",
     "SaveJob",
     "TransferStuck",
     "Transport",
     "TransportContext",
     "TransportError",
-    "answer_renew",
     "first_failure",
     "layer_hash",
     "one_error",
-    "renew_at",
-    "select_blocks",
     "stacked",
     "with_host_tier",
 ]
@@ -58,6 +56,37 @@ PUBLIC = [  # a change here is a change of kvflow's API: say so in the changelog
 
 def test_kvflow_exports_the_pinned_api() -> None:
     assert sorted(kvflow.__all__) == PUBLIC
+
+
+PD_HELPERS = ["HeldOffers", "NotHeld", "Renew", "answer_renew", "renew_at", "select_blocks"]
+
+
+@pytest.mark.parametrize("name", PD_HELPERS)
+def test_the_pd_helpers_kvflow_exported_until_0_4_still_import_and_warn(name: str) -> None:
+    """Moved to `kvflow.pd` (issue 47): the old name is the same object, for one version."""
+    import kvflow.pd
+
+    assert name in kvflow.pd.__all__ and name not in kvflow.__all__
+    with pytest.warns(DeprecationWarning, match=rf"kvflow.{name} moved to kvflow.pd.{name}"):
+        old = getattr(kvflow, name)
+    assert old is getattr(kvflow.pd, name)
+
+
+@pytest.mark.parametrize("old", sorted(MOVED))
+def test_a_moved_module_imports_by_its_old_name_as_itself_with_a_warning(old: str) -> None:
+    code = (
+        "import importlib, sys, warnings\n"
+        "warnings.simplefilter('error')\n"
+        f"try:\n    importlib.import_module({old!r})\n"
+        "except DeprecationWarning as w:\n    print(w)\n"
+        "warnings.simplefilter('ignore')\n"
+        f"print(importlib.import_module({old!r}) is importlib.import_module({MOVED[old]!r}))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.splitlines() == [
+        f"{old} moved to {MOVED[old]}; the old name goes in kvflow 0.5",
+        "True",
+    ], out.stderr
     for name in PUBLIC:
         assert getattr(kvflow, name) is not None, name
 

@@ -31,11 +31,12 @@ from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import parse_monitor_message
 
 from kvflow.geometry.layout import KVLayout
+from kvflow.pd.context import PeerContext
 from kvflow.pd.offers import Renew, answer_bind
 from kvflow.pd.peer_transport import PeerTransport
 from kvflow.pd.security import Channel
 from kvflow.testing.layouts import fill_blocks, make_layout
-from kvflow.transport import LoadJob, Offer, PeerSource, Renewed, TransportContext
+from kvflow.transport import LoadJob, Offer, PeerSource, Renewed
 from kvflow.zmqio import BadFrame, TrioSocket
 from kvflow_nixl import NixlOptions, NixlTransport
 from kvflow_nixl import _wire as nwire
@@ -101,8 +102,8 @@ class Seen:
 
 def worker_context(
     layout: KVLayout, channel: Channel, rejected: Callable[[str, str], None] | None = None
-) -> TransportContext:
-    return TransportContext(
+) -> PeerContext:
+    return PeerContext(
         "e",
         "worker",
         "ns",

@@ -66,6 +66,7 @@ from kvflow.engine.metadata import WorkerPlan
 from kvflow.engine.scheduler import SchedulerEngine
 from kvflow.engine.worker import TransferResults, WorkerEngine
 from kvflow.observe.events import Event, EventBus, LookupAnswered, Origin
+from kvflow.pd.context import PeerContext
 from kvflow.pd.params import PdParams
 from kvflow.pd.security import Channel, host_key
 from kvflow.runtime import Runtime
@@ -643,7 +644,7 @@ def held_offer(offer: Offer, channel: Channel | None = None) -> Iterator[str]:
     ends) over `channel` (the host key's if None, as an engine without a key_file):
     yields its address, for a consumer to claim."""
     cls = load_transport("zmq")
-    ctx = TransportContext(
+    ctx = PeerContext(
         engine_id="producer",
         role="worker",
         namespace="",

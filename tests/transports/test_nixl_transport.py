@@ -14,6 +14,7 @@ import trio
 import trio.testing
 
 from kvflow.geometry.layout import KVLayout
+from kvflow.pd.context import PeerContext
 from kvflow.testing.layouts import fill_blocks, make_layout
 from kvflow.transport import (
     ChunkCorrupt,
@@ -471,7 +472,7 @@ class _Beating(NixlTransport):
 
 
 async def _open_as(cls: type[NixlTransport], layout: KVLayout, progress_s: float = 2.0) -> Any:
-    t = cls(NixlOptions(), dataclasses.replace(_ctx(layout), progress_timeout_s=progress_s))
+    t = cls(NixlOptions(), PeerContext.of(_ctx(layout), progress_timeout_s=progress_s))
     await t.open()
     await t.register(layout)
     return t

@@ -12,6 +12,7 @@ import trio.testing
 import zmq
 
 from kvflow.geometry.layout import KVLayout
+from kvflow.pd.context import PeerContext
 from kvflow.pd.security import Channel, keygen, read_key
 from kvflow.testing.layouts import fill_blocks, make_layout
 from kvflow.transport import (
@@ -295,8 +296,7 @@ async def test_a_keyless_producer_binds_loopback_only_unless_told_insecure(
 async def test_a_keyed_or_insecure_producer_binds_any_address(tmp_path: Any) -> None:
     layout = make_layout(num_layers=1, num_blocks=2, block_size=4)
     for channel in (Channel(read_key(str(keygen(tmp_path / "k")))), Channel(insecure=True)):
-        ctx = _ctx(layout)
-        ctx.channel = channel
+        ctx = PeerContext.of(_ctx(layout), channel=channel)
         producer = ZmqTransport(ZmqOptions(host="0.0.0.0"), ctx)
         await producer.open()
         assert producer.address.startswith("tcp://0.0.0.0:")

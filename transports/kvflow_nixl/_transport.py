@@ -60,6 +60,7 @@ import trio
 import zmq
 
 from kvflow.geometry.layout import KVLayout
+from kvflow.pd.context import PeerRead
 from kvflow.pd.offers import (
     new_nonce,
     read_lease,
@@ -72,7 +73,6 @@ from kvflow.transport import (
     ChunkCorrupt,
     LoadJob,
     Offer,
-    PeerRead,
     PeerSource,
     TransferStuck,
     TransportContext,

@@ -22,6 +22,7 @@ import zmq
 from kvflow.geometry.cells import cell_index, cells_of, is_token_major, put_cells
 from kvflow.geometry.layout import KVLayout, LayoutError, peer_cells_problem, peer_layout_problem
 from kvflow.geometry.topology import HeadRead
+from kvflow.pd.context import PeerRead
 from kvflow.pd.offers import new_nonce
 from kvflow.pd.peer_transport import PeerOptions, PeerTransport
 from kvflow.transport import (
@@ -29,7 +30,6 @@ from kvflow.transport import (
     ChunkCorrupt,
     LoadJob,
     Offer,
-    PeerRead,
     PeerSource,
     TransportContext,
     TransportError,

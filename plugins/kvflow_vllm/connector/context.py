@@ -24,6 +24,7 @@ from kvflow.observe.events import EventBus, Origin, Rejected
 from kvflow.observe.log import JsonlEventLog
 from kvflow.observe.stats import StatsCollector
 from kvflow.observe.stream import start_publisher
+from kvflow.pd.context import PeerContext
 from kvflow.runtime import Runtime
 from kvflow.shapes.replicas import as_replica, store_shards
 from kvflow.shapes.reshape import shard_name
@@ -251,15 +252,19 @@ def _open_transports(
             namespace=namespace,
             shard=own,
             shards=shards,
-            channel=fit.channel,
-            rejected=rejected,
-            progress_timeout_s=config.progress_timeout_s,
             tp_rank=tp_rank,
             tp_size=tp,
             pp_rank=pp_rank,
             kv_heads=kv_heads,
             store_key=fit.store_key,
         )
+        if caps.peer:  # and what P/D needs
+            ctx = PeerContext.of(
+                ctx,
+                channel=fit.channel,
+                rejected=rejected,
+                progress_timeout_s=config.progress_timeout_s,
+            )
         transport = stack_of([(fit.transport_cls, fit.options), *fit.tiers], ctx)
         if role == "worker" and own != shard:  # another rank saves these heads
             transport = as_replica(transport)  # (behind its host tier)
