@@ -15,10 +15,10 @@ from typing import Any, Literal, TypeVar, get_args
 import msgspec
 
 __all__ = [
+    "ChannelMode",
     "ConfigError",
     "KVFlowConfig",
     "TierConfig",
-    "channel_of",
     "default_cache_dir",
     "host_cpus",
     "parse_config",
@@ -26,8 +26,8 @@ __all__ = [
     "store_key_of",
 ]
 
+from .keyfiles import SecurityError, read_key
 from .keys import StoreKey
-from .pd.security import Channel, ChannelMode, SecurityError, host_key, read_key
 
 LoadMode = Literal["layer", "async"]
 Role = Literal["kv_both", "kv_producer", "kv_consumer"]
@@ -42,6 +42,12 @@ class TierConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     transport: str
     options: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+ChannelMode = Literal["encrypted", "kv-in-clear"]
+"""What a keyed side channel protects: `encrypted`, every frame, KV bytes included
+(ZMQ CURVE); `kv-in-clear`, the peers and the control frames (a one-time handshake
+credential and a MAC on every control frame), KV bytes crossing as they are."""
 
 
 class KVFlowConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -170,29 +176,6 @@ class KVFlowConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 f"kv_connector_extra_config['worker_cpus']: {self.worker_cpus!r} names cores "
                 f"this host lacks (it has {','.join(map(str, sorted(host)))})"
             )
-
-
-def channel_of(cfg: KVFlowConfig, *, peer: bool = True) -> Channel:
-    """The side-channel security `cfg` asks for: its key read from `key_file` or
-    `$KVFLOW_KEY`, else, for a `peer` transport not told `insecure`, this host's key."""
-    try:
-        key = read_key(cfg.key_file)
-    except SecurityError as exc:
-        raise ConfigError(f"kv_connector_extra_config['key_file']: {exc}") from None
-    if key is not None:
-        return Channel(key, cfg.channel or "encrypted", cfg.insecure)
-    if cfg.insecure or not peer:
-        if cfg.channel is not None and peer:
-            raise ConfigError(
-                f"kv_connector_extra_config['channel'] is {cfg.channel!r} but 'insecure' "
-                "leaves the side channel keyless: drop one of them"
-            )
-        return Channel(None, "encrypted", cfg.insecure)
-    try:
-        key = host_key()
-    except SecurityError as exc:
-        raise ConfigError(f"kv_connector_extra_config: no key_file, and {exc}") from None
-    return Channel(key, cfg.channel or "kv-in-clear", host=True)
 
 
 def store_key_of(cfg: KVFlowConfig, *, store: bool = True) -> StoreKey | None:

@@ -61,10 +61,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from kvflow.keyfiles import keygen
 from kvflow.observe.events import LookupAnswered
 from kvflow.observe.log import read_event_log
 from kvflow.pd.proxy import PREFILL_PARAMS
-from kvflow.pd.security import keygen
 from kvflow_vllm.apiserver import ApiServer, free_port, post
 
 ROOT = Path(__file__).resolve().parents[1]

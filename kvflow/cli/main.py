@@ -29,7 +29,7 @@ def _cmd_transports(args: argparse.Namespace) -> int:
 
 
 def _cmd_keygen(args: argparse.Namespace) -> int:
-    from ..pd.security import keygen
+    from ..keyfiles import keygen
 
     try:
         path = keygen(args.path)

@@ -1,15 +1,16 @@
 """`kvflow doctor`'s key checks: the key a P/D engine will hold (`key_file` or
 `$KVFLOW_KEY`: readable, a key, the user's alone; else this host's key) and where its
-producer may bind, both asking `kvflow.config.channel_of`; and a store's key
+producer may bind, both asking `kvflow.pd.security.channel_of`; and a store's key
 (`store_key_file`), asking `kvflow.config.store_key_of`: each as the engine does."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from ..config import ConfigError, KVFlowConfig, channel_of, store_key_of
+from ..config import ConfigError, KVFlowConfig, store_key_of
 from ..findings import Findings
-from ..pd.security import HOST_KEY, KEY_ENV, Channel, is_loopback, runtime_dir
+from ..keyfiles import HOST_KEY, KEY_ENV, runtime_dir
+from ..pd.security import Channel, channel_of, is_loopback
 
 __all__ = ["check_key", "check_peer_host", "check_store_key"]
 

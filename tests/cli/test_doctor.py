@@ -20,7 +20,7 @@ from kvflow.cli.doctor import render
 from kvflow.cli.main import main
 from kvflow.doctor import host, vllm_install
 from kvflow.findings import Finding, Findings
-from kvflow.pd.security import KEY_ENV, RUNTIME_ENV, keygen
+from kvflow.keyfiles import KEY_ENV, RUNTIME_ENV, keygen
 from kvflow_vllm.compat import TESTED
 
 

@@ -13,12 +13,12 @@ import pytest
 from kvflow.config import (
     ConfigError,
     KVFlowConfig,
-    channel_of,
     default_cache_dir,
     parse_config,
     parse_options,
 )
-from kvflow.pd.security import HOST_KEY, KEY_ENV, RUNTIME_ENV, Channel, keygen
+from kvflow.keyfiles import HOST_KEY, KEY_ENV, RUNTIME_ENV, keygen
+from kvflow.pd.security import Channel, channel_of
 from kvflow.transport import TransportNotFound, available_transports, load_transport
 from kvflow_fs import FsOptions, FsTransport
 

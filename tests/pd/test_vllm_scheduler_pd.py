@@ -20,9 +20,10 @@ import trio
 pytest.importorskip("vllm.v1.core.sched.scheduler", reason="needs vLLM installed")
 
 from kvflow.engine.metadata import OfferSpec
+from kvflow.keyfiles import keygen, read_key
 from kvflow.observe.events import Event, Rejected
 from kvflow.pd.params import PdParams, parse_pd_params
-from kvflow.pd.security import Channel, keygen, read_key
+from kvflow.pd.security import Channel
 from kvflow.transport import Offer, PeerSource
 from kvflow_vllm.connector import KVFlowHandshake
 

@@ -133,3 +133,82 @@ def test_no_test_module_imports_another() -> None:
                 if any(n.rsplit(".", 1)[-1].startswith("test_") for n in names):
                     crossing.append(f"{_rel(path)}:{node.lineno}")
     assert crossing == []
+
+
+# -- kvflow's rooms (issue 47): packages named for what they hold, arrows one way
+
+
+def _unit(module: str) -> str:
+    """The room a module of kvflow is in: its subpackage (`geometry`, `engine`, ...) or,
+    for a module at the top (`transport`, `config`, ...), itself."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "kvflow"
+
+
+def _kvflow_imports() -> dict[str, set[str]]:
+    """Each module of kvflow and the kvflow modules it imports anywhere in its text
+    (relative and absolute, under TYPE_CHECKING too)."""
+    out: dict[str, set[str]] = {}
+    for path in sorted((ROOT / "kvflow").rglob("*.py")):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        is_init = parts[-1] == "__init__"
+        module = ".".join(parts[:-1] if is_init else parts)
+        package = module if is_init else module.rsplit(".", 1)[0]
+        found = out.setdefault(module, set())
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = package.split(".")[: len(package.split(".")) - max(node.level - 1, 0)]
+                if node.level:
+                    target = ".".join([*base, *([node.module] if node.module else [])])
+                else:
+                    target = node.module or ""
+                if target.startswith("kvflow"):
+                    names = [f"{target}.{a.name}" for a in node.names] if not node.module else []
+                    found |= {target, *names}
+            elif isinstance(node, ast.Import):
+                found |= {a.name for a in node.names if a.name.startswith("kvflow")}
+    return out
+
+
+def test_kvflows_rooms_import_each_other_one_way() -> None:
+    """Between kvflow's subpackages and top-level modules, no circle of imports (the
+    package's own `__init__`, the public face, is left out: it imports every room)."""
+    graph: dict[str, set[str]] = {}
+    for module, targets in _kvflow_imports().items():
+        if module != "kvflow":
+            unit = _unit(module)
+            graph.setdefault(unit, set()).update(
+                _unit(t) for t in targets if t != "kvflow" and _unit(t) != unit
+            )
+    state: dict[str, int] = {}
+    path: list[str] = []
+
+    def circle_from(unit: str) -> list[str]:
+        state[unit] = 1
+        path.append(unit)
+        for nxt in sorted(graph.get(unit, ())):
+            if state.get(nxt) == 1:
+                return [*path[path.index(nxt) :], nxt]
+            if nxt not in state and (found := circle_from(nxt)):
+                return found
+        state[unit] = 2
+        path.pop()
+        return []
+
+    circles = [c for unit in sorted(graph) if unit not in state and (c := circle_from(unit))]
+    assert circles == []
+
+
+def test_the_transport_contract_and_geometry_know_nothing_above_them() -> None:
+    """`kvflow.transport` imports nothing of P/D (a peer transport's context is
+    `kvflow.pd.PeerContext`); `kvflow.geometry` imports nothing of kvflow but itself."""
+    imports = _kvflow_imports()
+    assert sorted(t for t in imports["kvflow.transport"] if t.startswith("kvflow.pd")) == []
+    outside = {
+        f"{m} imports {t}"
+        for m, targets in imports.items()
+        if m.startswith("kvflow.geometry")
+        for t in targets
+        if not t.startswith("kvflow.geometry")
+    }
+    assert sorted(outside) == []

@@ -35,9 +35,9 @@ from kvflow.hidden_states import (
     host_buffer,
     save_hidden_states,
 )
+from kvflow.keyfiles import keygen
 from kvflow.keys import Fingerprint, StoreKey, chunk_keys, chunk_token_counts
 from kvflow.observe.events import EventBus, Origin
-from kvflow.pd.security import keygen
 from kvflow.testing.conformance import TransportConformance
 from kvflow.testing.layouts import fill_blocks, make_layout, token_bytes
 from kvflow.tiers import stacked

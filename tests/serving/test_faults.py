@@ -28,10 +28,10 @@ from typing import Any
 
 import pytest
 
+from kvflow.keyfiles import keygen
 from kvflow.keys import chunk_keys
 from kvflow.observe.events import TransferFailed
 from kvflow.observe.log import read_event_log
-from kvflow.pd.security import keygen
 from kvflow_vllm.apiserver import ApiServer
 from kvflow_vllm.engine_process import EngineFailed, Scenario, spawn_engine
 from kvflow_vllm.serving import close_all

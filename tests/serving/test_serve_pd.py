@@ -22,8 +22,8 @@ from typing import Any
 import pytest
 import zmq
 
+from kvflow.keyfiles import keygen
 from kvflow.pd.proxy import PREFILL_PARAMS, PdProxy
-from kvflow.pd.security import keygen
 from kvflow_vllm.apiserver import ApiServer, post
 from kvflow_vllm.serving import close_all
 

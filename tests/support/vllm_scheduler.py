@@ -65,10 +65,11 @@ from kvflow.config import parse_options
 from kvflow.engine.metadata import WorkerPlan
 from kvflow.engine.scheduler import SchedulerEngine
 from kvflow.engine.worker import TransferResults, WorkerEngine
+from kvflow.keyfiles import host_key
 from kvflow.observe.events import Event, EventBus, LookupAnswered, Origin
 from kvflow.pd.context import PeerContext
 from kvflow.pd.params import PdParams
-from kvflow.pd.security import Channel, host_key
+from kvflow.pd.security import Channel
 from kvflow.runtime import Runtime
 from kvflow.transport import Offer, TransportContext, load_transport
 from kvflow_vllm.connector import KVFlowConnector, KVFlowMetadata

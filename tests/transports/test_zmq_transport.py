@@ -12,8 +12,9 @@ import trio.testing
 import zmq
 
 from kvflow.geometry.layout import KVLayout
+from kvflow.keyfiles import keygen, read_key
 from kvflow.pd.context import PeerContext
-from kvflow.pd.security import Channel, keygen, read_key
+from kvflow.pd.security import Channel
 from kvflow.testing.layouts import fill_blocks, make_layout
 from kvflow.transport import (
     ChunkMissing,

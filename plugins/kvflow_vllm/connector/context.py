@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any, Literal
 from kvflow.config import (
     ConfigError,
     KVFlowConfig,
-    channel_of,
     parse_config,
     parse_options,
     store_key_of,
@@ -25,6 +24,7 @@ from kvflow.observe.log import JsonlEventLog
 from kvflow.observe.stats import StatsCollector
 from kvflow.observe.stream import start_publisher
 from kvflow.pd.context import PeerContext
+from kvflow.pd.security import channel_of
 from kvflow.runtime import Runtime
 from kvflow.shapes.replicas import as_replica, store_shards
 from kvflow.shapes.reshape import shard_name
