@@ -2,7 +2,7 @@
 
 vLLM calls connectors synchronously from its own threads. Those threads never
 run trio code: they hand work in with `submit` / `spawn` (a non-blocking
-`TrioToken.run_sync_soon`, a few microseconds) and read completions the flows
+`TrioToken.run_sync_soon`, a few microseconds) and read completions the transfers
 publish. Only where vLLM's contract needs an answer now (opening transports and
 registering memory, preemption, a reused block a save still reads, shutdown) does
 a thread block, and then always with a timeout (`call`), so no caller ever waits

@@ -16,7 +16,7 @@ are free (vLLM's `finished_sending`). A request's blocks are in one of these sta
   uses and vLLM waits (`ended`) until none reads them any more;
 - **reused**: vLLM hands out again a block a save still reads (a sliding window's);
   it waits until no save reads it (`idle`), or cancels those saves (`cancel_over`);
-- **expired**: an offer's hold deadline (the worker's offer flow) ends its use;
+- **expired**: an offer's hold deadline (the worker's offer transfer) ends its use;
 - **loop gone**: nothing can use a block any more: every lent request is released
   at once (`release_all`).
 

@@ -104,8 +104,7 @@ class _Request:
         return sum(self.counts[: self.hit_chunks or 0])
 
 
-class SchedulerEngine:  # ~440 lines: one request's life in the scheduler (lookup, load,
-    # save, offer) reads and writes one `_Request`; apart, each part would pass it around
+class SchedulerEngine:
     """Owns per-request connector state in the scheduler process."""
 
     def __init__(

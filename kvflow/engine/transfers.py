@@ -1,6 +1,6 @@
 """The worker's transfers on the runtime's loop: a task per load, save and offer.
 
-`Flows.on_bind` starts a step's flows; each has its own deadline and reports to
+`Transfers.on_bind` starts a step's transfers; each has its own deadline and reports to
 vLLM's thread through `Reports` (one lock): completions in vLLM's terms, the
 blocks of failed loads, what became of saved chunks, and why the engine must
 stop. Which blocks kvflow uses, and when vLLM may have them back, is
@@ -53,11 +53,11 @@ from .staging import HostStage
 __all__ = [
     "STOP_GRACE_S",
     "ChunkOutcomes",
-    "Flows",
     "LayerGate",
     "LayerReady",
     "Reports",
     "TransferResults",
+    "Transfers",
 ]
 
 log = logging.getLogger("kvflow.worker")
@@ -95,7 +95,7 @@ class ChunkOutcomes:
 
 
 class Reports:
-    """What the flows tell vLLM's thread, under one lock."""
+    """What the transfers tell vLLM's thread, under one lock."""
 
     def __init__(self, chunk_outcomes: bool = False) -> None:
         self.lock = threading.Lock()
@@ -295,8 +295,7 @@ class _SaveSpans:
         ]
 
 
-class Flows:  # ~295 lines: a step's loads, saves and offers and how they affect each
-    # other (a failed load drops the saves computed over its blocks)
+class Transfers:
     """A worker's transfers, on its runtime's loop thread."""
 
     def __init__(
@@ -337,7 +336,7 @@ class Flows:  # ~295 lines: a step's loads, saves and offers and how they affect
         return lim
 
     def on_bind(self, plan: WorkerPlan, gate: LayerGate) -> None:
-        """Start a step's flows: its loads (signalling `gate`), saves and offers."""
+        """Start a step's transfers: its loads (signalling `gate`), saves and offers."""
         self.bus.emit(StepBound(step=plan.step, loads=len(plan.loads), saves=len(plan.saves)))
         over: dict[int, list[trio.CancelScope]] = {}  # a loaded block -> saves computed over it
         settled: dict[int, trio.Event] = {}  # a block loaded within the step -> its load ended
@@ -345,9 +344,7 @@ class Flows:  # ~295 lines: a step's loads, saves and offers and how they affect
             done = trio.Event()
             if not spec.asynchronous:
                 settled.update(dict.fromkeys(spec.block_ids, done))
-            self.runtime.start_soon(
-                self._load_flow, spec, gate, over, done, name=f"load:{spec.req}"
-            )
+            self.runtime.start_soon(self._load, spec, gate, over, done, name=f"load:{spec.req}")
         if plan.saves:
             step = self._steps[plan.step] = _Step(
                 self._require_layout().num_layers, len(plan.saves)
@@ -362,11 +359,11 @@ class Flows:  # ~295 lines: a step's loads, saves and offers and how they affect
                     if (load := settled.get(b)) is not None and load not in loads:
                         loads.append(load)
                 self.runtime.start_soon(
-                    self._save_flow, save, plan.step, step, scope, loads, name=f"save:{save.req}"
+                    self._save, save, plan.step, step, scope, loads, name=f"save:{save.req}"
                 )
         for o in plan.offers:  # held like a save: released when the offer ends
             self.lending.start(o.req)
-            self.runtime.start_soon(self._offer_flow, o, name=f"offer:{o.req}")
+            self.runtime.start_soon(self._offer, o, name=f"offer:{o.req}")
         for req in plan.lent:
             self.lending.lend(req)
 
@@ -403,7 +400,7 @@ class Flows:  # ~295 lines: a step's loads, saves and offers and how they affect
                     step.ready[layer] = ready
                     ev.set()
 
-    async def _load_flow(
+    async def _load(
         self,
         spec: LoadSpec,
         gate: LayerGate,
@@ -466,7 +463,7 @@ class Flows:  # ~295 lines: a step's loads, saves and offers and how they affect
                 if error:
                     self.reports.results.failed_recving.add(spec.req)
 
-    async def _save_flow(
+    async def _save(
         self,
         spec: SaveSpec,
         step_no: int,
@@ -561,7 +558,7 @@ class Flows:  # ~295 lines: a step's loads, saves and offers and how they affect
                 )
             )
 
-    async def _offer_flow(self, spec: OfferSpec) -> None:
+    async def _offer(self, spec: OfferSpec) -> None:
         """P/D producer: hold the blocks until the consumer is done, failed, or never came."""
         layout = self._require_layout()
 

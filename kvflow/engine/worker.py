@@ -7,7 +7,7 @@ calls hand work to the runtime's loop (`kvflow.engine.transfers`) and return; th
 waits are the ones the contract demands (layer i's load before attention reads
 it, preemption before blocks are reused), each bounded by a timeout.
 
-The flows report through `kvflow.engine.transfers.Reports` (one lock); a failed load's
+The transfers report through `kvflow.engine.transfers.Reports` (one lock); a failed load's
 block ids are recorded before (or with) its completion, so vLLM always learns
 which blocks to recompute no later than it learns the load ended.
 
@@ -37,11 +37,11 @@ from .metadata import WorkerPlan
 from .staging import mark
 from .transfers import (
     ChunkOutcomes,
-    Flows,
     LayerGate,
     LayerReady,
     Reports,
     TransferResults,
+    Transfers,
 )
 
 __all__ = ["KVFlowFatal", "TransferResults", "WorkerEngine"]
@@ -49,8 +49,7 @@ __all__ = ["KVFlowFatal", "TransferResults", "WorkerEngine"]
 log = logging.getLogger("kvflow.worker")
 
 
-class WorkerEngine:  # ~310 lines: every call vLLM's thread makes, each bounded, and
-    # what becomes of them when the loop dies or a load cannot be stopped
+class WorkerEngine:
     """Runs a worker's transfers on its runtime."""
 
     def __init__(
@@ -78,7 +77,7 @@ class WorkerEngine:  # ~310 lines: every call vLLM's thread makes, each bounded,
         """Whose blocks kvflow uses, and when vLLM may have them back."""
         self._reports = Reports(report_chunks)
         transport.context.tier_event = self.bus.emit
-        self._flows = Flows(
+        self._transfers = Transfers(
             config=config,
             transport=transport,
             runtime=runtime,
@@ -93,13 +92,13 @@ class WorkerEngine:  # ~310 lines: every call vLLM's thread makes, each bounded,
     @property
     def layout(self) -> KVLayout | None:
         """vLLM's KV memory (None until `register`)."""
-        return self._flows.layout
+        return self._transfers.layout
 
     @property
     def staged(self) -> bool:
         """The cache is device memory the transport cannot move: jobs go through host
         memory (`kvflow.engine.staging`)."""
-        return self._flows.staged
+        return self._transfers.staged
 
     # -- vLLM thread -------------------------------------------------------
     def register(self, layout: KVLayout) -> None:
@@ -117,7 +116,7 @@ class WorkerEngine:  # ~310 lines: every call vLLM's thread makes, each bounded,
                 self.transport.name,
                 layout.memory,
             )
-        self._flows.layout, self._flows.staged = layout, staged
+        self._transfers.layout, self._transfers.staged = layout, staged
         self.runtime.call(self.transport.register, layout, timeout=60.0)
         if self.transport.capabilities.peer:
             serve = f"{self.transport.name}:serve"
@@ -155,7 +154,7 @@ class WorkerEngine:  # ~310 lines: every call vLLM's thread makes, each bounded,
         if not self.runtime.running:  # the loop died: nothing will run this plan
             self._loop_gone()
         elif not plan.is_empty():
-            self.runtime.submit(self._flows.on_bind, plan, self._gate)
+            self.runtime.submit(self._transfers.on_bind, plan, self._gate)
 
     def _fence(self, reused: list[int]) -> None:
         """Wait, at most `preempt_timeout_s`, until no save reads a block vLLM reuses
@@ -201,7 +200,7 @@ class WorkerEngine:  # ~310 lines: every call vLLM's thread makes, each bounded,
     def layer_computed(self, layer: int, ready: LayerReady | None = None) -> None:
         """vLLM finished writing `layer` for this step; saves of it may start."""
         if self._step_saves:
-            self.runtime.submit(self._flows.layer_computed, self._step, layer, ready)
+            self.runtime.submit(self._transfers.layer_computed, self._step, layer, ready)
 
     def end_step(self) -> None:
         """The forward is over: every layer is final, every synchronous load settled."""
@@ -209,7 +208,7 @@ class WorkerEngine:  # ~310 lines: every call vLLM's thread makes, each bounded,
             # staged saves copy on their own stream: layers vLLM did not report must
             # wait for what its stream queued up to here
             done = mark(self.layout) if self.staged and self.layout else None
-            self.runtime.submit(self._flows.step_ended, self._step, done and done.query)
+            self.runtime.submit(self._transfers.step_ended, self._step, done and done.query)
         self.settle_loads()
 
     def settle_loads(self) -> None:
@@ -274,7 +273,7 @@ class WorkerEngine:  # ~310 lines: every call vLLM's thread makes, each bounded,
         if reqs and self.runtime.running:
             try:
                 self.runtime.call(
-                    self._flows.cancel_saves, reqs, timeout=self.config.preempt_timeout_s
+                    self._transfers.cancel_saves, reqs, timeout=self.config.preempt_timeout_s
                 )
             except TimeoutError:  # cancelled saves never store: a late read is only waste
                 log.warning(
@@ -293,7 +292,7 @@ class WorkerEngine:  # ~310 lines: every call vLLM's thread makes, each bounded,
         """Let in-flight saves finish, waiting at most `drain_s`."""
         if self.runtime.running:
             try:
-                self.runtime.call(self._flows.drained, timeout=drain_s)
+                self.runtime.call(self._transfers.drained, timeout=drain_s)
             except TimeoutError:
                 log.warning("kvflow: saves still running after %.1fs; cancelling them", drain_s)
 

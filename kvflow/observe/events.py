@@ -239,7 +239,7 @@ class EventBus:
     """Stamps events with their origin and hands them to subscribers in order.
 
     A subscriber that raises is logged and kept; one bad consumer must not stop
-    the flows or the other consumers.
+    the transfers or the other consumers.
     """
 
     def __init__(self, origin: Origin) -> None:

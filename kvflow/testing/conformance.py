@@ -79,10 +79,7 @@ __all__ = [
 ]
 
 
-class TransportConformance(
-    BlockSizeConformance, ConformanceSuite
-):  # ~480 lines: one test per promise of the
-    # contract; pytest collects them from this class
+class TransportConformance(BlockSizeConformance, ConformanceSuite):
     """The store suite. Subclass and provide a `make_transport` fixture; see the module
     docstring."""
 

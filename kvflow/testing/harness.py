@@ -181,8 +181,7 @@ def _explain(
 
 
 @dataclass
-class Harness:  # ~345 lines: every test's vocabulary (workers, chunks, jobs, checks) in
-    # one place, so that each promise's test reads as the promise
+class Harness:
     """One test's view of the transport under test: instances, memory, jobs, checks."""
 
     make: Callable[[TransportContext], Any]

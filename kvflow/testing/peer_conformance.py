@@ -84,8 +84,7 @@ class PeerPromise:
     )
 
 
-class PeerConformance(ConformanceSuite):  # ~390 lines: one test per promise of the peer
-    # contract; pytest collects them from this class
+class PeerConformance(ConformanceSuite):
     """The peer suite. Subclass and provide a `make_transport` fixture."""
 
     dead_peer_deadline_s: ClassVar[float] = 0.5

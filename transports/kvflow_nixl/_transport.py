@@ -183,8 +183,7 @@ class _ReadLease:
             )
 
 
-class NixlTransport(PeerTransport):  # ~340 lines: the producer's lease of a pull (held
-    # until the consumer's notification, failure or lease end) and the consumer's load
+class NixlTransport(PeerTransport):
     name = "nixl"
     Options = NixlOptions
     capabilities = Capabilities(
