@@ -281,7 +281,7 @@ def test_a_stalled_reader_does_not_hold_up_the_others_and_its_misses_are_counted
     make_runtime: MakeRuntime, rdir: Path, ctx: zmq.Context[Any]
 ) -> None:
     # What emitting costs (with and without readers) is measured, not asserted:
-    # `python bench/bench_publish.py`, figures in docs/inspect.md.
+    # `python bench/bench_event_stream.py`, figures in docs/inspect.md.
     n = 20_000  # per round; > SNDHWM + RCVHWM, so the stalled reader's queue overflows
     rt = make_runtime("stall")
     bus = EventBus(Origin("e", "worker"))

@@ -336,7 +336,7 @@ def test_forked_child_gets_a_fresh_loop(make_runtime: MakeRuntime) -> None:
 
 
 def test_submits_run_in_order_once_each(make_runtime: MakeRuntime) -> None:
-    # what a submit costs vLLM's thread is measured in bench/bench_publish.py
+    # what a submit costs vLLM's thread is measured in bench/bench_event_stream.py
     rt = make_runtime("order")
     rt.start()
     seen: list[int] = []

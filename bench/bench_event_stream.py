@@ -1,6 +1,6 @@
 """Benchmark: what kvflow's event path costs the thread that emits.
 
-    python bench/bench_publish.py [--events 20000] [--rounds 5]
+    python bench/bench_event_stream.py [--events 20000] [--rounds 5]
 
 About 10 s on a 2-core machine. Prints, per setup, the median over `--rounds` bursts of
 `--events` back-to-back `EventBus.emit(TransferDone)` calls timed on a runtime's trio
