@@ -21,7 +21,7 @@ from .chunks import BadHeader, ChunkFailure, ChunkHeader, first_failure, layer_h
 from .config import ConfigError, KVFlowConfig
 from .geometry.layout import KVLayout, LayerGeometry, LayoutError
 from .keys import ChunkKey
-from .pd.context import PeerContext
+from .pd.context import PeerContext, PeerRead
 from .pd.peer_transport import PeerOptions, PeerTransport
 from .tiers import stacked, with_host_tier
 from .transport import (
@@ -68,6 +68,7 @@ __all__ = [
     "Offer",
     "PeerContext",
     "PeerOptions",
+    "PeerRead",
     "PeerSource",
     "PeerTransport",
     "Renewed",
@@ -100,4 +101,8 @@ def __getattr__(name: str) -> object:
             stacklevel=2,
         )
         return getattr(pd, name)
+    if f"kvflow.{name}" in _moved.MOVED:  # `import kvflow; kvflow.layout` (it warns)
+        import importlib
+
+        return importlib.import_module(f"kvflow.{name}")
     raise AttributeError(f"module 'kvflow' has no attribute {name!r}")

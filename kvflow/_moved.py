@@ -2,7 +2,8 @@
 
 `import kvflow.layout` (or `from kvflow.events import Event`) still works, with a
 `DeprecationWarning` naming the new place: the old name is the new module itself, not
-a copy. Names inside a module that were renamed are not aliased.
+a copy. Names 0.4 moved between modules or renamed answer through `old_names`, a
+module `__getattr__`, the same way.
 """
 
 from __future__ import annotations
@@ -13,10 +14,11 @@ import importlib.machinery
 import importlib.util
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import ModuleType
+from typing import Any
 
-__all__ = ["MOVED", "install"]
+__all__ = ["MOVED", "install", "old_names"]
 
 MOVED = {
     "kvflow.layout": "kvflow.geometry.layout",
@@ -41,6 +43,9 @@ MOVED = {
 
 
 class _OldNames(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def __init__(self) -> None:
+        self._specs: dict[str, importlib.machinery.ModuleSpec | None] = {}
+
     def find_spec(
         self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
     ) -> importlib.machinery.ModuleSpec | None:
@@ -53,10 +58,33 @@ class _OldNames(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             DeprecationWarning,
             stacklevel=2,
         )
-        return importlib.import_module(new)
+        module = importlib.import_module(new)
+        self._specs[spec.name] = module.__spec__  # importlib sets the old name's on it
+        return module
 
     def exec_module(self, module: ModuleType) -> None:
-        """The new module ran when it was imported."""
+        """The new module ran when it was imported: give it back its own spec."""
+        alias = module.__spec__
+        if alias is not None and alias.name in self._specs:
+            module.__spec__ = self._specs.pop(alias.name)
+
+
+def old_names(module: str, names: dict[str, str]) -> Callable[[str], Any]:
+    """A `__getattr__` for `module` answering the names 0.4 moved out of it or renamed
+    (`{"old": "new.module:name"}`), with a `DeprecationWarning`, until 0.5."""
+
+    def __getattr__(name: str) -> Any:
+        if name not in names:
+            raise AttributeError(f"module {module!r} has no attribute {name!r}")
+        where, new = names[name].split(":")
+        warnings.warn(
+            f"{module}.{name} is {where}.{new} now; the old name goes in kvflow 0.5",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(importlib.import_module(where), new)
+
+    return __getattr__
 
 
 def install() -> None:

@@ -26,6 +26,7 @@ __all__ = [
     "store_key_of",
 ]
 
+from ._moved import old_names
 from .keyfiles import SecurityError, read_key
 from .keys import StoreKey
 
@@ -271,3 +272,7 @@ def default_cache_dir() -> Path:
         return Path(base)
     xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(xdg) / "kvflow"
+
+
+# What 0.4 moved to kvflow.pd.security, by name (imported on use, until 0.5).
+__getattr__ = old_names(__name__, {"channel_of": "kvflow.pd.security:channel_of"})

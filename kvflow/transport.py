@@ -23,6 +23,7 @@ from typing import Any, ClassVar, TypeVar
 import msgspec
 import trio
 
+from ._moved import old_names
 from .findings import Findings
 from .geometry.layout import KVLayout
 from .keys import ChunkKey, StoreKey
@@ -382,3 +383,8 @@ def wrapper_class(
     caps = inner.capabilities if capabilities is None else capabilities
     attrs = {"name": inner.name, "Options": inner.Options, "capabilities": caps}
     return type(f"{base.__name__}_{inner.__name__}", (base,), attrs)
+
+
+# What 0.4 moved to kvflow.pd, by name (imported on use, until 0.5): the contract itself
+# imports nothing of P/D.
+__getattr__ = old_names(__name__, {"PeerRead": "kvflow.pd.context:PeerRead"})

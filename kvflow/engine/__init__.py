@@ -7,9 +7,9 @@ msgspec), `worker` (`WorkerEngine`: binds a plan, gates layers, reports results)
 `transfers` (a task per load, save and offer on the runtime's loop, each with its
 deadline), `lending` (the life of a request's blocks while transfers use them),
 `staging` (host staging for a device cache and a host-memory store) and `cpu_pinning`
-(other engines' workers pinned to this one's cores). It builds on everything else in
-kvflow; of kvflow, only the conformance suites (`kvflow.testing`) use it, to stage as
-the engine does.
+(other engines' workers pinned to this one's cores). It builds on the rooms below it
+(geometry, shapes, observe, pd, the transport contract, the runtime); of kvflow, only
+the conformance suites (`kvflow.testing`) use it, to stage as the engine does.
 """
 
 __all__: list[str] = []

@@ -27,6 +27,7 @@ from typing import Any
 
 import trio
 
+from .._moved import old_names
 from ..geometry.layout import KVLayout
 from ..geometry.views import block_views, cell_view, copy_tokens, from_token_major, to_token_major
 from ..runtime import event_done
@@ -149,3 +150,8 @@ class HostStage:
         event = torch.cuda.Event()
         event.record(self._stream)
         await event_done(event)
+
+
+# What 0.4 moved out of staging and renamed, by its old name until 0.5 (the other views
+# it held are imported here, and answer as before).
+__getattr__ = old_names(__name__, {"token_major": "kvflow.geometry.views:to_token_major"})

@@ -217,3 +217,18 @@ def slices(starts: list[int], at: int, length: int) -> list[tuple[int, int, int]
         out.append((i, off, take))
         at, length, i = at + take, length - take, i + 1
     return out
+
+
+def __getattr__(name: str) -> object:
+    """`token_major`, 0.4's `is_token_major`, until 0.5 (it warns)."""
+    if name == "token_major":
+        import warnings
+
+        warnings.warn(
+            "kvflow.geometry.cells.token_major is kvflow.geometry.cells.is_token_major now; the "
+            "old name goes in kvflow 0.5",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return is_token_major
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

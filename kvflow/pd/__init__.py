@@ -2,7 +2,8 @@
 
 - `params`: kvflow's part of vLLM's `kv_transfer_params`, and the checks a consumer
   makes before it believes them.
-- `security`: the deployment key, the side channel's MACs and the sealed params.
+- `security`: which channel a configuration asks for (`channel_of`), the side channel's
+  MACs and handshakes, the sealed params (the key files are `kvflow.keyfiles`').
 - `claims`: a consumer's claims on its producers' blocks, renewed while a request waits.
 - `offers`: a producer's held blocks (`HeldOffers`) and the renew protocol.
 - `context`: `PeerContext`, a peer transport's `TransportContext` with what P/D needs
@@ -33,3 +34,12 @@ __all__ = [
     "renew_at",
     "select_blocks",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """`kvflow.pd.topology`, which 0.4 moved to `kvflow.geometry.topology` (it warns)."""
+    if name == "topology":
+        import importlib
+
+        return importlib.import_module("kvflow.pd.topology")
+    raise AttributeError(f"module 'kvflow.pd' has no attribute {name!r}")

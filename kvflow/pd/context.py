@@ -39,10 +39,12 @@ class PeerContext(TransportContext):
     `progress_timeout_s`); past it the producer is dead or hung."""
 
     @classmethod
-    def of(cls, context: TransportContext, **peer: Any) -> PeerContext:
-        """`context`'s fields (shared, not copied) and `peer`'s, the rest defaults."""
+    def of(cls, context: TransportContext, **changes: Any) -> PeerContext:
+        """A new context with `context`'s `TransportContext` fields (their values shared,
+        not copied) and `changes` over them and the peer fields' defaults. Fields set on
+        `context` afterwards do not reach it."""
         mine = {f.name: getattr(context, f.name) for f in dataclasses.fields(TransportContext)}
-        return cls(**mine, **peer)
+        return cls(**{**mine, **changes})
 
     def peer_address(self, src: PeerSource) -> str:
         """The producer endpoint serving this worker's shard; a `TransportError` if the

@@ -44,6 +44,7 @@ from urllib.parse import urlsplit
 import zmq
 from zmq.utils import z85
 
+from .._moved import old_names
 from ..config import ChannelMode, ConfigError, KVFlowConfig
 from ..keyfiles import SecurityError, host_key, read_key
 from ..zmqio import BadFrame, TrioSocket, shown
@@ -384,3 +385,13 @@ def channel_of(cfg: KVFlowConfig, *, peer: bool = True) -> Channel:
     except SecurityError as exc:
         raise ConfigError(f"kv_connector_extra_config: no key_file, and {exc}") from None
     return Channel(key, cfg.channel or "kv-in-clear", host=True)
+
+
+# The key files 0.4 moved to kvflow.keyfiles, by their old names until 0.5.
+__getattr__ = old_names(
+    __name__,
+    {
+        n: f"kvflow.keyfiles:{n}"
+        for n in ("keygen", "runtime_dir", "KEY_ENV", "RUNTIME_ENV", "HOST_KEY")
+    },
+)

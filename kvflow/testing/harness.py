@@ -26,6 +26,7 @@ import trio
 
 from ..geometry.layout import KVLayout
 from ..keys import ChunkKey, chunk_keys
+from ..pd.context import PeerContext
 from ..runtime import all_or_first_error
 from ..transport import LoadJob, PeerSource, SaveJob, Transport, TransportContext, TransportError
 from .contract import ContractViolation, Promise, violated
@@ -211,7 +212,7 @@ class Harness:
     ) -> Transport:
         """A new opened instance (of TP rank `tp[0]` of `tp[1]`, over a model of `kv_heads`
         KV heads); on workers `register(layout)` follows `open()`."""
-        ctx = TransportContext(
+        ctx = PeerContext(  # a TransportContext, with what a peer transport needs too
             engine_id=f"conformance-engine-{next(self._engines)}",
             role=role,
             namespace=namespace or self.namespace,

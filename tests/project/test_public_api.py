@@ -38,6 +38,7 @@ PUBLIC = [  # a change here is a change of kvflow's API: say so in the changelog
     "Offer",
     "PeerContext",
     "PeerOptions",
+    "PeerRead",
     "PeerSource",
     "PeerTransport",
     "Renewed",
@@ -80,13 +81,37 @@ def test_a_moved_module_imports_by_its_old_name_as_itself_with_a_warning(old: st
         f"try:\n    importlib.import_module({old!r})\n"
         "except DeprecationWarning as w:\n    print(w)\n"
         "warnings.simplefilter('ignore')\n"
-        f"print(importlib.import_module({old!r}) is importlib.import_module({MOVED[old]!r}))"
+        f"print(importlib.import_module({old!r}) is importlib.import_module({MOVED[old]!r}))\n"
+        f"print(importlib.import_module({MOVED[old]!r}).__spec__.name)\n"
+        "import kvflow\n"
+        f"print(eval({old!r}) is sys.modules[{MOVED[old]!r}])"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.splitlines() == [
         f"{old} moved to {MOVED[old]}; the old name goes in kvflow 0.5",
         "True",
+        MOVED[old],  # its own spec, not the alias's
+        "True",  # `kvflow.layout` as an attribute too
     ], out.stderr
+
+
+RENAMED = {  # a name 0.4 moved between modules or renamed -> where it is now
+    "kvflow.transport:PeerRead": "kvflow.pd.context:PeerRead",
+    "kvflow.geometry.cells:token_major": "kvflow.geometry.cells:is_token_major",
+    "kvflow.engine.staging:token_major": "kvflow.geometry.views:to_token_major",
+    "kvflow.config:channel_of": "kvflow.pd.security:channel_of",
+    **{f"kvflow.pd.security:{n}": f"kvflow.keyfiles:{n}" for n in ("keygen", "runtime_dir")},
+    **{f"kvflow.pd.security:{n}": f"kvflow.keyfiles:{n}" for n in ("KEY_ENV", "HOST_KEY")},
+    "kvflow.pd.security:RUNTIME_ENV": "kvflow.keyfiles:RUNTIME_ENV",
+}
+
+
+@pytest.mark.parametrize("old", sorted(RENAMED))
+def test_a_moved_or_renamed_name_answers_by_its_old_name_with_a_warning(old: str) -> None:
+    (module, name), (where, new) = old.split(":"), RENAMED[old].split(":")
+    with pytest.warns(DeprecationWarning, match=rf"{module}.{name} is {where}.{new} now"):
+        got = getattr(importlib.import_module(module), name)
+    assert got is getattr(importlib.import_module(where), new)
     for name in PUBLIC:
         assert getattr(kvflow, name) is not None, name
 
