@@ -101,8 +101,4 @@ def __getattr__(name: str) -> object:
             stacklevel=2,
         )
         return getattr(pd, name)
-    if f"kvflow.{name}" in _moved.MOVED:  # `import kvflow; kvflow.layout` (it warns)
-        import importlib
-
-        return importlib.import_module(f"kvflow.{name}")
-    raise AttributeError(f"module 'kvflow' has no attribute {name!r}")
+    return _moved.old_submodule(__name__, name)  # `import kvflow; kvflow.layout`

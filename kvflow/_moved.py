@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
-__all__ = ["MOVED", "install", "old_names"]
+__all__ = ["MOVED", "install", "old_names", "old_submodule"]
 
 MOVED = {
     "kvflow.layout": "kvflow.geometry.layout",
@@ -85,6 +85,14 @@ def old_names(module: str, names: dict[str, str]) -> Callable[[str], Any]:
         return getattr(importlib.import_module(where), new)
 
     return __getattr__
+
+
+def old_submodule(package: str, name: str) -> ModuleType:
+    """`package.name` as an attribute, where `name` is a submodule 0.4 moved (imported,
+    so it warns); an `AttributeError` for any other name. For a package's `__getattr__`."""
+    if f"{package}.{name}" not in MOVED:
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+    return importlib.import_module(f"{package}.{name}")
 
 
 def install() -> None:

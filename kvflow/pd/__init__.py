@@ -18,6 +18,7 @@ A peer transport author's names are here: the base, its options and context (als
 exported by `kvflow`) and the helpers a producer holds offers with.
 """
 
+from .._moved import old_submodule
 from .context import PeerContext, PeerRead
 from .offers import HeldOffers, NotHeld, Renew, answer_renew, renew_at, select_blocks
 from .peer_transport import PeerOptions, PeerTransport
@@ -38,8 +39,4 @@ __all__ = [
 
 def __getattr__(name: str) -> object:
     """`kvflow.pd.topology`, which 0.4 moved to `kvflow.geometry.topology` (it warns)."""
-    if name == "topology":
-        import importlib
-
-        return importlib.import_module("kvflow.pd.topology")
-    raise AttributeError(f"module 'kvflow.pd' has no attribute {name!r}")
+    return old_submodule(__name__, name)
