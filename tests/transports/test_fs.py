@@ -423,6 +423,27 @@ async def test_size_cap_counts_files_already_in_the_store(kv: Harness, factory: 
     assert [await sched.lookup(ch.keys) for ch in [*old, new]] == [0, 0, 1, 1, 1]
 
 
+async def test_a_store_over_a_lowered_cap_is_evicted_when_a_worker_opens_it(
+    kv: Harness, factory: Factory
+) -> None:
+    """A user lowers `max_gb` and restarts: the open's count finds the store over the cap
+    and evicts it, before any save asks (it used to wait for one, and a save counted
+    while the scan ran was overwritten by the scan's total: CI saw nothing evicted)."""
+    file_bytes = HEADER_SIZE + kv.layout.nbytes([kv.layout.block_size])
+    first = await fs_worker(kv)
+    old = [await saved(kv, first, 1) for _ in range(5)]
+    await first.chores_done()
+    now = time.time()
+    for age, chunk in enumerate(old):
+        os.utime(first.path(chunk.keys[0]), (now - 100 + age, now - 100 + age))
+    factory.options["max_gb"] = 4.2 * file_bytes / (1 << 30)
+    restarted = await fs_worker(kv)
+    await restarted.chores_done()
+    sched = await kv.scheduler()
+    assert [await sched.lookup(ch.keys) for ch in old] == [0, 0, 1, 1, 1]
+    assert restarted.evictions == 1
+
+
 async def test_processes_sharing_a_store_share_one_usage_count(
     kv: Harness, factory: Factory
 ) -> None:

@@ -71,8 +71,11 @@ class StoreUsage:
         could not take the lock): the next chore adds them."""
         self._mutex = threading.Lock()  # `_pending`, `_stuck`, `lock_skips`: any thread
         self._stuck = False
-        self._accounting = False
-        self._again = False
+        self._counting = False
+        """A count (scan or account) is running: one at a time, or a scan's total would
+        overwrite what a save's count added meanwhile."""
+        self._queued: Callable[[], None] | None = None
+        """The count to run when the running one ends (a scan covers an account)."""
         self._chores = 0
         self._idle = trio.Event()
         self._idle.set()
@@ -83,19 +86,25 @@ class StoreUsage:
 
     # -- the loop thread ---------------------------------------------------------
     def scan_soon(self) -> None:
-        """Count the store (and sweep dead writers' temp files) in the background."""
-        self._spawn(self.scan)
+        """Count the store (and sweep dead writers' temp files), and evict if over the
+        cap, in the background."""
+        self._count(self.scan)
 
     def saved(self, nbytes: int) -> None:
         """A save made `nbytes` of chunk files visible: count them, and evict if over the
-        cap, in the background (one such chore at a time), after the save returned: a
-        save never waits for the store's lock."""
+        cap, in the background, after the save returned: a save never waits for the
+        store's lock."""
         self.defer(nbytes)
-        if self._accounting:
-            self._again = True  # the running chore may have read the count already
-        else:
-            self._accounting = True
-            self._spawn(self.account)
+        self._count(self.account)
+
+    def _count(self, work: Callable[[], None]) -> None:
+        """Run `work` now, or after the running count (which may have read the store's
+        count already)."""
+        if not self._counting:
+            self._counting = True
+            self._spawn(work)
+        elif self._queued != self.scan:
+            self._queued = work
 
     async def chores_done(self) -> None:
         """Wait until the store-wide chores started so far (scan, eviction) ended."""
@@ -113,11 +122,11 @@ class StoreUsage:
         except Exception as exc:  # the chunks are stored; a failed chore is not a transfer's
             log.warning("kvflow fs: %s under %s failed: %s", work.__name__, self.root, exc)
         finally:
-            if work == self.account:
-                self._accounting = False
-                if self._again:  # saves came meanwhile: count them too (before idle)
-                    self._again = False
-                    self.saved(0)
+            if work in (self.account, self.scan):
+                self._counting = False
+                if (queued := self._queued) is not None:  # before idle
+                    self._queued = None
+                    self._count(queued)
             self._chores -= 1
             if not self._chores:
                 self._idle.set()
@@ -130,14 +139,17 @@ class StoreUsage:
 
     def account(self) -> None:
         """Count what saves wrote; past the cap, evict."""
-        usage = self.add(0)
+        self._evict_past_cap(self.add(0))
+
+    def _evict_past_cap(self, usage: int | None) -> None:
         if usage is not None and self.max_bytes and usage > self.max_bytes:
             self.evict()
 
     def add(self, delta: int, *, total: int | None = None) -> int | None:
-        """Add `delta` bytes, and what was deferred, to the store's count, or set it to
-        `total`; the new count. None if the lock stayed taken for `LOCK_WAIT_S`: then
-        nothing is written, and the bytes are added by the next call."""
+        """Add `delta` bytes, and what was deferred, to the store's count, or to `total`
+        (a scan's) in place of the count; the new count. None if the lock stayed taken
+        for `LOCK_WAIT_S`: then nothing is written, and the bytes are added by the next
+        call."""
         self.defer(delta)
         path = self.root / USAGE_FILE
         with self._locked(USAGE_LOCK) as mine:
@@ -151,7 +163,7 @@ class StoreUsage:
                     usage = int(path.read_text() or 0)
                 except (FileNotFoundError, ValueError):
                     usage = 0
-                usage = max(0, usage + delta) if total is None else total
+                usage = max(0, (usage if total is None else total) + delta)
                 tmp = path.with_name(f"{USAGE_FILE}.{os.getpid()}.{secrets.token_hex(4)}")
                 fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, self.file_mode)
                 try:
@@ -160,15 +172,18 @@ class StoreUsage:
                     os.close(fd)
                 os.replace(tmp, path)
             except BaseException:
-                if total is None:
-                    self.defer(delta)  # counted by the next call instead
+                self.defer(delta)  # counted by the next call instead
                 raise
         self._unstuck()
         return usage
 
     def scan(self) -> None:
-        """Count the chunk files in the store into the shared count; sweep temp files a
-        crashed writer left."""
+        """Count the chunk files in the store into the shared count, and evict if over
+        the cap; sweep temp files a crashed writer left. What saves deferred before the
+        walk, the walk sees; what they defer during it is added to its total (counted
+        twice if the walk saw it too: an over-count evicts early, never fills the disk)."""
+        with self._mutex:
+            seen, self._pending = self._pending, 0
         usage, cutoff = 0, time.time() - STALE_TMP_S
         for e in self._walk():
             with contextlib.suppress(FileNotFoundError):
@@ -176,7 +191,10 @@ class StoreUsage:
                     usage += e.stat(follow_symlinks=False).st_size
                 elif ".kv.tmp." in e.name and e.stat(follow_symlinks=False).st_mtime < cutoff:
                     os.unlink(e.path)
-        self.add(0, total=usage)
+        counted = self.add(0, total=usage)
+        if counted is None:  # the old count stands: it still lacks what was deferred
+            self.defer(seen)
+        self._evict_past_cap(counted)
 
     def evict(self) -> None:
         """Delete least-recently-used chunk files until usage is 90% of the cap (one
