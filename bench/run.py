@@ -107,6 +107,7 @@ BENCHES: dict[str, tuple[list[str], bool, Callable[[], str]]] = {
         ),
     ),
     "tests": (["bench_tests.py"], False, lambda: ""),
+    "compatibility": (["bench_compat.py"], False, lambda: ""),
     "cuda-ipc": (
         ["bench_cuda_ipc.py"],
         True,
@@ -592,6 +593,28 @@ def tests_table(d: dict[str, Any]) -> list[str]:
     return [*_table(head, rows), "", f"_{note}_"]
 
 
+COMPAT_PATHS = {
+    "fs": "`fs`: saved, then loaded by a fresh engine",
+    "tier": "host tier (`cpu_cache_gib`): hit in the same engine",
+    "zmq": "P/D over `zmq`",
+    "nixl": "P/D over `nixl`",
+}
+"""The compatibility matrix's columns: kvflow's paths, by the names its cells use."""
+
+
+def compat_table(d: dict[str, Any]) -> list[str]:
+    """bench_compat.py: vLLM features by kvflow's paths; each cell what its tests claim
+    (linked), or that one of them failed or was skipped."""
+    cells: dict[str, dict[str, list[str]]] = {}
+    for c in d["cells"]:
+        file, _, name = c["test"].partition("::")
+        link = f"[{name.split('[')[0]}](../{file})"
+        said = c["claim"] if c["outcome"] == "passed" else f"**{c['outcome'].upper()}**"
+        cells.setdefault(c["row"], {}).setdefault(c["path"], []).append(f"{said} ({link})")
+    rows = [[row, *("; ".join(by.get(p, ["-"])) for p in COMPAT_PATHS)] for row, by in cells.items()]
+    return _table(["vLLM feature", *COMPAT_PATHS.values()], rows)
+
+
 # table name in docs: (its results, renderer, section of the file it shows)
 TABLES: dict[str, tuple[str, Callable[[dict[str, Any]], list[str]], str]] = {
     "fs-io": ("fs-io", fs_io_table, ""),
@@ -623,6 +646,7 @@ TABLES: dict[str, tuple[str, Callable[[dict[str, Any]], list[str]], str]] = {
     "faults": ("faults", faults_table, ""),
     "faults-store": ("faults", faults_store_table, ""),
     "tests": ("tests", tests_table, ""),
+    "compatibility": ("compatibility", compat_table, ""),
 }
 
 

@@ -8,6 +8,8 @@ uses none of them does not import them (torch, the transports)."""
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -97,3 +99,31 @@ def zctx() -> Iterator[zmq.Context[Any]]:
     for auth in AUTHENTICATORS.pop(id(ctx), []):
         auth.stop()
     ctx.destroy(linger=0)
+
+
+# -- the compatibility matrix (docs/compatibility.md) -----------------------------------
+COMPAT_ENV = "KVFLOW_COMPAT_RESULTS"
+"""Where tests marked `cell` append their outcome (JSON lines): bench/bench_compat.py sets
+it, and renders docs/compatibility.md from what they wrote."""
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    report = (yield).get_result()
+    path = os.environ.get(COMPAT_ENV)
+    if not path or not (report.when == "call" or report.failed or report.skipped):
+        return  # a setup or teardown that went well: the call says
+    for mark in item.iter_markers("cell"):
+        line = {
+            "row": mark.args[0],
+            "path": mark.args[1],
+            "claim": mark.kwargs.get("claim", "yes"),
+            "test": item.nodeid,
+            "outcome": report.outcome
+            if report.when == "call"
+            else f"{report.outcome} in {report.when}",
+        }
+        if report.failed or report.skipped:
+            line["said"] = str(report.longrepr)[-2000:]
+        with open(path, "a") as f:
+            f.write(json.dumps(line) + "\n")

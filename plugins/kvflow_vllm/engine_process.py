@@ -21,6 +21,7 @@ import msgspec
 __all__ = [
     "EngineFailed",
     "GenResult",
+    "Sampling",
     "Scenario",
     "ScenarioResult",
     "generate",
@@ -148,6 +149,25 @@ class GenResult(msgspec.Struct):
     kv_transfer_params: dict[str, Any] | None = None
     cached_tokens: int = 0
     """Prompt tokens vLLM did not compute: its prefix cache's hits plus a connector's."""
+    samples: list[list[int]] = []
+    """Every completion's tokens where the request asked for more than one (`n`, beams)."""
+    prompt_logprobs: list[float] = []
+    """Log-probability of each prompt token after the first, where the request asked."""
+
+
+class Sampling(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """What a request asks beyond greedy decoding of one completion."""
+
+    n: int = 1
+    temperature: float = 0.0
+    seed: int | None = None
+    prompt_logprobs: bool = False
+    structured: dict[str, Any] | None = None
+    """`StructuredOutputsParams(**structured)`, e.g. `{"json": schema}`, `{"choice": [...]}`."""
+    lora: tuple[str, int, str] | None = None
+    """The request's LoRA adapter: name, id, path."""
+    beam_width: int = 0
+    """Beam search (`LLM.beam_search`) of this width instead of sampling."""
 
 
 class Scenario(msgspec.Struct, forbid_unknown_fields=True):
@@ -173,6 +193,8 @@ class Scenario(msgspec.Struct, forbid_unknown_fields=True):
     """Environment of the engine (e.g. `VLLM_KV_CACHE_LAYOUT`), set before it starts."""
     batch_params: list[dict[str, Any]] = []
     """`kv_transfer_params` of each batch's requests, in batch order (none past the list)."""
+    batch_sampling: list[Sampling] = []
+    """How each batch's requests sample, in batch order (greedy past the list)."""
 
 
 class ScenarioResult(msgspec.Struct):
@@ -230,18 +252,38 @@ def generate(
     prompts: Sequence[Sequence[int]],
     max_tokens: int = 8,
     kv_transfer_params: dict[str, Any] | None = None,
+    sampling: Sampling | None = None,
 ) -> list[GenResult]:
-    """Greedy-decode the prompts in one batch; per-request errors are returned, not raised."""
+    """Decode the prompts in one batch, greedily unless `sampling` says otherwise;
+    per-request errors are returned, not raised."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
+    from vllm.lora.request import LoRARequest
+    from vllm.sampling_params import StructuredOutputsParams
 
+    sampling = sampling or Sampling()
+    if sampling.beam_width:
+        return _beam_search(llm, prompts, max_tokens, sampling)
     extra = {"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None
+    structured = sampling.structured
     params = SamplingParams(
-        max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=1, extra_args=extra
+        max_tokens=max_tokens,
+        n=sampling.n,
+        temperature=sampling.temperature,
+        seed=sampling.seed,
+        ignore_eos=structured is None,  # a grammar ends where it ends
+        logprobs=1,
+        prompt_logprobs=1 if sampling.prompt_logprobs else None,
+        structured_outputs=StructuredOutputsParams(**structured) if structured else None,
+        extra_args=extra,
     )
+    lora = LoRARequest(*sampling.lora) if sampling.lora else None
     t0 = time.perf_counter()
     outs = llm.generate(
-        [TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False
+        [TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
+        params,
+        use_tqdm=False,
+        lora_request=lora,
     )
     dt = time.perf_counter() - t0
     results = []
@@ -250,6 +292,11 @@ def generate(
         lps = [float(lp[t].logprob) for t, lp in zip(c.token_ids, c.logprobs or [], strict=False)]
         err = "" if c.finish_reason in ("length", "stop") else str(c.finish_reason)
         ttft = float(getattr(o.metrics, "first_token_latency", 0.0) or 0.0)
+        prompt_lps = [  # the first token has none
+            float(lp[t].logprob)
+            for t, lp in zip(o.prompt_token_ids or [], o.prompt_logprobs or [], strict=False)
+            if lp is not None
+        ]
         results.append(
             GenResult(
                 o.request_id,
@@ -260,8 +307,36 @@ def generate(
                 ttft,
                 o.kv_transfer_params,
                 int(o.num_cached_tokens or 0),
+                samples=[list(x.token_ids) for x in o.outputs] if sampling.n > 1 else [],
+                prompt_logprobs=prompt_lps,
             )
         )
+    return results
+
+
+def _beam_search(
+    llm: Any, prompts: Sequence[Sequence[int]], max_tokens: int, sampling: Sampling
+) -> list[GenResult]:
+    """`LLM.beam_search` of the prompts: each result's `samples` are its beams' tokens
+    (best first), its `tokens` the best beam's, its `logprobs` that beam's cumulative
+    log-probability, its `request_id` the range of ids of the requests vLLM made for it
+    (`first:end`). vLLM runs a beam search as a request per step and beam, each a prompt
+    that extends the last: a connector sees every one of them."""
+    from vllm.sampling_params import BeamSearchParams
+
+    first = llm.request_counter.counter  # the ids of the requests it makes, one per step
+    t0 = time.perf_counter()
+    outs = llm.beam_search(
+        [{"prompt_token_ids": list(p)} for p in prompts],
+        BeamSearchParams(beam_width=sampling.beam_width, max_tokens=max_tokens, ignore_eos=True),
+    )
+    dt = time.perf_counter() - t0
+    results = []
+    for i, (p, o) in enumerate(zip(prompts, outs, strict=True)):
+        beams = [list(s.tokens[len(p) :]) for s in o.sequences]
+        logprob = float(o.sequences[0].cum_logprob)
+        ids = f"{first}:{llm.request_counter.counter}"
+        results.append(GenResult(ids, beams[0], [logprob], dt, samples=beams))
     return results
 
 
@@ -295,10 +370,11 @@ def run_scenario(sc: Scenario) -> ScenarioResult:
     batches = []
     for i, prompts in enumerate(sc.batches):
         kv = sc.batch_params[i] if i < len(sc.batch_params) else None
+        how = sc.batch_sampling[i] if i < len(sc.batch_sampling) else None
         if sc.one_by_one:
-            batches.append([generate(llm, [p], sc.max_tokens, kv)[0] for p in prompts])
+            batches.append([generate(llm, [p], sc.max_tokens, kv, how)[0] for p in prompts])
         else:
-            batches.append(generate(llm, prompts, sc.max_tokens, kv))
+            batches.append(generate(llm, prompts, sc.max_tokens, kv, how))
     llm.llm_engine.engine_core.shutdown()  # connectors drain their saves here
     return ScenarioResult(startup_s=startup, batches=batches)
 
@@ -336,6 +412,7 @@ class ServeRequest(msgspec.Struct, forbid_unknown_fields=True):
     prompt: list[int]
     max_tokens: int = 8
     kv_transfer_params: dict[str, Any] | None = None
+    sampling: Sampling | None = None
 
 
 def serve(sc: Scenario) -> None:
@@ -353,7 +430,7 @@ def serve(sc: Scenario) -> None:
         if not line.strip():
             continue
         req = msgspec.json.decode(line, type=ServeRequest)
-        (res,) = generate(llm, [req.prompt], req.max_tokens, req.kv_transfer_params)
+        (res,) = generate(llm, [req.prompt], req.max_tokens, req.kv_transfer_params, req.sampling)
         out.write(msgspec.json.encode(res).decode() + "\n")
         out.flush()
     llm.llm_engine.engine_core.shutdown()

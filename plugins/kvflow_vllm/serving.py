@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 import msgspec
 
-from .engine_process import GenResult, Scenario
+from .engine_process import GenResult, Sampling, Scenario
 
 __all__ = ["ServingEngine", "close_all"]
 
@@ -75,11 +75,15 @@ class ServingEngine:
         self._next("READY", timeout)
 
     def ask(
-        self, prompt: list[int], max_tokens: int, params: dict[str, Any] | None = None
+        self,
+        prompt: list[int],
+        max_tokens: int,
+        params: dict[str, Any] | None = None,
+        sampling: Sampling | None = None,
     ) -> GenResult:
         assert self.proc.stdin is not None
         req = {"prompt": prompt, "max_tokens": max_tokens, "kv_transfer_params": params}
-        self.proc.stdin.write(msgspec.json.encode(req).decode() + "\n")
+        self.proc.stdin.write(msgspec.json.encode(req | {"sampling": sampling}).decode() + "\n")
         self.proc.stdin.flush()
         return msgspec.json.decode(self._next('{"request_id"', 120), type=GenResult)
 

@@ -35,6 +35,8 @@ from ..support.vllm_engines import (
 )
 
 pytestmark = pytest.mark.engine
+PLAIN_ROW = "greedy decoding, one request or a batch at a time (the default test set)"
+"""This module's cells of docs/compatibility.md."""
 
 BLOCK = 32
 _rng = random.Random(7)
@@ -119,6 +121,7 @@ def test_cold_engine_matches_baseline(run: Run) -> None:
     )
 
 
+@pytest.mark.cell(PLAIN_ROW, "fs")
 def test_fresh_engine_loads_every_prompt_token(run: Run) -> None:
     (got,) = run.warm.batches[0]
     assert_same_generation(got, base(run, P1), "warm P1")
@@ -143,6 +146,7 @@ def test_batch_mixing_partial_hit_miss_and_full_hit(run: Run) -> None:
     assert a2.external_tokens == len(P2) - 1
 
 
+@pytest.mark.cell(PLAIN_ROW, "tier")
 def test_the_host_tier_keeps_what_the_store_served_and_serves_it_again(run: Run) -> None:
     """`cpu_cache_gib` (kvflow.tiers): P1's load comes from the store the cold engine
     filled, every chunk kept in host memory; P3's three blocks shared with P1 then come

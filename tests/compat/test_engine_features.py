@@ -1,0 +1,165 @@
+"""The compatibility matrix's engine rows: what an engine is started with (speculative
+decoding, LoRA, async scheduling), on each of kvflow's paths, with identical outputs to
+an engine without a connector started the same way (tests/support/compat.py). Each row
+starts its own engines: a baseline, a cold and a warm engine, and a P/D pair per
+transport.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvflow_vllm.engine_process import EngineFailed, Sampling, model_dir
+
+from ..support.compat import (
+    PATHS,
+    Case,
+    Row,
+    assert_same,
+    assert_served,
+    in_process,
+    pd_pair,
+    run_store_row,
+    through_pd,
+    tier_hits,
+)
+from ..support.lora_adapters import write_adapter
+from ..support.vllm_engines import run_engine
+
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
+
+_rng = random.Random(480)
+
+
+def _prompt(n: int) -> list[int]:
+    return [_rng.randrange(3, 1000) for _ in range(n)]
+
+
+REPEATS = (_prompt(20) * 8)[:150]
+"""A prompt that repeats itself: an n-gram proposer has drafts to offer."""
+PLAIN = _prompt(170)  # 5 full blocks and a partial one
+SPEC = {"r": REPEATS, "p": PLAIN}
+MAX_TOKENS = 16
+
+
+def _spec(config: dict[str, Any]) -> dict[str, Any]:
+    return {"llm_args": {"speculative_config": config}}
+
+
+ROWS: dict[str, dict[str, Any]] = {
+    "speculative decoding: n-gram (3 draft tokens)": _spec(
+        {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+    ),
+    "speculative decoding: a draft model (2 draft tokens)": _spec(
+        {"model": model_dir("tiny-llama"), "num_speculative_tokens": 2}
+    ),
+    "async scheduling": {"llm_args": {"async_scheduling": True}},
+    "LoRA: two adapters and none on one prompt": {
+        "llm_args": {"enable_lora": True, "max_lora_rank": 8, "max_loras": 2}
+    },
+}
+LORA = "LoRA: two adapters and none on one prompt"
+
+
+def _cases(row: str, tmp: Path) -> dict[str, Case]:
+    if row != LORA:
+        return {k: Case(p, max_tokens=MAX_TOKENS) for k, p in SPEC.items()}
+    model = model_dir("tiny-llama")
+    a, b = write_adapter(tmp / "a", 1, model), write_adapter(tmp / "b", 2, model)
+    return {
+        "a": Case(PLAIN, Sampling(lora=("a", 1, a))),
+        "b": Case(PLAIN, Sampling(lora=("b", 2, b))),
+        "none": Case(PLAIN),
+    }
+
+
+@pytest.fixture(scope="module")
+def stores(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Row:
+    """The row's (`indirect`) baseline, cold and warm engines."""
+    tmp = tmp_path_factory.mktemp("compat-engine")
+    row = run_store_row(tmp, _cases(request.param, tmp), **ROWS[request.param])
+    row.name = request.param
+    return row
+
+
+def _params(paths: tuple[str, ...]) -> list[Any]:
+    return [
+        pytest.param(row, path, marks=pytest.mark.cell(row, path), id=f"{i}-{path}")
+        for i, row in enumerate(ROWS)
+        for path in paths
+    ]
+
+
+@pytest.mark.parametrize(("stores", "path"), _params(PATHS), indirect=["stores"], scope="module")
+def test_the_engine_on_each_path(stores: Row, path: str, tmp_path: Path) -> None:
+    row = stores
+    if "a" in row.cases:
+        assert row.baseline["a"].tokens != row.baseline["b"].tokens, "the adapters change nothing"
+    if path in ("zmq", "nixl"):
+        _pd(row, path, tmp_path)
+        return
+    for name in row.cases:
+        assert_same(row.cold[name], row.baseline[name], f"{name}: the engine that saved")
+        got = row.warm[name] if path == "fs" else row.tier[name]
+        assert_same(got, row.baseline[name], f"{name}: from {path}")
+        if path == "fs":
+            assert_served(row.cases[name], row.log("warm"), got, name)
+        else:
+            assert tier_hits(row.log("warm"), got) > 0, f"{name}: the host tier served nothing"
+
+
+def _pd(row: Row, transport: str, tmp: Path) -> None:
+    """Every case of the row through a P/D pair started as the row's engines are; an
+    adapter is at another path on the decode instance than on the prefill one."""
+    with pd_pair(tmp, transport, **ROWS[row.name]) as (producer, consumer):
+        for name, case in row.cases.items():
+            sampling = case.sampling
+            if case.sampling.lora:
+                adapter, id_, path = case.sampling.lora
+                there = shutil.copytree(path, tmp / f"decoder-{adapter}")
+                sampling = Sampling(lora=(adapter, id_, str(there)))
+            got = through_pd(producer, consumer, case, sampling)
+            assert_same(got, row.baseline[name], f"{name}: decoded over {transport}")
+            assert_served(case, tmp / f"{transport}-consumer.events.jsonl", got, name)
+
+
+FP8 = '`kv_cache_dtype="fp8"`'
+FP8_REFUSED = "FP8 KV cache on CPU requires x86 with AVX-512 or AMX"
+
+
+@pytest.fixture(scope="module")
+def fp8_start(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """What vLLM said starting an fp8 KV cache engine without a connector ("" if it ran)."""
+    if "avx512f" in Path("/proc/cpuinfo").read_text():
+        pytest.skip("this CPU has AVX-512: vLLM's CPU build runs fp8 KV caches (a row to add)")
+    tmp = tmp_path_factory.mktemp("compat-fp8")
+    try:
+        fp8 = in_process(llm_args={"kv_cache_dtype": "fp8"})
+        run_engine(tmp, "fp8", batches=[[PLAIN]], connector=False, **fp8)
+    except EngineFailed as exc:
+        return exc.log
+    return ""
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        pytest.param(
+            p,
+            marks=pytest.mark.cell(
+                FP8,
+                p,
+                claim=f'not runnable on vLLM\'s CPU build without AVX-512 (vLLM: "{FP8_REFUSED}")',
+            ),
+        )
+        for p in PATHS
+    ],
+)
+def test_an_fp8_kv_cache_is_not_runnable_on_this_cpu(fp8_start: str, path: str) -> None:
+    """vLLM itself refuses it, without a connector: kvflow has nothing to show here."""
+    assert FP8_REFUSED in fp8_start, fp8_start[-2000:]
