@@ -22,7 +22,7 @@ from ..support.compat import (
     Row,
     assert_same,
     assert_served,
-    in_process,
+    loaded_tokens,
     pd_pair,
     run_store_row,
     through_pd,
@@ -87,9 +87,20 @@ def stores(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     return row
 
 
+LORA_PD = (
+    "yes, the adapter at the same path on both instances; at another path on the decode "
+    "instance, computed there (vLLM keys an adapter by name and path)"
+)
+
+
 def _params(paths: tuple[str, ...]) -> list[Any]:
+    def claim(row: str, path: str) -> str:
+        return LORA_PD if row == LORA and path in ("zmq", "nixl") else "yes"
+
     return [
-        pytest.param(row, path, marks=pytest.mark.cell(row, path), id=f"{i}-{path}")
+        pytest.param(
+            row, path, marks=pytest.mark.cell(row, path, claim=claim(row, path)), id=f"{i}-{path}"
+        )
         for i, row in enumerate(ROWS)
         for path in paths
     ]
@@ -114,18 +125,28 @@ def test_the_engine_on_each_path(stores: Row, path: str, tmp_path: Path) -> None
 
 
 def _pd(row: Row, transport: str, tmp: Path) -> None:
-    """Every case of the row through a P/D pair started as the row's engines are; an
-    adapter is at another path on the decode instance than on the prefill one."""
+    """Every case of the row through a P/D pair started as the row's engines are. An
+    adapter at the same path on both instances is pulled; at another path on the decode
+    instance, the prompt is computed there: vLLM keys an adapter by its name and path
+    (`kv_cache_utils._gen_lora_extra_hash_keys`: "re-pointing a LoRA name at a different
+    adapter" must not reuse KV), and so does kvflow (decision 84)."""
+    log = tmp / f"{transport}-consumer.events.jsonl"
     with pd_pair(tmp, transport, **ROWS[row.name]) as (producer, consumer):
         for name, case in row.cases.items():
-            sampling = case.sampling
-            if case.sampling.lora:
-                adapter, id_, path = case.sampling.lora
-                there = shutil.copytree(path, tmp / f"decoder-{adapter}")
-                sampling = Sampling(lora=(adapter, id_, str(there)))
-            got = through_pd(producer, consumer, case, sampling)
+            got = through_pd(producer, consumer, case)
             assert_same(got, row.baseline[name], f"{name}: decoded over {transport}")
-            assert_served(case, tmp / f"{transport}-consumer.events.jsonl", got, name)
+            assert_served(case, log, got, name)
+            if not case.sampling.lora:
+                continue
+            adapter, id_, path = case.sampling.lora
+            there = shutil.copytree(path, tmp / f"decoder-{adapter}")
+            moved = Sampling(lora=(adapter, id_, str(there)))
+            got = through_pd(producer, consumer, case, moved)
+            assert_same(got, row.baseline[name], f"{name}: the adapter at another path")
+            assert loaded_tokens(log, got) == 0, f"{name}: loaded another path's KV"
+        said = consumer.log.read_text(errors="replace")
+        if row.name == LORA:
+            assert "another prompt (tokens, cache_salt or LoRA)" in said, said[-2000:]
 
 
 FP8 = '`kv_cache_dtype="fp8"`'
@@ -139,8 +160,8 @@ def fp8_start(tmp_path_factory: pytest.TempPathFactory) -> str:
         pytest.skip("this CPU has AVX-512: vLLM's CPU build runs fp8 KV caches (a row to add)")
     tmp = tmp_path_factory.mktemp("compat-fp8")
     try:
-        fp8 = in_process(llm_args={"kv_cache_dtype": "fp8"})
-        run_engine(tmp, "fp8", batches=[[PLAIN]], connector=False, **fp8)
+        fp8 = {"kv_cache_dtype": "fp8"}
+        run_engine(tmp, "fp8", batches=[[PLAIN]], connector=False, llm_args=fp8)
     except EngineFailed as exc:
         return exc.log
     return ""

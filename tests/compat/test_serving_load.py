@@ -35,7 +35,7 @@ PROMPTS = [SYSTEM[i % 4] + [_rng.randrange(3, 1000) for _ in range(20 + i)] for 
 LEAVE = set(range(3, 64, 4))
 """The clients that leave after the first streamed token."""
 MAX_TOKENS = 16
-SMALL_CACHE = ("--num-gpu-blocks-override", "48", "--max-num-seqs", "64")
+SMALL_CACHE = ("--num-gpu-blocks-override", "48", "--max-num-seqs", "64", "--max-model-len", "512")
 """48 blocks of 32 tokens: about 10 of the 64 requests at once (each needs 4-5 blocks)."""
 ROW = (
     "64 concurrent requests sharing 4 system prompts, 16 clients leaving mid-stream, "

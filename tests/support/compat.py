@@ -23,22 +23,6 @@ from kvflow_vllm.engine_process import GenResult, Sampling, ScenarioResult
 from .vllm_engines import ServingEngine, close_all, run_engine, run_engines, started
 
 PATHS = ("fs", "tier", "zmq", "nixl")
-IN_PROCESS = {
-    "env": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
-    "llm_args": {"distributed_executor_backend": "uni"},
-}
-"""vLLM's engine core and its worker in the engine's own process: the same scheduler,
-connector and model runner, started in a third of the time (one import of vLLM, not
-three). The served rows (tests/compat/test_serving_load.py) run processes as users do."""
-
-
-def in_process(**engine: Any) -> dict[str, Any]:
-    """Scenario fields `engine` for an engine in one process (`IN_PROCESS`)."""
-    return {
-        **engine,
-        "env": IN_PROCESS["env"] | engine.get("env", {}),
-        "llm_args": IN_PROCESS["llm_args"] | engine.get("llm_args", {}),
-    }
 
 
 @dataclass(frozen=True)
@@ -107,6 +91,7 @@ class Row:
 
     tmp: Path
     cases: dict[str, Case]
+    name: str = ""
     baseline: dict[str, GenResult] = field(default_factory=dict)
     cold: dict[str, GenResult] = field(default_factory=dict)
     warm: dict[str, GenResult] = field(default_factory=dict)
@@ -123,7 +108,6 @@ def run_store_row(tmp: Path, cases: dict[str, Case], **engine: Any) -> Row:
     `llm_args`) for each."""
     row = Row(tmp, cases)
     store = str(tmp / "store")
-    engine = in_process(**engine)
     names = list(cases)
 
     def scenario(rounds: int, **more: Any) -> dict[str, Any]:
@@ -168,7 +152,6 @@ def _trim(result: ScenarioResult, batch: int, case: Case) -> GenResult:
 @contextlib.contextmanager
 def pd_pair(tmp: Path, transport: str, **engine: Any) -> Iterator[tuple[ServingEngine, ...]]:
     """A producer and a consumer over `transport`, with `engine` (Scenario fields) each."""
-    engine = in_process(**engine)
     producer = ServingEngine(
         tmp,
         f"{transport}-producer",
@@ -197,9 +180,18 @@ def pd_pair(tmp: Path, transport: str, **engine: Any) -> Iterator[tuple[ServingE
         close_all((producer, consumer))
 
 
-def through_pd(producer: ServingEngine, consumer: ServingEngine, case: Case) -> GenResult:
-    """The case as vLLM's proxy runs it: a prefill of one token on the producer, its
-    params to the consumer, which decodes as the case samples."""
-    prefill = producer.ask(case.prompt, 1, {"do_remote_decode": True})
+def through_pd(
+    producer: ServingEngine,
+    consumer: ServingEngine,
+    case: Case,
+    decoding: Sampling | None = None,
+) -> GenResult:
+    """The case as vLLM's proxy runs it: a prefill of one token on the producer (with the
+    case's adapter), its params to the consumer, which decodes as the case samples (or
+    as `decoding`)."""
+    prefill = producer.ask(
+        case.prompt, 1, {"do_remote_decode": True}, Sampling(lora=case.sampling.lora)
+    )
     assert not prefill.error and prefill.kv_transfer_params, prefill
-    return consumer.ask(case.prompt, case.max_tokens, prefill.kv_transfer_params, case.sampling)
+    params = prefill.kv_transfer_params
+    return consumer.ask(case.prompt, case.max_tokens, params, decoding or case.sampling)

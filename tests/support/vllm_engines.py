@@ -8,6 +8,7 @@ from typing import Any
 
 from kvflow.observe.events import Event
 from kvflow.observe.log import read_event_log
+from kvflow_vllm import serving
 from kvflow_vllm.engine_process import (
     EngineFailed,
     GenResult,
@@ -15,22 +16,55 @@ from kvflow_vllm.engine_process import (
     ScenarioResult,
     spawn_engine,
 )
-from kvflow_vllm.serving import ServingEngine, close_all
+from kvflow_vllm.serving import close_all
 
 __all__ = [
+    "IN_PROCESS",
     "ServingEngine",
     "assert_same_generation",
     "close_all",
     "events_for",
+    "in_process",
     "run_engine",
     "run_engines",
     "started",
 ]
 
 
+IN_PROCESS = {
+    "env": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+    "llm_args": {"distributed_executor_backend": "uni"},
+}
+"""vLLM's engine core and its worker in the engine's own process: the same scheduler,
+connector and model runner objects, started in about a third of the time (one import of
+vLLM where a user's `LLM` makes three processes, each importing it). The tests through
+vLLM's OpenAI server (tests/serving/, tests/compat/test_serving_load.py) run vLLM's
+processes as users do; so do tensor-parallel engines and those that ask (`processes`)."""
+
+
+def in_process(*, processes: bool = False, **scenario: Any) -> dict[str, Any]:
+    """Scenario fields `scenario` for an engine in one process (`IN_PROCESS`), unless it
+    has tensor-parallel ranks or asks for vLLM's `processes`."""
+    if processes or scenario.get("tensor_parallel_size", 1) > 1:
+        return scenario
+    return {
+        **scenario,
+        "env": IN_PROCESS["env"] | scenario.get("env", {}),
+        "llm_args": IN_PROCESS["llm_args"] | scenario.get("llm_args", {}),
+    }
+
+
+class ServingEngine(serving.ServingEngine):
+    """`kvflow_vllm.serving.ServingEngine`, in one process unless asked (`in_process`)."""
+
+    def __init__(self, tmp: Path, name: str, **scenario: Any) -> None:
+        super().__init__(tmp, name, **in_process(**scenario))
+
+
 def run_engine(tmp: Path, name: str, **scenario: Any) -> ScenarioResult:
-    """A fresh engine process running `Scenario(**scenario)`."""
-    return spawn_engine(tmp, name, Scenario(**scenario))
+    """A fresh engine process running `Scenario(**scenario)`, in one process unless asked
+    (`in_process`)."""
+    return spawn_engine(tmp, name, Scenario(**in_process(**scenario)))
 
 
 def run_engines(
