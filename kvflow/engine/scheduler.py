@@ -373,6 +373,12 @@ class SchedulerEngine:
                 st.load_planned = False
                 st.saves_issued = False
                 st.block_ids = []
+                if st.pd is not None and st.pulled:
+                    # its producer let the blocks go once pulled: resumed, the request is
+                    # computed here (one pull per request, as vLLM's NixlConnector)
+                    if st.claim is not None and self._claims:
+                        self._claims.drop(req)
+                    st.pd, st.claim, st.hit_chunks = None, None, 0
                 self._preempted.append(req)
         loading = {b for ld in self._pending_loads if not ld.asynchronous for b in ld.block_ids}
         for s in scheduled:

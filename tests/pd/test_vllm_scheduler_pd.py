@@ -336,3 +336,41 @@ def test_a_consumer_of_another_block_size_pulls_the_blocks_holding_its_tokens(
         p_bs,
         0,
     )
+
+
+def test_a_request_preempted_after_its_pull_is_computed_when_it_resumes(
+    harness: MakeHarness,
+) -> None:
+    """Found under load (tests/compat/test_serving_load.py): a decode server short of
+    blocks preempts a request whose prompt it pulled; resumed, it claimed its producer's
+    blocks again, which the producer had let go once pulled ("already pulled"), and under
+    policy `fail` the request failed. A producer's KV serves one pull: the resumed request
+    is computed here, as vLLM's NixlConnector does (one transfer per request)."""
+    prompts = {"a": prompt_of(5, 40), "b": prompt_of(6, 40)}
+    offered = {r: _offered(harness, p) for r, p in prompts.items()}
+    # 7 usable blocks: two 40-token prompts take 3 each; decoding past 48 tokens needs a
+    # 4th, which preempts the other; no prefix caching: the preempted one's blocks are
+    # not found again in vLLM's cache (on a loaded server, others have taken them)
+    config = make_vllm_config(
+        transport="zmq",
+        kv_role="kv_consumer",
+        enable_prefix_caching=False,
+        kv_load_failure_policy="fail",
+    )
+    consumer = harness(config, 8)
+    start = consumer.free_blocks
+    offers = []
+    for params in offered.values():
+        (pd,) = parse_pd_params(params) or []
+        offers.append(Offer(pd.offer, pd.block_ids, [16, 16, 8], 0, lambda _layer: []))
+    with held_offer(offers[0]) as first, held_offer(offers[1]) as second:
+        for (r, prompt), address in zip(prompts.items(), (first, second), strict=True):
+            params = aimed(offered[r], address)
+            consumer.add(make_request(r, prompt, max_tokens=20, kv_transfer_params=params))
+        consumer.step()
+        consumer.step(finished_recving=set(prompts))
+        run_to_completion(consumer)
+    assert any(s.plan.preempted for s in consumer.steps), "nothing was preempted"
+    pulls = [ld.req for s in consumer.steps for ld in s.plan.loads if ld.source is not None]
+    assert sorted(pulls) == ["a", "b"], f"each prompt pulled once, not {pulls}"
+    assert consumer.free_blocks == start and not consumer.kvflow_requests
