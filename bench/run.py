@@ -611,7 +611,9 @@ def compat_table(d: dict[str, Any]) -> list[str]:
         link = f"[{name.split('[')[0]}](../{file})"
         said = c["claim"] if c["outcome"] == "passed" else f"**{c['outcome'].upper()}**"
         cells.setdefault(c["row"], {}).setdefault(c["path"], []).append(f"{said} ({link})")
-    rows = [[row, *("; ".join(by.get(p, ["-"])) for p in COMPAT_PATHS)] for row, by in cells.items()]
+    rows = [
+        [row, *("; ".join(by.get(p, ["-"])) for p in COMPAT_PATHS)] for row, by in cells.items()
+    ]
     return _table(["vLLM feature", *COMPAT_PATHS.values()], rows)
 
 

@@ -332,7 +332,7 @@ def _beam_search(
     )
     dt = time.perf_counter() - t0
     results = []
-    for i, (p, o) in enumerate(zip(prompts, outs, strict=True)):
+    for p, o in zip(prompts, outs, strict=True):
         beams = [list(s.tokens[len(p) :]) for s in o.sequences]
         logprob = float(o.sequences[0].cum_logprob)
         ids = f"{first}:{llm.request_counter.counter}"
