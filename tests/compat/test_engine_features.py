@@ -28,6 +28,7 @@ from ..support.compat import (
     through_pd,
     tier_hits,
 )
+from ..support.eagle_heads import write_eagle_head
 from ..support.lora_adapters import write_adapter
 from ..support.vllm_engines import run_engine
 
@@ -51,6 +52,7 @@ def _spec(config: dict[str, Any]) -> dict[str, Any]:
     return {"llm_args": {"speculative_config": config}}
 
 
+EAGLE = "speculative decoding: EAGLE (a one-layer head, 2 draft tokens)"
 ROWS: dict[str, dict[str, Any]] = {
     "speculative decoding: n-gram (3 draft tokens)": _spec(
         {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
@@ -58,12 +60,21 @@ ROWS: dict[str, dict[str, Any]] = {
     "speculative decoding: a draft model (2 draft tokens)": _spec(
         {"model": model_dir("tiny-llama"), "num_speculative_tokens": 2}
     ),
+    EAGLE: {},  # its head is written with the row's engines (`_engine`)
     "async scheduling": {"llm_args": {"async_scheduling": True}},
     "LoRA: two adapters and none on one prompt": {
         "llm_args": {"enable_lora": True, "max_lora_rank": 8, "max_loras": 2}
     },
 }
 LORA = "LoRA: two adapters and none on one prompt"
+
+
+def _engine(row: str, tmp: Path) -> dict[str, Any]:
+    """The row's Scenario fields; EAGLE's head is written under `tmp`."""
+    if row != EAGLE:
+        return ROWS[row]
+    head = write_eagle_head(tmp / "eagle-head", model_dir("tiny-llama"))
+    return _spec({"method": "eagle", "model": head, "num_speculative_tokens": 2})
 
 
 def _cases(row: str, tmp: Path) -> dict[str, Case]:
@@ -82,7 +93,7 @@ def _cases(row: str, tmp: Path) -> dict[str, Case]:
 def stores(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Row:
     """The row's (`indirect`) baseline, cold and warm engines."""
     tmp = tmp_path_factory.mktemp("compat-engine")
-    row = run_store_row(tmp, _cases(request.param, tmp), **ROWS[request.param])
+    row = run_store_row(tmp, _cases(request.param, tmp), **_engine(request.param, tmp))
     row.name = request.param
     return row
 
@@ -131,7 +142,7 @@ def _pd(row: Row, transport: str, tmp: Path) -> None:
     (`kv_cache_utils._gen_lora_extra_hash_keys`: "re-pointing a LoRA name at a different
     adapter" must not reuse KV), and so does kvflow (decision 84)."""
     log = tmp / f"{transport}-consumer.events.jsonl"
-    with pd_pair(tmp, transport, **ROWS[row.name]) as (producer, consumer):
+    with pd_pair(tmp, transport, **_engine(row.name, tmp)) as (producer, consumer):
         for name, case in row.cases.items():
             got = through_pd(producer, consumer, case)
             assert_same(got, row.baseline[name], f"{name}: decoded over {transport}")
