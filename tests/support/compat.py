@@ -20,7 +20,7 @@ from kvflow.observe.events import BlocksAllocated, Event, TierRead
 from kvflow.observe.log import read_event_log
 from kvflow_vllm.engine_process import GenResult, Sampling, ScenarioResult
 
-from .vllm_engines import ServingEngine, close_all, run_engine, run_engines, started
+from .vllm_engines import ServingEngine, close_all, in_process, run_engine, run_engines, started
 
 PATHS = ("fs", "tier", "zmq", "nixl")
 
@@ -108,6 +108,7 @@ def run_store_row(tmp: Path, cases: dict[str, Case], **engine: Any) -> Row:
     `llm_args`) for each."""
     row = Row(tmp, cases)
     store = str(tmp / "store")
+    engine = in_process(**engine)
     names = list(cases)
 
     def scenario(rounds: int, **more: Any) -> dict[str, Any]:
@@ -151,7 +152,9 @@ def _trim(result: ScenarioResult, batch: int, case: Case) -> GenResult:
 
 @contextlib.contextmanager
 def pd_pair(tmp: Path, transport: str, **engine: Any) -> Iterator[tuple[ServingEngine, ...]]:
-    """A producer and a consumer over `transport`, with `engine` (Scenario fields) each."""
+    """A producer and a consumer over `transport`, with `engine` (Scenario fields) each,
+    each in one process (`in_process`)."""
+    engine = in_process(**engine)
     producer = ServingEngine(
         tmp,
         f"{transport}-producer",

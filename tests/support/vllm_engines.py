@@ -8,7 +8,6 @@ from typing import Any
 
 from kvflow.observe.events import Event
 from kvflow.observe.log import read_event_log
-from kvflow_vllm import serving
 from kvflow_vllm.engine_process import (
     EngineFailed,
     GenResult,
@@ -16,7 +15,7 @@ from kvflow_vllm.engine_process import (
     ScenarioResult,
     spawn_engine,
 )
-from kvflow_vllm.serving import close_all
+from kvflow_vllm.serving import ServingEngine, close_all
 
 __all__ = [
     "IN_PROCESS",
@@ -37,16 +36,14 @@ IN_PROCESS = {
 }
 """vLLM's engine core and its worker in the engine's own process: the same scheduler,
 connector and model runner objects, started in about a third of the time (one import of
-vLLM where a user's `LLM` makes three processes, each importing it). The tests through
-vLLM's OpenAI server (tests/serving/, tests/compat/test_serving_load.py) run vLLM's
-processes as users do; so do tensor-parallel engines and those that ask (`processes`)."""
+vLLM where a user's `LLM` makes three processes, each importing it). The compatibility
+matrix's offline engines run so (decision 83); the other tests run vLLM's processes, as
+users do: an engine in one process steps only inside `generate()`, so what a producer
+does between requests (offers, hold timeouts) waits for its next request."""
 
 
-def in_process(*, processes: bool = False, **scenario: Any) -> dict[str, Any]:
-    """Scenario fields `scenario` for an engine in one process (`IN_PROCESS`), unless it
-    has tensor-parallel ranks or asks for vLLM's `processes`."""
-    if processes or scenario.get("tensor_parallel_size", 1) > 1:
-        return scenario
+def in_process(**scenario: Any) -> dict[str, Any]:
+    """Scenario fields `scenario` for an engine in one process (`IN_PROCESS`)."""
     return {
         **scenario,
         "env": IN_PROCESS["env"] | scenario.get("env", {}),
@@ -54,17 +51,9 @@ def in_process(*, processes: bool = False, **scenario: Any) -> dict[str, Any]:
     }
 
 
-class ServingEngine(serving.ServingEngine):
-    """`kvflow_vllm.serving.ServingEngine`, in one process unless asked (`in_process`)."""
-
-    def __init__(self, tmp: Path, name: str, **scenario: Any) -> None:
-        super().__init__(tmp, name, **in_process(**scenario))
-
-
 def run_engine(tmp: Path, name: str, **scenario: Any) -> ScenarioResult:
-    """A fresh engine process running `Scenario(**scenario)`, in one process unless asked
-    (`in_process`)."""
-    return spawn_engine(tmp, name, Scenario(**in_process(**scenario)))
+    """A fresh engine process running `Scenario(**scenario)`."""
+    return spawn_engine(tmp, name, Scenario(**scenario))
 
 
 def run_engines(
