@@ -72,10 +72,6 @@ class PD:
         return self.decode.completion(prompt, max_tokens, url=self.proxy.url)
 
 
-PLAIN_ROW = "greedy decoding, one request or a batch at a time (the default test set)"
-"""This module's cells of docs/compatibility.md (P/D through vLLM's OpenAI servers)."""
-
-
 @pytest.fixture(
     scope="module",
     params=[
@@ -125,12 +121,6 @@ def _loaded_since(server: ApiServer, before: tuple[float, ...]) -> tuple[float, 
     return delta(server.metrics_once(lambda m: delta(m)[0] == delta(m)[1]))
 
 
-def _transport(item: pytest.Item) -> str:
-    """The transport of a test's `pd` pair: the matrix's column it shows."""
-    return str(item.callspec.params["pd"][0])  # type: ignore[attr-defined]
-
-
-@pytest.mark.cell(PLAIN_ROW, _transport)
 def test_one_request_at_a_time_with_the_prefill_server_idle_between(pd: PD) -> None:
     # shorter than a block (32), a few blocks, a partial last block
     for n in (10, 150, 301):
