@@ -24,7 +24,17 @@ import record
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "bench" / "results" / "compatibility.json"
-RAN = ["kvflow", "transports", "plugins", "tests/compat", "tests/support", "tests/conftest.py"]
+RAN = [
+    "kvflow",
+    "transports",
+    "plugins",
+    "tests/compat",
+    "tests/support",
+    "tests/conftest.py",
+    "tests/engine/test_e2e_fs.py",
+    "tests/engine/test_e2e_pd.py",
+    "tests/serving/test_serve_pd.py",
+]
 """What the cells' tests run (their engines import kvflow in other processes)."""
 
 

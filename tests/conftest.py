@@ -107,18 +107,37 @@ COMPAT_ENV = "KVFLOW_COMPAT_RESULTS"
 it, and renders docs/compatibility.md from what they wrote."""
 
 
+LIST_CELLS_ENV = "KVFLOW_LIST_CELLS"
+"""Where a collection writes each selected test's cells (JSON lines): which cells a test
+set would show (tests/project/test_bench_docs.py checks the default set's)."""
+
+
+def _cells(item: pytest.Item) -> Iterator[dict[str, str]]:
+    """The cells a test marked `cell` shows: its row, its column, its claim."""
+    for mark in item.iter_markers("cell"):
+        path = mark.args[1]
+        yield {
+            "row": mark.args[0],
+            "path": path(item) if callable(path) else path,
+            "claim": mark.kwargs.get("claim", "yes"),
+            "test": item.nodeid,
+        }
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    if path := os.environ.get(LIST_CELLS_ENV):
+        with open(path, "a") as f:
+            f.writelines(json.dumps(cell) + "\n" for item in session.items for cell in _cells(item))
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
     report = (yield).get_result()
     path = os.environ.get(COMPAT_ENV)
     if not path or not (report.when == "call" or report.failed or report.skipped):
         return  # a setup or teardown that went well: the call says
-    for mark in item.iter_markers("cell"):
-        line = {
-            "row": mark.args[0],
-            "path": mark.args[1],
-            "claim": mark.kwargs.get("claim", "yes"),
-            "test": item.nodeid,
+    for cell in _cells(item):
+        line = cell | {
             "outcome": report.outcome
             if report.when == "call"
             else f"{report.outcome} in {report.when}",

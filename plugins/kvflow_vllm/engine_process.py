@@ -11,7 +11,7 @@ import hashlib
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -375,7 +375,7 @@ def run_scenario(sc: Scenario) -> ScenarioResult:
             batches.append([generate(llm, [p], sc.max_tokens, kv, how)[0] for p in prompts])
         else:
             batches.append(generate(llm, prompts, sc.max_tokens, kv, how))
-    llm.llm_engine.engine_core.shutdown()  # connectors drain their saves here
+    _shutdown(llm)
     return ScenarioResult(startup_s=startup, batches=batches)
 
 
@@ -426,13 +426,58 @@ def serve(sc: Scenario) -> None:
     assert out is not None
     out.write("READY\n")
     out.flush()
-    for line in sys.stdin:
+    for line in _lines_between_steps(llm):
         if not line.strip():
             continue
         req = msgspec.json.decode(line, type=ServeRequest)
         (res,) = generate(llm, [req.prompt], req.max_tokens, req.kv_transfer_params, req.sampling)
         out.write(msgspec.json.encode(res).decode() + "\n")
         out.flush()
+    llm.llm_engine.engine_core.shutdown()  # held requests end with it, as in vLLM
+
+
+def _in_process_core(llm: Any) -> Any:
+    """vLLM's engine core where it runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`:
+    `InprocClient`'s), else None."""
+    return getattr(llm.llm_engine.engine_core, "engine_core", None)
+
+
+def _lines_between_steps(llm: Any) -> Iterator[str]:
+    """stdin's lines, as they come. Between them an engine core in this process steps
+    while its scheduler has requests (held and finished ones too), as vLLM's engine core
+    process does in its busy loop: a producer's held requests, their pulls' completion
+    and their hold timeouts need steps, which `generate()` makes for its own requests
+    only. Each idle step first waits up to 1 ms for a line, leaving the GIL to kvflow's
+    threads."""
+    import select
+
+    core = _in_process_core(llm)
+    fd = sys.stdin.fileno()
+    pending = b""
+    while True:
+        if b"\n" in pending:
+            line, pending = pending.split(b"\n", 1)
+            yield line.decode()
+            continue
+        held = core is not None and core.scheduler.has_requests()
+        if held and not select.select([fd], [], [], 0.001)[0]:
+            llm.llm_engine.step()
+        elif chunk := os.read(fd, 1 << 16):
+            pending += chunk
+        else:  # EOF
+            if pending:
+                yield pending.decode()
+            return
+
+
+def _shutdown(llm: Any) -> None:
+    """End the engine: an engine core in this process first steps until its scheduler
+    holds no request (a connector's saves and exports report their end in steps), as
+    vLLM's engine core process keeps stepping after `generate()` returns; then the
+    connectors drain what is in flight."""
+    core = _in_process_core(llm)
+    while core is not None and core.scheduler.has_requests():
+        llm.llm_engine.step()
     llm.llm_engine.engine_core.shutdown()
 
 

@@ -437,7 +437,7 @@ def _nonzero_bytes(line: str) -> bool:
 @pytest.fixture(scope="module")
 def engine_env() -> Iterator[dict[str, Any]]:
     """One real vLLM engine (fs transport, prefix caching off) publishing to a fresh dir."""
-    from kvflow_vllm.serving import ServingEngine
+    from ..support.vllm_engines import ServingEngine
 
     tmp = Path(tempfile.mkdtemp(prefix="kvi"))
     rdir = tmp / "run"

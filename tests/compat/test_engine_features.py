@@ -30,7 +30,7 @@ from ..support.compat import (
 )
 from ..support.eagle_heads import write_eagle_head
 from ..support.lora_adapters import write_adapter
-from ..support.vllm_engines import in_process, run_engine
+from ..support.vllm_engines import run_engine
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -171,8 +171,8 @@ def fp8_start(tmp_path_factory: pytest.TempPathFactory) -> str:
         pytest.skip("this CPU has AVX-512: vLLM's CPU build runs fp8 KV caches (a row to add)")
     tmp = tmp_path_factory.mktemp("compat-fp8")
     try:
-        fp8 = in_process(llm_args={"kv_cache_dtype": "fp8"})
-        run_engine(tmp, "fp8", batches=[[PLAIN]], connector=False, **fp8)
+        fp8 = {"kv_cache_dtype": "fp8"}
+        run_engine(tmp, "fp8", batches=[[PLAIN]], connector=False, llm_args=fp8)
     except EngineFailed as exc:
         return exc.log
     return ""

@@ -26,6 +26,7 @@ from kvflow.observe.events import (
 )
 from kvflow_vllm.engine_process import EngineFailed, GenResult, ScenarioResult
 
+from ..support.compat import PLAIN_ROW
 from ..support.vllm_engines import (
     assert_same_generation,
     events_for,
@@ -35,8 +36,6 @@ from ..support.vllm_engines import (
 )
 
 pytestmark = pytest.mark.engine
-PLAIN_ROW = "greedy decoding, one request or a batch at a time (the default test set)"
-"""This module's cells of docs/compatibility.md."""
 
 BLOCK = 32
 _rng = random.Random(7)

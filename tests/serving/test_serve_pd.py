@@ -27,6 +27,7 @@ from kvflow.pd.proxy import PREFILL_PARAMS, PdProxy
 from kvflow_vllm.apiserver import ApiServer, post
 from kvflow_vllm.serving import close_all
 
+from ..support.compat import PLAIN_ROW
 from ..support.vllm_servers import assert_same
 
 pytestmark = pytest.mark.engine
@@ -121,6 +122,12 @@ def _loaded_since(server: ApiServer, before: tuple[float, ...]) -> tuple[float, 
     return delta(server.metrics_once(lambda m: delta(m)[0] == delta(m)[1]))
 
 
+def _transport(item: pytest.Item) -> str:
+    """The transport of the pair a test of this module ran on (its `cell` column)."""
+    return str(item.callspec.params["pd"][0])  # type: ignore[attr-defined]
+
+
+@pytest.mark.cell(PLAIN_ROW, _transport)
 def test_one_request_at_a_time_with_the_prefill_server_idle_between(pd: PD) -> None:
     # shorter than a block (32), a few blocks, a partial last block
     for n in (10, 150, 301):

@@ -20,9 +20,12 @@ from kvflow.observe.events import BlocksAllocated, Event, TierRead
 from kvflow.observe.log import read_event_log
 from kvflow_vllm.engine_process import GenResult, Sampling, ScenarioResult
 
-from .vllm_engines import ServingEngine, close_all, in_process, run_engine, run_engines, started
+from .vllm_engines import ServingEngine, close_all, run_engine, run_engines, started
 
 PATHS = ("fs", "tier", "zmq", "nixl")
+PLAIN_ROW = "greedy decoding, one request or a batch at a time (the default test set)"
+"""The row of the default set's cells: tests/engine/test_e2e_fs.py (fs, the host tier),
+tests/serving/test_serve_pd.py (zmq) and tests/engine/test_e2e_pd.py (nixl)."""
 
 
 @dataclass(frozen=True)
@@ -108,7 +111,6 @@ def run_store_row(tmp: Path, cases: dict[str, Case], **engine: Any) -> Row:
     `llm_args`) for each."""
     row = Row(tmp, cases)
     store = str(tmp / "store")
-    engine = in_process(**engine)
     names = list(cases)
 
     def scenario(rounds: int, **more: Any) -> dict[str, Any]:
@@ -152,28 +154,19 @@ def _trim(result: ScenarioResult, batch: int, case: Case) -> GenResult:
 
 @contextlib.contextmanager
 def pd_pair(tmp: Path, transport: str, **engine: Any) -> Iterator[tuple[ServingEngine, ...]]:
-    """A producer and a consumer over `transport`, with `engine` (Scenario fields) each,
-    each in one process (`in_process`)."""
-    engine = in_process(**engine)
-    producer = ServingEngine(
-        tmp,
-        f"{transport}-producer",
-        kv_role="kv_producer",
-        extra_config={
-            "transport": transport,
-            "event_log": str(tmp / f"{transport}-producer.events.jsonl"),
-        },
-        **engine,
-    )
-    consumer = ServingEngine(
-        tmp,
-        f"{transport}-consumer",
-        kv_role="kv_consumer",
-        extra_config={
-            "transport": transport,
-            "event_log": str(tmp / f"{transport}-consumer.events.jsonl"),
-        },
-        **engine,
+    """A producer and a consumer over `transport`, with `engine` (Scenario fields) each."""
+    producer, consumer = (
+        ServingEngine(
+            tmp,
+            f"{transport}-{role}",
+            kv_role=f"kv_{role}",
+            extra_config={
+                "transport": transport,
+                "event_log": str(tmp / f"{transport}-{role}.events.jsonl"),
+            },
+            **engine,
+        )
+        for role in ("producer", "consumer")
     )
     try:
         producer.wait_ready()

@@ -8,6 +8,7 @@ from typing import Any
 
 from kvflow.observe.events import Event
 from kvflow.observe.log import read_event_log
+from kvflow_vllm import serving
 from kvflow_vllm.engine_process import (
     EngineFailed,
     GenResult,
@@ -15,7 +16,7 @@ from kvflow_vllm.engine_process import (
     ScenarioResult,
     spawn_engine,
 )
-from kvflow_vllm.serving import ServingEngine, close_all
+from kvflow_vllm.serving import close_all
 
 __all__ = [
     "IN_PROCESS",
@@ -36,14 +37,18 @@ IN_PROCESS = {
 }
 """vLLM's engine core and its worker in the engine's own process: the same scheduler,
 connector and model runner objects, started in about a third of the time (one import of
-vLLM where a user's `LLM` makes three processes, each importing it). The compatibility
-matrix's offline engines run so (decision 83); the other tests run vLLM's processes, as
-users do: an engine in one process steps only inside `generate()`, so what a producer
-does between requests (offers, hold timeouts) waits for its next request."""
+vLLM where a user's `LLM` makes three processes, each importing it). The tests' offline
+engines of one rank run so (decisions 83, 86): a serving engine steps between requests
+while vLLM's scheduler has work, as vLLM's engine core process does. vLLM's OpenAI
+servers, tensor-parallel engines, the demo and the installed wheel's check run vLLM's
+processes, as users do."""
 
 
 def in_process(**scenario: Any) -> dict[str, Any]:
-    """Scenario fields `scenario` for an engine in one process (`IN_PROCESS`)."""
+    """Scenario fields `scenario` for an engine in one process (`IN_PROCESS`); an engine
+    of more than one rank keeps vLLM's processes (its ranks are processes)."""
+    if scenario.get("tensor_parallel_size", 1) > 1:
+        return scenario
     return {
         **scenario,
         "env": IN_PROCESS["env"] | scenario.get("env", {}),
@@ -52,8 +57,15 @@ def in_process(**scenario: Any) -> dict[str, Any]:
 
 
 def run_engine(tmp: Path, name: str, **scenario: Any) -> ScenarioResult:
-    """A fresh engine process running `Scenario(**scenario)`."""
-    return spawn_engine(tmp, name, Scenario(**scenario))
+    """A fresh engine process running `Scenario(**scenario)`, vLLM in that one process."""
+    return spawn_engine(tmp, name, Scenario(**in_process(**scenario)))
+
+
+class ServingEngine(serving.ServingEngine):
+    """`kvflow_vllm.serving.ServingEngine`, vLLM in the engine's one process."""
+
+    def __init__(self, tmp: Path, name: str, **scenario: Any) -> None:
+        super().__init__(tmp, name, **in_process(**scenario))
 
 
 def run_engines(

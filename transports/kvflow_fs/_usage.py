@@ -122,11 +122,10 @@ class StoreUsage:
         except Exception as exc:  # the chunks are stored; a failed chore is not a transfer's
             log.warning("kvflow fs: %s under %s failed: %s", work.__name__, self.root, exc)
         finally:
-            if work in (self.account, self.scan):
-                self._counting = False
-                if (queued := self._queued) is not None:  # before idle
-                    self._queued = None
-                    self._count(queued)
+            self._counting = False
+            if (queued := self._queued) is not None:  # before idle
+                self._queued = None
+                self._count(queued)
             self._chores -= 1
             if not self._chores:
                 self._idle.set()

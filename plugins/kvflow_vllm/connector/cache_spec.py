@@ -166,7 +166,7 @@ def fit_config(
             "KVFlowConnector: extract_hidden_states: kvflow stores hidden states through a "
             f"store transport (fs, redis, ...); {config.transport!r} is not one"
         )
-    if len(groups) > 1:
+    if len(kv_cache_config.kv_cache_groups) > 1:  # vLLM's check, not kvflow's groups
         config = check_groups(kv_cache_config, groups, config)
     return config
 
@@ -175,8 +175,9 @@ def check_groups(
     kv_cache_config: KVCacheConfig, groups: Sequence[int], config: KVFlowConfig
 ) -> KVFlowConfig:
     """Several KV cache groups (vLLM's hybrid manager): refuse what kvflow cannot move
-    per group, and load between steps (vLLM recovers from a failed load of several
-    groups only when it is asynchronous); returns `config`, so changed."""
+    per group, and load between steps (vLLM recovers from a failed load of a model of
+    several groups only when it is asynchronous, reported by request in
+    `failed_recving`: it takes no block ids); returns `config`, so changed."""
     kv_groups = kv_cache_config.kv_cache_groups
     specs = ", ".join(f"{type(kv_groups[g].kv_cache_spec).__name__}" for g in groups)
     sizes = {kv_groups[g].kv_cache_spec.block_size for g in groups}

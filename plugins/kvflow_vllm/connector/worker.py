@@ -278,6 +278,11 @@ class KVFlowWorker:
         for worker in self.workers:
             worker.settle_loads()  # errors of this step's forward, whatever the order
             blocks |= worker.take_error_blocks()
+        if len(self._kv_cache_config.kv_cache_groups) > 1:
+            # A block id names a block of one group only: vLLM takes no block ids from a
+            # model of several groups (it stops the engine). Their loads are asynchronous
+            # (cache_spec.check_groups), and each failed one is in `failed_recving`.
+            return set()
         return blocks
 
     def drain(self, end: float) -> None:
