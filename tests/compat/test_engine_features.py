@@ -1,5 +1,5 @@
 """The compatibility matrix's engine rows: what an engine is started with (speculative
-decoding, LoRA, async scheduling), on each of kvflow's paths, with identical outputs to
+decoding, LoRA), on each of kvflow's paths, with identical outputs to
 an engine without a connector started the same way (tests/support/compat.py). Each row
 starts its own engines: a baseline, a cold and a warm engine, and a P/D pair per
 transport.
@@ -61,7 +61,6 @@ ROWS: dict[str, dict[str, Any]] = {
         {"model": model_dir("tiny-llama"), "num_speculative_tokens": 2}
     ),
     EAGLE: {},  # its head is written with the row's engines (`_engine`)
-    "async scheduling": {"llm_args": {"async_scheduling": True}},
     "LoRA: two adapters and none on one prompt": {
         "llm_args": {"enable_lora": True, "max_lora_rank": 8, "max_loras": 2}
     },
@@ -178,20 +177,33 @@ def fp8_start(tmp_path_factory: pytest.TempPathFactory) -> str:
     return ""
 
 
-@pytest.mark.parametrize(
-    "path",
-    [
-        pytest.param(
-            p,
-            marks=pytest.mark.cell(
-                FP8,
-                p,
-                claim=f'not runnable on vLLM\'s CPU build without AVX-512 (vLLM: "{FP8_REFUSED}")',
-            ),
-        )
-        for p in PATHS
-    ],
-)
+def _not_runnable(row: str, why: str) -> list[Any]:
+    """A row's cells, each "not runnable on vLLM's CPU build" and why."""
+    claim = f"not runnable on vLLM's CPU build: {why}"
+    return [pytest.param(p, marks=pytest.mark.cell(row, p, claim=claim)) for p in PATHS]
+
+
+@pytest.mark.parametrize("path", _not_runnable(FP8, f'without AVX-512 (vLLM: "{FP8_REFUSED}")'))
 def test_an_fp8_kv_cache_is_not_runnable_on_this_cpu(fp8_start: str, path: str) -> None:
     """vLLM itself refuses it, without a connector: kvflow has nothing to show here."""
     assert FP8_REFUSED in fp8_start, fp8_start[-2000:]
+
+
+ASYNC_OFF = (
+    "vLLM turns async scheduling off there (`CpuPlatform.check_and_update_config`: "
+    '"async scheduling is not required on CPU"); kvflow under vLLM\'s `AsyncScheduler`: '
+    "`tests/pd/test_vllm_scheduler_pd.py`, `tests/connector/test_vllm_scheduler.py`"
+)
+
+
+@pytest.mark.parametrize("path", _not_runnable("async scheduling", ASYNC_OFF))
+def test_async_scheduling_is_turned_off_by_vllms_cpu_build(path: str) -> None:
+    """An engine asked for async scheduling runs vLLM's synchronous scheduler here: vLLM's
+    own config says which one it runs."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = EngineArgs(
+        model=model_dir("tiny-llama"), skip_tokenizer_init=True, async_scheduling=True
+    )
+    config = args.create_engine_config()
+    assert config.scheduler_config.async_scheduling is False, "make async scheduling a row"
