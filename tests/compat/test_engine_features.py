@@ -30,6 +30,7 @@ from ..support.compat import (
 )
 from ..support.eagle_heads import write_eagle_head
 from ..support.lora_adapters import write_adapter
+from ..support.mtp_models import write_mimo
 from ..support.vllm_engines import run_engine
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
@@ -53,6 +54,7 @@ def _spec(config: dict[str, Any]) -> dict[str, Any]:
 
 
 EAGLE = "speculative decoding: EAGLE (a one-layer head, 2 draft tokens)"
+MTP = "speculative decoding: MTP (a tiny MiMo model's MTP layer, 1 draft token)"
 ROWS: dict[str, dict[str, Any]] = {
     "speculative decoding: n-gram (3 draft tokens)": _spec(
         {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
@@ -61,6 +63,7 @@ ROWS: dict[str, dict[str, Any]] = {
         {"model": model_dir("tiny-llama"), "num_speculative_tokens": 2}
     ),
     EAGLE: {},  # its head is written with the row's engines (`_engine`)
+    MTP: {},  # its model too
     "LoRA: two adapters and none on one prompt": {
         "llm_args": {"enable_lora": True, "max_lora_rank": 8, "max_loras": 2}
     },
@@ -69,7 +72,10 @@ LORA = "LoRA: two adapters and none on one prompt"
 
 
 def _engine(row: str, tmp: Path) -> dict[str, Any]:
-    """The row's Scenario fields; EAGLE's head is written under `tmp`."""
+    """The row's Scenario fields; EAGLE's head and MTP's model are written under `tmp`."""
+    if row == MTP:
+        mtp = {"method": "mtp", "num_speculative_tokens": 1}
+        return {"model": write_mimo(tmp / "mimo"), **_spec(mtp)}
     if row != EAGLE:
         return ROWS[row]
     head = write_eagle_head(tmp / "eagle-head", model_dir("tiny-llama"))

@@ -51,12 +51,15 @@ from vllm.v1.kv_cache_interface import (
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheSpec,
+    SlidingWindowSpec,
     UniformTypeKVCacheSpecs,
 )
 from vllm.v1.outputs import KVConnectorOutput
+from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
 
+from kvflow.observe.events import Event, LookupAnswered
 from kvflow_vllm.connector import KVFlowConnector, KVFlowHandshake
 from kvflow_vllm.connector.cache_spec import layer_specs
 
@@ -218,6 +221,50 @@ def with_hidden_layer(num_blocks: int) -> KVCacheConfig:
     )
 
 
+def with_sliding_window(num_blocks: int, window: int) -> KVCacheConfig:
+    """A hybrid model's KV cache config (vLLM's hybrid manager): `LAYERS[0]` in a
+    full-attention group, `LAYERS[1]` in a sliding-window group of `window` tokens,
+    blocks of one size."""
+    shape: dict[str, Any] = {
+        "block_size": BLOCK_SIZE,
+        "num_kv_heads": 1,
+        "head_size": 8,
+        "dtype": torch.float32,
+    }
+    return KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec(LAYERS[:1], FullAttentionSpec(**shape)),
+            KVCacheGroupSpec(LAYERS[1:], SlidingWindowSpec(**shape, sliding_window=window)),
+        ],
+    )
+
+
+def add_answered(h: Harness, req: Request) -> None:
+    """`Harness.add`, then wait until kvflow has answered `req`'s store lookup in every
+    KV cache group (vLLM schedules it once all have: `Harness.add` waits for one)."""
+    groups = len(h.connector.context.groups)
+    answered = threading.Condition()
+    count = 0
+
+    def note(event: Event) -> None:
+        nonlocal count
+        if isinstance(event, LookupAnswered) and event.req == req.request_id:
+            with answered:
+                count += 1
+                answered.notify_all()
+
+    stop = h.connector.context.bus.subscribe(note)
+    try:
+        h.add(req)
+        with answered:
+            if not answered.wait_for(lambda: count >= groups, WAIT):
+                pytest.fail(f"kvflow answered {count} of {groups} lookups of {req.request_id}")
+    finally:
+        stop()
+
+
 @pytest.fixture(scope="module")
 def distributed() -> Iterator[None]:
     """vLLM's world of one worker (its worker-side connector asks for its ranks)."""
@@ -351,5 +398,47 @@ def test_an_offer_in_flight_when_the_loop_dies(
     step_until_idle(h, worker)
 
     assert any(s.plan.offers and s.plan.lent == ["late"] for s in h.steps), "late was offered"
+    assert h.free_blocks == start, f"{start - h.free_blocks} blocks never came back"
+    assert not h.scheduler.requests and not h.kvflow_requests
+
+
+def test_a_failed_load_of_a_model_of_several_kv_cache_groups_is_recomputed_not_an_engine_stop(
+    engine: Engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A hybrid model (a full-attention and a sliding-window KV cache group) loads a
+    stored prompt, asynchronously as kvflow loads for several groups; the loop dies with
+    the load in flight. kvflow reports the request in `failed_recving` and no block ids
+    (on block ids of a model of several groups vLLM's Scheduler raises, stopping the
+    engine): vLLM recomputes it and gets every block back."""
+    cfg = fs_config(tmp_path, enable_prefix_caching=False)  # loads from the store only
+    h, worker = engine(cfg, with_sliding_window(NUM_BLOCKS, window=4 * BLOCK_SIZE))
+    assert len(h.scheduler.kv_cache_config.kv_cache_groups) == 2
+    assert len(worker.conn.context.transports) == 2  # kvflow moves both groups
+    start = h.free_blocks
+    stored = prompt_of(1, 40)
+    add_answered(h, make_request("warm", stored, max_tokens=1))  # computed and saved
+    step_until_idle(h, worker, drain=True)
+    assert h.free_blocks == start
+
+    for transport in worker.conn.context.transports:
+        held = worker.signals.hold("load", transport.load, {"again"})
+        monkeypatch.setattr(transport, "load", held)
+    add_answered(h, make_request("again", stored, max_tokens=2))
+    loads = h.step(before_update=lambda: worker.run(h))
+    (load,) = loads.plan.loads
+    assert load.req == "again" and load.block_ids and load.asynchronous
+    worker.signals.wait("load:again")
+    assert h.scheduler.requests["again"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+
+    worker.kill_loop()  # fails every asynchronous load still open
+    step_until_idle(h, worker)  # the old worker's block ids: vLLM raised here
+
+    reports = [out for out in worker.outputs.values() if out.failed_recving]
+    assert [out.failed_recving for out in reports] == [{"again"}]
+    assert not any(out.invalid_block_ids for out in worker.outputs.values())
+    finish = {o.request_id: o.finish_reason for s in h.steps for o in s.finished}
+    assert finish["again"] == FinishReason.LENGTH, "recomputed, not failed"
+    runs = [s.output.num_scheduled_tokens.get("again") for s in h.steps[loads.index :]]
+    assert [n for n in runs if n] == [len(stored), 1], "its prompt computed from token 0"
     assert h.free_blocks == start, f"{start - h.free_blocks} blocks never came back"
     assert not h.scheduler.requests and not h.kvflow_requests
