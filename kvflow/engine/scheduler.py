@@ -191,9 +191,28 @@ class SchedulerEngine:
 
     # -- vLLM thread -------------------------------------------------------
     def add_request(
-        self, req: str, token_ids: Sequence[int], salt: str = "", pd: PdParams | None = None
+        self,
+        req: str,
+        token_ids: Sequence[int],
+        salt: str = "",
+        pd: PdParams | None = None,
+        refused: bool = False,
     ) -> None:
-        """Key a new request's prompt (once; keys are reused by lookups and saves)."""
+        """Key a new request's prompt (once; keys are reused by lookups and saves).
+
+        `refused`: not a request but vLLM's notice that its serving layer refused one
+        before it reached the engine (`notify_kv_transfer_request_rejected`: a stand-in
+        prompt, aborted at once). Nothing is keyed or pulled; the producer of its params,
+        if they are this deployment's, gets the offer back now instead of at its hold
+        timeout."""
+        if refused:
+            channel = channel_of_transport(self.transport)
+            if pd is not None and self._claims and self.can_pull:
+                if reason := check_pd_params(pd, channel, None, salt)[0]:
+                    self.reject(reason, f"request {req[:100]} (refused by vLLM): its params")
+                else:
+                    self._claims.release(pd.offer, pd.addresses)
+            return
         if req in self._reqs:
             return
         if pd is not None and self.can_pull:

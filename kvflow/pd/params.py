@@ -176,11 +176,12 @@ def _parse_one(entry: Any) -> PdParams:
 
 
 def check_pd_params(
-    p: PdParams, channel: Channel, token_ids: Sequence[int], salt: str, scope: str = ""
+    p: PdParams, channel: Channel, token_ids: Sequence[int] | None, salt: str, scope: str = ""
 ) -> tuple[str, str]:
     """(reason, why) a consumer must not pull `p` for a request of `token_ids` and
     `salt` into the KV cache group `scope` (`Fingerprint.pd_scope`); ("", "") if it may. Reasons:
-    `address`, `signature`, `prompt`."""
+    `address`, `signature`, `prompt`. `token_ids` None: whether they are this
+    deployment's params at all (address, signature), for no prompt."""
     for address in p.addresses:
         if why := channel.address_problem(address):
             return "address", f"producer address {address[:100]!r}: {why}"
@@ -191,6 +192,8 @@ def check_pd_params(
             if channel.keyed
             else "the params are signed but this engine has no key (key_file)"
         )
+    if token_ids is None:
+        return "", ""
     if len(token_ids) < p.num_tokens or p.prompt != prompt_digest(
         token_ids[: p.num_tokens], salt, scope
     ):

@@ -17,12 +17,15 @@ import random
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import pytest
 import zmq
 
 from kvflow.keyfiles import keygen
+from kvflow.observe.events import TransferFailed
+from kvflow.observe.log import read_event_log
 from kvflow.pd.proxy import PREFILL_PARAMS, PdProxy
 from kvflow_vllm.apiserver import ApiServer, post
 from kvflow_vllm.serving import close_all
@@ -47,10 +50,12 @@ cores also busy elsewhere, 16 concurrent requests reached the decode server 6.1 
 after their prefill ended."""
 
 
-def _config(transport: str, role: str, key_file: str = "") -> dict[str, Any]:
+def _config(transport: str, role: str, key_file: str = "", events: str = "") -> dict[str, Any]:
     extra: dict[str, Any] = {"transport": transport, "hold_timeout_s": HOLD_S}
     if key_file:
         extra["key_file"] = key_file
+    if events:
+        extra["event_log"] = events
     return {
         "kv_connector": "KVFlowConnector",
         "kv_role": role,
@@ -60,10 +65,14 @@ def _config(transport: str, role: str, key_file: str = "") -> dict[str, Any]:
 
 
 class PD:
-    def __init__(self, prefill: ApiServer, decode: ApiServer, proxy: PdProxy, keyed: bool) -> None:
+    def __init__(
+        self, prefill: ApiServer, decode: ApiServer, proxy: PdProxy, keyed: bool, events: Path
+    ) -> None:
         self.prefill, self.decode, self.proxy = prefill, decode, proxy
         self.keyed = keyed
         """The pair shares a deployment key (`kvflow keygen`), else this host's key."""
+        self.events = events
+        """The prefill server's kvflow event log."""
 
     def reference(self, prompt: list[int], max_tokens: int = 8) -> dict[str, Any]:
         """One server doing everything (the prefill server, asked plainly)."""
@@ -87,7 +96,8 @@ def pd(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory)
         pytest.importorskip("nixl_cu12", reason="NIXL is an optional extra: kvflow[nixl]")
     tmp = tmp_path_factory.mktemp(f"serve-pd-{transport}")
     key = str(keygen(tmp / "key")) if keyed else ""
-    prefill = ApiServer(tmp, "prefill", _config(transport, p_role, key), cores="0")
+    events = tmp / "prefill-events.jsonl"
+    prefill = ApiServer(tmp, "prefill", _config(transport, p_role, key, str(events)), cores="0")
     # dev mode: vLLM's /pause and /resume, to hold a request in the decode server's queue
     dev = {"VLLM_SERVER_DEV_MODE": "1"}
     decode = ApiServer(tmp, "decode", _config(transport, d_role, key), cores="1", env=dev)
@@ -96,7 +106,7 @@ def pd(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory)
         prefill.wait_ready()
         decode.wait_ready()
         proxy = PdProxy([prefill.url], [decode.url]).start()
-        yield PD(prefill, decode, proxy, keyed)
+        yield PD(prefill, decode, proxy, keyed, events)
     finally:
         if proxy is not None:
             proxy.close()
@@ -278,3 +288,31 @@ def test_no_pull_failed_or_timed_out(pd: PD) -> None:
     assert "kvflow load of" not in log, "a load failed: " + log[-3000:]
     assert "pinned to CPU cores" not in log  # each server on its own core: no clash reported
     assert pd.prefill.metrics().get("vllm:kvflow_failures_total", 0) == 0
+
+
+def test_a_request_the_decode_server_refuses_hands_its_offer_back_at_once(pd: PD) -> None:
+    """vLLM's serving layer answers a request it refuses before the engine (here: more
+    tokens than the model's length) with an error, and tells the connector with a
+    stand-in request of one token and the request's params, aborted at once
+    (`notify_kv_transfer_request_rejected`). kvflow took that for params made for
+    another prompt: it logged and counted a refusal (`prompt`) and left the prefill
+    server holding the offer until its hold timeout. Now the producer is told to let
+    the offer go, and nothing is counted as refused. (Last in the module: the released
+    offer counts as the prefill server's one failed transfer.)"""
+    prompt = _prompt(70)
+    params = pd.prefill.completion(prompt, 1, dict(PREFILL_PARAMS))["kv_transfer_params"]
+    before = pd.decode.metrics()
+    refused = pd.decode.completion(prompt, 4096, params)  # past max_model_len
+    assert refused.get("error") == 400, refused
+
+    def ended() -> list[TransferFailed]:
+        events = read_event_log(str(pd.events))
+        return [e for e in events if isinstance(e, TransferFailed) and e.direction == "send"]
+
+    deadline = time.monotonic() + HOLD_S + 30  # it ends either way: now, or at HOLD_S
+    while not ended() and time.monotonic() < deadline:
+        time.sleep(0.2)  # polls another process's event log
+    outcomes = [e.reason for e in ended()]
+    assert outcomes == ["released unpulled by its consumer"], outcomes
+    m = pd.decode.metrics()
+    assert _rejected(m, "prompt") == _rejected(before, "prompt"), "vLLM's notice was refused"

@@ -157,9 +157,14 @@ class KVFlowScheduler:
         except PdParamsError as exc:  # computed locally instead: slower, never wrong
             rid = request.request_id[:100]
             self.sched.reject("malformed", f"request {rid}: {exc}; computing its prompt here")
+        refused = bool(getattr(request, "abort_immediately", False))  # vLLM >= 0.32
         for sched, pd in zip(self.scheds, pds, strict=True):
             sched.add_request(
-                request.request_id, request.prompt_token_ids or [], request_salt(request), pd
+                request.request_id,
+                request.prompt_token_ids or [],
+                request_salt(request),
+                pd,
+                refused=refused,
             )
 
     def get_num_new_matched_tokens(
