@@ -27,6 +27,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from ..observe.log import read_event_log
 from ..observe.stream import (
     Registration,
     SeqTracker,
@@ -35,9 +36,10 @@ from ..observe.stream import (
     open_subscriber,
     runtime_dir,
 )
+from ..observe.timeline import Timeline, spread, timelines
 from .inspect_state import EVENT_KINDS, EngineTotals, EventFilter, InspectState
 
-__all__ = ["add_parser", "render", "run_inspect"]
+__all__ = ["add_parser", "render", "run_inspect", "show_timeline"]
 
 RESCAN_S = 1.0
 
@@ -273,10 +275,24 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--duration", type=float, default=0.0, help="exit after S seconds (0: never)")
     p.add_argument("--count", type=int, default=0, help="--json: exit after N events")
     p.add_argument("--refresh", type=float, default=0.25, help="seconds between redraws")
+    p.add_argument(
+        "--timeline",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="REQ",
+        help="P/D requests' timelines from --log: request REQ's (an id prefix, on either "
+        "instance), or the spread of each gap over every request",
+    )
+    p.add_argument(
+        "--log", default="", metavar="FILE", help="an event log (event_log, or --json's lines)"
+    )
     p.set_defaults(fn=run_inspect)
 
 
 def run_inspect(args: argparse.Namespace) -> int:
+    if args.timeline is not None:
+        return show_timeline(args.log, args.timeline)
     try:
         filt = EventFilter(_split(args.engine), _split(args.req), set(_split(args.kind)))
     except ValueError as exc:
@@ -347,3 +363,50 @@ def _loop(args: argparse.Namespace, filt: EventFilter, subs: Subscriptions) -> i
             if live is not None and now >= next_draw:
                 next_draw = now + args.refresh
                 live.update(render(state, now, where=where), refresh=True)
+
+
+# -- timelines ---------------------------------------------------------------
+def show_timeline(log: str, req: str, console: Console | None = None) -> int:
+    """`--timeline`: one P/D request's stages (the first whose consumer or producer
+    request id starts with `req`), or, with `req` "", each gap's spread over the log."""
+    console = console or Console()
+    if not log:
+        print("kvflow inspect: --timeline reads an event log: give --log FILE", file=sys.stderr)
+        return 2
+    try:
+        lines = timelines(read_event_log(log))
+    except (OSError, msgspec.DecodeError) as exc:
+        print(f"kvflow inspect: {log}: {exc}", file=sys.stderr)
+        return 2
+    if not req:
+        console.print(_spread_table(lines, log))
+        return 0
+    found = [t for t in lines if t.req.startswith(req) or t.producer_req.startswith(req)]
+    if not found:
+        print(f"kvflow inspect: no P/D request {req!r} in {log}", file=sys.stderr)
+        return 1
+    console.print(_timeline_table(found[0]))
+    return 0
+
+
+def _timeline_table(t: Timeline) -> Table:
+    table = Table(title=f"{t.req} (producer: {t.producer_req or '?'})", title_justify="left")
+    for col in ("ms", "+ms", "stage", "where", "detail"):
+        table.add_column(col, justify="right" if "ms" in col else "left")
+    t0 = prev = t.marks[0].ts
+    for m in t.marks:
+        table.add_row(
+            f"{(m.ts - t0) * 1e3:.1f}", f"{(m.ts - prev) * 1e3:.1f}", m.stage, m.where, m.detail
+        )
+        prev = m.ts
+    return table
+
+
+def _spread_table(lines: list[Timeline], log: str) -> Table:
+    table = Table(title=f"{len(lines)} P/D requests in {log} (ms)", title_justify="left")
+    for col in ("gap", "requests", "p50", "p90", "p99", "max"):
+        table.add_column(col, justify="left" if col == "gap" else "right")
+    for s in spread(lines):
+        ms = (f"{v * 1e3:.1f}" for v in (s.p50, s.p90, s.p99, s.max))
+        table.add_row(s.name, str(s.n), *ms)
+    return table

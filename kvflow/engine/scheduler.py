@@ -22,10 +22,14 @@ from ..keys import ChunkKey, chunk_keys, chunk_token_counts
 from ..observe.events import (
     BlocksAllocated,
     EventBus,
+    FirstToken,
+    LoadReported,
     LookupAnswered,
     LookupRequested,
     Rejected,
+    RequestArrived,
     RequestFinished,
+    RequestScheduled,
     StepPlanned,
     TaskFailed,
 )
@@ -92,6 +96,8 @@ class _Request:
     """A pull of the producer's blocks was sent to the workers (P/D): it ends the
     producer's hold (else the request's end releases it)."""
     saves_issued: bool = False
+    scheduled: bool = False
+    """P/D: vLLM scheduled it to compute (after its pull); `RequestScheduled` was said."""
     pd: PdParams | None = None
     """Set when a producer prefilled this request: pull its prompt KV from there."""
     claim: Claim | None = None
@@ -106,6 +112,13 @@ class _Request:
 
 class SchedulerEngine:
     """Owns per-request connector state in the scheduler process."""
+
+    first_token_lag = 1
+    """Steps after its own that a step's sampled tokens are in: 1, or 2 under vLLM's
+    async scheduling (it plans the next step before the last one's output is in)."""
+    marks_requests = True
+    """Emit the request-level events (`RequestArrived`, `RequestScheduled`, `FirstToken`,
+    `LoadReported`): one engine of a request (its first KV cache group's) says them."""
 
     def __init__(
         self,
@@ -163,6 +176,8 @@ class SchedulerEngine:
         self._lent: list[str] = []
         self._preempted: list[str] = []
         self._step = 0
+        self._computing: dict[str, int] = {}
+        """P/D requests scheduled after their pull, by the step: their first token is due."""
         self._fatal = ""
         """Why the engine must stop (a long-lived task that cannot be restarted)."""
         self.reject = Rejections(
@@ -206,15 +221,11 @@ class SchedulerEngine:
         if they are this deployment's, gets the offer back now instead of at its hold
         timeout."""
         if refused:
-            channel = channel_of_transport(self.transport)
-            if pd is not None and self._claims and self.can_pull:
-                if reason := check_pd_params(pd, channel, None, salt)[0]:
-                    self.reject(reason, f"request {req[:100]} (refused by vLLM): its params")
-                else:
-                    self._claims.release(pd.offer, pd.addresses)
+            self._give_back(req, pd)
             return
         if req in self._reqs:
             return
+        arrived = time.monotonic()  # the event's time: before its claim goes out
         if pd is not None and self.can_pull:
             reason, why = check_pd_params(
                 pd, channel_of_transport(self.transport), token_ids, salt, self.pd_scope
@@ -263,6 +274,21 @@ class SchedulerEngine:
             self._start_lookup(req, st)  # overlap the lookup with the wait in the queue
         if self.can_offer:  # a request pulled here may be offered on too (its digest)
             st.tokens, st.salt = token_ids, salt
+        if self.marks_requests:
+            offer = pd.offer if pd is not None and self.can_pull else ""
+            self.runtime.submit(
+                self.bus.emit,
+                RequestArrived(req=req, tokens=len(token_ids), offer=offer, ts=arrived),
+            )
+
+    def _give_back(self, req: str, pd: PdParams | None) -> None:
+        """vLLM refused `req` before its engine: its producer may let the offer go."""
+        if pd is None or self._claims is None or not self.can_pull:
+            return
+        if reason := check_pd_params(pd, channel_of_transport(self.transport), None, "")[0]:
+            self.reject(reason, f"request {req[:100]} (refused by vLLM): its params")
+        else:
+            self._claims.release(pd.offer, pd.addresses)
 
     def knows(self, req: str) -> bool:
         """Whether `req` was added (and has not finished)."""
@@ -379,6 +405,9 @@ class SchedulerEngine:
         if self._fatal:
             raise KVFlowFatal(self._fatal)
         self._step += 1
+        for req, step in list(self._computing.items()):  # their step's output is in
+            if self._step - step >= self.first_token_lag:
+                self._first_token(req, self._computing.pop(req))
         saves: list[SaveSpec] = []
         # Preemptions first: vLLM may preempt and resume a request in one step
         # (reset_prefix_cache with running requests); its scheduled entry then carries
@@ -411,6 +440,10 @@ class SchedulerEngine:
                 st.block_ids = list(s.new_block_ids)
             else:
                 st.block_ids.extend(s.new_block_ids)
+            if st.pd is not None and not st.scheduled and s.num_scheduled and self.marks_requests:
+                st.scheduled = True  # computes after its pull (P/D loads are asynchronous)
+                self._computing[s.req] = self._step
+                self.runtime.submit(self.bus.emit, RequestScheduled(req=s.req, step=self._step))
             if self.can_save:
                 spec = self._plan_save(s.req, st, s.num_computed + s.num_scheduled, loading)
                 if spec is not None:
@@ -451,7 +484,7 @@ class SchedulerEngine:
             # the request's saves before that step's forward, as at a preemption
             st.saves_issued = False
             self._preempted.append(req)
-        params = None
+        params, offered = None, ""
         if remote_decode and self.can_offer and st is not None and block_ids:
             counts = chunk_token_counts(st.prompt_len, self.block_size)[: len(block_ids)]
             offer = secrets.token_hex(16)  # consumers pull by it: a client cannot guess it
@@ -470,13 +503,18 @@ class SchedulerEngine:
                 prompt=prompt_digest(st.tokens[: sum(counts)], st.salt, self.pd_scope),
             )
             params = consumer_params(pd.signed(channel_of_transport(self.transport)))
+            offered = offer
         lend = st is not None and lent_at_finish(
             saving=st.saves_issued, offering=params is not None
         )
         if lend:
             self._lent.append(req)
         blocks = len(block_ids) if lend else 0
-        self.runtime.submit(self.bus.emit, RequestFinished(req=req, lent=lend, blocks=blocks))
+        self.runtime.submit(
+            self.bus.emit, RequestFinished(req=req, lent=lend, blocks=blocks, offer=offered)
+        )
+        if req in self._computing:  # it ended in the step that computed its first token
+            self._first_token(req, self._computing.pop(req))
         return lend, params
 
     def _refuse_pull(self, pd: PdParams) -> str:
@@ -495,6 +533,17 @@ class SchedulerEngine:
         count = readers(pd.shape.kv_heads, pd.tp_size, self.tp_size) * pd.pp_size
         read = [a for a, n in zip(pd.addresses, count, strict=True) if n]
         return read, [a for a, n in zip(pd.addresses, count, strict=True) if not n]
+
+    def loads_reported(self, done: Iterable[str], failed: Iterable[str]) -> None:
+        """vLLM's scheduler heard that these requests' asynchronous loads ended (their
+        `LoadReported` events; `loads_failed` does what a failure calls for)."""
+        for req in done:
+            self.runtime.submit(self.bus.emit, LoadReported(req=req))
+        for req in failed:
+            self.runtime.submit(self.bus.emit, LoadReported(req=req, ok=False))
+
+    def _first_token(self, req: str, step: int) -> None:
+        self.runtime.submit(self.bus.emit, FirstToken(req=req, step=step))
 
     def loads_failed(self, reqs: Iterable[str]) -> None:
         """Asynchronous loads of `reqs` failed: never offer the same hit again."""

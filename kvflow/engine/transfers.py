@@ -23,6 +23,7 @@ from ..config import KVFlowConfig
 from ..geometry.layout import KVLayout
 from ..keys import ChunkKey
 from ..observe.events import (
+    ClaimSeen,
     Direction,
     EventBus,
     LayerComputed,
@@ -571,6 +572,8 @@ class Transfers:
         leased: list[float] = []
 
         def renew(lease_s: float) -> None:  # a consumer claimed it: its lease, not the hold
+            if not leased:
+                self.bus.emit(ClaimSeen(req=spec.req))
             lease_s = min(lease_s, self.config.lease_s)  # the consumer's word, bounded
             hold.deadline = min(trio.current_time() + lease_s, cap)
             leased[:] = [lease_s]

@@ -21,16 +21,22 @@ __all__ = [
     "BlocksAllocated",
     "BlocksReleased",
     "CachesRegistered",
+    "ClaimSeen",
+    "ClaimSent",
     "Event",
     "EventBus",
+    "FirstToken",
     "LayerComputed",
     "LayerLoaded",
+    "LoadReported",
     "LoadStarted",
     "LookupAnswered",
     "LookupRequested",
     "Origin",
     "Rejected",
+    "RequestArrived",
     "RequestFinished",
+    "RequestScheduled",
     "SaveStarted",
     "StepBound",
     "StepPlanned",
@@ -94,6 +100,40 @@ class RequestFinished(_Base):
     lent: bool
     blocks: int = 0
     """How many blocks vLLM lends (0 unless `lent`)."""
+    offer: str = ""
+    """A P/D producer's: the offer its blocks are held under (`PdParams.offer`)."""
+
+
+class RequestArrived(_Base):
+    """vLLM handed kvflow a new request of `tokens` prompt tokens; `offer`: the P/D
+    offer its params name (a consumer's P/D request), else ""."""
+
+    tokens: int
+    offer: str = ""
+
+
+class ClaimSent(_Base):
+    """A P/D consumer sent its first claim on the request's offer."""
+
+
+class LoadReported(_Base):
+    """vLLM's scheduler heard that the request's load ended (`finished_recving`; not
+    `ok`: `failed_recving`)."""
+
+    ok: bool = True
+
+
+class RequestScheduled(_Base):
+    """vLLM scheduled the P/D request to compute, after its pull, in step `step`."""
+
+    step: int
+
+
+class FirstToken(_Base):
+    """The step that computed the P/D request's first token is over (vLLM planned the
+    step after it, or the request finished)."""
+
+    step: int
 
 
 # worker side
@@ -154,6 +194,10 @@ class BlocksReleased(_Base):
     pass
 
 
+class ClaimSeen(_Base):
+    """A P/D producer's worker: a consumer claimed the request's offer (its first renewal)."""
+
+
 class TierRead(_Base):
     """A load went through a host-memory tier (`kvflow.tiers`): `hits` chunks came from
     it, `misses` from the store below, `promoted` of those were kept in it, `evicted`
@@ -205,6 +249,11 @@ Event = (
     | BlocksAllocated
     | StepPlanned
     | RequestFinished
+    | RequestArrived
+    | ClaimSent
+    | LoadReported
+    | RequestScheduled
+    | FirstToken
     | CachesRegistered
     | StepBound
     | LoadStarted
@@ -214,6 +263,7 @@ Event = (
     | TransferDone
     | TransferFailed
     | BlocksReleased
+    | ClaimSeen
     | TierRead
     | TierWrite
     | Rejected

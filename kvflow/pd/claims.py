@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 import trio
 
-from ..observe.events import EventBus, LookupAnswered, TaskFailed
+from ..observe.events import ClaimSent, EventBus, LookupAnswered, TaskFailed
 from ..runtime import Backoff, Report, Runtime, supervised
 from ..transport import Renewed, Transport
 
@@ -63,6 +63,8 @@ class Claim:
     """Shards asked again because they have not offered the request yet."""
     error: str = ""
     """Why the request cannot be pulled ("" while it can)."""
+    sent: bool = False
+    """Its first renewal was sent (`ClaimSent`)."""
     since: float = field(default_factory=time.perf_counter)
 
     def __post_init__(self) -> None:
@@ -224,6 +226,10 @@ class Claims:
         if not claims:
             return []
         open_before = {req for req, c in claims if address in c.unanswered}
+        for req, claim in claims:
+            if not claim.sent:
+                claim.sent = True
+                self.bus.emit(ClaimSent(req=req))
         why, answer = "", Renewed({})
         with trio.move_on_after(self.answer_s) as deadline:
             try:

@@ -14,6 +14,9 @@ attack each pair (docs/security.md).
 from __future__ import annotations
 
 import random
+import re
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -26,6 +29,7 @@ import zmq
 from kvflow.keyfiles import keygen
 from kvflow.observe.events import TransferFailed
 from kvflow.observe.log import read_event_log
+from kvflow.observe.timeline import Timeline, timelines
 from kvflow.pd.proxy import PREFILL_PARAMS, PdProxy
 from kvflow_vllm.apiserver import ApiServer, post
 from kvflow_vllm.serving import close_all
@@ -72,7 +76,7 @@ class PD:
         self.keyed = keyed
         """The pair shares a deployment key (`kvflow keygen`), else this host's key."""
         self.events = events
-        """The prefill server's kvflow event log."""
+        """Both servers' kvflow event log (one file: any runtime may append to it)."""
 
     def reference(self, prompt: list[int], max_tokens: int = 8) -> dict[str, Any]:
         """One server doing everything (the prefill server, asked plainly)."""
@@ -96,11 +100,13 @@ def pd(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory)
         pytest.importorskip("nixl_cu12", reason="NIXL is an optional extra: kvflow[nixl]")
     tmp = tmp_path_factory.mktemp(f"serve-pd-{transport}")
     key = str(keygen(tmp / "key")) if keyed else ""
-    events = tmp / "prefill-events.jsonl"
+    events = tmp / "events.jsonl"
     prefill = ApiServer(tmp, "prefill", _config(transport, p_role, key, str(events)), cores="0")
     # dev mode: vLLM's /pause and /resume, to hold a request in the decode server's queue
     dev = {"VLLM_SERVER_DEV_MODE": "1"}
-    decode = ApiServer(tmp, "decode", _config(transport, d_role, key), cores="1", env=dev)
+    decode = ApiServer(
+        tmp, "decode", _config(transport, d_role, key, str(events)), cores="1", env=dev
+    )
     proxy = None
     try:
         prefill.wait_ready()
@@ -148,6 +154,68 @@ def test_one_request_at_a_time_with_the_prefill_server_idle_between(pd: PD) -> N
         assert_same(got, want, f"a {n}-token prompt through P/D")
         pulled, external, _ = _loaded_since(pd.decode, before)
         assert pulled == external == n, f"{n} prompt tokens: pulled {pulled}, vLLM {external}"
+
+
+CHAIN = (
+    "offered",
+    "arrived",
+    "claim sent",
+    "claim answered",
+    "blocks allocated",
+    "pull started",
+    "pull done",
+    "load reported",
+    "scheduled",
+    "first token",
+)
+"""A P/D request's stages in the order they must happen (issue 49)."""
+
+
+def _timeline(pd: PD, req: str) -> Timeline:
+    """The timeline of the decode server's request `req` (an id prefix) once its first
+    token is in the event log, or as it is after 30 s."""
+    deadline = time.monotonic() + 30
+    while True:
+        found = [t for t in timelines(read_event_log(str(pd.events))) if req in t.req]
+        if (found and found[0].first("first token")) or time.monotonic() > deadline:
+            assert found, f"no P/D timeline of {req}"
+            return found[0]
+        time.sleep(0.2)  # polls the servers' event log
+
+
+def test_each_pd_request_has_a_timeline_across_both_servers(pd: PD) -> None:
+    """Issue 49, 1: from both servers' events, one request's way: offer made, arrival,
+    claim sent, seen and answered, blocks, pull, every layer landed, vLLM told, the
+    request scheduled, its first token; in that order, on the host's one clock.
+    `kvflow inspect --timeline` shows it, and the spread of each gap over the log."""
+    prompt = _prompt(150)
+    got = pd.ask(prompt)
+    assert_same(got, pd.reference(prompt), "the request")
+    t = _timeline(pd, got["id"].removeprefix("cmpl-"))
+    at = {m.stage: m.ts for m in reversed(t.marks)}  # each stage's first mark
+    missing = {*CHAIN, "claim seen", "layer landed", "pull served"} - at.keys()
+    assert not missing, f"stages missing: {missing}: {[m.stage for m in t.marks]}"
+    times = [at[stage] for stage in CHAIN]
+    assert times == sorted(times), [m.stage for m in t.marks]
+    assert at["claim sent"] <= at["claim seen"] <= at["pull done"]
+    layers = [m for m in t.marks if m.stage == "layer landed"]
+    assert len({m.detail for m in layers}) == 4, "every layer of the model landed"  # 4 layers
+    assert all(at["pull started"] <= m.ts <= at["load reported"] for m in layers)
+    show = [sys.executable, "-m", "kvflow.cli.main", "inspect", "--log", str(pd.events)]
+    one = subprocess.run([*show, "--timeline", t.req], capture_output=True, text=True)
+    assert one.returncode == 0, one.stderr
+    for stage in (*CHAIN, "claim seen", "layer landed", "pull served"):
+        assert stage in one.stdout, f"{stage!r} not in:\n{one.stdout}"
+    every = subprocess.run([*show, "--timeline"], capture_output=True, text=True)
+    assert every.returncode == 0, every.stderr
+    rows = {cells[1] for ln in every.stdout.splitlines() if len(cells := _cells(ln)) > 2}
+    for span in ("claim", "pull", "first step", "offer to first token"):
+        assert span in rows, every.stdout
+
+
+def _cells(line: str) -> list[str]:
+    """A line of a table `kvflow inspect` drew: its cells, stripped."""
+    return [c.strip() for c in re.split("[│┃]", line)]
 
 
 def test_a_prefix_already_in_the_decode_servers_cache_is_not_pulled_again(pd: PD) -> None:

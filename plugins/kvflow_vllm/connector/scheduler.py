@@ -46,6 +46,15 @@ _NULL_BLOCK = 0
 holds before the window."""
 
 
+def _timeline_marks(scheds: list[SchedulerEngine], vllm_config: VllmConfig) -> None:
+    """One engine (the first group's) marks each request's timeline; under vLLM's async
+    scheduling a step's tokens are in two plans later, not one."""
+    lag = 2 if getattr(vllm_config.scheduler_config, "async_scheduling", False) else 1
+    for n, sched in enumerate(scheds):
+        sched.first_token_lag = lag
+        sched.marks_requests = n == 0
+
+
 class KVFlowScheduler:
     """The scheduler's connector calls, on kvflow's scheduler engines."""
 
@@ -100,6 +109,7 @@ class KVFlowScheduler:
             )
         ]
         """The scheduler engines, one per KV cache group kvflow moves."""
+        _timeline_marks(self.scheds, vllm_config)
         kv_cache_groups = kv_cache_config.kv_cache_groups
         self._sliding = len(self.groups) > 1 and any(
             getattr(kv_cache_groups[g].kv_cache_spec, "sliding_window", None) for g in self.groups
@@ -304,6 +314,9 @@ class KVFlowScheduler:
             self._offered.pop(req, None)  # pulled, released or expired: the blocks are back
             for tracker in self._trackers:  # every worker reported its saves before these
                 tracker.forget(req)
+        self.sched.loads_reported(
+            connector_output.finished_recving or (), connector_output.failed_recving or ()
+        )
         for sched in self.scheds:
             if connector_output.failed_recving:
                 sched.loads_failed(connector_output.failed_recving)
