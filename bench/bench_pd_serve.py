@@ -50,6 +50,19 @@ script exit non-zero. Where the decode server's prompt tokens came from
 (`vllm:prompt_tokens_by_source`, and kvflow's failure counters) is recorded per run:
 a P/D row whose decode server computed the prompts itself is flagged `fell back`.
 
+Where a kvflow P/D request's TTFT goes (`split`): both servers of a kvflow pair write
+one kvflow event log; each request's timeline (`kvflow.observe.timeline`, what `kvflow
+inspect --timeline` shows) and the client's send and first chunk, on one clock
+(`time.monotonic()`), cut its TTFT into consecutive parts: the prefill (client, proxy,
+the prefill server's queue and prefill, until its offer is made), offer to arrival (the
+prefill's answer back through the proxy to the decode server's scheduler), the claim,
+claim to pull (blocks, the step that starts it), the pull, pull to report (vLLM hears
+of it at its next step), report to schedule, the first step, and the first token's
+way to the client. Per configuration: each part's median, what P/D added over the
+prefill (the median sum of the parts after it), and issue 49's goal for that (the
+median pull, one decode step at the median TPOT, 10 ms). vLLM's NixlConnector writes no
+such events: its TTFT is the client's only.
+
 What this machine can show: the pair shares one 2-core host, a core each (prefill 0,
 decode 1), and the API servers, engine cores and proxy float over both; the one
 server computes on both cores (the same hardware as the pair). The pair can overlap
@@ -89,6 +102,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import faults  # noqa: E402  # scripts/faults.py
 from soak_pd import Proxy  # noqa: E402  # scripts/soak_pd.py
 
+from kvflow.observe.log import read_event_log  # noqa: E402
+from kvflow.observe.timeline import Timeline, timelines  # noqa: E402
 from kvflow_vllm.apiserver import ApiServer, free_port  # noqa: E402
 from kvflow_vllm.engine_process import model_dir  # noqa: E402
 
@@ -97,6 +112,8 @@ MAX_TOKENS = 16
 HANG_S = 300.0
 """A request whose server sends nothing for this long has hung (a socket timeout)."""
 ONE = "one server"
+EVENTS = "events.jsonl"
+"""A P/D pair's kvflow event log (both servers'), in its work directory."""
 NIXL_CONNECTOR = "vLLM NixlConnector"
 EXTRA_SOURCES = (
     "kvflow",
@@ -156,6 +173,12 @@ class Sample:
     tokens: int = 0
     text: str = ""
     error: str = ""
+    sent: float = math.nan
+    """When it was sent, and its first token came (`time.monotonic()`, the clock of
+    kvflow's events)."""
+    first: float = math.nan
+    id: str = ""
+    """The answer's id (`cmpl-...`): the decode server's request id starts with it."""
 
 
 @dataclass
@@ -186,6 +209,9 @@ class BenchPair(faults.Pair):
         core = "0" if which == "prefill" else "1"
         env = self.opts.env | self.setup.env()
         cfg = self.setup.kv(self.key, which)
+        if cfg.get("kv_connector") == "KVFlowConnector":  # both servers' events: one log
+            extra = cfg["kv_connector_extra_config"] | {"event_log": str(self.work / EVENTS)}
+            cfg = cfg | {"kv_connector_extra_config": extra}
         return ApiServer(
             self.work, which, cfg, *self.opts.args, model=self.opts.model, cores=core, env=env
         )
@@ -226,6 +252,7 @@ def stream(port: int, model: str, prompt: list[int], sample: Sample) -> Sample:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=HANG_S)
     text: list[str] = []
     t0 = time.perf_counter()
+    sample.sent = time.monotonic()
     try:
         headers = {"Content-Type": "application/json"}
         conn.request("POST", "/v1/completions", json.dumps(body), headers)
@@ -245,6 +272,7 @@ def stream(port: int, model: str, prompt: list[int], sample: Sample) -> Sample:
             for choice in event.get("choices") or []:
                 if math.isnan(sample.ttft_s):
                     sample.ttft_s = time.perf_counter() - t0
+                    sample.first, sample.id = time.monotonic(), str(event.get("id", ""))
                 text.append(choice.get("text") or "")
         sample.latency_s = time.perf_counter() - t0
     except (OSError, ValueError) as exc:
@@ -255,6 +283,36 @@ def stream(port: int, model: str, prompt: list[int], sample: Sample) -> Sample:
     if not sample.error and math.isnan(sample.ttft_s):
         sample.error = "the stream carried no token"
     return sample
+
+
+PARTS = (
+    ("prefill", "sent", "offered"),
+    ("offer to arrival", "offered", "arrived"),
+    ("claim", "arrived", "claim answered"),
+    ("claim to pull", "claim answered", "pull started"),
+    ("pull", "pull started", "pull done"),
+    ("pull to report", "pull done", "load reported"),
+    ("report to schedule", "load reported", "scheduled"),
+    ("first step", "scheduled", "first token"),
+    ("to the client", "first token", "first"),
+)
+"""A P/D request's TTFT in consecutive parts, from the client's send to its first token,
+on one clock: the client's marks (`sent`, `first`) and the request's kvflow timeline."""
+
+
+def split(sample: Sample, lines: list[Timeline]) -> dict[str, float]:
+    """`sample`'s TTFT in `PARTS` (seconds), or {} where its timeline lacks a stage."""
+    found = [t for t in lines if sample.id and t.req.startswith(sample.id + "-")]
+    if not found or sample.error:
+        return {}
+    t = found[0]
+    at = {"sent": sample.sent, "first": sample.first}
+    for stage in {a for _, a, _ in PARTS} | {b for _, _, b in PARTS}:
+        if stage not in at and (ts := t.last(stage) if stage == "pull done" else t.first(stage)):
+            at[stage] = ts
+    if not all(a in at and b in at for _, a, b in PARTS):
+        return {}
+    return {name: at[b] - at[a] for name, a, b in PARTS}
 
 
 def sources(server: ApiServer) -> dict[str, float]:
@@ -307,7 +365,10 @@ def run_setup(
         ]
     if said:
         raise RuntimeError(f"its servers logged {len(said)} line(s) like: {said[0]}")
+    log = work / EVENTS
+    lines = timelines(read_event_log(str(log))) if log.exists() else []
     return {
+        "split": [split(s, lines) for s in samples] if lines else [],
         "repeat": repeat,
         "samples": samples,
         "wall_s": wall,
@@ -350,6 +411,7 @@ def summarise(
         return {k: v for k, v in asdict(s).items() if k in keep}
 
     return {
+        "split": split_figures(runs, good),
         "ttft_s": stats([s.ttft_s for s in good]),
         "latency_s": stats([s.latency_s for s in good]),
         "output_tok_s": statistics.median(run["output_tok_s"] for run in runs),
@@ -365,6 +427,27 @@ def summarise(
             for run in runs
         ],
     }
+
+
+GOAL_SLACK_S = 0.010
+"""Issue 49's goal: what P/D adds over the prefill is at most the pull, one decode step
+and this."""
+
+
+def split_figures(runs: list[dict[str, Any]], good: list[Sample]) -> dict[str, Any]:
+    """The medians of each part of TTFT over the requests with a whole timeline; what P/D
+    added over the prefill (all parts after it) against the goal: the pull, one decode
+    step (TPOT, this configuration's median) and `GOAL_SLACK_S`."""
+    splits = [d for run in runs for d in run.get("split", []) if d]
+    if not splits:
+        return {}
+    med = {name: statistics.median(d[name] for d in splits) for name, _, _ in PARTS}
+    added = statistics.median(sum(v for k, v in d.items() if k != "prefill") for d in splits)
+    tpot = statistics.median(
+        (s.latency_s - s.ttft_s) / (s.tokens - 1) for s in good if s.tokens > 1
+    )
+    goal = med["pull"] + tpot + GOAL_SLACK_S
+    return {"n": len(splits), "median_s": med, "added_s": added, "tpot_s": tpot, "goal_s": goal}
 
 
 def ratios(figures: dict[str, Any]) -> dict[str, dict[str, float]]:
@@ -514,6 +597,12 @@ def main() -> int:
     record.save(args.out, data, meta, extra=EXTRA_SOURCES)
     shutil.rmtree(work, ignore_errors=True)
     print(table(figures, rel))
+    for name, f in figures.items():
+        if sp := f.get("split"):
+            parts = ", ".join(f"{k} {1e3 * v:.1f}" for k, v in sp["median_s"].items())
+            print(f"{name}: TTFT's parts (median ms, {sp['n']} requests): {parts}; added "
+                  f"over the prefill {1e3 * sp['added_s']:.1f} ms, goal "
+                  f"{1e3 * sp['goal_s']:.1f} ms")  # fmt: skip
     print(f"wrote {args.out}")
     bad = any(f.get("mismatches") or f.get("errors") for f in figures.values())
     return 1 if bad else 0

@@ -573,7 +573,30 @@ def pd_serve_table(d: dict[str, Any]) -> list[str]:
     n = next(iter(d["configs"].values()))["ttft_s"]["n"]
     note = f"{d['requests']} prompts of {d['prompt_tokens']} tokens, {d['max_tokens']} output"
     note += f" tokens, {d['concurrency']} in flight, {d['repeats']} repeat(s): {n} samples each"
-    return [*_table(head, rows), "", f"_{note}_"]
+    return [*_table(head, rows), "", f"_{note}_", *_pd_split_table(d)]
+
+
+def _pd_split_table(d: dict[str, Any]) -> list[str]:
+    """Where a P/D request's TTFT goes (bench_pd_serve.py's `split`): each part's median
+    over the requests whose kvflow timeline is whole, what P/D added over the prefill,
+    and issue 49's goal for it (the pull, one decode step, 10 ms)."""
+    splits = {name: c["split"] for name, c in d["configs"].items() if c.get("split")}
+    if not splits:
+        return []
+    parts = list(next(iter(splits.values()))["median_s"])
+    head = ["configuration", "requests", *parts, "added over the prefill", "goal"]
+    rows = [
+        [name, str(s["n"]), *(f"{s['median_s'][p] * 1e3:.1f}" for p in parts),
+         f"{s['added_s'] * 1e3:.1f}", f"{s['goal_s'] * 1e3:.1f}"]
+        for name, s in splits.items()
+    ]  # fmt: skip
+    note = (
+        "TTFT's parts, median ms over the requests, on one clock (the client's send and "
+        "first chunk, kvflow's events of both servers: `kvflow inspect --timeline`); "
+        "added: the parts after the prefill, median of their sum; goal: the median pull, "
+        "one decode step (median TPOT) and 10 ms"
+    )
+    return ["", *_table(head, rows), "", f"_{note}_"]
 
 
 def tests_table(d: dict[str, Any]) -> list[str]:
