@@ -103,7 +103,7 @@ import faults  # noqa: E402  # scripts/faults.py
 from soak_pd import Proxy  # noqa: E402  # scripts/soak_pd.py
 
 from kvflow.observe.log import read_event_log  # noqa: E402
-from kvflow.observe.timeline import Timeline, timelines  # noqa: E402
+from kvflow.observe.timeline import SPANS, Timeline, timelines  # noqa: E402
 from kvflow_vllm.apiserver import ApiServer, free_port  # noqa: E402
 from kvflow_vllm.engine_process import model_dir  # noqa: E402
 
@@ -287,13 +287,7 @@ def stream(port: int, model: str, prompt: list[int], sample: Sample) -> Sample:
 
 PARTS = (
     ("prefill", "sent", "offered"),
-    ("offer to arrival", "offered", "arrived"),
-    ("claim", "arrived", "claim answered"),
-    ("claim to pull", "claim answered", "pull started"),
-    ("pull", "pull started", "pull done"),
-    ("pull to report", "pull done", "load reported"),
-    ("report to schedule", "load reported", "scheduled"),
-    ("first step", "scheduled", "first token"),
+    *SPANS[:-1],  # the timeline's consecutive gaps, offer to first token
     ("to the client", "first token", "first"),
 )
 """A P/D request's TTFT in consecutive parts, from the client's send to its first token,
