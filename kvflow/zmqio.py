@@ -59,11 +59,25 @@ class TrioSocket:
 
     def __init__(self, sock: zmq.Socket[Any]) -> None:
         self.sock = sock
+        self._waiting: set[trio.CancelScope] = set()
 
     async def wait(self, flag: int) -> None:
         """Until the socket can receive (`zmq.POLLIN`) or send (`zmq.POLLOUT`)."""
         while not (int(self.sock.getsockopt(zmq.EVENTS)) & flag):
-            await trio.lowlevel.wait_readable(self.sock.FD)
+            with trio.CancelScope() as scope:  # `used` cancels it: look again
+                self._waiting.add(scope)
+                try:
+                    await trio.lowlevel.wait_readable(self.sock.FD)
+                finally:
+                    self._waiting.discard(scope)
+
+    def used(self) -> None:
+        """Another task sent or received on the socket. ZMQ's FD signals edges, and a
+        send or receive handles what is pending, taking the edge a task in `wait` waits
+        for (a pull arriving while another pull's answer was being sent went unseen):
+        each such task looks at the socket's events again."""
+        for scope in self._waiting:
+            scope.cancel()
 
     async def send_multipart(
         self, frames: Sequence[Any], *, copy: bool = True, track: bool = False
@@ -72,7 +86,9 @@ class TrioSocket:
         backoff = Backoff(BUSY_PEER_MIN_S, BUSY_PEER_MAX_S)
         while True:
             try:
-                return self.sock.send_multipart(frames, zmq.NOBLOCK, copy=copy, track=track)
+                sent = self.sock.send_multipart(frames, zmq.NOBLOCK, copy=copy, track=track)
+                self.used()
+                return sent
             except zmq.Again:
                 if int(self.sock.getsockopt(zmq.EVENTS)) & zmq.POLLOUT:
                     # The socket has room, not for this peer (a ROUTER_MANDATORY peer
@@ -85,7 +101,9 @@ class TrioSocket:
         await trio.lowlevel.checkpoint_if_cancelled()
         while True:
             try:
-                return self.sock.recv_multipart(zmq.NOBLOCK, copy=copy)
+                got = self.sock.recv_multipart(zmq.NOBLOCK, copy=copy)
+                self.used()
+                return got
             except zmq.Again:
                 await self.wait(zmq.POLLIN)
 

@@ -3,11 +3,11 @@ arrives, and keep the claim alive while the request waits to be pulled.
 
 A decode instance may queue a request long after the prefill instance finished
 it. The scheduler adds a claim when a request with P/D params arrives and drops
-it when the request ends. One task renews every claim in rounds (at once for a
-new claim, then every `lease_s / 3`), one `Transport.renew` per producer worker
-carrying all of its requests. The producer holds each claimed request `lease_s`
-from its latest renewal, past its own hold timeout; a consumer that dies lets
-the claim lapse.
+it when the request ends. A new claim is asked at once, on its own (never behind a
+round in flight); one task renews every claim in rounds, every `lease_s / 3`, one
+`Transport.renew` per producer worker carrying all of its requests. The producer holds
+each claimed request `lease_s` from its latest renewal, past its own hold timeout; a
+consumer that dies lets the claim lapse.
 
 The first answer decides the request: held, and it is pulled; refused,
 unreachable, or no answer within `answer_s` (a producer answers a renewal at once:
@@ -43,6 +43,11 @@ from ..transport import Renewed, Transport
 __all__ = ["Claim", "Claims"]
 
 log = logging.getLogger("kvflow.pd.claims")
+
+PENDING_ASK_MAX_S = 0.05
+"""A claim its producer has not offered yet is asked again at most this far apart (from
+5 ms, doubling): the offer comes with the producer's next step, and each ask after it
+lands adds to the request's time to first token (250 ms, before, cost up to that)."""
 
 
 @dataclass
@@ -105,6 +110,8 @@ class Claims:
         self._releases: dict[str, list[str]] = {}  # address -> offers never to be pulled
         self._releasing: dict[str, list[str]] = {}  # address -> offers its task sends
         self._due = trio.Event()
+        self._asks: trio.Nursery | None = None
+        """Where a new claim's first ask runs (the renewal task's, while it runs)."""
         self._started = False
         self._gave_up = gave_up
         """Told if the renewals fail for good (the scheduler then stops the engine)."""
@@ -139,8 +146,14 @@ class Claims:
 
     # -- loop --------------------------------------------------------------
     def _add(self, req: str, claim: Claim) -> None:
+        """A new claim is asked at once, on its own: never behind a round in flight (one
+        slow producer's answer held every new claim to every producer)."""
         self._claims[req] = claim
-        self._due.set()
+        if self._asks is None:  # the renewal task is (re)starting: its first round asks
+            self._due.set()
+            return
+        for address in claim.addresses:
+            self._asks.start_soon(self._renew_at, self._asks, address, [(req, claim)])
 
     def _let_go(self, offer: str, addresses: list[str]) -> None:
         for address in addresses:
@@ -152,24 +165,32 @@ class Claims:
             claim.waiting.clear()  # of offers not made yet ended with the last run
         if self._claims or self._releases:  # and the round is due at once
             self._due.set()
-        async with trio.open_nursery() as waits:  # asks of offers not made yet; releases
-            while True:
-                with trio.move_on_after(self.lease_s / 3):
-                    await self._due.wait()
-                self._due = trio.Event()
-                by_address: dict[str, list[tuple[str, Claim]]] = {}
-                for req, claim in self._claims.items():
-                    for address in claim.addresses:
-                        by_address.setdefault(address, []).append((req, claim))
-                releases, self._releases = self._releases, {}
-                for address, offers in releases.items():  # one task per producer, apart
-                    if address not in self._releasing:  # from the rounds (it retries)
-                        self._releasing[address] = []
-                        waits.start_soon(self._release_at, address)
-                    self._releasing[address] += offers
-                async with trio.open_nursery() as nursery:
-                    for address, claims in by_address.items():
-                        nursery.start_soon(self._renew_at, waits, address, claims)
+        async with trio.open_nursery() as waits:  # first asks, asks of offers not made
+            self._asks = waits  # yet, releases
+            try:
+                await self._rounds(waits)
+            finally:
+                self._asks = None
+
+    async def _rounds(self, waits: trio.Nursery) -> None:
+        """Renew every claim each `lease_s / 3` (and tell producers of releases)."""
+        while True:
+            with trio.move_on_after(self.lease_s / 3):
+                await self._due.wait()
+            self._due = trio.Event()
+            by_address: dict[str, list[tuple[str, Claim]]] = {}
+            for req, claim in self._claims.items():
+                for address in claim.addresses:
+                    by_address.setdefault(address, []).append((req, claim))
+            releases, self._releases = self._releases, {}
+            for address, offers in releases.items():  # one task per producer, apart
+                if address not in self._releasing:  # from the rounds (it retries)
+                    self._releasing[address] = []
+                    waits.start_soon(self._release_at, address)
+                self._releasing[address] += offers
+            async with trio.open_nursery() as nursery:
+                for address, claims in by_address.items():
+                    nursery.start_soon(self._renew_at, waits, address, claims)
 
     async def _release_at(self, address: str) -> None:
         """Tell `address` this consumer will not pull the offers in `_releasing[address]`
@@ -206,7 +227,7 @@ class Claims:
     async def _wait_for_offers(self, address: str, claims: list[tuple[str, Claim]]) -> None:
         """Ask `address` again for `claims` it has not offered yet, until it has, or
         until `timeout_s` after the claim (then the claim fails, naming the producer)."""
-        backoff = Backoff(0.005, 0.25)
+        backoff = Backoff(0.005, PENDING_ASK_MAX_S)
         while claims:
             waiting = []
             for req, claim in claims:

@@ -426,5 +426,6 @@ async def answer_renew(
     await trio.lowlevel.checkpoint()
     try:
         router.sock.send_multipart([ident, frame], zmq.NOBLOCK)
+        router.used()
     except zmq.ZMQError as exc:
         log.info("kvflow: a consumer renewing %d request(s) is unreachable: %s", len(msg.reqs), exc)

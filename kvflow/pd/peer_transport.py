@@ -277,6 +277,7 @@ class PeerTransport(Transport):
         assert self._router is not None
         try:
             self._router.sock.send_multipart([ident, *frames], zmq.NOBLOCK, copy=copy)
+            self._router.used()  # serve() may be waiting to receive
             return True
         except zmq.Again:
             self.reject(

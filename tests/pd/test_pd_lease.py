@@ -13,6 +13,7 @@ import os
 import socket
 import threading
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import pytest
 import trio
@@ -23,10 +24,12 @@ from kvflow.engine.metadata import LoadSpec, OfferSpec, WorkerPlan
 from kvflow.engine.scheduler import ScheduledRequest, SchedulerEngine
 from kvflow.observe.events import (
     BlocksReleased,
+    ClaimSent,
     EventBus,
     LookupAnswered,
     Origin,
     TaskFailed,
+    TransferDone,
     TransferFailed,
 )
 from kvflow.observe.stats import StatsCollector
@@ -266,6 +269,65 @@ def test_a_claim_that_reaches_the_producer_before_its_offer_is_held_once_offered
     assert held.hit_tokens == len(PROMPT) and not held.error, held
     assert _planned_load(sched, "d").error == ""
     assert sched.lookup("d", 0) == len(PROMPT)
+
+
+def test_a_new_claim_is_answered_while_another_producer_hangs_on_a_renewal(
+    start_engine: Callable[..., Engine], make_runtime: MakeRuntime
+) -> None:
+    """Issue 49: a new claim went out with the next round of renewals, and a round waits
+    for every producer's answer, so one slow producer (busy serving a pull, or hung)
+    held every new claim to every other producer. A new claim is now asked on its own."""
+    slow = start_engine("producer-slow", worker_transport=_zmq)
+    fast = start_engine("producer-fast", worker_transport=_zmq)
+    _offer(slow, "a-req")
+    _offer(fast)
+    sched, rec = _consumer(make_runtime, progress_timeout_s=600.0, lookup_timeout_s=600.0)
+    sched.add_request("d1", PROMPT, pd=_pd([slow.worker_transport.address], "a-req"))
+    assert not rec.wait_for(LookupAnswered, "d1").error
+    with loop_held(slow.worker.runtime):  # it answers nothing now (for up to 600 s)
+        sched.add_request("d2", PROMPT, pd=_pd([slow.worker_transport.address], "a-req"))
+        rec.wait_for(ClaimSent, "d2")  # its ask waits on the slow producer
+        sched.add_request("e", PROMPT, pd=_pd([fast.worker_transport.address]))
+        held = rec.wait_for(LookupAnswered, "e")
+        assert held.hit_tokens == len(PROMPT) and not held.error, held
+
+
+class _SlowSend(ZmqTransport):
+    """A producer whose answer to a pull takes until `go` is set (a pull of many MiB on a
+    core busy with prefills took up to 0.6 s)."""
+
+    sending, go = threading.Event(), threading.Event()
+
+    async def _send(self, *args: Any) -> bool:
+        self.sending.set()
+        await trio.to_thread.run_sync(self.go.wait, WAIT)
+        return await super()._send(*args)
+
+
+def test_a_producer_answers_claims_while_it_answers_a_pull(
+    start_engine: Callable[..., Engine], make_runtime: MakeRuntime
+) -> None:
+    """Issue 49: a `zmq` producer answered a pull in its serving loop, so a claim that
+    came meanwhile waited for the whole pull (the median claim on vLLM's servers took
+    15 ms, the slowest 434 ms). The pull is now answered in a task of its own."""
+    producer = start_engine(
+        "producer", worker_transport=lambda _o, ctx: _SlowSend(ZmqOptions(), ctx)
+    )
+    _offer(producer)
+    _offer(producer, "q-req", step=2)
+    sched, rec = _consumer(make_runtime)
+    sched.add_request("d", PROMPT, pd=_pd([producer.worker_transport.address]))
+    assert not rec.wait_for(LookupAnswered, "d").error
+    consumer = start_engine("consumer", worker_transport=_zmq)
+    try:
+        run_step(consumer, WorkerPlan(step=1, loads=[_planned_load(sched, "d")]))
+        assert _SlowSend.sending.wait(WAIT)  # the producer is answering d's pull
+        sched.add_request("d2", PROMPT, pd=_pd([producer.worker_transport.address], "q-req"))
+        held = rec.wait_for(LookupAnswered, "d2")
+        assert held.hit_tokens == len(PROMPT) and not held.error, held
+    finally:
+        _SlowSend.go.set()
+    consumer.worker_events.wait_for(TransferDone, "d")
 
 
 def test_a_tensor_parallel_claim_waits_for_the_shard_that_has_not_offered_yet(
