@@ -313,6 +313,12 @@ class Transport(ABC):
         hold timeout."""
         return Renewed({})
 
+    async def touch(self, keys: Sequence[ChunkKey]) -> None:  # noqa: B027 - optional hook
+        """A tier above this store served `keys` (this worker's chunks): count them as
+        used now, as a load of them would, so that a store evicting what was used least
+        recently keeps what is hot above it (decision 92). Best effort; the default does
+        nothing (a store that keeps no recency)."""
+
     @abstractmethod
     async def lookup(self, keys: Sequence[ChunkKey]) -> int: ...
 

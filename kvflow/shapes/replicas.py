@@ -80,6 +80,9 @@ class ReplicaStore(Transport):
     async def lookup(self, keys: Sequence[ChunkKey], *shards: Any) -> int:
         return await self.inner.lookup(keys, *shards)
 
+    async def touch(self, keys: Sequence[ChunkKey]) -> None:
+        """Nothing: the first replica's chunks are its own to count as used."""
+
     async def save(self, job: SaveJob) -> None:
         """Nothing to write: another rank saves these bytes."""
 

@@ -55,6 +55,15 @@ __all__ = ["StackedStore", "stack_of", "stacked", "tiers_of"]
 log = logging.getLogger("kvflow.tiers")
 
 
+async def touched(store: Transport, keys: Sequence[ChunkKey]) -> None:
+    """Tell `store` that a tier above it served `keys` (`Transport.touch`); a store that
+    cannot hear it is logged, never a failed load."""
+    try:
+        await store.touch(keys)
+    except (TransportError, OSError) as exc:
+        log.info("kvflow tier %s: counting %d chunk(s) as used: %s", store.name, len(keys), exc)
+
+
 def stacked(tiers: Sequence[Transport]) -> Transport:
     """`tiers[0]` over `tiers[1]` over ...: one store (named and optioned as `tiers[0]`,
     capable of what all of them are)."""
@@ -162,6 +171,9 @@ class StackedStore(Transport):
                 nursery.start_soon(one, 1, self.lower)
         return out
 
+    async def touch(self, keys: Sequence[ChunkKey]) -> None:
+        await self._both(lambda t: t.touch(keys))
+
     # -- save --------------------------------------------------------------------
     async def save(self, job: SaveJob) -> None:
         def sub() -> SaveJob:  # the blocks are read until both saves end: no early release
@@ -191,6 +203,8 @@ class StackedStore(Transport):
         read = TierRead(req=job.req, tier=self.tier, hits=held, misses=n - held,
                         promoted=promoted, nbytes=0)  # fmt: skip
         self.context.emit_tier_event(read)
+        if held and not job.shard:  # what the upper tier served is used below too
+            await touched(self.lower, job.keys[: min(held, n)])
 
     async def _load_split(self, job: LoadJob, held: int) -> int:
         """The first `held` chunks from the upper tier, the rest from below (`_load_parts`);

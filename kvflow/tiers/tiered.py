@@ -14,7 +14,10 @@ and keeps a `HostCache` on each worker:
   store at the same time, layer by layer, and, where a slot can be had, kept in the
   cache before their layer is signalled (after the signal the layer is vLLM's again).
 - **lookup** asks the store. A chunk whose write-back failed stays in the cache but is a
-  miss for the scheduler, as it is without the tier.
+  miss for the scheduler, as it is without the tier. So that the store keeps what the
+  cache serves, each chunk a load takes from the cache counts as used in the store
+  (`Transport.touch`): the store's own recency saw only its own reads, and evicted a
+  prefix read from the cache after every other prompt as its coldest.
 
 A save says which tiers hold its chunks (`SaveJob.stored_in`: this one and the store's,
 or only the store's when it wrote through), and what the cache evicts goes to the
@@ -38,6 +41,7 @@ from ..keys import ChunkKey
 from ..observe.events import TierRead, TierWrite
 from ..transport import LoadJob, SaveJob, Transport, TransportError, wrapper_class
 from .host import HostCache
+from .stacked import touched
 
 TIER = "cpu"
 """The tier's name in events, stats and metrics (`vllm:kvflow_tier_*{tier="cpu"}`)."""
@@ -219,6 +223,8 @@ class HostTier(Transport):
                 nbytes=nbytes, evicted=evicted,
             )
         )  # fmt: skip
+        if held:  # used here, so used in the store: it must not evict them as cold
+            await touched(self.inner, [job.keys[c] for c in held])
 
     async def _load_from_both(
         self,

@@ -30,7 +30,6 @@ from ..support.compat import PLAIN_ROW
 from ..support.vllm_engines import (
     assert_same_generation,
     events_for,
-    run_engine,
     run_engines,
     started,
 )
@@ -53,12 +52,15 @@ P5 = _prompt(130)  # chunk 1 gets a flipped byte
 P6 = _prompt(120)  # chunk 2 gets truncated
 P7 = _prompt(100)  # chunk 0 corrupted, for policy `fail`
 ALL = [P1, P2, P3, P4, P5, P6, P7]
+HOT = _prompt(599)  # read again after each of eight others (issue 50, item 0)
+OTHERS = [_prompt(599) for _ in range(8)]
 
 
 class Run:
     baseline: ScenarioResult
     cold: ScenarioResult
     warm: ScenarioResult
+    hot: ScenarioResult
 
     def __init__(self, tmp: Path) -> None:
         self.tmp = tmp
@@ -98,7 +100,19 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
     warm = r.extra("warm", cpu_cache_gib=0.05)  # a host-memory tier over two stores:
     warm["options"] = {"path": str(r.tmp / "near")}  # an empty one (a local disk), over
     warm["tiers"] = [{"transport": "fs", "options": {"path": str(r.cache)}}]  # the cold's
-    r.warm = run_engine(r.tmp, "warm", batches=[[P1], [P3, P4, P2], [P5, P6]], extra_config=warm)
+    # beside it, a store at its cap behind a host tier, one prompt read after every other
+    hot = {"options": {"path": str(r.tmp / "capped"), "max_gb": 0.012}, "cpu_cache_gib": 1}
+    second = run_engines(
+        r.tmp,
+        {
+            "warm": {"batches": [[P1], [P3, P4, P2], [P5, P6]], "extra_config": warm},
+            "hot": {
+                "batches": [[HOT]] + [b for o in OTHERS for b in ([o], [HOT])],
+                "extra_config": hot,
+            },
+        },
+    )
+    r.warm, r.hot = started(second["warm"]), started(second["hot"])
     return r
 
 
@@ -156,6 +170,16 @@ def test_the_host_tier_keeps_what_the_store_served_and_serves_it_again(run: Run)
     assert reads(run, p1, "cpu") == [(0, 7, 7)], "every chunk from the store, each kept"
     assert reads(run, p3, "cpu") == [(3, 0, 0)], "P1's three blocks, from host memory"
     assert reads(run, p4, "cpu") == [], "a miss loads nothing"
+
+
+def test_a_host_tier_never_loses_a_prefix_the_store_alone_would_keep(run: Run) -> None:
+    """Issue 50, item 0: a prompt read again after each of eight others is the store's
+    most recently used, so a store at its cap keeps it. Behind a host tier, reads of it
+    the tier served never told the store, which evicted its files as the least recently
+    used; lookups ask the store, so 2 of 9 reads were recomputed. Every read after the
+    first now loads all of it."""
+    reads = [b[0] for b in run.hot.batches[2::2]]
+    assert [r.cached_tokens for r in reads] == [len(HOT) - 1] * len(reads)  # vLLM computes one
 
 
 def reads(run: Run, got: GenResult, tier: str) -> list[tuple[int, int, int]]:

@@ -408,6 +408,23 @@ async def test_size_cap_evicts_least_recently_used(kv: Harness, factory: Factory
     await kv.round_trip(worker, worker, d)
 
 
+async def test_chunks_a_tier_above_served_are_evicted_last(kv: Harness, factory: Factory) -> None:
+    """Issue 50, item 0: `touch` (a host tier served these chunks) counts as a read."""
+    file_bytes = HEADER_SIZE + kv.layout.nbytes([kv.layout.block_size])
+    factory.options["max_gb"] = 4.2 * file_bytes / (1 << 30)  # room for 4 files, not 5
+    worker = await fs_worker(kv)
+    sched = await kv.scheduler()
+    a, b, c, d = [await saved(kv, worker, 1) for _ in range(4)]
+    now = time.time()
+    for age, chunk in zip([400, 300, 200, 100], [a, b, c, d], strict=True):
+        os.utime(worker.path(chunk.keys[0]), (now - age, now - age))
+    await worker.touch([*a.keys, "0" * 32])  # a chunk not (or no longer) stored: skipped
+    e = await saved(kv, worker, 1)
+    await worker.chores_done()
+    present = [await sched.lookup(chunk.keys) for chunk in (a, b, c, d, e)]
+    assert present == [1, 0, 0, 1, 1]
+
+
 async def test_size_cap_counts_files_already_in_the_store(kv: Harness, factory: Factory) -> None:
     file_bytes = HEADER_SIZE + kv.layout.nbytes([kv.layout.block_size])
     first = await fs_worker(kv)

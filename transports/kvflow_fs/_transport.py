@@ -238,6 +238,12 @@ class FsTransport(Transport):
         paths = [[self.path(k, s) for s in shards] for k in keys]
         return await trio.to_thread.run_sync(_count_present, paths)
 
+    async def touch(self, keys: Sequence[ChunkKey]) -> None:
+        """Count this shard's files of `keys` as just read: eviction takes the oldest
+        modification times first, and a load sets its files' to now."""
+        paths = [self.path(k) for k in keys]
+        await trio.to_thread.run_sync(_touch_files, paths)
+
     # -- save --------------------------------------------------------------
     async def save(self, job: SaveJob) -> None:
         """Wait for every layer, then write each chunk's payload in one system call.
@@ -516,6 +522,14 @@ def _discard(fds: list[int | None], tmps: list[Path]) -> None:
                 os.close(fd)
         with contextlib.suppress(OSError):
             tmp.unlink()
+
+
+def _touch_files(paths: list[Path]) -> None:
+    """Set each file's times to now (recency for LRU eviction); a file gone is skipped."""
+    now = time.time()
+    for path in paths:
+        with contextlib.suppress(OSError):
+            os.utime(path, (now, now))
 
 
 def _close_files(fds: list[int]) -> None:

@@ -324,6 +324,13 @@ class RedisTransport(Transport):
                 return i
         return len(keys)
 
+    async def touch(self, keys: Sequence[ChunkKey]) -> None:
+        """`TOUCH` this shard's value of each of `keys` (one round trip, pipelined): a
+        host tier served them, and `allkeys-lru` must not evict them as cold."""
+        if keys:
+            names = [self.key(k) for k in keys]
+            await self._run("touch", lambda pipe: [pipe.touch([n]) for n in names])
+
     # -- save --------------------------------------------------------------
     async def save(self, job: SaveJob) -> None:
         """Each chunk not stored yet becomes one `SET`, sent once every layer is final,

@@ -179,6 +179,24 @@ async def test_corrupt_value_fails_its_chunk_and_is_deleted(redis_url: str) -> N
         await t.aclose()
 
 
+async def test_touch_marks_this_shards_values_used(redis_url: str) -> None:
+    """Issue 50, item 0: chunks a host tier served are TOUCHed (the LRU clock that
+    `allkeys-lru` evicts by; EXISTS, the lookup, does not move it), one per chunk."""
+    t, _ = await _saved(redis_url)
+    try:
+        before = await _touches(t)
+        await t.touch(["k0", "k2"])
+        assert await _touches(t) == before + 2
+    finally:
+        await t.aclose()
+
+
+async def _touches(t: RedisTransport) -> int:
+    stats = await t.client.info("commandstats")
+    touch = stats.get("cmdstat_touch", {})
+    return int(touch.get("calls", 0)) if isinstance(touch, dict) else 0
+
+
 async def test_ttl_sets_an_expiry(redis_url: str) -> None:
     t, _ = await _saved(redis_url, ttl_s=100)
     try:
