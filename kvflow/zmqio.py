@@ -1,11 +1,14 @@
 """pyzmq sockets driven from trio, without threads or a zmq poller.
 
-pyzmq has no trio integration. What works: one trio task owns each socket; it
-sends and receives with `zmq.NOBLOCK`, and on `zmq.Again` waits for the
-socket's FD to become readable. That FD is edge-triggered and signals *any*
-change of `zmq.EVENTS`, so the loop re-checks `EVENTS` before every wait and
-never sleeps on an edge it already consumed. Never share a socket across tasks
-or threads.
+pyzmq has no trio integration. What works: sends and receives with `zmq.NOBLOCK`,
+and on `zmq.Again` a wait for the socket's FD to become readable. That FD is
+edge-triggered and signals *any* change of `zmq.EVENTS`, so the loop re-checks
+`EVENTS` before every wait and never sleeps on an edge it already consumed. Every
+use of a socket (a send, a receive, reading `EVENTS`, failed or not) may take that
+edge: a socket that several tasks of one loop use (a producer's ROUTER: the receiving
+loop, and the tasks answering pulls) says so with `TrioSocket.used()` after each, and
+the task waiting on the FD looks again. Only one task may wait on a socket's FD;
+never share a socket across threads.
 """
 
 from __future__ import annotations
@@ -72,12 +75,18 @@ class TrioSocket:
                     self._waiting.discard(scope)
 
     def used(self) -> None:
-        """Another task sent or received on the socket. ZMQ's FD signals edges, and a
-        send or receive handles what is pending, taking the edge a task in `wait` waits
-        for (a pull arriving while another pull's answer was being sent went unseen):
-        each such task looks at the socket's events again."""
+        """The socket was used (see the module text): a task in `wait` looks at its
+        events again (a pull that arrived while another pull's answer was being sent
+        went unseen until the next message)."""
         for scope in self._waiting:
             scope.cancel()
+
+    def send_now(self, frames: Sequence[Any], *, copy: bool = True) -> None:
+        """Send at once or raise (`zmq.Again`: no room; other `zmq.ZMQError`s)."""
+        try:
+            self.sock.send_multipart(frames, zmq.NOBLOCK, copy=copy)
+        finally:
+            self.used()
 
     async def send_multipart(
         self, frames: Sequence[Any], *, copy: bool = True, track: bool = False
@@ -86,26 +95,26 @@ class TrioSocket:
         backoff = Backoff(BUSY_PEER_MIN_S, BUSY_PEER_MAX_S)
         while True:
             try:
-                sent = self.sock.send_multipart(frames, zmq.NOBLOCK, copy=copy, track=track)
-                self.used()
-                return sent
+                return self.sock.send_multipart(frames, zmq.NOBLOCK, copy=copy, track=track)
             except zmq.Again:
-                if int(self.sock.getsockopt(zmq.EVENTS)) & zmq.POLLOUT:
-                    # The socket has room, not for this peer (a ROUTER_MANDATORY peer
-                    # whose pipe is full): no FD edge will say when; back off.
-                    await backoff.wait()
-                else:
-                    await self.wait(zmq.POLLOUT)
+                room = int(self.sock.getsockopt(zmq.EVENTS)) & zmq.POLLOUT
+            finally:
+                self.used()
+            if room:  # room, not for this peer (a ROUTER_MANDATORY peer whose pipe is
+                await backoff.wait()  # full): no FD edge will say when; back off
+            else:
+                await self.wait(zmq.POLLOUT)
 
     async def recv_multipart(self, *, copy: bool = True) -> list[Any]:
         await trio.lowlevel.checkpoint_if_cancelled()
         while True:
             try:
-                got = self.sock.recv_multipart(zmq.NOBLOCK, copy=copy)
-                self.used()
-                return got
+                return self.sock.recv_multipart(zmq.NOBLOCK, copy=copy)
             except zmq.Again:
-                await self.wait(zmq.POLLIN)
+                pass
+            finally:
+                self.used()
+            await self.wait(zmq.POLLIN)
 
     async def answer_all(
         self, answer: Callable[[list[bytes]], list[bytes]], batch: int = ANSWER_BATCH

@@ -111,7 +111,11 @@ class Claims:
         self._releasing: dict[str, list[str]] = {}  # address -> offers its task sends
         self._due = trio.Event()
         self._asks: trio.Nursery | None = None
-        """Where a new claim's first ask runs (the renewal task's, while it runs)."""
+        """Where first asks and asks again run (the renewal task's, while it runs)."""
+        self._new: dict[str, list[tuple[str, Claim]]] = {}
+        """address -> claims its first-ask task asks next, together."""
+        self._pending: dict[str, list[tuple[str, Claim]]] = {}
+        """address -> claims it has not offered yet, which its task asks again."""
         self._started = False
         self._gave_up = gave_up
         """Told if the renewals fail for good (the scheduler then stops the engine)."""
@@ -146,14 +150,27 @@ class Claims:
 
     # -- loop --------------------------------------------------------------
     def _add(self, req: str, claim: Claim) -> None:
-        """A new claim is asked at once, on its own: never behind a round in flight (one
-        slow producer's answer held every new claim to every producer)."""
+        """A new claim is asked at once, apart from the rounds (a round waits for every
+        producer's answer: one slow producer held every new claim to every producer),
+        with the new claims to the same producer that came meanwhile."""
         self._claims[req] = claim
         if self._asks is None:  # the renewal task is (re)starting: its first round asks
             self._due.set()
             return
         for address in claim.addresses:
-            self._asks.start_soon(self._renew_at, self._asks, address, [(req, claim)])
+            if address not in self._new:
+                self._new[address] = []
+                self._asks.start_soon(self._first_asks, self._asks, address)
+            self._new[address].append((req, claim))
+
+    async def _first_asks(self, waits: trio.Nursery, address: str) -> None:
+        """Ask `address` for the new claims queued for it, all at once, until none is left."""
+        try:
+            while batch := self._new[address]:
+                self._new[address] = []
+                await self._renew_at(waits, address, batch)
+        finally:
+            self._new.pop(address, None)
 
     def _let_go(self, offer: str, addresses: list[str]) -> None:
         for address in addresses:
@@ -163,6 +180,7 @@ class Claims:
     async def _renewals(self) -> None:
         for claim in self._claims.values():  # started again after a failure: the asks
             claim.waiting.clear()  # of offers not made yet ended with the last run
+        self._new, self._pending = {}, {}
         if self._claims or self._releases:  # and the round is due at once
             self._due.set()
         async with trio.open_nursery() as waits:  # first asks, asks of offers not made
@@ -219,28 +237,36 @@ class Claims:
     ) -> None:
         pending = await self._ask(address, claims)
         new = [(req, c) for req, c in pending if address not in c.waiting]
-        if new:
-            for _, claim in new:
-                claim.waiting.add(address)
-            waits.start_soon(self._wait_for_offers, address, new)
+        for _, claim in new:
+            claim.waiting.add(address)
+        if new and address not in self._pending:
+            self._pending[address] = []
+            waits.start_soon(self._wait_for_offers, address)
+        self._pending.get(address, []).extend(new)
 
-    async def _wait_for_offers(self, address: str, claims: list[tuple[str, Claim]]) -> None:
-        """Ask `address` again for `claims` it has not offered yet, until it has, or
-        until `timeout_s` after the claim (then the claim fails, naming the producer)."""
+    async def _wait_for_offers(self, address: str) -> None:
+        """Ask `address` again, together, for the claims it has not offered yet
+        (`_pending[address]`; later ones join), until it has, or until `timeout_s` after
+        each claim (that claim then fails, naming the producer)."""
         backoff = Backoff(0.005, PENDING_ASK_MAX_S)
-        while claims:
-            waiting = []
-            for req, claim in claims:
-                if self._claims.get(req) is not claim or address not in claim.unanswered:
-                    continue  # dropped, or answered meanwhile
-                if time.perf_counter() - claim.since < self.timeout_s:
-                    waiting.append((req, claim))
-                    continue
-                why = f"producer {address} has not offered {claim.req} within {self.timeout_s}s"
-                self._settle(req, claim, address, f"{why} of the claim (lookup_timeout_s)")
-            if waiting:
-                await backoff.wait()
-            claims = await self._ask(address, waiting)
+        try:
+            while claims := self._pending[address]:
+                waiting = []
+                for req, claim in claims:
+                    if self._claims.get(req) is not claim or address not in claim.unanswered:
+                        continue  # dropped, or answered meanwhile
+                    if time.perf_counter() - claim.since < self.timeout_s:
+                        waiting.append((req, claim))
+                        continue
+                    why = f"producer {address} has not offered {claim.req} within {self.timeout_s}s"
+                    self._settle(req, claim, address, f"{why} of the claim (lookup_timeout_s)")
+                self._pending[address] = []
+                if waiting:
+                    await backoff.wait()
+                still = await self._ask(address, waiting)
+                self._pending[address] = still + self._pending[address]  # + those that joined
+        finally:
+            self._pending.pop(address, None)
 
     async def _ask(self, address: str, claims: list[tuple[str, Claim]]) -> list[tuple[str, Claim]]:
         """One renewal of `claims` at `address`; returns those it has not offered yet."""

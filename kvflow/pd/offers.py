@@ -425,7 +425,6 @@ async def answer_renew(
     frame = (channel or Channel()).seal(_encoder.encode(answer), "consumer", bind)
     await trio.lowlevel.checkpoint()
     try:
-        router.sock.send_multipart([ident, frame], zmq.NOBLOCK)
-        router.used()
+        router.send_now([ident, frame])
     except zmq.ZMQError as exc:
         log.info("kvflow: a consumer renewing %d request(s) is unreachable: %s", len(msg.reqs), exc)

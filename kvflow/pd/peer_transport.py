@@ -199,6 +199,7 @@ class PeerTransport(Transport):
                 except Exception as exc:  # one message's failure never ends serve()
                     why = shown(f"{type(exc).__name__}: {exc}")
                     self.reject("frame", f"handling a frame failed: {why}")
+                await trio.lowlevel.checkpoint()  # a flood of frames never holds the loop
 
     async def _count_failed_handshakes(self, router: TrioSocket) -> None:
         """Count each connection whose handshake failed (a peer without the key)."""
@@ -276,8 +277,7 @@ class PeerTransport(Transport):
         consumer)."""
         assert self._router is not None
         try:
-            self._router.sock.send_multipart([ident, *frames], zmq.NOBLOCK, copy=copy)
-            self._router.used()  # serve() may be waiting to receive
+            self._router.send_now([ident, *frames], copy=copy)  # serve() may wait to receive
             return True
         except zmq.Again:
             self.reject(

@@ -49,19 +49,11 @@ from ..transport import (
     one_error,
     wrapper_class,
 )
+from .recency import Recency
 
 __all__ = ["StackedStore", "stack_of", "stacked", "tiers_of"]
 
 log = logging.getLogger("kvflow.tiers")
-
-
-async def touched(store: Transport, keys: Sequence[ChunkKey]) -> None:
-    """Tell `store` that a tier above it served `keys` (`Transport.touch`); a store that
-    cannot hear it is logged, never a failed load."""
-    try:
-        await store.touch(keys)
-    except (TransportError, OSError) as exc:
-        log.info("kvflow tier %s: counting %d chunk(s) as used: %s", store.name, len(keys), exc)
 
 
 def stacked(tiers: Sequence[Transport]) -> Transport:
@@ -112,6 +104,7 @@ class StackedStore(Transport):
     def __init__(self, upper: Transport, lower: Transport) -> None:
         super().__init__(upper.options, lower.context)
         self.upper, self.lower = upper, lower
+        self._recency = Recency(lower)
 
     @property
     def tier(self) -> str:
@@ -203,8 +196,8 @@ class StackedStore(Transport):
         read = TierRead(req=job.req, tier=self.tier, hits=held, misses=n - held,
                         promoted=promoted, nbytes=0)  # fmt: skip
         self.context.emit_tier_event(read)
-        if held and not job.shard:  # what the upper tier served is used below too
-            await touched(self.lower, job.keys[: min(held, n)])
+        if held and job.shard in ("", self.context.shard):  # the upper tier's chunks are
+            self._recency.used(job.keys[: min(held, n)])  # used below too
 
     async def _load_split(self, job: LoadJob, held: int) -> int:
         """The first `held` chunks from the upper tier, the rest from below (`_load_parts`);

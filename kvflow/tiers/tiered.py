@@ -16,8 +16,9 @@ and keeps a `HostCache` on each worker:
 - **lookup** asks the store. A chunk whose write-back failed stays in the cache but is a
   miss for the scheduler, as it is without the tier. So that the store keeps what the
   cache serves, each chunk a load takes from the cache counts as used in the store
-  (`Transport.touch`): the store's own recency saw only its own reads, and evicted a
-  prefix read from the cache after every other prompt as its coldest.
+  (`kvflow.tiers.recency`, off the load's path): the store's own recency saw only its
+  own reads, and evicted a prefix read from the cache after every other prompt as its
+  coldest.
 
 A save says which tiers hold its chunks (`SaveJob.stored_in`: this one and the store's,
 or only the store's when it wrote through), and what the cache evicts goes to the
@@ -41,7 +42,7 @@ from ..keys import ChunkKey
 from ..observe.events import TierRead, TierWrite
 from ..transport import LoadJob, SaveJob, Transport, TransportError, wrapper_class
 from .host import HostCache
-from .stacked import touched
+from .recency import Recency
 
 TIER = "cpu"
 """The tier's name in events, stats and metrics (`vllm:kvflow_tier_*{tier="cpu"}`)."""
@@ -63,6 +64,7 @@ class HostTier(Transport):
     def __init__(self, inner: Transport, nbytes: int, policy: str) -> None:
         super().__init__(inner.options, inner.context)
         self.inner = inner
+        self._recency = Recency(inner)
         self.nbytes = nbytes
         self.policy = policy
         self.cache: HostCache | None = None
@@ -224,7 +226,7 @@ class HostTier(Transport):
             )
         )  # fmt: skip
         if held:  # used here, so used in the store: it must not evict them as cold
-            await touched(self.inner, [job.keys[c] for c in held])
+            self._recency.used([job.keys[c] for c in held])
 
     async def _load_from_both(
         self,

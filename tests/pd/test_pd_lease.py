@@ -292,6 +292,39 @@ def test_a_new_claim_is_answered_while_another_producer_hangs_on_a_renewal(
         assert held.hit_tokens == len(PROMPT) and not held.error, held
 
 
+def test_new_claims_to_one_producer_go_out_together(
+    start_engine: Callable[..., Engine], make_runtime: MakeRuntime
+) -> None:
+    """New claims are asked apart from the rounds, but together per producer: a burst of
+    requests costs the producer one renewal (one connection, one handshake when keyed),
+    not one each."""
+    producer = start_engine("producer", worker_transport=_zmq)
+    reqs = [f"p{i}" for i in range(8)]
+    for step, req in enumerate(reqs, 1):
+        _offer(producer, req, step=step)
+    peer = producer.worker_transport
+    assert isinstance(peer, ZmqTransport)
+    asked: list[int] = []  # each renewal: how many of the burst's offers it carried
+    offers, renew = {_oid(r) for r in reqs}, peer.held.renew
+
+    def counted(claimed: Sequence[str], lease_s: float, consumer: str = "") -> Renewed:
+        if ours := [r for r in claimed if r in offers]:
+            asked.append(len(ours))
+        return renew(claimed, lease_s, consumer)
+
+    sched, rec = _consumer(make_runtime)
+    _offer(producer, "first", step=len(reqs) + 1)
+    sched.add_request("d-first", PROMPT, pd=_pd([peer.address], "first"))
+    assert not rec.wait_for(LookupAnswered, "d-first").error  # the renewals run
+    peer.held.renew = counted  # type: ignore[method-assign]
+    with loop_held(sched.runtime):  # the claims arrive together
+        for req in reqs:
+            sched.add_request(f"d-{req}", PROMPT, pd=_pd([peer.address], req))
+    for req in reqs:
+        assert not rec.wait_for(LookupAnswered, f"d-{req}").error
+    assert asked[0] == len(reqs), asked  # (a round may renew them all since)
+
+
 class _SlowSend(ZmqTransport):
     """A producer whose answer to a pull takes until `go` is set (a pull of many MiB on a
     core busy with prefills took up to 0.6 s)."""

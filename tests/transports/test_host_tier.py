@@ -7,7 +7,7 @@ from __future__ import annotations
 import hashlib
 import random
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +20,14 @@ from kvflow.observe.events import TierRead, TierWrite
 from kvflow.testing.conformance import TransportConformance
 from kvflow.testing.layouts import fill_blocks, make_layout
 from kvflow.tiers import LRU, S3FIFO, HostCache, HostTier, with_host_tier
-from kvflow.transport import ChunkMissing, LoadJob, SaveJob, Transport, TransportContext
+from kvflow.transport import (
+    ChunkMissing,
+    LoadJob,
+    SaveJob,
+    Transport,
+    TransportContext,
+    TransportError,
+)
 from kvflow_fs import FsOptions, FsTransport
 
 MiB = 1 << 20
@@ -59,6 +66,19 @@ class GatedFs(FsTransport):
             while self.arrived < n:
                 self._arrival = trio.Event()
                 await self._arrival.wait()
+
+
+class StuckTouchFs(FsTransport):
+    """fs whose `touch` records its keys, then hangs (`hang`) or raises."""
+
+    hang = True
+    touched: list[list[str]]
+
+    async def touch(self, keys: Sequence[str]) -> None:
+        self.touched.append(list(keys))
+        if self.hang:
+            await trio.sleep_forever()
+        raise TransportError("the store is unreachable")
 
 
 def ctx(kv: KVLayout | None, role: str = "worker") -> TransportContext:
@@ -133,6 +153,28 @@ async def test_a_save_gives_the_blocks_back_before_the_store_has_them(tmp_path: 
     assert blocks_bytes(kv, [5, 6]) == want, "the store got the bytes saved, not vLLM's later ones"
     for t in (tier, scheduler, other):
         await t.aclose()
+
+
+@pytest.mark.parametrize("hang", [True, False])
+async def test_the_store_hears_of_cache_hits_without_holding_or_failing_the_load(
+    tmp_path: Path, hang: bool
+) -> None:
+    """Issue 50, item 0: chunks served from the cache count as used in the store
+    (`touch`), from a task of its own: a store that hangs or fails on it neither holds
+    up the load (a forward waits for it) nor fails it."""
+    kv = kv_layout()
+    fill_blocks(kv, [1, 2], seed=3)
+    want = blocks_bytes(kv, [1, 2])
+    fs = StuckTouchFs(FsOptions(path=str(tmp_path)), ctx(kv))
+    fs.hang, fs.touched = hang, []
+    tier = await opened(with_host_tier(fs, 4 * MiB, "lru"), kv)
+    await tier.save(save_job(kv, ["a", "b"], [1, 2], []))
+    with trio.fail_after(30):  # a hang guard, not a timing check
+        await tier.load(load_job(kv, ["a", "b"], [5, 6]))
+        await trio.testing.wait_all_tasks_blocked()
+    assert blocks_bytes(kv, [5, 6]) == want
+    assert fs.touched == [[k("a"), k("b")]]
+    await tier.aclose()
 
 
 async def test_loads_come_from_host_memory_and_misses_are_promoted(tmp_path: Path) -> None:

@@ -276,6 +276,44 @@ async def test_a_stalled_consumer_holds_up_nothing_and_never_reads_reused_blocks
         await consumer.aclose()
 
 
+async def test_one_consumer_gets_one_copy_of_an_offer_however_often_it_asks() -> None:
+    """A producer answers pulls in tasks of their own (issue 49): a consumer that sends
+    the same pull again before the first is answered is refused, not sent a second copy
+    of every layer (each copy is queued for it whether it reads or not)."""
+    blocks = [0, 1, 2]
+    prod = make_layout(num_layers=3, num_blocks=4, block_size=4, block_granular=True)
+    full = [prod.block_size] * len(blocks)
+    offer = Offer("o", blocks, full, prod.num_layers, _spans(prod, blocks, full))
+    producer = ZmqTransport(ZmqOptions(), _ctx(prod))
+    await producer.open()
+    await producer.register(prod)
+    zctx = zmq.Context()
+    dealer = TrioSocket(zctx.socket(zmq.DEALER))
+    try:
+        with trio.fail_after(30):  # a hang guard, not a timing check
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(producer.serve)
+                nursery.start_soon(producer.offer, offer)
+                await trio.testing.wait_all_tasks_blocked()
+                dealer.sock.connect(producer.address)
+                pull = wire.encode(wire.Pull("o"))
+                await dealer.send_multipart([pull])
+                await dealer.send_multipart([pull])
+                got = [
+                    wire.decode_to_consumer((await dealer.recv_multipart())[0])
+                    for _ in range(prod.num_layers + 1)
+                ]
+                nursery.cancel_scope.cancel()
+    finally:
+        dealer.close(linger_ms=0)
+        zctx.destroy(linger=0)
+        await producer.aclose()
+    layers = [m.layer for m in got if isinstance(m, wire.Layer)]
+    refused = [m.reason for m in got if isinstance(m, wire.Refused)]
+    assert layers == list(range(prod.num_layers))
+    assert len(refused) == 1 and "already" in refused[0], refused
+
+
 def _layer(layout: KVLayout, layer: int, blocks: list[int]) -> list[memoryview]:
     full = [layout.block_size] * len(blocks)
     return [s for chunk in _spans(layout, blocks, full)(layer) for s in chunk]

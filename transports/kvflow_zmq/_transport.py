@@ -42,6 +42,10 @@ from . import _wire as wire
 log = logging.getLogger("kvflow.zmq")
 
 
+MAX_PULLS_COPIED = 8
+"""Pulls a producer copies into ZMQ at once; more wait their turn."""
+
+
 class ZmqOptions(PeerOptions, forbid_unknown_fields=True, kw_only=True):
     """Options of the `zmq` transport (`kv_connector_extra_config["options"]`)."""
 
@@ -73,6 +77,9 @@ class ZmqTransport(PeerTransport):
         self._handles: list[ipc.IpcHandle] = []
         self._opened: dict[str, tuple[bytes, list[Any]]] = {}
         """Producers' layers opened by this consumer: address -> (first handle, layers)."""
+        self._pulling: set[tuple[str, bytes]] = set()
+        """Pulls being answered: (offer, consumer)."""
+        self._copying = trio.CapacityLimiter(MAX_PULLS_COPIED)
 
     async def register(self, layout: KVLayout) -> None:
         await super().register(layout)
@@ -149,18 +156,27 @@ class ZmqTransport(PeerTransport):
             reply = self._ipc_reply(offer) if lent else wire.Refused(msg.req, "expired")
             if not await self.reply(ident, msg.req, wire.encode(reply), msg.nonce):
                 self.held.release(msg.req, "the consumer went away", peer=ident)
+        elif (msg.req, ident) in self._pulling:  # one consumer, one copy of an offer
+            refusal = self.refusal(msg.req, "already being pulled by this consumer")
+            await self.reply(ident, msg.req, refusal, msg.nonce)
         else:  # in a task: serve() goes on answering claims and renewals meanwhile
+            self._pulling.add((msg.req, ident))
             nursery.start_soon(self._serve_pull, ident, offer, msg)
 
     async def _serve_pull(self, ident: bytes, offer: Offer, msg: wire.Pull) -> None:
-        """One pull's answer; its failure fails that pull only, as in serve()."""
+        """One pull's answer, at most `MAX_PULLS_COPIED` at once; its failure fails that
+        pull only, as in serve()."""
         try:
-            if not await self._send(ident, offer, msg, self._as_cells(msg)):
-                await self.reply(ident, msg.req, self.refusal(msg.req, "expired"), msg.nonce)
+            async with self._copying:
+                if not await self._send(ident, offer, msg, self._as_cells(msg)):
+                    refusal = self.refusal(msg.req, "expired")
+                    await self.reply(ident, msg.req, refusal, msg.nonce)
         except Exception as exc:
             why = shown(f"{type(exc).__name__}: {exc}")
             self.reject("frame", f"answering a pull failed: {why}")
             self.held.release(msg.req, f"answering its pull failed: {why}", peer=ident)
+        finally:
+            self._pulling.discard((msg.req, ident))
 
     def _ipc_reply(self, offer: Offer) -> wire.Ipc:
         layout = self._layout()
@@ -181,7 +197,7 @@ class ZmqTransport(PeerTransport):
         serve() that waited for it answered no claim meanwhile), never waiting on the
         consumer: one that does not read gets no more. Once queued, nothing
         reads the blocks for this consumer. False, sending nothing, if `o` is no longer
-        held (it expired or closed while serve() waited)."""
+        held (it expired or closed before this task ran)."""
         if o.req not in self.held:
             return False
         outcome = "done"
