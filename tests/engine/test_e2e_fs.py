@@ -5,7 +5,8 @@ Engines are started once for the module (each start is ~30-60 s on two cores, mo
 it one core importing vLLM, so two run at once): a baseline without any connector and a
 cold kvflow engine that saves, then a warm one that loads (policy `recompute`, a
 host-memory tier in front of the store); for the slow tests, one under policy `fail`,
-one loading in `async` mode and one with a bad config, two at a time.
+one loading in `async` mode, one with a bad config and one with a store at its cap
+behind a host tier, two at a time.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from ..support.compat import PLAIN_ROW
 from ..support.vllm_engines import (
     assert_same_generation,
     events_for,
+    run_engine,
     run_engines,
     started,
 )
@@ -60,7 +62,6 @@ class Run:
     baseline: ScenarioResult
     cold: ScenarioResult
     warm: ScenarioResult
-    hot: ScenarioResult
 
     def __init__(self, tmp: Path) -> None:
         self.tmp = tmp
@@ -100,19 +101,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
     warm = r.extra("warm", cpu_cache_gib=0.05)  # a host-memory tier over two stores:
     warm["options"] = {"path": str(r.tmp / "near")}  # an empty one (a local disk), over
     warm["tiers"] = [{"transport": "fs", "options": {"path": str(r.cache)}}]  # the cold's
-    # beside it, a store at its cap behind a host tier, one prompt read after every other
-    hot = {"options": {"path": str(r.tmp / "capped"), "max_gb": 0.012}, "cpu_cache_gib": 1}
-    second = run_engines(
-        r.tmp,
-        {
-            "warm": {"batches": [[P1], [P3, P4, P2], [P5, P6]], "extra_config": warm},
-            "hot": {
-                "batches": [[HOT]] + [b for o in OTHERS for b in ([o], [HOT])],
-                "extra_config": hot,
-            },
-        },
-    )
-    r.warm, r.hot = started(second["warm"]), started(second["hot"])
+    r.warm = run_engine(r.tmp, "warm", batches=[[P1], [P3, P4, P2], [P5, P6]], extra_config=warm)
     return r
 
 
@@ -172,13 +161,16 @@ def test_the_host_tier_keeps_what_the_store_served_and_serves_it_again(run: Run)
     assert reads(run, p4, "cpu") == [], "a miss loads nothing"
 
 
-def test_a_host_tier_never_loses_a_prefix_the_store_alone_would_keep(run: Run) -> None:
+@pytest.mark.slow  # an engine process of its own
+def test_a_host_tier_never_loses_a_prefix_the_store_alone_would_keep(
+    more: dict[str, ScenarioResult | EngineFailed],
+) -> None:
     """Issue 50, item 0: a prompt read again after each of eight others is the store's
     most recently used, so a store at its cap keeps it. Behind a host tier, reads of it
     the tier served never told the store, which evicted its files as the least recently
     used; lookups ask the store, so 2 of 9 reads were recomputed. Every read after the
     first now loads all of it."""
-    reads = [b[0] for b in run.hot.batches[2::2]]
+    reads = [b[0] for b in started(more["hot"]).batches[2::2]]
     assert [r.cached_tokens for r in reads] == [len(HOT) - 1] * len(reads)  # vLLM computes one
 
 
@@ -213,8 +205,9 @@ def test_corrupt_and_truncated_files_recompute_identically(run: Run) -> None:
 @pytest.fixture(scope="module")
 def more(run: Run) -> dict[str, ScenarioResult | EngineFailed]:
     """The slow tests' engines, two at a time, over the store `run`'s engines left: one
-    under policy `fail` (P7's chunk 0 corrupted first), one loading in `async` mode, and
-    one with a bad config (its `EngineFailed`)."""
+    under policy `fail` (P7's chunk 0 corrupted first), one loading in `async` mode, one
+    with a bad config (its `EngineFailed`), and `hot`: a store of its own at its cap
+    behind a host tier, one prompt read after each of eight others."""
     f7 = run.chunk_file(P7, 0)
     data = bytearray(f7.read_bytes())
     data[-1] ^= 0x01
@@ -232,6 +225,13 @@ def more(run: Run) -> dict[str, ScenarioResult | EngineFailed]:
                 "extra_config": run.extra("async", load_mode="async"),
             },
             "badconfig": {"batches": [[P4]], "extra_config": {"transport": "ftp"}},
+            "hot": {
+                "batches": [[HOT]] + [b for o in OTHERS for b in ([o], [HOT])],
+                "extra_config": {
+                    "options": {"path": str(run.tmp / "capped"), "max_gb": 0.012},
+                    "cpu_cache_gib": 1,
+                },
+            },
         },
     )
 

@@ -326,8 +326,8 @@ def test_new_claims_to_one_producer_go_out_together(
 
 
 class _SlowSend(ZmqTransport):
-    """A producer whose answer to a pull takes until `go` is set (a pull of many MiB on a
-    core busy with prefills took up to 0.6 s)."""
+    """A producer whose answer to a pull takes until `go` is set (as a pull of many MiB
+    on a core busy with prefills takes long)."""
 
     sending, go = threading.Event(), threading.Event()
 
@@ -341,8 +341,8 @@ def test_a_producer_answers_claims_while_it_answers_a_pull(
     start_engine: Callable[..., Engine], make_runtime: MakeRuntime
 ) -> None:
     """Issue 49: a `zmq` producer answered a pull in its serving loop, so a claim that
-    came meanwhile waited for the whole pull (the median claim on vLLM's servers took
-    15 ms, the slowest 434 ms). The pull is now answered in a task of its own."""
+    came meanwhile waited for the whole pull (or, past `progress_timeout_s`, was refused:
+    the request recomputed). The pull is now answered in a task of its own."""
     producer = start_engine(
         "producer", worker_transport=lambda _o, ctx: _SlowSend(ZmqOptions(), ctx)
     )

@@ -193,8 +193,8 @@ class ZmqTransport(PeerTransport):
         """Answer one host-memory pull: queue copies of `o`'s layers (of the pull's heads
         only, if it names some; token-major cells where `as_cells`), each layer's header
         answer i of the pull, for `ident` (in a task of its own, letting other tasks run
-        between layers: a pull of many MiB on a busy core took up to 0.6 s, and a
-        serve() that waited for it answered no claim meanwhile), never waiting on the
+        between layers: a pull of many MiB on a busy core takes long, and a serve()
+        that waited for it answered no claim meanwhile), never waiting on the
         consumer: one that does not read gets no more. Once queued, nothing
         reads the blocks for this consumer. False, sending nothing, if `o` is no longer
         held (it expired or closed before this task ran)."""
