@@ -3,8 +3,9 @@ arrives, and keep the claim alive while the request waits to be pulled.
 
 A decode instance may queue a request long after the prefill instance finished
 it. The scheduler adds a claim when a request with P/D params arrives and drops
-it when the request ends. A new claim is asked at once, on its own (never behind a
-round in flight); one task renews every claim in rounds, every `lease_s / 3`, one
+it when the request ends. A new claim is asked at once, never behind a round in
+flight (one `Transport.renew` per producer worker for the new claims that came
+together); one task renews every claim in rounds, every `lease_s / 3`, one
 `Transport.renew` per producer worker carrying all of its requests. The producer holds
 each claimed request `lease_s` from its latest renewal, past its own hold timeout; a
 consumer that dies lets the claim lapse.

@@ -524,19 +524,18 @@ def _discard(fds: list[int | None], tmps: list[Path]) -> None:
             tmp.unlink()
 
 
-def _touch_files(paths: list[Path]) -> None:
-    """Set each file's times to now (recency for LRU eviction); a file gone is skipped."""
+def _touch_files(files: Sequence[Path | int]) -> None:
+    """Set each file's times (a path or an open descriptor) to now: recency for LRU
+    eviction. A file gone is skipped."""
     now = time.time()
-    for path in paths:
+    for f in files:
         with contextlib.suppress(OSError):
-            os.utime(path, (now, now))
+            os.utime(f, (now, now))
 
 
 def _close_files(fds: list[int]) -> None:
     """Close the files a load read, touching each first (recency for LRU eviction)."""
-    now = time.time()
+    _touch_files(fds)
     for fd in fds:
-        with contextlib.suppress(OSError):
-            os.utime(fd, (now, now))  # recency for LRU eviction
         with contextlib.suppress(OSError):
             os.close(fd)
