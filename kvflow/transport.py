@@ -233,6 +233,13 @@ class Renewed(msgspec.Struct, tag=True, frozen=True):
     pending: list[str] = []
     """Requests the producer has not offered: not yet (its worker learns of an offer a
     step after the request finished) or never. The consumer asks again."""
+    params: dict[str, bytes] = {}
+    """Streamed offers (`Offer.params`) among those held: their producer's signed
+    `PdParams` (msgpack), which the consumer had no other way to get."""
+
+
+async def _computed(layer: int) -> None:
+    """An offer made after its request finished: every layer is computed."""
 
 
 @dataclass
@@ -247,6 +254,18 @@ class Offer:
     renew: Callable[[float], None] = lambda lease_s: None
     """A consumer claimed the request and means to pull it: hold the blocks `lease_s`
     from now (instead of until the hold timeout). Set by the worker."""
+    params: bytes = b""
+    """A streamed offer (made as its prefill is scheduled, before it is computed): its
+    signed `PdParams` (msgpack), given with each answer to a claim of it (`Renewed`)."""
+    computed: Callable[[int], Awaitable[None]] = _computed
+    """Wait until vLLM has computed layer i of the blocks (returns at once but for a
+    streamed offer whose forward has not reached layer i yet): a transport reads a layer
+    only after it."""
+
+    async def all_computed(self) -> None:
+        """Wait until every layer is computed."""
+        for layer in range(self.num_layers):
+            await self.computed(layer)
 
 
 class Transport(ABC):

@@ -97,6 +97,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="a request (head and body) must arrive within this many seconds of its first "
         "byte, however steadily it trickles, else 408 (default 60)",
     )
+    x.add_argument(
+        "--stream",
+        action="store_true",
+        help="kvflow only: send each request to its prefill and decode servers at once; the "
+        "decode server pulls each layer as the prefill computes it (docs/pd.md#streamed)",
+    )
     x.set_defaults(fn=_cmd_proxy)
     from .scaffold import add_parser as add_scaffold_parser
 

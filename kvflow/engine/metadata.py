@@ -39,7 +39,8 @@ class LoadSpec(msgspec.Struct, frozen=True, array_like=True):
 
 
 class OfferSpec(msgspec.Struct, frozen=True, array_like=True):
-    """Producer side of P/D: hold `block_ids` for a consumer to pull (request finished)."""
+    """Producer side of P/D: hold `block_ids` for a consumer to pull (request finished,
+    or, streamed, scheduled to compute its prompt's last tokens)."""
 
     req: str
     block_ids: list[int]
@@ -47,6 +48,9 @@ class OfferSpec(msgspec.Struct, frozen=True, array_like=True):
     offer: str = ""
     """The random id consumers pull the blocks by (`PdParams.offer`; the scheduler always
     sets one; without one, `req`)."""
+    params: bytes = b""
+    """Streamed (made in the step that computes the prompt, not at its end): the signed
+    params a claim's answer carries (`Offer.params`); its layers are read once computed."""
 
 
 class SaveSpec(msgspec.Struct, frozen=True, array_like=True):

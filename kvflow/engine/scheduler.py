@@ -40,8 +40,10 @@ from ..pd.params import (
     UNSET_SHAPE,
     ModelShape,
     PdParams,
+    StreamRef,
     check_pd_params,
     consumer_params,
+    encode_streamed,
     pull_refusal,
 )
 from ..pd.security import Rejections, prompt_digest
@@ -105,6 +107,14 @@ class _Request:
     tokens: Sequence[int] = ()
     """P/D producers: the prompt, whose digest its offer's params carry."""
     salt: str = ""
+    stream: StreamRef | None = None
+    """P/D consumer, streamed: the claim is out, the producer's params not in yet."""
+    stream_offer: str = ""
+    """P/D producer, streamed: the offer id to offer the blocks under as the prompt's
+    last tokens are scheduled ("": not streamed)."""
+    offered: dict[str, object] | None = None
+    """P/D producer, streamed: the params of the offer made (returned at its finish; {}
+    once a preemption withdrew it)."""
 
     def hit_tokens(self) -> int:
         return sum(self.counts[: self.hit_chunks or 0])
@@ -212,8 +222,14 @@ class SchedulerEngine:
         salt: str = "",
         pd: PdParams | None = None,
         refused: bool = False,
+        stream: StreamRef | None = None,
+        offer_as: str = "",
     ) -> None:
         """Key a new request's prompt (once; keys are reused by lookups and saves).
+
+        `stream`: a consumer's streamed request (its producer's params come with the
+        answer to its claim); `offer_as`: a producer's streamed request, offered under
+        this id in the step that schedules its prompt's last tokens (decision 93).
 
         `refused`: not a request but vLLM's notice that its serving layer refused one
         before it reached the engine (`notify_kv_transfer_request_rejected`: a stand-in
@@ -226,24 +242,19 @@ class SchedulerEngine:
         if req in self._reqs:
             return
         arrived = time.monotonic()  # the event's time: before its claim goes out
-        if pd is not None and self.can_pull:
-            reason, why = check_pd_params(
-                pd, channel_of_transport(self.transport), token_ids, salt, self.pd_scope
+        pd = self._believed(req, pd, token_ids, salt) if pd is not None and self.can_pull else None
+        stream = self._streamable(req, stream) if pd is None else None
+        if stream is not None and self._claims:
+            st = self._reqs[req] = _Request(
+                keys=[],
+                counts=[],
+                prompt_len=len(token_ids),
+                stream=stream,
+                claim=self._claims.add(req, stream.offer, 0, stream.addresses),
+                tokens=token_ids,
+                salt=salt,
             )
-            # params this deployment signed say truly what differs (another model's
-            # params also fail the prompt's digest: name the field instead)
-            refusal = self._refuse_pull(pd) if reason in ("", "prompt") else ""
-            if refusal:
-                log.error(
-                    "kvflow: request %s: %s: computing its prompt here", shown(req, 100), refusal
-                )
-                if self._claims:  # signed for this consumer: its producer hands them back
-                    self._claims.release(pd.offer, pd.addresses)
-                pd = None
-            elif reason:
-                self.reject(reason, f"request {req[:100]}: {why}; computing its prompt here")
-                pd = None
-        if pd is not None and self.can_pull:
+        elif pd is not None and self.can_pull:
             n = min(pd.num_tokens, len(token_ids), len(pd.block_ids) * pd.block_size)
             counts = chunk_token_counts(n, self.block_size)
             claims = self._claims
@@ -274,12 +285,45 @@ class SchedulerEngine:
             self._start_lookup(req, st)  # overlap the lookup with the wait in the queue
         if self.can_offer:  # a request pulled here may be offered on too (its digest)
             st.tokens, st.salt = token_ids, salt
+            st.stream_offer = offer_as
         if self.marks_requests:
-            offer = pd.offer if pd is not None and self.can_pull else ""
+            offer = pd.offer if pd is not None else stream.offer if stream is not None else ""
             self.runtime.submit(
                 self.bus.emit,
                 RequestArrived(req=req, tokens=len(token_ids), offer=offer, ts=arrived),
             )
+
+    def _believed(
+        self, req: str, pd: PdParams, token_ids: Sequence[int], salt: str
+    ) -> PdParams | None:
+        """`pd` if this consumer may pull it for `req`'s prompt, else None (said why)."""
+        reason, why = check_pd_params(
+            pd, channel_of_transport(self.transport), token_ids, salt, self.pd_scope
+        )
+        # params this deployment signed say truly what differs (another model's
+        # params also fail the prompt's digest: name the field instead)
+        refusal = self._refuse_pull(pd) if reason in ("", "prompt") else ""
+        if refusal:
+            log.error("kvflow: request %s: %s: computing its prompt here", shown(req, 100), refusal)
+            if self._claims:  # signed for this consumer: its producer hands them back
+                self._claims.release(pd.offer, pd.addresses)
+            return None
+        if reason:
+            self.reject(reason, f"request {req[:100]}: {why}; computing its prompt here")
+            return None
+        return pd
+
+    def _streamable(self, req: str, stream: StreamRef | None) -> StreamRef | None:
+        """`stream` if this consumer may claim it (addresses it may dial), else None."""
+        if stream is None or not self.can_pull or not self._claims:
+            return None
+        channel = channel_of_transport(self.transport)
+        for address in stream.addresses:
+            if why := channel.address_problem(address):
+                where = f"producer address {address[:100]!r}: {why}"
+                self.reject("address", f"request {req[:100]}: {where}; computing its prompt here")
+                return None
+        return stream
 
     def _give_back(self, req: str, pd: PdParams | None) -> None:
         """vLLM refused `req` before its engine: its producer may let the offer go."""
@@ -305,13 +349,21 @@ class SchedulerEngine:
             self.runtime.spawn(self._lookup_task, req, st, name=f"lookup:{req}")
 
     def is_remote(self, req: str) -> bool:
-        """Whether `req`'s prompt KV comes from a P/D producer."""
+        """Whether `req`'s prompt KV comes from a P/D producer (streamed: may come, until
+        its claim is answered)."""
         st = self._reqs.get(req)
-        return st is not None and st.pd is not None
+        return st is not None and (st.pd is not None or st.stream is not None)
 
     def lookup(self, req: str, num_computed: int) -> int | None:
         """Tokens beyond `num_computed` the store can supply; None while the answer is pending."""
         st = self._reqs.get(req)
+        if st is not None and st.stream is not None:  # its producer's params: with the
+            claim = st.claim  # answer to its claim
+            if claim is not None and not claim.answered:
+                if self.runtime.running:
+                    return None
+                claim.error = "the scheduler's loop is gone"
+            self._streamed(req, st)
         if st is not None and st.pd is not None:  # loaded asynchronously; vLLM
             claim = st.claim  # recomputes the last token itself
             if claim is not None and not claim.answered:
@@ -331,6 +383,36 @@ class SchedulerEngine:
         # vLLM must compute at least one token itself to produce logits.
         usable = min(st.hit_tokens(), st.prompt_len - 1)
         return max(0, usable - num_computed)
+
+    def _streamed(self, req: str, st: _Request) -> None:
+        """A streamed request's claim was answered: pull with the producer's params it
+        carried, checked as if they had come with the request, or compute it here."""
+        ref, claim, st.stream = st.stream, st.claim, None
+        assert ref is not None and claim is not None and self._claims is not None
+        pd, why = claim.params, claim.error
+        if pd is None and not why:
+            why = f"producer {ref.addresses[0][:100]} held {ref.offer} without its params"
+        elif pd is not None and sorted(pd.addresses) != sorted(ref.addresses):
+            why = "its producer's params name other workers than it was claimed at"
+            self.reject("address", f"request {req[:100]}: {why}; computing its prompt here")
+        elif pd is not None:
+            reason, detail = check_pd_params(
+                pd, channel_of_transport(self.transport), st.tokens, st.salt, self.pd_scope
+            )
+            why = self._refuse_pull(pd) if reason in ("", "prompt") else ""
+            if reason and not why:
+                self.reject(reason, f"request {req[:100]}: {detail}; computing its prompt here")
+                why = detail
+        if why or pd is None:
+            if not claim.error:  # held for us, and we will not pull it
+                log.error("kvflow: request %s: %s: computing its prompt here", shown(req, 100), why)
+                self._claims.release(ref.offer, ref.addresses)
+            self._claims.drop(req)
+            st.claim, st.hit_chunks = None, 0
+            return
+        n = min(pd.num_tokens, len(st.tokens), len(pd.block_ids) * pd.block_size)
+        st.counts = chunk_token_counts(n, self.block_size)
+        st.keys, st.hit_chunks, st.pd = [""] * len(st.counts), len(st.counts), pd
 
     def limit_hit(self, req: str, num_tokens: int) -> None:
         """Load no more than the chunks covering the first `num_tokens` (the hit another
@@ -421,6 +503,8 @@ class SchedulerEngine:
                 st.load_planned = False
                 st.saves_issued = False
                 st.block_ids = []
+                if st.offered:  # the workers withdraw the streamed offer made (its
+                    st.offered = {}  # blocks are vLLM's again); it is not made again
                 if st.pd is not None and st.pulled:
                     # its producer let the blocks go once pulled: resumed, the request is
                     # computed here (one pull per request, as vLLM's NixlConnector)
@@ -440,6 +524,13 @@ class SchedulerEngine:
                 st.block_ids = list(s.new_block_ids)
             else:
                 st.block_ids.extend(s.new_block_ids)
+            if (
+                st.stream_offer
+                and st.offered is None
+                and s.num_scheduled
+                and (s.num_computed + s.num_scheduled >= st.prompt_len)
+            ):
+                self._offer_streamed(s.req, st)
             if st.pd is not None and not st.scheduled and s.num_scheduled and self.marks_requests:
                 st.scheduled = True  # computes after its pull (P/D loads are asynchronous)
                 self._computing[s.req] = self._step
@@ -484,25 +575,17 @@ class SchedulerEngine:
             # the request's saves before that step's forward, as at a preemption
             st.saves_issued = False
             self._preempted.append(req)
-        params, offered = None, ""
-        if remote_decode and self.can_offer and st is not None and block_ids:
+        params: dict[str, object] | None = None
+        offered = ""
+        if st is not None and st.offered is not None:  # streamed: offered as scheduled
+            params = st.offered or None  # ({}: withdrawn at a preemption)
+            offered = st.stream_offer if params else ""
+        elif remote_decode and self.can_offer and st is not None and block_ids:
             counts = chunk_token_counts(st.prompt_len, self.block_size)[: len(block_ids)]
             offer = secrets.token_hex(16)  # consumers pull by it: a client cannot guess it
-            self._offers.append(OfferSpec(req, list(block_ids[: len(counts)]), counts, offer))
-            pd = PdParams(
-                version=PD_VERSION,
-                engine_id=self.engine_id,
-                addresses=self.peer_addresses,
-                offer=offer,
-                block_ids=list(block_ids[: len(counts)]),
-                num_tokens=sum(counts),
-                block_size=self.block_size,
-                shape=self.shape,
-                tp_size=self.tp_size,
-                pp_size=self.pp_size,
-                prompt=prompt_digest(st.tokens[: sum(counts)], st.salt, self.pd_scope),
-            )
-            params = consumer_params(pd.signed(channel_of_transport(self.transport)))
+            pd = self._offer(req, st, block_ids, counts, offer)
+            params = consumer_params(pd)
+            self._offers.append(OfferSpec(req, pd.block_ids, counts, offer))
             offered = offer
         lend = st is not None and lent_at_finish(
             saving=st.saves_issued, offering=params is not None
@@ -516,6 +599,37 @@ class SchedulerEngine:
         if req in self._computing:  # it ended in the step that computed its first token
             self._first_token(req, self._computing.pop(req))
         return lend, params
+
+    def _offer(
+        self, req: str, st: _Request, block_ids: Sequence[int], counts: list[int], offer: str
+    ) -> PdParams:
+        """The signed params of an offer of `st`'s first `len(counts)` blocks as `offer`."""
+        pd = PdParams(
+            version=PD_VERSION,
+            engine_id=self.engine_id,
+            addresses=self.peer_addresses,
+            offer=offer,
+            block_ids=list(block_ids[: len(counts)]),
+            num_tokens=sum(counts),
+            block_size=self.block_size,
+            shape=self.shape,
+            tp_size=self.tp_size,
+            pp_size=self.pp_size,
+            prompt=prompt_digest(st.tokens[: sum(counts)], st.salt, self.pd_scope),
+        )
+        return pd.signed(channel_of_transport(self.transport))
+
+    def _offer_streamed(self, req: str, st: _Request) -> None:
+        """Offer a streamed request's blocks now, in the step that computes its prompt's
+        last tokens: the workers read each layer once that step's forward wrote it."""
+        counts = chunk_token_counts(st.prompt_len, self.block_size)
+        if len(st.block_ids) < len(counts):  # not expected: vLLM allocates the prompt's
+            return  # blocks as it schedules its tokens
+        pd = self._offer(req, st, st.block_ids, counts, st.stream_offer)
+        self._offers.append(
+            OfferSpec(req, pd.block_ids, counts, pd.offer, params=encode_streamed(pd))
+        )
+        st.offered = consumer_params(pd)
 
     def _refuse_pull(self, pd: PdParams) -> str:
         """Why this consumer cannot load `pd`'s blocks ("" if it can)."""

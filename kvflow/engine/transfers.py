@@ -346,7 +346,8 @@ class Transfers:
             if not spec.asynchronous:
                 settled.update(dict.fromkeys(spec.block_ids, done))
             self.runtime.start_soon(self._load, spec, gate, over, done, name=f"load:{spec.req}")
-        if plan.saves:
+        step: _Step | None = None
+        if plan.saves or any(o.params for o in plan.offers):
             step = self._steps[plan.step] = _Step(
                 self._require_layout().num_layers, len(plan.saves)
             )
@@ -363,8 +364,11 @@ class Transfers:
                     self._save, save, plan.step, step, scope, loads, name=f"save:{save.req}"
                 )
         for o in plan.offers:  # held like a save: released when the offer ends
-            self.lending.start(o.req)
-            self.runtime.start_soon(self._offer, o, name=f"offer:{o.req}")
+            # streamed: its request runs on; a preemption cancels it, as it does a save
+            hold = trio.CancelScope(deadline=trio.current_time() + self.config.hold_timeout_s)
+            self.lending.start(o.req, hold if o.params else None)
+            computing = step if o.params else None
+            self.runtime.start_soon(self._offer, o, hold, computing, name=f"offer:{o.req}")
         for req in plan.lent:
             self.lending.lend(req)
 
@@ -400,6 +404,8 @@ class Transfers:
                 if not ev.is_set():
                     step.ready[layer] = ready
                     ev.set()
+            if step.saves_left == 0:  # a step of streamed offers only (they keep it)
+                self._steps.pop(step_no, None)
 
     async def _load(
         self,
@@ -559,16 +565,22 @@ class Transfers:
                 )
             )
 
-    async def _offer(self, spec: OfferSpec) -> None:
-        """P/D producer: hold the blocks until the consumer is done, failed, or never came."""
+    async def _offer(
+        self, spec: OfferSpec, hold: trio.CancelScope, computing: _Step | None
+    ) -> None:
+        """P/D producer: hold the blocks until the consumer is done, failed, or never came
+        (streamed: or vLLM preempted the request, cancelling `hold`); `computing`: the
+        step whose forward computes them (streamed)."""
         layout = self._require_layout()
 
         def spans(layer: int) -> list[list[memoryview]]:
             return layout.chunk_spans(layer, spec.block_ids, spec.token_counts)
 
-        now = trio.current_time()
-        hold = trio.CancelScope(deadline=now + self.config.hold_timeout_s)
-        cap = now + self.config.max_hold_s  # renewals or not: a stranger cannot pin blocks
+        async def computed(layer: int) -> None:
+            if computing is not None:
+                await computing.wait_computed(layer)
+
+        cap = trio.current_time() + self.config.max_hold_s  # a stranger cannot pin blocks
         leased: list[float] = []
 
         def renew(lease_s: float) -> None:  # a consumer claimed it: its lease, not the hold
@@ -585,6 +597,8 @@ class Transfers:
             layout.num_layers,
             spans,
             renew,
+            spec.params,
+            computed,
         )
         t0 = time.perf_counter()
         outcome = ""
@@ -598,7 +612,9 @@ class Transfers:
             why = "" if outcome == "done" else outcome
             if not outcome:
                 why = (
-                    f"held max_hold_s={self.config.max_hold_s} without a pull"
+                    f"cancelled: {self.lending.why(hold)}"
+                    if hold.cancel_called and trio.current_time() < hold.deadline
+                    else f"held max_hold_s={self.config.max_hold_s} without a pull"
                     if trio.current_time() >= cap
                     else f"the consumer's claim lapsed (lease of {leased[0]}s not renewed)"
                     if leased
@@ -606,7 +622,7 @@ class Transfers:
                 )
             nbytes = layout.nbytes(spec.token_counts)
             self._ended(spec.req, "send", why, len(spec.block_ids), nbytes, t0, not outcome)
-            self.lending.end(spec.req)
+            self.lending.end(spec.req, hold if spec.params else None)
 
     async def cancel_saves(self, reqs: list[str]) -> None:
         self.lending.cancel(reqs)

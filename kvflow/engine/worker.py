@@ -69,7 +69,8 @@ class WorkerEngine:
         self.bus = bus
         self._gate = LayerGate(0, 0)
         self._step = 0
-        self._step_saves = False
+        self._step_tracked = False
+        """This step's layers are watched: saves or streamed offers read them once computed."""
         self._step_load_blocks: set[int] = set()
         self._now = time.monotonic
         """vLLM's thread's clock for asynchronous loads' deadlines (tests move it)."""
@@ -143,7 +144,7 @@ class WorkerEngine:
         after = mark(layout) if self.staged and layout and plan.loads else None
         self._gate = LayerGate(layout.num_layers if layout else 0, sync_loads, after)
         self._step = plan.step
-        self._step_saves = bool(plan.saves)
+        self._step_tracked = bool(plan.saves) or any(o.params for o in plan.offers)
         self._step_load_blocks = {
             b for spec in plan.loads if not spec.asynchronous for b in spec.block_ids
         }
@@ -198,13 +199,14 @@ class WorkerEngine:
             self.wait_layer(layer + 1)
 
     def layer_computed(self, layer: int, ready: LayerReady | None = None) -> None:
-        """vLLM finished writing `layer` for this step; saves of it may start."""
-        if self._step_saves:
+        """vLLM finished writing `layer` for this step; saves and streamed offers of it
+        may read it."""
+        if self._step_tracked:
             self.runtime.submit(self._transfers.layer_computed, self._step, layer, ready)
 
     def end_step(self) -> None:
         """The forward is over: every layer is final, every synchronous load settled."""
-        if self._step_saves:
+        if self._step_tracked:
             # staged saves copy on their own stream: layers vLLM did not report must
             # wait for what its stream queued up to here
             done = mark(self.layout) if self.staged and self.layout else None

@@ -40,6 +40,7 @@ import trio
 from ..observe.events import ClaimSent, EventBus, LookupAnswered, TaskFailed
 from ..runtime import Backoff, Report, Runtime, supervised
 from ..transport import Renewed, Transport
+from .params import PdParams, PdParamsError, decode_streamed
 
 __all__ = ["Claim", "Claims"]
 
@@ -71,6 +72,9 @@ class Claim:
     """Why the request cannot be pulled ("" while it can)."""
     sent: bool = False
     """Its first renewal was sent (`ClaimSent`)."""
+    params: PdParams | None = None
+    """A streamed offer: its producer's params, from its first answer that held it
+    (decoded and bounded here, checked by the scheduler; set before `answered`)."""
     since: float = field(default_factory=time.perf_counter)
 
     def __post_init__(self) -> None:
@@ -309,8 +313,22 @@ class Claims:
                 reason = f"producer {address} no longer knows {claim.req}"
             elif why and held:  # held before, gone or hung since: a load not started fails
                 log.warning("kvflow: renewing the claim of %s: %s", req, why)
+            if claim.params is None and not (reason or why) and claim.req in answer.params:
+                reason = self._streamed(claim, address, answer.params[claim.req])
             self._settle(req, claim, address, reason or why)
         return pending
+
+    @staticmethod
+    def _streamed(claim: Claim, address: str, raw: bytes) -> str:
+        """A streamed offer's params, as `address` sent them, onto `claim`; or why not."""
+        try:
+            p = decode_streamed(raw, f"producer {address}'s answer to the claim of {claim.req}")
+        except PdParamsError as exc:
+            return str(exc)
+        if p.offer != claim.req:
+            return f"producer {address} sent the params of another offer for {claim.req}"
+        claim.params, claim.tokens = p, p.num_tokens
+        return ""
 
     def _settle(self, req: str, claim: Claim, address: str, why: str) -> None:
         """`address`'s answer to `claim` (held if `why` is empty)."""

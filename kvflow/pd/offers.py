@@ -24,6 +24,7 @@ saying why: pulled, released by its consumer, or expired).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import secrets
@@ -145,7 +146,7 @@ def select_blocks(offer: Offer, block_ids: Sequence[int]) -> Offer | None:
         return [chunks[i] for i in idx]
 
     counts = [offer.token_counts[i] for i in idx]
-    return Offer(offer.req, list(block_ids), counts, offer.num_layers, spans)
+    return dataclasses.replace(offer, block_ids=list(block_ids), token_counts=counts, spans=spans)
 
 
 def read_lease_ms(margin_s: float = 0.0) -> int:
@@ -224,8 +225,9 @@ class HeldOffers:
         """Answer the `Renew` of `consumer`: each held request's hold deadline becomes
         `lease_s` from now (`Offer.renew`), and the first consumer to renew it claims it;
         those not offered (yet) are pending; the others (and those another consumer
-        claimed) are refused with the reason."""
-        refused, pending = {}, []
+        claimed) are refused with the reason. A streamed offer's answer carries its
+        params."""
+        refused, pending, params = {}, [], {}
         for req in reqs:
             held = self._open(req)
             if held is not None and consumer and held.renewer not in ("", consumer):
@@ -233,11 +235,13 @@ class HeldOffers:
             elif held is not None:
                 held.renewer = held.renewer or consumer
                 held.offer.renew(lease_s)
+                if held.offer.params:  # streamed: the consumer has no params of it yet
+                    params[req] = held.offer.params
             elif req in self._ended:
                 refused[req] = self._ended[req]
             else:
                 pending.append(req)
-        return Renewed(refused, pending)
+        return Renewed(refused, pending, params)
 
     def release_unpulled(self, reqs: Sequence[str], consumer: str = "") -> int:
         """`consumer` will not pull `reqs` (its request ended, or its pull failed): end
@@ -390,6 +394,7 @@ async def renew_at(
     trio_sock = dealer(zctx, address, MAX_RENEW_BYTES, channel)
     refused: dict[str, str] = {}
     pending: list[str] = []
+    params: dict[str, bytes] = {}
     try:
         lease_ms = max(1, int(lease_s * 1000))
         for i in range(0, max(len(reqs), len(release)), MAX_RENEW_REQS):
@@ -407,7 +412,8 @@ async def renew_at(
                 raise TransportError(f"producer {address} answered a renewal with {exc}") from None
             refused.update((r, shown(why, MAX_REASON)) for r, why in answer.refused.items())
             pending += answer.pending
-        return Renewed(refused, pending)
+            params.update(answer.params)
+        return Renewed(refused, pending, params)
     finally:
         trio_sock.close()
 

@@ -34,19 +34,30 @@ __all__ = [
     "ModelShape",
     "PdParams",
     "PdParamsError",
+    "StreamRef",
     "check_pd_params",
     "consumer_params",
+    "decode_streamed",
+    "encode_streamed",
     "join_groups",
     "parse_pd_params",
+    "parse_stream",
     "pull_refusal",
+    "stream_offer",
 ]
 
 PD_VERSION = 4
 KEY = "kvflow"
+STREAM_KEY = "kvflow_stream"
+"""A streamed request's `kv_transfer_params` entry on its decode instance (`StreamRef`)."""
+OFFER_KEY = "kvflow_offer"
+"""A streamed request's `kv_transfer_params` entry on its prefill instance: the offer id
+the proxy chose, which the producer offers its blocks under as it computes them."""
 MAX_BLOCKS = 1 << 20
 MAX_SHARDS = 1024
 
 Text = Annotated[str, Meta(max_length=256)]
+OfferId = Annotated[str, Meta(pattern=r"^[0-9a-f]{32}\Z")]
 Hex = Annotated[str, Meta(pattern=r"^[0-9a-f]*\Z", max_length=128)]
 
 
@@ -94,7 +105,7 @@ class PdParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     engine_id: Text
     addresses: Annotated[list[Text], Meta(min_length=1, max_length=MAX_SHARDS)]
     """The producer's worker endpoints, one per shard (TP rank)."""
-    offer: Annotated[str, Meta(pattern=r"^[0-9a-f]{32}\Z")]
+    offer: OfferId
     """The producer's random id of this offer: what the consumer pulls and renews."""
     block_ids: Annotated[
         list[Annotated[int, Meta(ge=0, lt=1 << 31)]], Meta(min_length=1, max_length=MAX_BLOCKS)
@@ -140,11 +151,49 @@ def join_groups(params: list[dict[str, Any]]) -> dict[str, Any]:
     return {**params[0], KEY: [p[KEY] for p in params]}
 
 
+class StreamRef(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A streamed request on its decode instance (`kv_transfer_params["kvflow_stream"]`):
+    the proxy sent it here and to a prefill instance at once, so no producer's params
+    exist yet. The consumer claims `offer` at `addresses` (a producer's worker endpoints,
+    as its earlier params named them); the producer's answer, once it schedules the
+    prefill, carries its signed `PdParams`, checked as if they had come with the request
+    (decision 93)."""
+
+    offer: OfferId
+    """The id the proxy chose and gave the prefill instance too (`OFFER_KEY`)."""
+    addresses: Annotated[list[Text], Meta(min_length=1, max_length=MAX_SHARDS)]
+
+
+def parse_stream(raw: Any) -> StreamRef | None:
+    """The `StreamRef` in a request's `kv_transfer_params`, or None if it has none;
+    a `PdParamsError` naming the field if it is malformed."""
+    if not isinstance(raw, dict) or not raw.get("do_remote_prefill") or STREAM_KEY not in raw:
+        return None
+    try:
+        return msgspec.convert(raw[STREAM_KEY], StreamRef)
+    except msgspec.ValidationError as exc:
+        raise PdParamsError(f"kv_transfer_params[{STREAM_KEY!r}]: {exc}"[:500]) from None
+
+
+def stream_offer(raw: Any) -> str | None:
+    """The offer id a prefill request's `kv_transfer_params` asks its blocks to be
+    offered under as they are computed (`OFFER_KEY`), or None; a `PdParamsError` if it
+    is not 32 hex digits."""
+    if not isinstance(raw, dict) or not raw.get("do_remote_decode") or OFFER_KEY not in raw:
+        return None
+    try:
+        return msgspec.convert(raw[OFFER_KEY], OfferId)
+    except msgspec.ValidationError as exc:
+        raise PdParamsError(f"kv_transfer_params[{OFFER_KEY!r}]: {exc}"[:500]) from None
+
+
 def parse_pd_params(raw: Any) -> list[PdParams] | None:
     """kvflow's P/D params in a request's `kv_transfer_params`, one per KV cache group,
     or None if it has none."""
     if not isinstance(raw, dict) or not raw.get("do_remote_prefill"):
         return None
+    if KEY not in raw and STREAM_KEY in raw:
+        return None  # a streamed request: `parse_stream`
     if KEY not in raw:
         raise PdParamsError(
             "kv_transfer_params has do_remote_prefill but no 'kvflow' entry: "
@@ -167,12 +216,38 @@ def _parse_one(entry: Any) -> PdParams:
         p = msgspec.convert(entry, PdParams)
     except msgspec.ValidationError as exc:
         raise PdParamsError(f"kv_transfer_params['kvflow']: {exc}"[:500]) from None
+    return _whole(p, "kv_transfer_params['kvflow']")
+
+
+def _whole(p: PdParams, where: str) -> PdParams:
     if len(p.addresses) != p.tp_size * p.pp_size:
         raise PdParamsError(
-            f"kv_transfer_params['kvflow']: {len(p.addresses)} addresses for tp_size "
-            f"{p.tp_size} x pp_size {p.pp_size}"
+            f"{where}: {len(p.addresses)} addresses for tp_size {p.tp_size} x pp_size {p.pp_size}"
         )
     return p
+
+
+_decoder = msgspec.msgpack.Decoder(PdParams)
+
+
+def encode_streamed(p: PdParams) -> bytes:
+    """A streamed offer's params as its producer hands them to a claim (`Offer.params`)."""
+    return _encoder.encode(p)
+
+
+def decode_streamed(raw: bytes, where: str) -> PdParams:
+    """A streamed offer's params as a claim's answer carried them (from `where`), bounded
+    and whole; a `PdParamsError` naming what is wrong. Believed only once
+    `check_pd_params` passes, as the params of any request."""
+    try:
+        p = _decoder.decode(raw)
+    except msgspec.DecodeError as exc:  # a ValidationError too
+        raise PdParamsError(f"{where}: params that do not decode: {exc}"[:500]) from None
+    if p.version != PD_VERSION:
+        raise PdParamsError(
+            f"{where}: params of version {p.version}; this kvflow reads {PD_VERSION}"
+        )
+    return _whole(p, where)
 
 
 def check_pd_params(

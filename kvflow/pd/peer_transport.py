@@ -55,6 +55,7 @@ from .offers import (
     FRAME_SLACK,
     MAX_REASON,
     HeldOffers,
+    NotHeld,
     Renew,
     Renewed,
     answer_bind,
@@ -95,6 +96,10 @@ class PeerTransport(Transport):
     Pull: ClassVar[type[Any]]
     """The wire's pull frame: it has `req`, `block_ids` and `version` (and `nonce`: the
     consumer's random bytes its answers are bound to, `reply`; without one, b"")."""
+    reads_when_computed: ClassVar[bool] = False
+    """`answer` waits for each layer's `Offer.computed` before reading it, so a streamed
+    offer's pull starts at once; otherwise `serve` answers such a pull once its prefill
+    computed every layer."""
     wire_version: ClassVar[int]
     max_frame_bytes: ClassVar[int]
     """The largest control frame a consumer sends this producer (its ROUTER's bound)."""
@@ -242,8 +247,26 @@ class PeerTransport(Transport):
         elif isinstance(found := self._claim(msg, ident), str):
             refusal = self.refusal(msg.req, found[:MAX_REASON])
             await self.reply(ident, msg.req, refusal, getattr(msg, "nonce", b""))
+        elif found.params and not self.reads_when_computed:  # streamed: once computed
+            nursery.start_soon(self._answer_computed, nursery, ident, msg, found)
         else:
             await self.answer(nursery, ident, msg, found)
+
+    async def _answer_computed(
+        self, nursery: trio.Nursery, ident: bytes, msg: Any, offer: Offer
+    ) -> None:
+        """Answer a pull of a streamed offer once its prefill computed every layer, held
+        meanwhile (a transport that does not wait for each layer itself)."""
+        try:
+            with self.held.reading(offer.req):
+                await offer.all_computed()
+            await self.answer(nursery, ident, msg, offer)
+        except NotHeld:  # withdrawn meanwhile (preempted)
+            await self.reply(ident, msg.req, self.refusal(msg.req, "withdrawn"), msg.nonce)
+        except Exception as exc:  # as in serve(): one pull's failure fails that pull only
+            why = shown(f"{type(exc).__name__}: {exc}")
+            self.reject("frame", f"answering a pull failed: {why}")
+            self.held.release(msg.req, f"answering its pull failed: {why}", peer=ident)
 
     def _claim(self, msg: Any, ident: bytes) -> Offer | str:
         """The offered blocks `msg` asks for, claimed for `ident`; or why not. The layout

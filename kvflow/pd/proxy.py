@@ -12,8 +12,17 @@ longer than `max_body_bytes` (`--max-body-bytes`, 32 MiB by default) is answered
 the proxy waits on it (a request line, a body, a read of the answer) is let go, a body
 that stops arriving answered 408.
 
-Nothing here is kvflow-specific: it drives any connector that follows the
-convention. It imports no vLLM.
+Nothing here is kvflow-specific, but `--stream`: it drives any connector that follows
+the convention. It imports no vLLM.
+
+`--stream` (kvflow's connector only, decision 93): once a prefill server's answer named
+its workers (`kv_transfer_params["kvflow"]["addresses"]`), each request goes to it and to
+a decode server at once, the prefill's with `kvflow_offer` (an id the proxy draws), the
+decode's with `kvflow_stream` (that id and those workers): the decode server claims the
+offer as the request arrives and pulls each layer as the prefill computes it. The
+prefill's answer is read in a thread of its own, and the workers it names are learned
+again (a restarted server's new ones); one that fails makes the next request to that
+server go the convention's way, which learns them anew.
 
 What it takes from a client, which it does not trust (docs/security.md):
 
@@ -40,6 +49,7 @@ import io
 import itertools
 import json
 import logging
+import secrets
 import socket
 import sys
 import threading
@@ -63,6 +73,10 @@ __all__ = [
 ]
 
 log = logging.getLogger("kvflow.proxy")
+
+PD_KEY, OFFER_KEY, STREAM_KEY = "kvflow", "kvflow_offer", "kvflow_stream"
+"""kvflow's entries in `kv_transfer_params` (`kvflow.pd.params`: not imported, so that
+the proxy runs on the standard library alone)."""
 
 PREFILL_PARAMS: dict[str, Any] = {
     "do_remote_decode": True,
@@ -113,6 +127,7 @@ class PdProxy:
         client_timeout_s: float = CLIENT_TIMEOUT_S,
         max_clients: int = MAX_CLIENTS,
         request_timeout_s: float = REQUEST_TIMEOUT_S,
+        stream: bool = False,
     ) -> None:
         if not prefill or not decode:
             raise ValueError("a P/D proxy needs at least one prefill and one decode server")
@@ -131,6 +146,9 @@ class PdProxy:
         self._prefill = itertools.cycle([u.rstrip("/") for u in prefill])
         self._decode = itertools.cycle([u.rstrip("/") for u in decode])
         self._next_lock = threading.Lock()
+        self.stream = stream
+        self._producers: dict[str, list[str]] = {}
+        """Streaming: a prefill server's workers, from its latest answer (under the lock)."""
         self.httpd = _Server((host, port), self._handler(), max_clients)
         self._thread: threading.Thread | None = None
 
@@ -155,6 +173,26 @@ class PdProxy:
     def _servers(self) -> tuple[str, str]:
         with self._next_lock:
             return next(self._prefill), next(self._decode)
+
+    def producer(self, prefill: str) -> list[str]:
+        """Streaming: the workers of `prefill` to claim a request's offer at ([] unknown)."""
+        with self._next_lock:
+            return self._producers.get(prefill, [])
+
+    def learn(self, prefill: str, params: Any) -> None:
+        """Streaming: what `prefill`'s latest answer says of its workers (nothing usable:
+        forget them, and its next request goes the convention's way)."""
+        if not self.stream:
+            return
+        entry = params.get(PD_KEY) if isinstance(params, dict) else None
+        found = entry.get("addresses") if isinstance(entry, dict) else None
+        ok = isinstance(found, list) and 0 < len(found) <= 1024
+        ok = ok and all(isinstance(a, str) and len(a) <= 256 for a in found or ())
+        with self._next_lock:
+            if ok:
+                self._producers[prefill] = list(found or ())
+            else:  # another connector, several KV cache groups, an error
+                self._producers.pop(prefill, None)
 
     def _handler(self) -> type[BaseHTTPRequestHandler]:
         # `timeout`: every wait on the client's socket (StreamRequestHandler's)
@@ -215,18 +253,30 @@ class _Handler(BaseHTTPRequestHandler):
         if body is None:
             return
         prefill, decode = self.proxy._servers()
-        answer = self._upstream("prefill", prefill, prefill_request(body))
-        if answer is None:
-            return
-        with answer:
-            try:
-                params = json.loads(answer.read()).get("kv_transfer_params")
-            except (OSError, http.client.HTTPException, ValueError, AttributeError) as exc:
-                log.warning("kvflow proxy: the prefill server %s answered: %s", prefill, exc)
-                error = f"the prefill server's answer could not be read ({type(exc).__name__})"
-                self._reply(502, {"error": error})
+        if workers := self.proxy.producer(prefill):
+            offer = secrets.token_hex(16)
+            pre = prefill_request(body)
+            pre["kv_transfer_params"][OFFER_KEY] = offer
+            threading.Thread(target=self._prefill, args=(prefill, pre), daemon=True).start()
+            body["kv_transfer_params"] = {
+                "do_remote_prefill": True,
+                "do_remote_decode": False,
+                STREAM_KEY: {"offer": offer, "addresses": workers},
+            }
+        else:
+            answer = self._upstream("prefill", prefill, prefill_request(body))
+            if answer is None:
                 return
-        body["kv_transfer_params"] = params
+            with answer:
+                try:
+                    params = json.loads(answer.read()).get("kv_transfer_params")
+                except (OSError, http.client.HTTPException, ValueError, AttributeError) as exc:
+                    log.warning("kvflow proxy: the prefill server %s answered: %s", prefill, exc)
+                    error = f"the prefill server's answer could not be read ({type(exc).__name__})"
+                    self._reply(502, {"error": error})
+                    return
+            self.proxy.learn(prefill, params)
+            body["kv_transfer_params"] = params
         upstream = self._upstream("decode", decode, body)
         if upstream is None:
             return
@@ -242,6 +292,18 @@ class _Handler(BaseHTTPRequestHandler):
                 self.wfile.write(b"0\r\n\r\n")
             except (BrokenPipeError, ConnectionResetError, TimeoutError):
                 log.info("kvflow proxy: client went away; aborting the decode request")
+
+    def _prefill(self, prefill: str, body: dict[str, Any]) -> None:
+        """Streaming: the prefill of a request sent to its decode server meanwhile. Its
+        failure is the decode server's to find (the claim goes unanswered: it computes
+        the prompt); the server's workers are learned again from its answer."""
+        params: Any = None
+        try:
+            with open_post(prefill + self.path, body, self.proxy.timeout_s) as answer:
+                params = json.loads(answer.read()).get("kv_transfer_params")
+        except (OSError, http.client.HTTPException, ValueError, AttributeError) as exc:
+            log.warning("kvflow proxy: the prefill server %s (streamed): %s", prefill, exc)
+        self.proxy.learn(prefill, params)
 
     def _body(self) -> dict[str, Any] | None:
         """The request's JSON object, of its checked length (`_framing`), read within
@@ -484,6 +546,7 @@ def run(args: Any) -> int:
             client_timeout_s=wait,
             max_clients=clients,
             request_timeout_s=deadline,
+            stream=args.stream,
         )
     except ValueError as exc:
         print(f"kvflow proxy: {exc}", file=sys.stderr)

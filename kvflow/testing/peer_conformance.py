@@ -78,6 +78,11 @@ class PeerPromise:
         "a request is pulled by one consumer: a second is refused (ChunkMissing) and nothing "
         "it sends releases the blocks the first is reading"
     )
+    STREAMED = (
+        "a streamed offer (Offer.params set: made as its prefill is scheduled) gives its "
+        "params with each answer to a claim that holds it (Renewed.params), and each of its "
+        "layers is read only after Offer.computed(layer) returned"
+    )
     DEAD_PEER = (
         "a pull from a producer that is gone ends by the caller's deadline (cancellable, no "
         "hang) and the consumer stays usable"
@@ -351,6 +356,74 @@ class PeerConformance(ConformanceSuite):
         want = [Renewed({}, ["r"]), Renewed({}, [])]
         if answers != want or leases != [9.0]:
             violated(PeerPromise.EARLY_CLAIM, f"answered {answers}, renewed {leases}")
+
+    async def test_a_claim_of_a_streamed_offer_gets_its_params(self, kv: Harness) -> None:
+        producer, consumer, offer, _ = await self.claiming(kv, "streamed")
+        plain = self.offer_of(kv, "plain", kv.chunks(1))
+        answer: Renewed | None = None
+        async with open_nursery() as nursery:
+            nursery.start_soon(producer.offer, dataclasses.replace(offer, params=b"signed"))
+            nursery.start_soon(producer.offer, plain)
+            await trio.testing.wait_all_tasks_blocked()
+            with trio.move_on_after(kv.progress_timeout_s):
+                answer = await consumer.renew(producer.address, ["streamed", "plain"], 9.0)
+            nursery.cancel_scope.cancel()
+        if answer is None or answer.params != {"streamed": b"signed"} or answer.refused:
+            violated(PeerPromise.STREAMED, f"answered {answer}")
+
+    async def test_a_streamed_offer_is_read_only_as_its_layers_are_computed(
+        self, kv: Harness
+    ) -> None:
+        """The pull comes before the prefill's forward wrote the blocks: until layer i is
+        computed they hold other bytes, which a pull that read it early would land."""
+        producer, consumer = await kv.worker(), await kv.worker()
+        layout, src = kv.layout, kv.chunks(2, partial=3)
+        dst, source, before = kv.destination(src)
+
+        def spans(layer: int) -> list[memoryview]:
+            return [s for b in src.blocks for s in layout.spans(layer, b, layout.block_size)]
+
+        computed_bytes = [[bytes(s) for s in spans(i)] for i in range(layout.num_layers)]
+        kv.fill(src)  # what the blocks held before this step's forward
+        asked, computed = trio.Event(), [trio.Event() for _ in range(layout.num_layers)]
+        waited: list[int] = []
+
+        async def wait(layer: int) -> None:
+            waited.append(layer)
+            asked.set()
+            await computed[layer].wait()
+
+        offer = dataclasses.replace(self.offer_of(kv, "s", src), params=b"p", computed=wait)
+        outcome: list[str] = []
+        failed: list[str] = []
+
+        async def load() -> None:
+            job, _ = kv.load_job(dst, source=self.source([producer], "s", src))
+            try:
+                await consumer.load(job)
+            except Exception as exc:
+                failed.append(f"the pull raised {type(exc).__name__}: {exc}")
+            asked.set()  # a pull that ended without waiting: the forward goes on anyway
+
+        async def hold() -> None:
+            outcome.append(await producer.offer(offer))
+
+        with trio.move_on_after(kv.progress_timeout_s * (layout.num_layers + 2)):
+            async with open_nursery() as nursery:
+                nursery.start_soon(hold)
+                await trio.testing.wait_all_tasks_blocked()
+                nursery.start_soon(load)
+                await asked.wait()  # the producer waits for layer 0
+                for layer in range(layout.num_layers):  # the forward, layer by layer
+                    await trio.testing.wait_all_tasks_blocked()  # a pull reading ahead: now
+                    for span, data in zip(spans(layer), computed_bytes[layer], strict=True):
+                        span[:] = data
+                    computed[layer].set()
+        if not waited:
+            violated(PeerPromise.STREAMED, "the offer was read without Offer.computed called")
+        if failed or outcome != ["done"]:
+            violated(PeerPromise.STREAMED, f"{failed or ''} offer() returned {outcome}")
+        kv.expect_loaded(source, before, src, dst, promise=PeerPromise.STREAMED)
 
     async def test_blocks_stay_held_while_a_pull_reads_them(self, kv: Harness) -> None:
         """The hold deadline passes mid-pull: once offer() returns, vLLM reuses the blocks

@@ -22,7 +22,7 @@ pytest.importorskip("vllm.v1.core.sched.scheduler", reason="needs vLLM installed
 from kvflow.engine.metadata import OfferSpec
 from kvflow.keyfiles import keygen, read_key
 from kvflow.observe.events import Event, Rejected
-from kvflow.pd.params import PdParams, parse_pd_params
+from kvflow.pd.params import PdParams, decode_streamed, parse_pd_params
 from kvflow.pd.security import Channel
 from kvflow.transport import Offer, PeerSource
 from kvflow_vllm.connector import KVFlowHandshake
@@ -114,6 +114,81 @@ def test_pd_producer_offers_blocks_and_consumer_pulls_them(harness: MakeHarness)
     run_to_completion(consumer)
     assert all(not s.plan.saves and not s.plan.lent for s in consumer.steps)
     assert consumer.free_blocks == c_start
+    assert not consumer.kvflow_requests
+
+
+def test_a_streamed_prefill_is_offered_as_it_is_scheduled_and_its_decode_pulls_it(
+    harness: MakeHarness,
+) -> None:
+    """`kvflow proxy --stream` sends a request to both instances at once, naming an offer
+    id it drew: the producer offers the blocks under it in the step that schedules the
+    prompt (its workers send each layer once that step's forward wrote it), not a step
+    after the request finished; the consumer's claim brings the producer's params, and
+    it pulls as from params that came with the request."""
+    offer_id = "5e" * 16
+    held = Offer(offer_id, [], [], 0, lambda _layer: [])  # filled from the producer's plan
+    with held_offer(held) as live:
+        producer = harness(make_vllm_config(transport="zmq", kv_role="kv_producer"), 16)
+        producer.connector.set_xfer_handshake_metadata({0: KVFlowHandshake([live])})
+        start = producer.free_blocks
+        prompt = prompt_of(3, 40)
+        streamed = {"do_remote_decode": True, "kvflow_offer": offer_id}
+        producer.add(make_request("pd", prompt, max_tokens=1, kv_transfer_params=streamed))
+        prefill = producer.step()
+        (spec,) = prefill.plan.offers  # in the step that computes the prompt
+        assert not prefill.plan.lent, "offered before the request finished"
+        table = prefill.block_ids["pd"]
+        assert (spec.req, spec.offer, spec.block_ids) == ("pd", offer_id, table)
+        (out,) = producer.collect(prefill).finished
+        (pd,) = parse_pd_params(out.kv_transfer_params) or []
+        assert pd.offer == offer_id and decode_streamed(spec.params, "the plan") == pd
+        producer.step(finished_sending={"pd"})
+        assert [o for s in producer.steps for o in s.plan.offers] == [spec], "offered once"
+        assert [r for s in producer.steps for r in s.plan.lent] == ["pd"]
+        assert producer.free_blocks == start and not producer.kvflow_requests
+        held.block_ids, held.token_counts, held.params = table, spec.token_counts, spec.params
+
+        consumer = harness(make_vllm_config(transport="zmq", kv_role="kv_consumer"), 16)
+        c_start = consumer.free_blocks
+        ref = {"do_remote_prefill": True, "kvflow_stream": {"offer": offer_id, "addresses": [live]}}
+        consumer.add(make_request("d", prompt, max_tokens=3, kv_transfer_params=ref))
+        pull = consumer.step()
+        (load,) = pull.plan.loads
+        assert load.asynchronous and load.token_counts == [16, 16, 8]
+        assert load.source == PeerSource(pd.engine_id, [live], offer_id, table, 1, 2)
+        consumer.step(finished_recving={"d"})
+        decode = consumer.step()
+        assert decode.output.num_scheduled_tokens == {"d": 1}, "only the last token recomputed"
+        run_to_completion(consumer)
+    assert consumer.free_blocks == c_start and not consumer.kvflow_requests
+
+
+def test_a_streamed_claim_whose_params_are_not_for_its_prompt_is_computed_here(
+    harness: MakeHarness,
+) -> None:
+    """A client that names someone's streamed offer for its own prompt gets nothing from
+    it: the params the claim brings are checked as any params (the prompt's digest)."""
+    offer_id = "7a" * 16
+    held = Offer(offer_id, [], [], 0, lambda _layer: [])
+    with held_offer(held) as live:
+        producer = harness(make_vllm_config(transport="zmq", kv_role="kv_producer"), 16)
+        producer.connector.set_xfer_handshake_metadata({0: KVFlowHandshake([live])})
+        streamed = {"do_remote_decode": True, "kvflow_offer": offer_id}
+        producer.add(
+            make_request("pd", prompt_of(3, 40), max_tokens=1, kv_transfer_params=streamed)
+        )
+        (spec,) = producer.step().plan.offers
+        held.block_ids, held.token_counts, held.params = (
+            spec.block_ids, spec.token_counts, spec.params,
+        )  # fmt: skip
+        consumer = harness(make_vllm_config(transport="zmq", kv_role="kv_consumer"), 16)
+        rejected = _rejections(consumer)
+        ref = {"do_remote_prefill": True, "kvflow_stream": {"offer": offer_id, "addresses": [live]}}
+        consumer.add(make_request("d", prompt_of(4, 40), max_tokens=3, kv_transfer_params=ref))
+        first = consumer.step()
+        run_to_completion(consumer)
+    assert not first.plan.loads and first.output.num_scheduled_tokens == {"d": 40}
+    assert rejected() == {"prompt": 1}
     assert not consumer.kvflow_requests
 
 

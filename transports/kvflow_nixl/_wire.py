@@ -19,7 +19,7 @@ notification for the data path:
 and, from the consumer's scheduler while the request waits (`kvflow.pd.offers`):
 
     consumer -> producer   Renew(reqs, lease_ms, release, nonce, consumer)
-    producer -> consumer   Renewed(refused, pending)
+    producer -> consumer   Renewed(refused, pending, params)
 
 Keyed, every control frame (and notification) carries a MAC toward its side
 (`Channel.seal`), and each answer is bound to the `nonce` of the request it answers

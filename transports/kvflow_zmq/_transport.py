@@ -23,7 +23,7 @@ from kvflow.geometry.cells import cell_index, cells_of, is_token_major, put_cell
 from kvflow.geometry.layout import KVLayout, LayoutError, peer_cells_problem, peer_layout_problem
 from kvflow.geometry.topology import HeadRead
 from kvflow.pd.context import PeerRead
-from kvflow.pd.offers import new_nonce
+from kvflow.pd.offers import NotHeld, new_nonce
 from kvflow.pd.peer_transport import PeerOptions, PeerTransport
 from kvflow.transport import (
     Capabilities,
@@ -65,6 +65,7 @@ class ZmqTransport(PeerTransport):
         hetero_blocks=True,
     )
     Pull = wire.Pull
+    reads_when_computed = True
     wire_version = wire.WIRE_VERSION
     max_frame_bytes = wire.MAX_CONTROL_BYTES
     device_type: type[ipc.Device] = ipc.CudaDevice
@@ -151,17 +152,31 @@ class ZmqTransport(PeerTransport):
     async def answer(
         self, nursery: trio.Nursery, ident: bytes, msg: wire.Pull, offer: Offer
     ) -> None:
-        if self._handles:
-            lent = await nursery.start(self.held.lend, msg.req, self.options.ipc_lease_s)
-            reply = self._ipc_reply(offer) if lent else wire.Refused(msg.req, "expired")
-            if not await self.reply(ident, msg.req, wire.encode(reply), msg.nonce):
-                self.held.release(msg.req, "the consumer went away", peer=ident)
+        if self._handles and offer.params:  # streamed: the consumer copies every layer
+            nursery.start_soon(self._answer_ipc, nursery, ident, msg, offer)  # at once
+        elif self._handles:
+            await self._answer_ipc(nursery, ident, msg, offer)
         elif (msg.req, ident) in self._pulling:  # one consumer, one copy of an offer
             refusal = self.refusal(msg.req, "already being pulled by this consumer")
             await self.reply(ident, msg.req, refusal, msg.nonce)
         else:  # in a task: serve() goes on answering claims and renewals meanwhile
             self._pulling.add((msg.req, ident))
             nursery.start_soon(self._serve_pull, ident, offer, msg)
+
+    async def _answer_ipc(
+        self, nursery: trio.Nursery, ident: bytes, msg: wire.Pull, offer: Offer
+    ) -> None:
+        """Lend `offer`'s device blocks to the consumer on this host, once computed."""
+        try:
+            with self.held.reading(offer.req):  # held meanwhile
+                await offer.all_computed()
+        except NotHeld:  # withdrawn meanwhile (preempted)
+            await self.reply(ident, msg.req, self.refusal(msg.req, "withdrawn"), msg.nonce)
+            return
+        lent = await nursery.start(self.held.lend, msg.req, self.options.ipc_lease_s)
+        reply = self._ipc_reply(offer) if lent else wire.Refused(msg.req, "expired")
+        if not await self.reply(ident, msg.req, wire.encode(reply), msg.nonce):
+            self.held.release(msg.req, "the consumer went away", peer=ident)
 
     async def _serve_pull(self, ident: bytes, offer: Offer, msg: wire.Pull) -> None:
         """One pull's answer, at most `MAX_PULLS_COPIED` at once; its failure fails that
@@ -205,6 +220,11 @@ class ZmqTransport(PeerTransport):
         heads = pull.heads
         with self.held.reading(o.req):
             for layer in range(o.num_layers):
+                await o.computed(layer)  # streamed: once the prefill's forward wrote it
+                if o.req not in self.held:  # withdrawn (preempted) meanwhile
+                    outcome = "withdrawn by its producer (preempted)"
+                    await self.reply(ident, o.req, self.refusal(o.req, outcome), pull.nonce, layer)
+                    break
                 g = layout.geometries[layer]
                 first, count = (0, g.heads) if heads is None else (heads.first, heads.count)
                 gathered = as_cells[layer] and not is_token_major(g, first, count)

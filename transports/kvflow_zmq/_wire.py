@@ -13,7 +13,7 @@ A pull is one DEALER->ROUTER conversation:
 and, from the consumer's scheduler while the request waits (`kvflow.pd.offers`):
 
     consumer -> producer   Renew(reqs, lease_ms, release, nonce, consumer)
-    producer -> consumer   Renewed(refused, pending)
+    producer -> consumer   Renewed(refused, pending, params)
 
 Keyed, every control frame carries a MAC toward its side (`Channel.seal`), and a
 producer's answers are bound to their request's `nonce` and their index among its

@@ -15,7 +15,14 @@ from kvflow.config import KVFlowConfig
 from kvflow.engine.lending import lent_at_finish
 from kvflow.engine.metadata import WorkerPlan
 from kvflow.engine.scheduler import ScheduledRequest, SchedulerEngine
-from kvflow.pd.params import PdParams, PdParamsError, join_groups, parse_pd_params
+from kvflow.pd.params import (
+    PdParams,
+    PdParamsError,
+    join_groups,
+    parse_pd_params,
+    parse_stream,
+    stream_offer,
+)
 from kvflow.shapes.reblock import other_block_sizes
 
 from ..extract_hidden_states import HiddenStatesPlanner, extracts_hidden_states
@@ -155,8 +162,13 @@ class KVFlowScheduler:
         if self.sched.knows(request.request_id):
             return
         pds: list[PdParams | None] = [None] * len(self.scheds)
+        stream, offer_as = None, ""
+        raw = request.kv_transfer_params
         try:
-            if (parsed := parse_pd_params(request.kv_transfer_params)) is not None:
+            if len(self.scheds) == 1:  # streamed P/D: one KV cache group (decision 93)
+                stream = parse_stream(raw)
+                offer_as = self._stream_offer(request) or ""
+            if (parsed := parse_pd_params(raw)) is not None:
                 if len(parsed) != len(self.scheds):
                     raise PdParamsError(
                         f"the producer sent {len(parsed)} KV cache group(s), this engine has "
@@ -175,7 +187,18 @@ class KVFlowScheduler:
                 request_salt(request),
                 pd,
                 refused=refused,
+                stream=stream,
+                offer_as=offer_as,
             )
+
+    def _stream_offer(self, request: Request) -> str | None:
+        """The id a prefill request asks its blocks to be offered under as they are
+        computed; None if it asks none, or offers hold all the blocks they may (it is
+        then offered at its end, if there is room: `max_offer_fraction`)."""
+        offer = stream_offer(request.kv_transfer_params)
+        if offer is not None and sum(self._offered.values()) >= self._max_offered:
+            return None
+        return offer
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
