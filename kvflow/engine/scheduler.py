@@ -26,6 +26,7 @@ from ..observe.events import (
     LoadReported,
     LookupAnswered,
     LookupRequested,
+    OfferStreamed,
     Rejected,
     RequestArrived,
     RequestFinished,
@@ -203,6 +204,7 @@ class SchedulerEngine:
                 lease_s=config.lease_s,
                 timeout_s=config.lookup_timeout_s,
                 answer_s=config.progress_timeout_s,
+                stream_timeout_s=config.hold_timeout_s,
                 gave_up=self._task_gave_up,
             )
             if type(transport).renew is not Transport.renew
@@ -250,7 +252,7 @@ class SchedulerEngine:
                 counts=[],
                 prompt_len=len(token_ids),
                 stream=stream,
-                claim=self._claims.add(req, stream.offer, 0, stream.addresses),
+                claim=self._claims.add(req, stream.offer, 0, stream.addresses, streamed=True),
                 tokens=token_ids,
                 salt=salt,
             )
@@ -630,6 +632,8 @@ class SchedulerEngine:
             OfferSpec(req, pd.block_ids, counts, pd.offer, params=encode_streamed(pd))
         )
         st.offered = consumer_params(pd)
+        streamed = OfferStreamed(req=req, offer=pd.offer, step=self._step, blocks=len(counts))
+        self.runtime.submit(self.bus.emit, streamed)
 
     def _refuse_pull(self, pd: PdParams) -> str:
         """Why this consumer cannot load `pd`'s blocks ("" if it can)."""

@@ -32,6 +32,7 @@ __all__ = [
     "LoadStarted",
     "LookupAnswered",
     "LookupRequested",
+    "OfferStreamed",
     "Origin",
     "Rejected",
     "RequestArrived",
@@ -102,6 +103,15 @@ class RequestFinished(_Base):
     """How many blocks vLLM lends (0 unless `lent`)."""
     offer: str = ""
     """A P/D producer's: the offer its blocks are held under (`PdParams.offer`)."""
+
+
+class OfferStreamed(_Base):
+    """A P/D producer offered a streamed request's blocks as `offer` in the step that
+    computes its prompt's last tokens (`step`), before they are computed."""
+
+    offer: str
+    step: int
+    blocks: int
 
 
 class RequestArrived(_Base):
@@ -264,6 +274,7 @@ Event = (
     | TransferFailed
     | BlocksReleased
     | ClaimSeen
+    | OfferStreamed
     | TierRead
     | TierWrite
     | Rejected

@@ -2,11 +2,12 @@
 `kvflow inspect --json`'s lines): when each stage happened, and the gaps between.
 
 The consumer's events name its request id; the producer's name its own. The offer id
-ties them: the producer's `RequestFinished` carries the offer it made, the consumer's
-`RequestArrived` the offer its params name. Times are the events' `ts`
-(`time.monotonic()`, one clock for every process of a host): a producer on another
-host has its own clock, and the gaps that cross hosts are then meaningless (those
-within one instance stay right).
+ties them: the producer's `RequestFinished` carries the offer it made (streamed: its
+`OfferStreamed`, made as the prefill is scheduled; its `RequestFinished` is then the
+"prefill done" mark), the consumer's `RequestArrived` the offer its params name.
+Times are the events' `ts` (`time.monotonic()`, one clock for every process of a
+host): a producer on another host has its own clock, and the gaps that cross hosts
+are then meaningless (those within one instance stay right).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from .events import (
     LoadReported,
     LoadStarted,
     LookupAnswered,
+    OfferStreamed,
     RequestArrived,
     RequestFinished,
     RequestScheduled,
@@ -54,6 +56,7 @@ SPANS: tuple[tuple[str, str, str], ...] = (
     ("report to schedule", "load reported", "scheduled"),
     ("first step", "scheduled", "first token"),
     ("offer to first token", "offered", "first token"),
+    ("pull past prefill", "prefill done", "pull done"),
 )
 """The gaps a timeline names: (name, from stage, to stage). A stage seen several times
 (a pull per tensor-parallel rank) counts from its first mark to its last."""
@@ -132,11 +135,19 @@ def timelines(events: Iterable[Event]) -> list[Timeline]:
     by_offer: dict[str, Timeline] = {}
     by_req: dict[str, Timeline] = {}
     made: dict[str, tuple[str, Mark]] = {}  # offer -> (producer request, its mark)
+    done: dict[str, Mark] = {}  # a streamed offer -> its prefill's end
     for ev in events:
         if isinstance(ev, RequestArrived) and ev.offer:
             t = Timeline(ev.req, ev.offer)
             t.marks.append(Mark("arrived", ev.ts, _where(ev), f"{ev.tokens} tokens"))
             by_offer[ev.offer] = by_req[ev.req] = t
+        elif isinstance(ev, OfferStreamed):
+            made[ev.offer] = (
+                ev.req,
+                Mark("offered", ev.ts, _where(ev), f"streamed, step {ev.step}"),
+            )
+        elif isinstance(ev, RequestFinished) and ev.offer in made:  # streamed
+            done[ev.offer] = Mark("prefill done", ev.ts, _where(ev), f"{ev.blocks} blocks")
         elif isinstance(ev, RequestFinished) and ev.offer:
             made[ev.offer] = (ev.req, Mark("offered", ev.ts, _where(ev), f"{ev.blocks} blocks"))
     by_producer_req: dict[str, Timeline] = {}
@@ -144,6 +155,8 @@ def timelines(events: Iterable[Event]) -> list[Timeline]:
         if (found := by_offer.get(offer)) is not None:
             found.producer_req = producer_req
             found.marks.append(mark)
+            if offer in done:
+                found.marks.append(done[offer])
             by_producer_req[producer_req] = found
     for ev in events:
         stage, line = _consumer_stage(ev), by_req.get(ev.req)

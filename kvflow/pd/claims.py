@@ -76,6 +76,9 @@ class Claim:
     """A streamed offer: its producer's params, from its first answer that held it
     (decoded and bounded here, checked by the scheduler; set before `answered`)."""
     since: float = field(default_factory=time.perf_counter)
+    streamed: bool = False
+    """Claimed as its request arrived, before its prefill began (`kvflow proxy --stream`):
+    the offer may be missing as long as the prefill queues (`Claims.stream_timeout_s`)."""
 
     def __post_init__(self) -> None:
         self.unanswered = set(self.addresses)
@@ -102,6 +105,7 @@ class Claims:
         lease_s: float,
         timeout_s: float,
         answer_s: float,
+        stream_timeout_s: float = 0.0,
         gave_up: Report | None = None,
     ) -> None:
         self.transport = transport
@@ -109,6 +113,9 @@ class Claims:
         self.bus = bus
         self.lease_s = lease_s
         self.timeout_s = timeout_s
+        self.stream_timeout_s = max(stream_timeout_s, timeout_s)
+        """How long a streamed claim waits for its offer (`hold_timeout_s`: as long as a
+        producer holds an offer nobody claimed)."""
         self.answer_s = min(answer_s, timeout_s)
         """How long one renewal waits for its answer (`progress_timeout_s`)."""
         self._claims: dict[str, Claim] = {}  # the loop thread's only
@@ -126,9 +133,16 @@ class Claims:
         """Told if the renewals fail for good (the scheduler then stops the engine)."""
 
     # -- vLLM thread -------------------------------------------------------
-    def add(self, req: str, producer_req: str, tokens: int, addresses: Sequence[str]) -> Claim:
+    def add(
+        self,
+        req: str,
+        producer_req: str,
+        tokens: int,
+        addresses: Sequence[str],
+        streamed: bool = False,
+    ) -> Claim:
         """Claim `producer_req` for the consumer request `req`; renewed until `drop`."""
-        claim = Claim(producer_req, tokens, list(addresses))
+        claim = Claim(producer_req, tokens, list(addresses), streamed=streamed)
         self._start()
         self.runtime.submit(self._add, req, claim)
         return claim
@@ -260,11 +274,12 @@ class Claims:
                 for req, claim in claims:
                     if self._claims.get(req) is not claim or address not in claim.unanswered:
                         continue  # dropped, or answered meanwhile
-                    if time.perf_counter() - claim.since < self.timeout_s:
+                    if time.perf_counter() - claim.since < self._timeout(claim):
                         waiting.append((req, claim))
                         continue
-                    why = f"producer {address} has not offered {claim.req} within {self.timeout_s}s"
-                    self._settle(req, claim, address, f"{why} of the claim (lookup_timeout_s)")
+                    why = f"producer {address} has not offered {claim.req} within "
+                    setting = "hold_timeout_s" if claim.streamed else "lookup_timeout_s"
+                    self._settle(req, claim, address, f"{why}{self._timeout(claim)}s ({setting})")
                 self._pending[address] = []
                 if waiting:
                     await backoff.wait()
@@ -329,6 +344,9 @@ class Claims:
             return f"producer {address} sent the params of another offer for {claim.req}"
         claim.params, claim.tokens = p, p.num_tokens
         return ""
+
+    def _timeout(self, claim: Claim) -> float:
+        return self.stream_timeout_s if claim.streamed else self.timeout_s
 
     def _settle(self, req: str, claim: Claim, address: str, why: str) -> None:
         """`address`'s answer to `claim` (held if `why` is empty)."""

@@ -186,6 +186,9 @@ class _Held:
     """The consumer that claimed it by renewing (`Renew.consumer`)."""
     readers: int = 0
     idle: trio.Event = field(default_factory=trio.Event)
+    computing: bool = False
+    """A streamed offer whose transport reads it only once every layer is computed:
+    until then a claim of it is pending (the consumer's pull would wait on the forward)."""
 
     def __post_init__(self) -> None:
         self.idle.set()
@@ -194,7 +197,10 @@ class _Held:
 class HeldOffers:
     """Offers a producer holds, by request id; trio-only (one loop owns it)."""
 
-    def __init__(self) -> None:
+    def __init__(self, reads_when_computed: bool = False) -> None:
+        self._reads_when_computed = reads_when_computed
+        """The transport reads each layer of a streamed offer once it is computed (else
+        its claims are pending until all are)."""
         self._held: dict[str, _Held] = {}
         self._ended: OrderedDict[str, str] = OrderedDict()  # why, by request, newest last
 
@@ -226,7 +232,7 @@ class HeldOffers:
         `lease_s` from now (`Offer.renew`), and the first consumer to renew it claims it;
         those not offered (yet) are pending; the others (and those another consumer
         claimed) are refused with the reason. A streamed offer's answer carries its
-        params."""
+        params (pending until computed, for a transport that reads it only then)."""
         refused, pending, params = {}, [], {}
         for req in reqs:
             held = self._open(req)
@@ -235,7 +241,9 @@ class HeldOffers:
             elif held is not None:
                 held.renewer = held.renewer or consumer
                 held.offer.renew(lease_s)
-                if held.offer.params:  # streamed: the consumer has no params of it yet
+                if held.computing:
+                    pending.append(req)
+                elif held.offer.params:  # streamed: the consumer has no params of it yet
                     params[req] = held.offer.params
             elif req in self._ended:
                 refused[req] = self._ended[req]
@@ -279,8 +287,12 @@ class HeldOffers:
         """Hold `offer` until released; return the outcome ("done" or the consumer's
         reason). When cancelled, return only after every read of the blocks ended."""
         held = self._held[offer.req] = _Held(offer)
+        held.computing = bool(offer.params) and not self._reads_when_computed
         self._ended.pop(offer.req, None)
         try:
+            if held.computing:
+                await offer.all_computed()
+                held.computing = False
             await held.released.wait()
             return held.outcome
         finally:

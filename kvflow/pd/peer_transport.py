@@ -115,7 +115,7 @@ class PeerTransport(Transport):
         self._zap: ZapSocket | None = None
         """Where libzmq asks for each connection's handshake to be checked (keyed
         workers; `serve` answers)."""
-        self.held = HeldOffers()
+        self.held = HeldOffers(self.reads_when_computed)
         self.channel = context.channel
         self.reject = Rejections(f"{self.name} side channel", context.rejected)
         """Count and log a refused frame (a reason of `kvflow.pd.security.REJECT_REASONS`)."""

@@ -189,7 +189,7 @@ def test_filters_match_prefixes_and_event_kinds() -> None:
     assert not EventFilter(kinds={"LoadStarted"}).match(ev)
     with pytest.raises(ValueError, match=r"unknown event kind.*Nope.*valid: LookupRequested"):
         EventFilter(kinds={"Nope"})
-    assert "TransferDone" in EVENT_KINDS and len(EVENT_KINDS) == 24
+    assert "TransferDone" in EVENT_KINDS and len(EVENT_KINDS) == 25
 
 
 def test_render_shows_engines_transfers_and_errors() -> None:

@@ -117,6 +117,7 @@ SAMPLES: list[Event] = [
     ev.TransferFailed(req="r", direction="load", reason="x", block_ids=[1, 2], timed_out=True),
     ev.BlocksReleased(req="r"),
     ev.ClaimSeen(req="r"),
+    ev.OfferStreamed(req="r", offer="0f", step=3, blocks=2),
     ev.TierRead(req="r", tier="cpu", hits=2, misses=1, promoted=1, nbytes=2048, evicted=1),
     ev.TierWrite(req="r", tier="cpu", stored=2, through=0, evicted=1, nbytes=2048),
     ev.Rejected(reason="prompt", detail="the params were made for another prompt"),

@@ -3,11 +3,14 @@ the offer, and the spread of each gap. (Real servers' timelines: tests/serving/t
 
 from __future__ import annotations
 
+import msgspec
+
 from kvflow.observe.events import (
     ClaimSeen,
     Event,
     FirstToken,
     LoadStarted,
+    OfferStreamed,
     Origin,
     RequestArrived,
     RequestFinished,
@@ -74,3 +77,19 @@ def test_the_spread_of_each_gap_over_requests() -> None:
     assert round(pull.max, 6) == 0.010
     assert 0.005 <= pull.p50 <= 0.006
     assert "claim" not in by_name
+
+
+def test_a_streamed_offer_is_offered_as_scheduled_and_its_prefills_end_is_a_mark() -> None:
+    """Streamed (`kvflow proxy --stream`): the offer is made as the prefill is scheduled
+    (`OfferStreamed`), the consumer arrives meanwhile, and the producer's finish is
+    "prefill done": the pull's part past it is what streaming did not hide."""
+    events = _request(1, 1.0, 0.004)
+    finished = events[0]
+    assert isinstance(finished, RequestFinished)
+    streamed = OfferStreamed(req="p1", offer="offer1", step=3, blocks=3, ts=0.99, origin=P)
+    finished = msgspec.structs.replace(finished, ts=1.022)  # mid-pull: before its end
+    (line,) = timelines([streamed, finished, *events[1:]])
+    stages = [m.stage for m in line.marks]
+    assert stages[:2] == ["offered", "arrived"] and "prefill done" in stages
+    assert line.marks[0].ts == 0.99
+    assert round(line.gaps()["pull past prefill"], 6) == 0.002

@@ -33,10 +33,11 @@ from kvflow.observe.events import (
     TransferFailed,
 )
 from kvflow.observe.stats import StatsCollector
+from kvflow.pd.offers import HeldOffers
 from kvflow.pd.params import PD_VERSION, UNSET_SHAPE, PdParams
 from kvflow.pd.security import Channel, prompt_digest
 from kvflow.runtime import GIVE_UP_AFTER, KVFlowFatal, Runtime
-from kvflow.transport import Renewed
+from kvflow.transport import Offer, Renewed
 from kvflow_zmq import ZmqOptions, ZmqTransport
 
 from ..support.kvflow_engines import (
@@ -621,3 +622,25 @@ async def test_only_the_consumer_that_claimed_an_offer_may_release_it() -> None:
                 await mine.released.wait()
                 assert mine.outcome == ["released unpulled by its consumer"]
                 nursery.cancel_scope.cancel()
+
+
+async def test_a_streamed_offer_its_transport_reads_whole_is_claimed_once_computed() -> None:
+    """A transport that reads a streamed offer only once every layer is computed (`nixl`:
+    the consumer READs it by itself): a claim of it is pending until then, so the
+    consumer's pull never waits on the producer's forward (a long prompt's would outlast
+    its `progress_timeout_s`)."""
+    held = HeldOffers(reads_when_computed=False)
+    forward = trio.Event()
+
+    async def computed(_layer: int) -> None:
+        await forward.wait()
+
+    offer = Offer("s", [1], [4], 2, lambda _layer: [], params=b"signed", computed=computed)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(held.offer, offer)
+        await trio.testing.wait_all_tasks_blocked()
+        assert held.renew(["s"], 5.0, "c") == Renewed({}, ["s"]), "pending while computing"
+        forward.set()
+        await trio.testing.wait_all_tasks_blocked()
+        assert held.renew(["s"], 5.0, "c") == Renewed({}, [], {"s": b"signed"})
+        nursery.cancel_scope.cancel()

@@ -171,13 +171,14 @@ CHAIN = (
 """A P/D request's stages in the order they must happen (issue 49)."""
 
 
-def _timeline(pd: PD, req: str) -> Timeline:
-    """The timeline of the decode server's request `req` (an id prefix) once its first
-    token is in the event log, or as it is after 30 s."""
+def _timeline(pd: PD, req: str, stages: tuple[str, ...] = ("first token",)) -> Timeline:
+    """The timeline of the decode server's request `req` (an id prefix) once `stages`
+    (its first token) are in the event log, or as it is after 30 s."""
     deadline = time.monotonic() + 30
     while True:
         found = [t for t in timelines(read_event_log(str(pd.events))) if req in t.req]
-        if (found and found[0].first("first token")) or time.monotonic() > deadline:
+        seen = found and all(found[0].first(stage) for stage in stages)
+        if seen or time.monotonic() > deadline:
             assert found, f"no P/D timeline of {req}"
             return found[0]
         time.sleep(0.2)  # polls the servers' event log
@@ -211,6 +212,40 @@ def test_each_pd_request_has_a_timeline_across_both_servers(pd: PD) -> None:
     rows = {cells[1] for ln in every.stdout.splitlines() if len(cells := _cells(ln)) > 2}
     for span in ("claim", "pull", "first step", "offer to first token"):
         assert span in rows, every.stdout
+
+
+@pytest.mark.cell(PLAIN_ROW, _transport)
+def test_streamed_requests_are_pulled_as_their_prefill_computes_them(pd: PD) -> None:
+    """Issue 49, 3: `kvflow proxy --stream` sends each request to both servers at once;
+    the prefill server offers its blocks as it schedules the prompt (`OfferStreamed`),
+    before its request finishes, and the decode server pulls them under the proxy's id:
+    the same tokens as one server, every prompt token pulled."""
+    proxy = PdProxy([pd.prefill.url], [pd.decode.url], stream=True).start()
+    try:
+        first = _prompt(40)  # goes the convention's way: the proxy learns the workers
+        assert_same(pd.decode.completion(first, 8, url=proxy.url), pd.reference(first), "first")
+        assert proxy.producer(pd.prefill.url), "the prefill's answer named its workers"
+        for n in (10, 150, 301):
+            prompt = _prompt(n)
+            want = pd.reference(prompt)
+            before = _loaded(pd.decode.metrics())
+            got = pd.decode.completion(prompt, 8, url=proxy.url)
+            assert_same(got, want, f"a streamed {n}-token prompt")
+            pulled, external, _ = _loaded_since(pd.decode, before)
+            assert pulled == external == n, f"{n} prompt tokens: pulled {pulled}, vLLM {external}"
+            t = _timeline(pd, got["id"].removeprefix("cmpl-"), ("first token", "prefill done"))
+            marks = {m.stage: m for m in t.marks}
+            assert marks["offered"].detail.startswith("streamed"), t.marks
+            assert marks["offered"].ts < marks["prefill done"].ts, "offered as scheduled"
+            assert t.first("pull done") is not None and t.first("first token") is not None
+        prompts = [_prompt(60 + 37 * i) for i in range(8)]
+        want = [pd.reference(p) for p in prompts]
+        with ThreadPoolExecutor(8) as ex:
+            got = list(ex.map(lambda p: pd.decode.completion(p, 8, url=proxy.url), prompts))
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            assert_same(g, w, f"streamed concurrent request {i}")
+    finally:
+        proxy.close()
 
 
 def _cells(line: str) -> list[str]:

@@ -3,6 +3,7 @@ pulls them into its own KV memory."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -340,3 +341,49 @@ async def test_a_keyed_or_insecure_producer_binds_any_address(tmp_path: Any) -> 
         await producer.open()
         assert producer.address.startswith("tcp://0.0.0.0:")
         await producer.aclose()
+
+
+async def test_a_layer_computed_slower_than_the_progress_timeout_is_still_pulled(
+    layouts: tuple[KVLayout, KVLayout],
+) -> None:
+    """A streamed offer's prefill may take longer than `progress_timeout_s` to compute a
+    layer (a long prompt on a CPU): the producer says it is computing meanwhile, and the
+    consumer, which gives up on a producer silent for that long, waits on."""
+    prod, cons = layouts
+    wait_s = 0.4
+    producer = ZmqTransport(ZmqOptions(), PeerContext.of(_ctx(prod), progress_timeout_s=wait_s))
+    consumer = ZmqTransport(ZmqOptions(), PeerContext.of(_ctx(cons), progress_timeout_s=wait_s))
+    for t, layout in ((producer, prod), (consumer, cons)):
+        await t.open()
+        await t.register(layout)
+
+    done_at: list[float] = []
+
+    async def computed(layer: int) -> None:
+        if layer == 1:  # the forward, slower than the consumer's bound
+            done_at.append(done_at[0] if done_at else trio.current_time() + 4 * wait_s)
+            await trio.sleep_until(done_at[0])
+
+    offer = Offer("p-req", [1, 2, 3], COUNTS, prod.num_layers, _spans(prod, [1, 2, 3], COUNTS))
+    offer = dataclasses.replace(offer, params=b"streamed", computed=computed)
+    job = LoadJob(
+        "c-req",
+        ["k"] * 3,
+        COUNTS,
+        cons.num_layers,
+        _spans(cons, [7, 8, 9], COUNTS),
+        lambda _layer: None,
+        PeerSource("e", [producer.address], "p-req", [1, 2, 3]),
+    )
+    try:
+        with trio.fail_after(20):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(producer.serve)
+                nursery.start_soon(producer.offer, offer)
+                await trio.testing.wait_all_tasks_blocked()
+                await consumer.load(job)
+                nursery.cancel_scope.cancel()
+    finally:
+        await producer.aclose()
+        await consumer.aclose()
+    assert _bytes(cons, [7, 8, 9], COUNTS) == _bytes(prod, [1, 2, 3], COUNTS)

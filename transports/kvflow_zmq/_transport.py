@@ -218,12 +218,20 @@ class ZmqTransport(PeerTransport):
         outcome = "done"
         layout = self._layout()
         heads = pull.heads
+        answer = 0  # each answer's index (`seal_answer`)
         with self.held.reading(o.req):
             for layer in range(o.num_layers):
-                await o.computed(layer)  # streamed: once the prefill's forward wrote it
+                alive = True
+                while alive and not await self._computed(o, layer):  # streamed: computing
+                    computing = wire.encode(wire.Computing(o.req))
+                    alive = await self.reply(ident, o.req, computing, pull.nonce, answer)
+                    answer += 1
+                if not alive:
+                    outcome = "the consumer went away or does not read"
+                    break
                 if o.req not in self.held:  # withdrawn (preempted) meanwhile
                     outcome = "withdrawn by its producer (preempted)"
-                    await self.reply(ident, o.req, self.refusal(o.req, outcome), pull.nonce, layer)
+                    await self.reply(ident, o.req, self.refusal(o.req, outcome), pull.nonce, answer)
                     break
                 g = layout.geometries[layer]
                 first, count = (0, g.heads) if heads is None else (heads.first, heads.count)
@@ -240,7 +248,8 @@ class ZmqTransport(PeerTransport):
                     spans = [s for chunk in chunks for s in chunk]
                 sizes = [s.nbytes for s in spans]
                 header = wire.Layer(o.req, layer, sizes, cells=as_cells[layer])
-                sealed = self.seal_answer(wire.encode(header), pull.nonce, layer)
+                sealed = self.seal_answer(wire.encode(header), pull.nonce, answer)
+                answer += 1
                 frames = [sealed, *spans]  # gathered: a fresh array
                 if not self.send(ident, frames, o.req, copy=not gathered):
                     outcome = "the consumer went away or does not read"
@@ -250,6 +259,14 @@ class ZmqTransport(PeerTransport):
         # again, so they go back now (once every reader's are), whatever becomes of it
         self.held.release(o.req, outcome, peer=ident)
         return True
+
+    async def _computed(self, o: Offer, layer: int) -> bool:
+        """Whether `o`'s `layer` is computed, waiting at most half the consumer's bound on
+        a producer's silence (`progress_timeout_s`: the same on both sides)."""
+        with trio.move_on_after(self.context.progress_timeout_s / 2):
+            await o.computed(layer)
+            return True
+        return False
 
     # -- consumer ----------------------------------------------------------
     async def pull(
@@ -277,11 +294,15 @@ class ZmqTransport(PeerTransport):
                 nonce=nonce,
             )
             await sock.send_multipart([self.seal_request(wire.encode(pull))])
-            for layer in range(job.num_layers):  # answer i: layer i (or Ipc, Refused)
-                frames: list[Any] = await self.receive(sock, address, src.req, copy=False)
-                msg = self.answer_to(
-                    frames[0].buffer, wire.decode_to_consumer, src.req, nonce, layer
-                )
+            answer = 0  # each answer's index
+            for layer in range(job.num_layers):  # a layer (or Ipc, Refused) after Computing
+                msg: Any = wire.Computing(src.req)
+                while isinstance(msg, wire.Computing):
+                    frames: list[Any] = await self.receive(sock, address, src.req, copy=False)
+                    msg = self.answer_to(
+                        frames[0].buffer, wire.decode_to_consumer, src.req, nonce, answer
+                    )
+                    answer += 1
                 if isinstance(msg, wire.Refused):
                     refused = True  # nothing held for us: nothing to answer
                     raise self.refused(address, src.req, msg.reason)

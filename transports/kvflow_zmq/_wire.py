@@ -7,7 +7,9 @@ A pull is one DEALER->ROUTER conversation:
                            (host memory), or
                            Ipc(req, host, geometries, block_ids, lease_s, handles) (CUDA memory:
                            the consumer copies device to device), or
-                           Refused(req, reason)
+                           Refused(req, reason);
+                           before a layer, Computing(req) while a streamed offer's prefill
+                           has not computed it (every `progress_timeout_s / 2`)
     consumer -> producer   Done(req) | Failed(req, reason)
 
 and, from the consumer's scheduler while the request waits (`kvflow.pd.offers`):
@@ -17,8 +19,8 @@ and, from the consumer's scheduler while the request waits (`kvflow.pd.offers`):
 
 Keyed, every control frame carries a MAC toward its side (`Channel.seal`), and a
 producer's answers are bound to their request's `nonce` and their index among its
-answers (`Layer` i is answer i; `Ipc` and `Refused` answer 0), so an answer of another
-pull, a reordered one or a consumer's frame sent back fails it.
+answers (counting every `Computing` and `Layer`), so an answer of another pull, a
+reordered one or a consumer's frame sent back fails it.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from kvflow.zmqio import decode_frame
 
 from ._ipc import IpcHandle
 
-WIRE_VERSION = 8
+WIRE_VERSION = 9
 MAX_CONTROL_BYTES = 1 << 20
 MAX_BLOCKS = 1 << 20
 MAX_LAYERS = 1 << 12
@@ -100,6 +102,12 @@ class Refused(msgspec.Struct, tag=True, frozen=True):
     reason: Reason
 
 
+class Computing(msgspec.Struct, tag=True, frozen=True):
+    """The next layer is not computed yet (a streamed offer): the producer is alive."""
+
+    req: OfferId
+
+
 class Done(msgspec.Struct, tag=True, frozen=True):
     req: OfferId
 
@@ -110,7 +118,7 @@ class Failed(msgspec.Struct, tag=True, frozen=True):
 
 
 ToProducer = Pull | Done | Failed | Renew
-ToConsumer = Layer | Ipc | Refused
+ToConsumer = Layer | Ipc | Refused | Computing
 
 _encoder = msgspec.msgpack.Encoder()
 _to_producer = msgspec.msgpack.Decoder(ToProducer)
