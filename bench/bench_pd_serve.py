@@ -287,7 +287,7 @@ def stream(port: int, model: str, prompt: list[int], sample: Sample) -> Sample:
 
 PARTS = (
     ("prefill", "sent", "offered"),
-    *SPANS[:-1],  # the timeline's consecutive gaps, offer to first token
+    *(s for s in SPANS if s[0] not in ("offer to first token", "pull past prefill")),
     ("to the client", "first token", "first"),
 )
 """A P/D request's TTFT in consecutive parts, from the client's send to its first token,

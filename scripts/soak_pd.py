@@ -65,12 +65,12 @@ def prompts(rng: random.Random, unique: int) -> list[list[int]]:
 class Proxy:
     """`kvflow proxy` in a process of its own."""
 
-    def __init__(self, prefill: ApiServer, decode: ApiServer, log: Path) -> None:
+    def __init__(self, prefill: ApiServer, decode: ApiServer, log: Path, *flags: str) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [
             sys.executable, "-m", "kvflow.cli.main", "proxy", "--prefill", prefill.url,
-            "--decode", decode.url, "--port", str(self.port),
+            "--decode", decode.url, "--port", str(self.port), *flags,
         ]  # fmt: skip
         with open(log, "wb") as out:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
