@@ -89,6 +89,7 @@ BENCHES: dict[str, tuple[list[str], bool, Callable[[], str]]] = {
         lambda: "" if shutil.which("redis-server") else "redis-server is not installed",
     ),
     "pd-serve": (["bench_pd_serve.py"], True, lambda: ""),
+    "pd-stream": (["bench_pd_stream.py"], True, lambda: ""),
     "soak": (["../scripts/soak.py", "--suite"], False, lambda: ""),
     "soak-pd": (
         ["../scripts/soak_pd.py", "--out", str(RESULTS / "soak-pd.json")],
@@ -599,6 +600,31 @@ def _pd_split_table(d: dict[str, Any]) -> list[str]:
     return ["", *_table(head, rows), "", f"_{note}_"]
 
 
+def pd_stream_table(d: dict[str, Any]) -> list[str]:
+    """bench_pd_stream.py: TTFT by prompt length, streamed against pull after prefill."""
+    modes = ("pull after prefill", "streamed")
+    head = ["transport", "prompt tokens", *(f"TTFT p50 ms, {m}" for m in modes)]
+    head += ["streamed / pull after", *(f"prefill p50 ms, {m}" for m in modes)]
+    head += [*(f"pull p50 ms, {m}" for m in modes), "pull past the prefill's end p50 ms"]
+    rows = []
+    for transport, by_size in d["figures"].items():
+        for size, f in by_size.items():
+            past = f["median_pull_past_prefill_s"]
+            rows.append([
+                transport,
+                size,
+                *(f"{f['median_ttft_s'][m] * 1e3:.0f}" for m in modes),
+                f"{f['ratio']:.2f}",
+                *(f"{v * 1e3:.0f}" if (v := f["median_prefill_s"].get(m)) else "" for m in modes),
+                *(f"{v * 1e3:.0f}" if (v := f["median_pull_s"].get(m)) else "" for m in modes),
+                "" if past is None else f"{past * 1e3:.0f}",
+            ])  # fmt: skip
+    note = f"one request at a time, {d['repeats']} prompts per length, each through both "
+    note += f"proxies, the order alternating; {d['max_tokens']} output tokens; problems: "
+    note += "; ".join(d["problems"]) or "none (every pair of answers equal, every prompt pulled)"
+    return [*_table(head, rows), "", f"_{note}_"]
+
+
 def tests_table(d: dict[str, Any]) -> list[str]:
     """bench_tests.py: each command of a fresh clone's set-up and test run, its wall time
     and pytest's counts."""
@@ -668,6 +694,7 @@ TABLES: dict[str, tuple[str, Callable[[dict[str, Any]], list[str]], str]] = {
     "soak": ("soak", soak_table, ""),
     "soak-pd": ("soak-pd", soak_pd_table, ""),
     "pd-serve": ("pd-serve", pd_serve_table, ""),
+    "pd-stream": ("pd-stream", pd_stream_table, ""),
     "faults": ("faults", faults_table, ""),
     "faults-store": ("faults", faults_store_table, ""),
     "tests": ("tests", tests_table, ""),
