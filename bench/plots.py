@@ -234,12 +234,34 @@ def plot_pd_serve(results: Path, out_dir: Path) -> Path | None:
     return _save(fig, out_dir / "bench-pd-serve.png")
 
 
+def plot_pd_stream(results: Path, out_dir: Path) -> Path | None:
+    """Median TTFT by prompt length: pull after prefill and streamed, per transport."""
+    data = load(results, "pd-stream")
+    if data is None:
+        return None
+    groups = [f"{t}, {size}" for t, by in data["figures"].items() for size in by]
+    modes = ("pull after prefill", "streamed")
+    series = {
+        m: [1e3 * f["median_ttft_s"][m] for by in data["figures"].values() for f in by.values()]
+        for m in modes
+    }
+    fig, ax = plt.subplots(figsize=(WIDTH, 4))
+    _grouped_log_bars(ax, groups, series)
+    ax.set_ylabel("median TTFT, ms (log scale)")
+    ax.set_title("Streamed P/D by transport and prompt tokens (labels: pull after / streamed)",
+                 fontsize=10)  # fmt: skip
+    caption = f"{recorded('pd-stream', data)}; one request at a time; {data['command']}"
+    fig.subplots_adjust(bottom=0.08 + _caption(fig, caption), top=0.92)
+    return _save(fig, out_dir / "bench-pd-stream.png")
+
+
 PLOTS: dict[str, Callable[[Path, Path], Path | None]] = {
     "engines-hit": plot_engines_hit,
     "ttft-tiers": plot_ttft_tiers,
     "transports": plot_transports,
     "convert": plot_convert,
     "pd-serve": plot_pd_serve,
+    "pd-stream": plot_pd_stream,
 }
 
 
