@@ -6,7 +6,9 @@ time to first token of one request at a time, by prompt length.
 A kvflow pair per transport (`--transports`: `zmq`, `nixl`), as `bench/bench_pd_serve.py`
 starts its `kvflow zmq` and `kvflow nixl` configurations (`faults.config`: kv_both, a
 deployment key, policy `recompute`; prefill
-server on core 0, decode server on core 1, model `bench-llama`, float32, eager, block
+server on core 0, decode server on core 1, each server's every process and thread (its
+API server, engine core and worker: `pin`) kept to its core, model `bench-llama`,
+float32, eager, block
 size 32, vLLM's prefix cache off), every prompt computed in one step
 (`--max-num-batched-tokens` = the longest prompt and its output: a chunked prefill is
 offered with its last chunk, and only that chunk's forward overlaps the pull), and
@@ -30,11 +32,14 @@ and learns the prefill server's workers). Every pair of answers of one prompt mu
 equal, and every decode must have pulled its prompt (the decode server's
 `vllm:kvflow_failures_total` unchanged), or the script exits non-zero.
 
-What this machine can show: the pair shares one 2-core host, and what a streamed pull
-costs the CPU (a `zmq` producer copies each layer into ZMQ messages, both TCP stacks
-carry them, the decode server receives and lands them, its engine steps while the
-request waits) runs while the prefill computes, on the same two cores; on a GPU the
-forward does not share them.
+What this machine can show: the pair shares one 2-core host. Each server keeps to its
+core (an earlier run pinned only the workers: the decode server's engine core, which
+vLLM steps every millisecond while a request waits for remote KV, for a streamed one
+its whole prefill, then ran on the prefill's core too, and streamed TTFT was up to
+1.47x the convention's, its `history`). What a streamed pull costs the prefill server
+(a `zmq` producer copying each layer into ZMQ messages, its TCP stack sending them)
+still runs on the prefill's core while it computes; on a GPU the forward does not share
+it. The proxies and this client float over both cores.
 
 Writes bench/results/pd-stream.json (`--out`) with `bench/record.py`: every sample, and
 per transport and length each mode's median TTFT, the streamed over pull-after-prefill
@@ -44,7 +49,9 @@ ratio of the medians, the median pull and prefill (to the producer's finish).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import random
 import shutil
 import statistics
@@ -74,6 +81,7 @@ from soak_pd import Proxy  # noqa: E402  # scripts/soak_pd.py
 
 from kvflow.observe.log import read_event_log  # noqa: E402
 from kvflow.observe.timeline import timelines  # noqa: E402
+from kvflow_vllm.apiserver import ApiServer  # noqa: E402
 from kvflow_vllm.engine_process import model_dir  # noqa: E402
 
 MODES = ("pull after prefill", "streamed")
@@ -105,6 +113,27 @@ def server_opts(longest: int) -> Opts:
         "--hf-overrides", overrides,
     ]  # fmt: skip
     return Opts(model, args, {"VLLM_CPU_KVCACHE_SPACE": str(gib)})
+
+
+def pin(server: ApiServer, core: int) -> int:
+    """Every thread of `server`'s processes (the API server, its engine core, its worker)
+    onto `core`; how many. `ApiServer(cores=)` binds its worker's compute threads only,
+    and vLLM's engine core, which steps every millisecond while a request waits for
+    remote KV (for a streamed request: its whole prefill), ran on the other server's
+    core, which slowed that prefill."""
+    procs, todo = [], [server.proc.pid]
+    while todo:
+        pid = todo.pop()
+        procs.append(pid)
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            kids = task / "children"
+            if kids.exists():
+                todo += [int(c) for c in kids.read_text().split()]
+    tids = [int(t.name) for pid in procs for t in Path(f"/proc/{pid}/task").iterdir()]
+    for tid in tids:
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            os.sched_setaffinity(tid, {core})
+    return len(tids)
 
 
 def failures(pair: BenchPair) -> float:
@@ -145,6 +174,8 @@ def run_transport(
     work.mkdir(parents=True)
     pair = BenchPair(work, setup(transport), opts)
     try:
+        for server, core in ((pair.prefill, 0), (pair.decode, 1)):
+            print(f"{transport}: {server.name}'s {pin(server, core)} threads on core {core}")
         proxies = {
             MODES[0]: Proxy(pair.prefill, pair.decode, work / "proxy.log"),
             MODES[1]: Proxy(pair.prefill, pair.decode, work / "proxy-stream.log", "--stream"),

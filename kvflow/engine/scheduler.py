@@ -359,20 +359,16 @@ class SchedulerEngine:
     def lookup(self, req: str, num_computed: int) -> int | None:
         """Tokens beyond `num_computed` the store can supply; None while the answer is pending."""
         st = self._reqs.get(req)
-        if st is not None and st.stream is not None:  # its producer's params: with the
-            claim = st.claim  # answer to its claim
-            if claim is not None and not claim.answered:
-                if self.runtime.running:
-                    return None
-                claim.error = "the scheduler's loop is gone"
-            self._streamed(req, st)
-        if st is not None and st.pd is not None:  # loaded asynchronously; vLLM
-            claim = st.claim  # recomputes the last token itself
+        if st is not None and (st.pd is not None or st.stream is not None):
+            claim = st.claim  # loaded asynchronously; vLLM recomputes the last token itself
             if claim is not None and not claim.answered:
                 if self.runtime.running:
                     return None  # the producer has not answered the claim yet
                 claim.error = "the scheduler's loop is gone"
-            return max(0, st.hit_tokens() - num_computed)
+            if st.stream is not None:  # its producer's params came with that answer
+                self._streamed(req, st)
+            if st.pd is not None:
+                return max(0, st.hit_tokens() - num_computed)
         if st is None or not self.can_load or st.prompt_len < 2 or not st.keys:
             return 0
         if st.hit_chunks is None:
@@ -391,23 +387,20 @@ class SchedulerEngine:
         carried, checked as if they had come with the request, or compute it here."""
         ref, claim, st.stream = st.stream, st.claim, None
         assert ref is not None and claim is not None and self._claims is not None
-        pd, why = claim.params, claim.error
-        if pd is None and not why:
-            why = f"producer {ref.addresses[0][:100]} held {ref.offer} without its params"
+        pd = None if claim.error else claim.params  # refused or gone: its claim said why
+        if pd is None and not claim.error:
+            log.error(
+                "kvflow: request %s: producer %s held %s without its params: computing its "
+                "prompt here", shown(req, 100), ref.addresses[0][:100], ref.offer,
+            )  # fmt: skip
         elif pd is not None and sorted(pd.addresses) != sorted(ref.addresses):
             why = "its producer's params name other workers than it was claimed at"
             self.reject("address", f"request {req[:100]}: {why}; computing its prompt here")
+            pd = None
         elif pd is not None:
-            reason, detail = check_pd_params(
-                pd, channel_of_transport(self.transport), st.tokens, st.salt, self.pd_scope
-            )
-            why = self._refuse_pull(pd) if reason in ("", "prompt") else ""
-            if reason and not why:
-                self.reject(reason, f"request {req[:100]}: {detail}; computing its prompt here")
-                why = detail
-        if why or pd is None:
-            if not claim.error:  # held for us, and we will not pull it
-                log.error("kvflow: request %s: %s: computing its prompt here", shown(req, 100), why)
+            pd = self._believed(req, pd, st.tokens, st.salt)
+        if pd is None:
+            if not claim.error:  # held for this consumer, which will not pull it
                 self._claims.release(ref.offer, ref.addresses)
             self._claims.drop(req)
             st.claim, st.hit_chunks = None, 0
@@ -585,7 +578,7 @@ class SchedulerEngine:
         elif remote_decode and self.can_offer and st is not None and block_ids:
             counts = chunk_token_counts(st.prompt_len, self.block_size)[: len(block_ids)]
             offer = secrets.token_hex(16)  # consumers pull by it: a client cannot guess it
-            pd = self._offer(req, st, block_ids, counts, offer)
+            pd = self._offer(st, block_ids, counts, offer)
             params = consumer_params(pd)
             self._offers.append(OfferSpec(req, pd.block_ids, counts, offer))
             offered = offer
@@ -603,7 +596,7 @@ class SchedulerEngine:
         return lend, params
 
     def _offer(
-        self, req: str, st: _Request, block_ids: Sequence[int], counts: list[int], offer: str
+        self, st: _Request, block_ids: Sequence[int], counts: list[int], offer: str
     ) -> PdParams:
         """The signed params of an offer of `st`'s first `len(counts)` blocks as `offer`."""
         pd = PdParams(
@@ -627,7 +620,7 @@ class SchedulerEngine:
         counts = chunk_token_counts(st.prompt_len, self.block_size)
         if len(st.block_ids) < len(counts):  # not expected: vLLM allocates the prompt's
             return  # blocks as it schedules its tokens
-        pd = self._offer(req, st, st.block_ids, counts, st.stream_offer)
+        pd = self._offer(st, st.block_ids, counts, st.stream_offer)
         self._offers.append(
             OfferSpec(req, pd.block_ids, counts, pd.offer, params=encode_streamed(pd))
         )

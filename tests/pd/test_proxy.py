@@ -14,6 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from kvflow.cli.main import build_parser
+from kvflow.pd import params
+from kvflow.pd import proxy as proxy_keys
 from kvflow.pd.proxy import (
     MAX_BODY_BYTES,
     MAX_CLIENTS,
@@ -188,3 +190,40 @@ def test_the_proxy_command_takes_max_clients_and_request_timeout_s() -> None:
     args = build_parser().parse_args([*base, "--max-clients", "8", "--request-timeout-s", "2.5"])
     assert (args.max_clients, args.request_timeout_s) == (8, 2.5)
     assert (MAX_CLIENTS, REQUEST_TIMEOUT_S) == (1024, 60.0)
+
+
+def test_the_proxy_command_takes_stream() -> None:
+    base = ["proxy", "--prefill", "http://p", "--decode", "http://d"]
+    assert build_parser().parse_args(base).stream is False
+    assert build_parser().parse_args([*base, "--stream"]).stream is True
+    # the proxy names kvflow's entries itself (it imports nothing of kvflow's P/D)
+    assert (proxy_keys.PD_KEY, proxy_keys.OFFER_KEY, proxy_keys.STREAM_KEY) == (
+        params.KEY, params.OFFER_KEY, params.STREAM_KEY,
+    )  # fmt: skip
+
+
+def test_a_streaming_proxy_streams_only_to_a_prefill_server_whose_workers_it_learned() -> None:
+    """What a prefill server's answer said of its workers, and what it did not: another
+    connector's params, several KV cache groups, an answer that failed, oversized."""
+    dead = f"http://127.0.0.1:{free_port()}"
+    proxy = PdProxy([dead], [dead], stream=True)
+    try:
+        assert proxy.producer(dead) == []
+        proxy.learn(dead, {"kvflow": {"addresses": ["tcp://127.0.0.1:5555"]}})
+        assert proxy.producer(dead) == ["tcp://127.0.0.1:5555"]
+        for said in (
+            None,
+            {"remote_host": "x"},
+            {"kvflow": [{"addresses": ["a"]}]},
+            {"kvflow": {"addresses": ["a" * 300]}},
+            {"kvflow": {"addresses": []}},
+        ):
+            proxy.learn(dead, {"kvflow": {"addresses": ["tcp://127.0.0.1:5555"]}})
+            proxy.learn(dead, said)
+            assert proxy.producer(dead) == [], said  # fmt: skip
+        plain = PdProxy([dead], [dead])  # not streaming: learns nothing
+        plain.learn(dead, {"kvflow": {"addresses": ["tcp://127.0.0.1:5555"]}})
+        assert plain.producer(dead) == []
+        plain.httpd.server_close()
+    finally:
+        proxy.httpd.server_close()
