@@ -69,6 +69,19 @@ def _bytes(layout: KVLayout, blocks: list[int], counts: list[int]) -> list[bytes
 COUNTS = [4, 4, 2]
 
 
+def _pull_job(cons: KVLayout, producer: ZmqTransport, landed: Any) -> LoadJob:
+    """A pull of the producer's offer "p-req" (blocks 1-3) into the consumer's 7-9."""
+    return LoadJob(
+        "c-req",
+        ["k"] * 3,
+        COUNTS,
+        cons.num_layers,
+        _spans(cons, [7, 8, 9], COUNTS),
+        landed,
+        PeerSource("e", [producer.address], "p-req", [1, 2, 3]),
+    )
+
+
 async def test_consumer_pulls_held_blocks_layer_by_layer(
     pair: tuple[ZmqTransport, ZmqTransport], layouts: tuple[KVLayout, KVLayout]
 ) -> None:
@@ -77,15 +90,7 @@ async def test_consumer_pulls_held_blocks_layer_by_layer(
     assert producer.address.startswith("tcp://127.0.0.1:") and not producer.address.endswith(":0")
     offer = Offer("p-req", [1, 2, 3], COUNTS, prod.num_layers, _spans(prod, [1, 2, 3], COUNTS))
     signalled: list[int] = []
-    job = LoadJob(
-        "c-req",
-        ["k"] * 3,
-        COUNTS,
-        cons.num_layers,
-        _spans(cons, [7, 8, 9], COUNTS),
-        signalled.append,
-        PeerSource("e", [producer.address], "p-req", [1, 2, 3]),
-    )
+    job = _pull_job(cons, producer, signalled.append)
     outcome: list[str] = []
     released = trio.Event()
 
@@ -366,15 +371,7 @@ async def test_a_layer_computed_slower_than_the_progress_timeout_is_still_pulled
 
     offer = Offer("p-req", [1, 2, 3], COUNTS, prod.num_layers, _spans(prod, [1, 2, 3], COUNTS))
     offer = dataclasses.replace(offer, params=b"streamed", computed=computed)
-    job = LoadJob(
-        "c-req",
-        ["k"] * 3,
-        COUNTS,
-        cons.num_layers,
-        _spans(cons, [7, 8, 9], COUNTS),
-        lambda _layer: None,
-        PeerSource("e", [producer.address], "p-req", [1, 2, 3]),
-    )
+    job = _pull_job(cons, producer, lambda _layer: None)
     try:
         with trio.fail_after(20):
             async with trio.open_nursery() as nursery:
