@@ -16,6 +16,9 @@ alternates (A-B-C-D, D-C-B-A, ...):
   (`faults.config`: the configuration `scripts/faults.py` measures), `kvflow proxy`
   in front (prefill with `max_tokens=1` and vLLM's P/D params, then decode);
 - `kvflow nixl`: the same with `transport: nixl` (NIXL 1.5.1, UCX, host memory);
+- `kvflow zmq streamed`: `kvflow zmq`'s servers behind `kvflow proxy --stream` (both
+  servers at once; the decode server pulls as the prefill computes: its TTFT's parts
+  are the prefill, to the prefill server's finish, and what came after it);
 - `vLLM NixlConnector`: vLLM's own connector behind the same proxy, `kv_producer` on
   the prefill server and `kv_consumer` on the decode server, `kv_buffer_device: cpu`,
   each server its own `VLLM_NIXL_SIDE_CHANNEL_PORT`; it needs the `nixl` meta package
@@ -64,7 +67,10 @@ median pull, one decode step at the median TPOT, 10 ms). vLLM's NixlConnector wr
 such events: its TTFT is the client's only.
 
 What this machine can show: the pair shares one 2-core host, a core each (prefill 0,
-decode 1), and the API servers, engine cores and proxy float over both; the one
+decode 1: every thread of a server, its API server and engine core too, `pin`; runs
+before 5b5daea bound only the workers, and the decode server's engine core, which vLLM
+steps every millisecond while a request waits for remote KV, could run on the prefill's
+core), and the proxy and this client float over both; the one
 server computes on both cores (the same hardware as the pair). The pair can overlap
 one request's prefill with another's decode, but each prefill runs on one core where
 the one server's runs on two, and what P/D is for (prefill and decode on instances
@@ -83,6 +89,7 @@ import contextlib
 import http.client
 import json
 import math
+import os
 import random
 import shutil
 import statistics
@@ -139,6 +146,8 @@ class Setup:
     """May be skipped, saying why, where it cannot run here."""
     invalid_if: tuple[str, ...] = ()
     """Server log lines that make a run invalid (the configuration is then skipped)."""
+    proxy_flags: tuple[str, ...] = ()
+    """`kvflow proxy`'s options for it (`--stream`)."""
 
 
 def nixl_connector(_key: str, which: str) -> dict[str, Any]:
@@ -151,6 +160,7 @@ SETUPS = (
     Setup(ONE, None),
     Setup("kvflow zmq", lambda key, _which: faults.config(key)),
     Setup("kvflow nixl", lambda key, _which: faults.config(key, transport="nixl")),
+    Setup("kvflow zmq streamed", lambda key, _which: faults.config(key), proxy_flags=("--stream",)),
     Setup(
         NIXL_CONNECTOR,
         nixl_connector,
@@ -200,6 +210,8 @@ class BenchPair(faults.Pair):
         try:
             self.prefill.wait_ready()
             self.decode.wait_ready()
+            for server, core in ((self.prefill, 0), (self.decode, 1)):
+                print(f"{setup.name}: {server.name}'s {pin(server, core)} threads on core {core}")
         except BaseException:
             self.close()
             raise
@@ -215,6 +227,26 @@ class BenchPair(faults.Pair):
         return ApiServer(
             self.work, which, cfg, *self.opts.args, model=self.opts.model, cores=core, env=env
         )
+
+
+def pin(server: ApiServer, core: int) -> int:
+    """Every thread of `server`'s processes (the API server, its engine core, its worker)
+    onto `core`; how many. `ApiServer(cores=)` binds its worker's compute threads only,
+    and vLLM's engine core, which steps every millisecond while a request waits for
+    remote KV, ran on the other server's core (bench_pd_stream.py's first run)."""
+    procs, todo = [], [server.proc.pid]
+    while todo:
+        pid = todo.pop()
+        procs.append(pid)
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            kids = task / "children"
+            if kids.exists():
+                todo += [int(c) for c in kids.read_text().split()]
+    tids = [int(t.name) for pid in procs for t in Path(f"/proc/{pid}/task").iterdir()]
+    for tid in tids:
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            os.sched_setaffinity(tid, {core})
+    return len(tids)
 
 
 @contextlib.contextmanager
@@ -233,7 +265,7 @@ def deployment(setup: Setup, work: Path, opts: Opts) -> Iterator[tuple[int, list
             return
         pair = BenchPair(work, setup, opts)
         stack.callback(pair.close)
-        proxy = Proxy(pair.prefill, pair.decode, work / "proxy.log")
+        proxy = Proxy(pair.prefill, pair.decode, work / "proxy.log", *setup.proxy_flags)
         stack.callback(proxy.close)
         yield proxy.port, [pair.prefill, pair.decode]
 
@@ -300,6 +332,8 @@ def split(sample: Sample, lines: list[Timeline]) -> dict[str, float]:
     if not found or sample.error:
         return {}
     t = found[0]
+    if (done := t.first("prefill done")) is not None:  # streamed: the pull ran meanwhile
+        return {"prefill": done - sample.sent, "after the prefill": sample.first - done}
     at = {"sent": sample.sent, "first": sample.first}
     for stage in {a for _, a, _ in PARTS} | {b for _, _, b in PARTS}:
         if stage not in at and (ts := t.last(stage) if stage == "pull done" else t.first(stage)):
@@ -435,12 +469,13 @@ def split_figures(runs: list[dict[str, Any]], good: list[Sample]) -> dict[str, A
     splits = [d for run in runs for d in run.get("split", []) if d]
     if not splits:
         return {}
-    med = {name: statistics.median(d[name] for d in splits) for name, _, _ in PARTS}
+    names = list(splits[0])  # PARTS, or a streamed request's two
+    med = {name: statistics.median(d[name] for d in splits if name in d) for name in names}
     added = statistics.median(sum(v for k, v in d.items() if k != "prefill") for d in splits)
     tpot = statistics.median(
         (s.latency_s - s.ttft_s) / (s.tokens - 1) for s in good if s.tokens > 1
     )
-    goal = med["pull"] + tpot + GOAL_SLACK_S
+    goal = med.get("pull", 0.0) + tpot + GOAL_SLACK_S  # streamed: none of the pull is after
     return {"n": len(splits), "median_s": med, "added_s": added, "tpot_s": tpot, "goal_s": goal}
 
 

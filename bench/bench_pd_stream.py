@@ -7,7 +7,7 @@ A kvflow pair per transport (`--transports`: `zmq`, `nixl`), as `bench/bench_pd_
 starts its `kvflow zmq` and `kvflow nixl` configurations (`faults.config`: kv_both, a
 deployment key, policy `recompute`; prefill
 server on core 0, decode server on core 1, each server's every process and thread (its
-API server, engine core and worker: `pin`) kept to its core, model `bench-llama`,
+API server, engine core and worker: `bench_pd_serve.pin`) kept to its core, model `bench-llama`,
 float32, eager, block
 size 32, vLLM's prefix cache off), every prompt computed in one step
 (`--max-num-batched-tokens` = the longest prompt and its output: a chunked prefill is
@@ -49,9 +49,7 @@ ratio of the medians, the median pull and prefill (to the producer's finish).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
 import random
 import shutil
 import statistics
@@ -81,7 +79,6 @@ from soak_pd import Proxy  # noqa: E402  # scripts/soak_pd.py
 
 from kvflow.observe.log import read_event_log  # noqa: E402
 from kvflow.observe.timeline import timelines  # noqa: E402
-from kvflow_vllm.apiserver import ApiServer  # noqa: E402
 from kvflow_vllm.engine_process import model_dir  # noqa: E402
 
 MODES = ("pull after prefill", "streamed")
@@ -113,27 +110,6 @@ def server_opts(longest: int) -> Opts:
         "--hf-overrides", overrides,
     ]  # fmt: skip
     return Opts(model, args, {"VLLM_CPU_KVCACHE_SPACE": str(gib)})
-
-
-def pin(server: ApiServer, core: int) -> int:
-    """Every thread of `server`'s processes (the API server, its engine core, its worker)
-    onto `core`; how many. `ApiServer(cores=)` binds its worker's compute threads only,
-    and vLLM's engine core, which steps every millisecond while a request waits for
-    remote KV (for a streamed request: its whole prefill), ran on the other server's
-    core, which slowed that prefill."""
-    procs, todo = [], [server.proc.pid]
-    while todo:
-        pid = todo.pop()
-        procs.append(pid)
-        for task in Path(f"/proc/{pid}/task").iterdir():
-            kids = task / "children"
-            if kids.exists():
-                todo += [int(c) for c in kids.read_text().split()]
-    tids = [int(t.name) for pid in procs for t in Path(f"/proc/{pid}/task").iterdir()]
-    for tid in tids:
-        with contextlib.suppress(OSError):  # a thread that ended meanwhile
-            os.sched_setaffinity(tid, {core})
-    return len(tids)
 
 
 def failures(pair: BenchPair) -> float:
@@ -174,8 +150,6 @@ def run_transport(
     work.mkdir(parents=True)
     pair = BenchPair(work, setup(transport), opts)
     try:
-        for server, core in ((pair.prefill, 0), (pair.decode, 1)):
-            print(f"{transport}: {server.name}'s {pin(server, core)} threads on core {core}")
         proxies = {
             MODES[0]: Proxy(pair.prefill, pair.decode, work / "proxy.log"),
             MODES[1]: Proxy(pair.prefill, pair.decode, work / "proxy-stream.log", "--stream"),

@@ -584,10 +584,11 @@ def _pd_split_table(d: dict[str, Any]) -> list[str]:
     splits = {name: c["split"] for name, c in d["configs"].items() if c.get("split")}
     if not splits:
         return []
-    parts = list(next(iter(splits.values()))["median_s"])
+    parts = list(dict.fromkeys(p for s in splits.values() for p in s["median_s"]))
     head = ["configuration", "requests", *parts, "added over the prefill", "goal"]
     rows = [
-        [name, str(s["n"]), *(f"{s['median_s'][p] * 1e3:.1f}" for p in parts),
+        [name, str(s["n"]),
+         *(f"{v * 1e3:.1f}" if (v := s["median_s"].get(p)) is not None else "" for p in parts),
          f"{s['added_s'] * 1e3:.1f}", f"{s['goal_s'] * 1e3:.1f}"]
         for name, s in splits.items()
     ]  # fmt: skip
@@ -595,7 +596,8 @@ def _pd_split_table(d: dict[str, Any]) -> list[str]:
         "TTFT's parts, median ms over the requests, on one clock (the client's send and "
         "first chunk, kvflow's events of both servers: `kvflow inspect --timeline`); "
         "added: the parts after the prefill, median of their sum; goal: the median pull, "
-        "one decode step (median TPOT) and 10 ms"
+        "one decode step (median TPOT) and 10 ms; streamed: the prefill is until the prefill "
+        "server's finish, and none of the pull is after it"
     )
     return ["", *_table(head, rows), "", f"_{note}_"]
 
