@@ -213,7 +213,10 @@ class PeerTransport(Transport):
             | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
             | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
         )
-        monitor = TrioSocket(router.sock.get_monitor_socket(failed))
+        # an endpoint of its own: pyzmq's default (one per socket) may still be bound by
+        # the monitor of a `serve` cancelled just before ("Address already in use")
+        where = f"inproc://kvflow-monitor-{secrets.token_hex(8)}"
+        monitor = TrioSocket(router.sock.get_monitor_socket(failed, addr=where))
         try:
             while True:
                 event = parse_monitor_message(await monitor.recv_multipart())

@@ -260,3 +260,33 @@ async def test_a_serve_cancelled_mid_handshake_check_answers_after_a_restart() -
                 await pulled.wait()
                 await honest_pull(p, await hold(p, nursery))  # a new connection too
                 nursery.cancel_scope.cancel()
+
+
+async def test_a_restarted_serve_counts_failed_handshakes_though_a_monitor_is_still_bound(
+    zctx: zmq.Context[Any],
+) -> None:
+    """Found through the test above failing under load: each `serve` watches its socket's
+    failed handshakes through a monitor, at pyzmq's one address per socket, and the
+    monitor of a `serve` cancelled just before may still hold it (libzmq closes it in
+    the background); the restarted `serve` then failed at once ("Address already in
+    use"), and again at each restart. Here that address still held: the restarted
+    `serve` runs, and counts a stranger's failed handshake."""
+    async with peers("zmq", Channel(os.urandom(32), "kv-in-clear")) as p:
+        router = p.producer._router
+        stale = p.producer._zmq.socket(zmq.PAIR)  # as a cancelled serve's monitor can be
+        stale.bind(f"inproc://monitor.s-{router.sock.FD}")  # pyzmq's address for it
+        other = Channel(os.urandom(32), "kv-in-clear")
+        try:
+            with trio.fail_after(HANG_GUARD_S):
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(p.producer.serve)
+                    stranger, events = dealer(zctx, p.producer.address, channel=other)
+                    try:
+                        await p.seen.reach("unauthenticated", 1)
+                        await honest_pull(p, await hold(p, nursery))
+                    finally:
+                        stranger.close()
+                        events.close()
+                    nursery.cancel_scope.cancel()
+        finally:
+            stale.close(0)
