@@ -197,10 +197,7 @@ class _Held:
 class HeldOffers:
     """Offers a producer holds, by request id; trio-only (one loop owns it)."""
 
-    def __init__(self, reads_when_computed: bool = False) -> None:
-        self._reads_when_computed = reads_when_computed
-        """The transport reads each layer of a streamed offer once it is computed (else
-        its claims are pending until all are)."""
+    def __init__(self) -> None:
         self._held: dict[str, _Held] = {}
         self._ended: OrderedDict[str, str] = OrderedDict()  # why, by request, newest last
 
@@ -283,11 +280,13 @@ class HeldOffers:
         held.expected = readers
         return ""
 
-    async def offer(self, offer: Offer) -> str:
+    async def offer(self, offer: Offer, whole: bool = False) -> str:
         """Hold `offer` until released; return the outcome ("done" or the consumer's
-        reason). When cancelled, return only after every read of the blocks ended."""
+        reason). When cancelled, return only after every read of the blocks ended.
+        `whole`: the transport reads a streamed offer only once every layer is computed
+        (its claims are pending until then), not each layer once it is."""
         held = self._held[offer.req] = _Held(offer)
-        held.computing = bool(offer.params) and not self._reads_when_computed
+        held.computing = bool(offer.params) and whole
         self._ended.pop(offer.req, None)
         try:
             if held.computing:

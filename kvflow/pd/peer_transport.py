@@ -96,10 +96,10 @@ class PeerTransport(Transport):
     Pull: ClassVar[type[Any]]
     """The wire's pull frame: it has `req`, `block_ids` and `version` (and `nonce`: the
     consumer's random bytes its answers are bound to, `reply`; without one, b"")."""
-    reads_when_computed: ClassVar[bool] = False
+    reads_when_computed: bool = False
     """`answer` waits for each layer's `Offer.computed` before reading it, so a streamed
-    offer's pull starts at once; otherwise `serve` answers such a pull once its prefill
-    computed every layer."""
+    offer's pull starts at once; otherwise a claim of such an offer is pending, and
+    `serve` answers its pull, once its prefill computed every layer."""
     wire_version: ClassVar[int]
     max_frame_bytes: ClassVar[int]
     """The largest control frame a consumer sends this producer (its ROUTER's bound)."""
@@ -115,7 +115,7 @@ class PeerTransport(Transport):
         self._zap: ZapSocket | None = None
         """Where libzmq asks for each connection's handshake to be checked (keyed
         workers; `serve` answers)."""
-        self.held = HeldOffers(self.reads_when_computed)
+        self.held = HeldOffers()
         self.channel = context.channel
         self.reject = Rejections(f"{self.name} side channel", context.rejected)
         """Count and log a refused frame (a reason of `kvflow.pd.security.REJECT_REASONS`)."""
@@ -186,7 +186,7 @@ class PeerTransport(Transport):
 
     # -- producer --------------------------------------------------------------
     async def offer(self, offer: Offer) -> str:
-        return await self.held.offer(offer)
+        return await self.held.offer(offer, whole=not self.reads_when_computed)
 
     async def serve(self) -> None:
         router = self._router

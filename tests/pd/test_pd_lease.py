@@ -9,6 +9,7 @@ the claims cross real ZMQ sockets between a consumer scheduler and a producer wo
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import threading
@@ -629,7 +630,7 @@ async def test_a_streamed_offer_its_transport_reads_whole_is_claimed_once_comput
     the consumer READs it by itself): a claim of it is pending until then, so the
     consumer's pull never waits on the producer's forward (a long prompt's would outlast
     its `progress_timeout_s`)."""
-    held = HeldOffers(reads_when_computed=False)
+    held = HeldOffers()
     forward = trio.Event()
 
     async def computed(_layer: int) -> None:
@@ -637,7 +638,7 @@ async def test_a_streamed_offer_its_transport_reads_whole_is_claimed_once_comput
 
     offer = Offer("s", [1], [4], 2, lambda _layer: [], params=b"signed", computed=computed)
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(held.offer, offer)
+        nursery.start_soon(functools.partial(held.offer, offer, whole=True))
         await trio.testing.wait_all_tasks_blocked()
         assert held.renew(["s"], 5.0, "c") == Renewed({}, ["s"]), "pending while computing"
         forward.set()

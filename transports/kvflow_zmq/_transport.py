@@ -23,7 +23,7 @@ from kvflow.geometry.cells import cell_index, cells_of, is_token_major, put_cell
 from kvflow.geometry.layout import KVLayout, LayoutError, peer_cells_problem, peer_layout_problem
 from kvflow.geometry.topology import HeadRead
 from kvflow.pd.context import PeerRead
-from kvflow.pd.offers import NotHeld, new_nonce
+from kvflow.pd.offers import new_nonce
 from kvflow.pd.peer_transport import PeerOptions, PeerTransport
 from kvflow.transport import (
     Capabilities,
@@ -86,6 +86,7 @@ class ZmqTransport(PeerTransport):
         await super().register(layout)
         if layout.memory != "cpu":  # exported once, sent with every pull
             self._handles = [self._device.export(t) for t in layout.tensors]
+            self.reads_when_computed = False  # the consumer copies every layer at once
 
     async def aclose(self) -> None:
         self._opened.clear()
@@ -152,31 +153,17 @@ class ZmqTransport(PeerTransport):
     async def answer(
         self, nursery: trio.Nursery, ident: bytes, msg: wire.Pull, offer: Offer
     ) -> None:
-        if self._handles and offer.params:  # streamed: the consumer copies every layer
-            nursery.start_soon(self._answer_ipc, nursery, ident, msg, offer)  # at once
-        elif self._handles:
-            await self._answer_ipc(nursery, ident, msg, offer)
+        if self._handles:
+            lent = await nursery.start(self.held.lend, msg.req, self.options.ipc_lease_s)
+            reply = self._ipc_reply(offer) if lent else wire.Refused(msg.req, "expired")
+            if not await self.reply(ident, msg.req, wire.encode(reply), msg.nonce):
+                self.held.release(msg.req, "the consumer went away", peer=ident)
         elif (msg.req, ident) in self._pulling:  # one consumer, one copy of an offer
             refusal = self.refusal(msg.req, "already being pulled by this consumer")
             await self.reply(ident, msg.req, refusal, msg.nonce)
         else:  # in a task: serve() goes on answering claims and renewals meanwhile
             self._pulling.add((msg.req, ident))
             nursery.start_soon(self._serve_pull, ident, offer, msg)
-
-    async def _answer_ipc(
-        self, nursery: trio.Nursery, ident: bytes, msg: wire.Pull, offer: Offer
-    ) -> None:
-        """Lend `offer`'s device blocks to the consumer on this host, once computed."""
-        try:
-            with self.held.reading(offer.req):  # held meanwhile
-                await offer.all_computed()
-        except NotHeld:  # withdrawn meanwhile (preempted)
-            await self.reply(ident, msg.req, self.refusal(msg.req, "withdrawn"), msg.nonce)
-            return
-        lent = await nursery.start(self.held.lend, msg.req, self.options.ipc_lease_s)
-        reply = self._ipc_reply(offer) if lent else wire.Refused(msg.req, "expired")
-        if not await self.reply(ident, msg.req, wire.encode(reply), msg.nonce):
-            self.held.release(msg.req, "the consumer went away", peer=ident)
 
     async def _serve_pull(self, ident: bytes, offer: Offer, msg: wire.Pull) -> None:
         """One pull's answer, at most `MAX_PULLS_COPIED` at once; its failure fails that
