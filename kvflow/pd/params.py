@@ -167,24 +167,26 @@ class StreamRef(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 def parse_stream(raw: Any) -> StreamRef | None:
     """The `StreamRef` in a request's `kv_transfer_params`, or None if it has none;
     a `PdParamsError` naming the field if it is malformed."""
-    if not isinstance(raw, dict) or not raw.get("do_remote_prefill") or STREAM_KEY not in raw:
-        return None
-    try:
-        return msgspec.convert(raw[STREAM_KEY], StreamRef)
-    except msgspec.ValidationError as exc:
-        raise PdParamsError(f"kv_transfer_params[{STREAM_KEY!r}]: {exc}"[:500]) from None
+    ref: StreamRef | None = _entry(raw, "do_remote_prefill", STREAM_KEY, StreamRef)
+    return ref
 
 
 def stream_offer(raw: Any) -> str | None:
     """The offer id a prefill request's `kv_transfer_params` asks its blocks to be
     offered under as they are computed (`OFFER_KEY`), or None; a `PdParamsError` if it
     is not 32 hex digits."""
-    if not isinstance(raw, dict) or not raw.get("do_remote_decode") or OFFER_KEY not in raw:
+    offer: str | None = _entry(raw, "do_remote_decode", OFFER_KEY, OfferId)
+    return offer
+
+
+def _entry(raw: Any, flag: str, key: str, kind: Any) -> Any:
+    """`raw[key]` as `kind` if `raw` is a dict with `flag` set and a `key`, else None."""
+    if not isinstance(raw, dict) or not raw.get(flag) or key not in raw:
         return None
     try:
-        return msgspec.convert(raw[OFFER_KEY], OfferId)
+        return msgspec.convert(raw[key], kind)
     except msgspec.ValidationError as exc:
-        raise PdParamsError(f"kv_transfer_params[{OFFER_KEY!r}]: {exc}"[:500]) from None
+        raise PdParamsError(f"kv_transfer_params[{key!r}]: {exc}"[:500]) from None
 
 
 def parse_pd_params(raw: Any) -> list[PdParams] | None:
