@@ -37,6 +37,8 @@ from pathlib import Path
 from typing import Any
 
 MAX_TOKENS = 8
+ABORT_WITHIN = 40
+"""An aborted request's client goes away within this many engine steps of sending it."""
 HANG_S = 120.0
 """A request unanswered this long is a hang (and is aborted)."""
 FAULTS = ("truncate", "corrupt", "delete-chunk", "delete-store")
@@ -133,18 +135,23 @@ class Soak:
 
         params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
         sent = 0
+        abort_at: dict[str, int] = {}  # request -> the step its client goes away at
+        step = 0
         while sent < self.args.requests or self.in_flight:
             while sent < self.args.requests and len(self.in_flight) < 16:
                 i = self.rng.randrange(len(ps))
                 rid = f"soak-{sent}"
                 self.engine.add_request(rid, TokensPrompt(prompt_token_ids=ps[i]), params)
                 self.in_flight[rid] = (i, time.monotonic())
+                if self.rng.random() < self.args.abort_rate:
+                    abort_at[rid] = step + self.rng.randrange(1, ABORT_WITHIN)
                 sent += 1
-            if self.in_flight and self.rng.random() < self.args.abort_rate:
-                rid = self.rng.choice(sorted(self.in_flight))
-                self.engine.abort_request([rid])
-                del self.in_flight[rid]
-                self.count["aborted"] += 1
+            step += 1
+            for rid in [r for r, at in abort_at.items() if at <= step]:
+                del abort_at[rid]
+                if self.in_flight.pop(rid, None) is not None:  # not finished meanwhile
+                    self.engine.abort_request([rid])
+                    self.count["aborted"] += 1
             if self.rng.random() < self.args.fault_rate and (kind := inject(self.rng, self.store)):
                 self.count[f"fault:{kind}"] += 1
             for out in self.engine.step():
@@ -184,12 +191,15 @@ class Soak:
 
 def kvflow_loads(event_log: Path) -> dict[str, int]:
     """kvflow's loads in its event log: done (chunks and bytes) and failed."""
-    from kvflow.observe.events import TransferDone, TransferFailed
+    from kvflow.observe.events import LookupAnswered, TransferDone, TransferFailed
     from kvflow.observe.log import read_event_log
 
     out = Counter({"done": 0, "chunks": 0, "bytes": 0, "failed": 0})
+    out.update(lookups=0, lookup_errors=0)
     for e in read_event_log(str(event_log)):
-        if isinstance(e, TransferDone) and e.direction == "load" and e.what == "kv":
+        if isinstance(e, LookupAnswered):
+            out.update(lookups=1, lookup_errors=int(bool(e.error)))
+        elif isinstance(e, TransferDone) and e.direction == "load" and e.what == "kv":
             out.update(done=1, chunks=e.chunks, bytes=e.nbytes)
         elif isinstance(e, TransferFailed) and e.direction == "load" and e.what == "kv":
             out.update(failed=1)
@@ -225,7 +235,7 @@ def main() -> int:
     ap.add_argument("--unique", type=int, default=60, help="distinct prompts")
     ap.add_argument("--policy", choices=["recompute", "fail"], default="recompute")
     ap.add_argument("--blocks", type=int, default=64, help="vLLM's KV cache, in blocks of 32")
-    ap.add_argument("--abort-rate", type=float, default=0.02, help="per engine step")
+    ap.add_argument("--abort-rate", type=float, default=0.03, help="share of requests")
     ap.add_argument("--fault-rate", type=float, default=0.03, help="per engine step")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--load-mode", choices=["layer", "async"], default="layer")
@@ -286,6 +296,8 @@ def print_report(r: dict[str, Any]) -> None:
     print(f"faults          {sum(r['faults'].values())} ({kinds or 'none'})")
     print(f"preemptions     {r['preemptions']}")
     print(f"kvflow loads    {loads['done']} ({loads['chunks']} chunks), {loads['failed']} failed")
+    looked = loads.get("lookups", 0)  # older reports have no lookups
+    print(f"lookups         {looked} answered, {loads.get('lookup_errors', 0)} failed or late")
     print(f"wrong tokens    {r['wrong_tokens']}")
     print(f"request errors  {r['request_errors']} (policy {r['policy']})")
     print(f"leaked blocks   {r['leaked_blocks']}")
