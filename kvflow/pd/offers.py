@@ -364,10 +364,15 @@ class HeldOffers:
 
 
 def dealer(
-    zctx: zmq.Context[Any], address: str, max_frame_bytes: int, channel: Channel
+    zctx: zmq.Context[Any],
+    address: str,
+    max_frame_bytes: int,
+    channel: Channel,
+    kept: bool = False,
 ) -> TrioSocket:
     """A consumer's socket to the producer worker at `address`, secured for `channel`,
-    refusing frames over `max_frame_bytes`. `address` must be a `tcp://` IP literal, and
+    refusing frames over `max_frame_bytes` (`kept`: one `Dealers` keeps, see there).
+    `address` must be a `tcp://` IP literal, and
     loopback unless the channel is keyed or insecure (`Channel.address_problem`): else a
     `TransportError`, before any socket exists."""
     if why := channel.address_problem(address):
@@ -375,12 +380,56 @@ def dealer(
     sock = zctx.socket(zmq.DEALER)
     try:
         sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes + FRAME_SLACK)
+        if kept:
+            sock.setsockopt(zmq.IMMEDIATE, 1)
+            sock.setsockopt(zmq.RECONNECT_IVL, -1)
         channel.secure(sock, server=False)
         sock.connect(address)
     except zmq.ZMQError as exc:
         sock.close(0)
         raise TransportError(f"producer address {address[:100]!r}: {exc}") from None
     return TrioSocket(sock)
+
+
+KEPT_DEALERS = 64
+"""Idle renewal connections kept, in all (one per producer worker a consumer renews at)."""
+
+
+class Dealers:
+    """A consumer's idle connections to producer workers, one per address, each reused
+    for that producer's next renewal: a keyed connection's handshake costs each renewal
+    some milliseconds (the producer's ZAP handler checks it), and the first ask of a
+    claim is on the path of its request's first token. A connection is kept only after a
+    renewal answered on it. Its handshake's credential is one-time (a producer refuses it
+    again as a replay, and counts that as a stranger's), so it never reconnects
+    (`zmq.RECONNECT_IVL` -1) and takes a message only while connected (`zmq.IMMEDIATE`):
+    one that refuses the next renewal at once lost its connection, and a new one
+    replaces it."""
+
+    def __init__(self, zctx: zmq.Context[Any]) -> None:
+        self.zctx = zctx
+        self._idle: OrderedDict[str, TrioSocket] = OrderedDict()
+
+    def kept(self, address: str) -> TrioSocket | None:
+        """The kept connection to `address`, if any (no longer kept: `keep` it again once
+        it answered)."""
+        return self._idle.pop(address, None)
+
+    def new(self, address: str, channel: Channel) -> TrioSocket:
+        """A new connection to `address` (see `dealer`)."""
+        return dealer(self.zctx, address, MAX_RENEW_BYTES, channel, kept=True)
+
+    def keep(self, address: str, sock: TrioSocket) -> None:
+        """`sock` answered a renewal and nothing is left to read on it: kept for the next."""
+        if (old := self._idle.pop(address, None)) is not None:
+            old.close()
+        self._idle[address] = sock
+        while len(self._idle) > KEPT_DEALERS:
+            self._idle.popitem(last=False)[1].close()
+
+    def close(self) -> None:
+        while self._idle:
+            self._idle.popitem()[1].close()
 
 
 async def renew_at(
@@ -391,29 +440,43 @@ async def renew_at(
     channel: Channel | None = None,
     release: Sequence[str] = (),
     consumer: str = "",
+    dealers: Dealers | None = None,
 ) -> Renewed:
     """The consumer's side of a renewal: ask the producer worker at `address` (its peer
     transport's endpoint, which must answer `Renew` with `Renewed`) to hold `reqs`
     `lease_s` longer for `consumer` (its claim) and to let go of `release` (offers this
     consumer will not pull), over `channel` (the deployment's key; keyless if None;
     `dealer` checks `address`), in rounds of at most `MAX_RENEW_REQS`, each answer bound
-    to its round (`answer_bind`). Returns its answer
-    (refused and pending requests); raises `TransportError` on an answer that does not
-    decode. Waits for the answer until
+    to its round (`answer_bind`); on the connection `dealers` keeps, if given. Returns
+    its answer (refused and pending requests); raises `TransportError` on an answer that
+    does not decode. Waits for the answer until
     cancelled (a producer that is gone never answers: the caller bounds the wait)."""
     channel = channel or Channel()
-    trio_sock = dealer(zctx, address, MAX_RENEW_BYTES, channel)
+    reused = False
+    if dealers is None:
+        sock = dealer(zctx, address, MAX_RENEW_BYTES, channel)
+    elif (kept := dealers.kept(address)) is not None:
+        sock, reused = kept, True
+    else:
+        sock = dealers.new(address, channel)
     refused: dict[str, str] = {}
     pending: list[str] = []
     params: dict[str, bytes] = {}
+    answered = False
     try:
         lease_ms = max(1, int(lease_s * 1000))
         for i in range(0, max(len(reqs), len(release)), MAX_RENEW_REQS):
             part = slice(i, i + MAX_RENEW_REQS)
             nonce = new_nonce()
             renew = Renew(list(reqs[part]), lease_ms, list(release[part]), nonce, consumer)
-            await trio_sock.send_multipart([channel.seal(_encoder.encode(renew), "producer")])
-            frames = await trio_sock.recv_multipart()
+            frame = channel.seal(_encoder.encode(renew), "producer")
+            if not (reused and _sent_now(sock, frame)):
+                if reused and dealers is not None:  # it lost its connection (`Dealers`)
+                    sock.close()
+                    sock = dealers.new(address, channel)
+                await sock.send_multipart([frame])
+            reused = False
+            frames = await sock.recv_multipart()
             try:
                 if len(frames) != 1:
                     raise BadFrame(f"a message of {len(frames)} frames")
@@ -424,9 +487,22 @@ async def renew_at(
             refused.update((r, shown(why, MAX_REASON)) for r, why in answer.refused.items())
             pending += answer.pending
             params.update(answer.params)
+        answered = True
         return Renewed(refused, pending, params)
     finally:
-        trio_sock.close()
+        if answered and dealers is not None:
+            dealers.keep(address, sock)
+        else:
+            sock.close()
+
+
+def _sent_now(sock: TrioSocket, frame: bytes) -> bool:
+    """Whether `sock` took `frame` at once (a kept connection that did not has no peer)."""
+    try:
+        sock.send_now([frame])
+    except zmq.Again:
+        return False
+    return True
 
 
 async def answer_renew(

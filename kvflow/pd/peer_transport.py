@@ -54,6 +54,7 @@ from .context import PeerContext, PeerRead
 from .offers import (
     FRAME_SLACK,
     MAX_REASON,
+    Dealers,
     HeldOffers,
     NotHeld,
     Renew,
@@ -111,6 +112,8 @@ class PeerTransport(Transport):
             context = PeerContext.of(context)
         super().__init__(options, context)
         self._zmq = zmq.Context()
+        self._dealers = Dealers(self._zmq)
+        """A consumer's connections to producers, kept for its next renewal at each."""
         self._router: TrioSocket | None = None
         self._zap: ZapSocket | None = None
         """Where libzmq asks for each connection's handshake to be checked (keyed
@@ -170,6 +173,7 @@ class PeerTransport(Transport):
         libzmq's context termination waited for ever, and a transport's close must not
         hang vLLM's shutdown; past `CLOSE_TIMEOUT_S` the context is left to its thread."""
         zctx = self._zmq
+        self._dealers.close()
         with trio.move_on_after(CLOSE_TIMEOUT_S) as scope:
             await trio.to_thread.run_sync(zctx.destroy, 0, abandon_on_cancel=True)
         if scope.cancelled_caught:
@@ -412,5 +416,6 @@ class PeerTransport(Transport):
         self, address: str, reqs: Sequence[str], lease_s: float, release: Sequence[str] = ()
     ) -> Renewed:
         return await renew_at(
-            self._zmq, address, reqs, lease_s, self.channel, release, self.consumer_id
-        )
+            self._zmq, address, reqs, lease_s, self.channel, release, self.consumer_id,
+            self._dealers,
+        )  # fmt: skip
