@@ -255,6 +255,27 @@ def plot_pd_stream(results: Path, out_dir: Path) -> Path | None:
     return _save(fig, out_dir / "bench-pd-stream.png")
 
 
+def plot_sched_scale(results: Path, out_dir: Path) -> Path | None:
+    """Each scheduler-side call's median against the requests held, log-log."""
+    data = load(results, "sched-scale")
+    if data is None:
+        return None
+    sizes = [r["requests"] for r in data["rows"]]
+    fig, ax = plt.subplots(figsize=(WIDTH, 4))
+    for name in data["rows"][0]["calls"]:
+        ax.plot(sizes, [r["calls"][name]["median_us"] for r in data["rows"]], marker="o",
+                label=name)  # fmt: skip
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("requests held at once (log scale)")
+    ax.set_ylabel("median per call, µs (log scale)")
+    ax.set_title("kvflow's scheduler side in vLLM's Scheduler, by requests held", fontsize=10)
+    ax.legend(fontsize=8)
+    caption = f"{recorded('sched-scale', data)}; {data['command']}"
+    fig.subplots_adjust(bottom=0.12 + _caption(fig, caption), top=0.92)
+    return _save(fig, out_dir / "bench-sched-scale.png")
+
+
 PLOTS: dict[str, Callable[[Path, Path], Path | None]] = {
     "engines-hit": plot_engines_hit,
     "ttft-tiers": plot_ttft_tiers,
@@ -262,6 +283,7 @@ PLOTS: dict[str, Callable[[Path, Path], Path | None]] = {
     "convert": plot_convert,
     "pd-serve": plot_pd_serve,
     "pd-stream": plot_pd_stream,
+    "sched-scale": plot_sched_scale,
 }
 
 

@@ -90,6 +90,7 @@ BENCHES: dict[str, tuple[list[str], bool, Callable[[], str]]] = {
     ),
     "pd-serve": (["bench_pd_serve.py"], True, lambda: ""),
     "pd-stream": (["bench_pd_stream.py"], True, lambda: ""),
+    "sched-scale": (["bench_sched_scale.py"], True, lambda: ""),
     "soak": (["../scripts/soak.py", "--suite"], False, lambda: ""),
     "soak-pd": (
         ["../scripts/soak_pd.py", "--out", str(RESULTS / "soak-pd.json")],
@@ -627,6 +628,24 @@ def pd_stream_table(d: dict[str, Any]) -> list[str]:
     return [*_table(head, rows), "", f"_{note}_"]
 
 
+def sched_scale_table(d: dict[str, Any]) -> list[str]:
+    """bench_sched_scale.py: each scheduler-side call's cost by the requests held at once."""
+    names = list(d["rows"][0]["calls"])
+    head = ["requests", *(f"`{n}` p50 / p99 µs (p50 / fewest)" for n in names)]
+    head += ["all scheduled after, ms", "kvflow bytes a request"]
+    rows = []
+    for r in d["rows"]:
+        cells = [
+            f"{c['median_us']:.1f} / {c['p99_us']:.1f} ({r['ratio'][n]:.2f}x)"
+            for n, c in ((n, r["calls"][n]) for n in names)
+        ]
+        rows.append([str(r["requests"]), *cells, f"{r['lookups_s'] * 1e3:.0f}",
+                     str(r["memory_per_request"])])  # fmt: skip
+    note = f"vLLM's Scheduler, every request a {d['prompt_tokens']}-token prompt and "
+    note += f"{d['output_tokens']} output tokens, all at once; {d['repeats']} batches per size"
+    return [*_table(head, rows), "", f"_{note}_"]
+
+
 def tests_table(d: dict[str, Any]) -> list[str]:
     """bench_tests.py: each command of a fresh clone's set-up and test run, its wall time
     and pytest's counts."""
@@ -697,6 +716,7 @@ TABLES: dict[str, tuple[str, Callable[[dict[str, Any]], list[str]], str]] = {
     "soak-pd": ("soak-pd", soak_pd_table, ""),
     "pd-serve": ("pd-serve", pd_serve_table, ""),
     "pd-stream": ("pd-stream", pd_stream_table, ""),
+    "sched-scale": ("sched-scale", sched_scale_table, ""),
     "faults": ("faults", faults_table, ""),
     "faults-store": ("faults", faults_store_table, ""),
     "tests": ("tests", tests_table, ""),

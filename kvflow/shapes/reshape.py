@@ -95,13 +95,27 @@ async def lookup_sources(
         sources += [0] * found
         if found:
             continue
-        for shape in shapes:
-            if found := await transport.lookup(rest, shape.shards):  # type: ignore[call-arg]
-                sources += [shape.tp_size] * found
-                break
-        if not found:
+        others = await _lookup_each(transport, rest, shapes)  # a miss is one round
+        hit = next((i for i, n in enumerate(others) if n), None)
+        if hit is None:
             break
+        sources += [shapes[hit].tp_size] * others[hit]
     return sources
+
+
+async def _lookup_each(
+    transport: Transport, keys: Sequence[str], shapes: Sequence[StoreShape]
+) -> list[int]:
+    """The leading `keys` each of `shapes` holds, asked together."""
+    found = [0] * len(shapes)
+
+    async def ask(i: int) -> None:
+        found[i] = await transport.lookup(keys, shapes[i].shards)  # type: ignore[call-arg]
+
+    async with trio.open_nursery() as nursery:
+        for i in range(len(shapes)):
+            nursery.start_soon(ask, i)
+    return found
 
 
 # -- copying heads between images --------------------------------------------------

@@ -33,6 +33,7 @@ from kvflow.transport import (
 )
 
 from . import _doctor, _perms
+from ._batch import Batched
 from ._format import HEADER_SIZE, encode_header, layer_offset, read_header
 from ._usage import StoreUsage
 
@@ -165,6 +166,7 @@ class FsTransport(Transport):
         base = store_root(options)
         self.root = base
         self.dir = base / context.namespace
+        self._dir = str(self.dir)
         self.usage = StoreUsage(base, int(options.max_gb * (1 << 30)), lambda: context.evicted)
         """The store's byte count and eviction, shared with every process using it."""
         # Loads and saves have threads of their own: a layer the forward waits for never
@@ -173,6 +175,8 @@ class FsTransport(Transport):
         self._save_threads = trio.CapacityLimiter(THREADS)
         self._file_mode = 0o600
         self._dir_mode = 0o700
+        self._lookups = Batched(_count_each)
+        """Lookups that come together are answered in one worker thread call (`_batch`)."""
 
     # -- lifecycle ---------------------------------------------------------
     async def open(self) -> None:
@@ -223,11 +227,16 @@ class FsTransport(Transport):
     def path(self, key: ChunkKey, shard: str | None = None) -> Path:
         """The file of chunk `key`; a key of any other form than `chunk_keys` gives (a
         client's `../x`) is refused before it names a file."""
+        return Path(self._file(key, shard or self.context.shard))
+
+    def _file(self, key: ChunkKey, shard: str) -> str:
+        """`path` as a string (a lookup makes one per chunk and shard: a `Path` each cost
+        lookups more than their `stat` calls, bench/bench_sched_scale.py)."""
         if not is_chunk_key(key):
             raise TransportError(
                 f"fs: refused chunk key {shown(key)}: not 32 lowercase hex characters"
             )
-        return self.dir / key[:2] / f"{key}.{shard or self.context.shard}.kv"
+        return f"{self._dir}/{key[:2]}/{key}.{shard}.kv"
 
     # -- lookup ------------------------------------------------------------
     async def lookup(self, keys: Sequence[ChunkKey], shards: Sequence[str] = ()) -> int:
@@ -235,8 +244,7 @@ class FsTransport(Transport):
         shards = shards or self.context.shards
         if not all(is_plain_name(s) for s in shards):
             raise TransportError(f"fs: refused shard names {shown(list(shards))}")
-        paths = [[self.path(k, s) for s in shards] for k in keys]
-        return await trio.to_thread.run_sync(_count_present, paths)
+        return await self._lookups([[self._file(k, s) for s in shards] for k in keys])
 
     async def touch(self, keys: Sequence[ChunkKey]) -> None:
         """Count this shard's files of `keys` as just read: eviction takes the oldest
@@ -471,7 +479,12 @@ def _mkdir(path: Path, mode: int) -> None:
             os.mkdir(path, mode)
 
 
-def _count_present(paths: list[list[Path]]) -> int:
+def _count_each(lookups: list[list[list[str]]]) -> list[int]:
+    """`_count_present` of each lookup."""
+    return [_count_present(paths) for paths in lookups]
+
+
+def _count_present(paths: list[list[str]]) -> int:
     """How many leading chunks have every shard's file (`paths[chunk][shard]`)."""
     for i, shards in enumerate(paths):
         if not all(os.path.exists(p) for p in shards):

@@ -1,0 +1,211 @@
+"""kvflow's scheduler-side cost against the requests an engine holds (issue 50, item 4).
+
+    python bench/bench_sched_scale.py            # 1, 64, 512 and 4096 requests (~3 min)
+    python bench/bench_sched_scale.py --quick    # 1, 64 and 512
+
+vLLM calls a connector's scheduler side on its scheduler thread, which every request
+waits on. This drives vLLM's real `Scheduler` with `KVFlowConnector` (`fs` store, an
+empty one: every lookup a miss, every prompt saved) through N requests at once, each a
+prompt of 64 tokens (4 blocks of 16) and 8 output tokens, all running together
+(`max_num_seqs` N), and times each call vLLM makes into the connector, every call kept:
+
+- `get_num_new_matched_tokens` (each waiting request, each step it waits),
+  `update_state_after_alloc`, `build_connector_meta` (once a step), `request_finished`;
+- the lookups in flight: from the first request added to the step that schedules the
+  last of them, the harness stepping as vLLM's engine core does (a step, and 1 ms of
+  sleep after one that computed nothing, while requests wait for their lookups);
+- kvflow's memory per request (`tracemalloc`, kvflow's own files only, in a second run
+  of the same steps, so its cost stays out of the timings).
+
+The worker plays no part (tests/support/vllm_scheduler.py's harness reports its saves
+done at once). Each size's median and p99 are written with their ratio to the smallest
+size's, so the machine's speed divides out; `python bench/run.py --render` renders them
+into docs/benchmarks.md, with a plot on log axes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+import tracemalloc
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import record  # bench/record.py
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from tests.support.vllm_scheduler import (  # noqa: E402
+    Harness,
+    fs_config,
+    make_harness,
+    make_request,
+    prompt_of,
+)
+
+PROMPT = 64
+OUTPUT = 8
+BLOCK = 16
+CALLS = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta")
+DECODE = "build_connector_meta, all running"
+"""`build_connector_meta` of the steps that schedule every request and none new."""
+FINISH = "request_finished_all_groups"
+"""vLLM calls it for a connector that supports its hybrid allocator (kvflow does)."""
+OUT = ROOT / "bench" / "results" / "sched-scale.json"
+
+
+def _timed(into: list[float], call: Callable[..., Any]) -> Callable[..., Any]:
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return call(*args, **kwargs)
+        finally:
+            into.append(time.perf_counter() - t0)
+
+    return timed
+
+
+def _harness(store: Path, n: int) -> Harness:
+    cfg = fs_config(store, max_num_batched_tokens=max(256, n * PROMPT))
+    cfg.scheduler_config.max_num_seqs = n
+    blocks = n * (-(-(PROMPT + OUTPUT) // BLOCK)) + 2  # every request's, and the null block
+    h = make_harness(cfg, blocks)
+    h._check_plan = lambda step: None  # type: ignore[method-assign]  # the harness's own
+    h._check_running = lambda when: None  # type: ignore[method-assign]  # checks, O(N) a step
+    return h
+
+
+def _run(h: Harness, n: int, seed: int, samples: dict[str, list[float]] | None) -> float:
+    """N requests through `h` from arrival to their end; returns how long after the
+    first arrived the last was first scheduled. `samples`: each call's seconds, by the
+    connector method's name, the steps starting once every lookup is answered."""
+    conn = h.connector
+    if samples is not None:
+        for name in (*CALLS, FINISH):
+            setattr(conn, name, _timed(samples.setdefault(name, []), getattr(conn, name)))
+        build = conn.build_connector_meta
+        by_step = samples.setdefault(DECODE, [])
+
+        def decode_step(so: Any) -> Any:  # timed apart: a step of N running, none new
+            t0 = time.perf_counter()
+            try:
+                return build(so)
+            finally:
+                if len(so.num_scheduled_tokens) == n and not so.scheduled_new_reqs:
+                    by_step.append(time.perf_counter() - t0)
+
+        conn.build_connector_meta = decode_step  # type: ignore[method-assign]
+    reqs = [
+        make_request(f"r{seed}-{i}", prompt_of(seed * 100_000 + i, PROMPT), max_tokens=OUTPUT)
+        for i in range(n)
+    ]
+    t0 = time.perf_counter()
+    for r in reqs:
+        h.scheduler.add_request(r)
+    if samples is not None:  # every prompt in one step, then N running together
+        h.lookups.wait([r.request_id for r in reqs], timeout=600)
+    waiting, admitted = {r.request_id for r in reqs}, 0.0
+    deadline = t0 + 600
+    while h.scheduler.has_requests():
+        assert time.perf_counter() < deadline, "the requests never ended"
+        step = h.step(send_lent=True)
+        if waiting:
+            waiting -= set(step.output.num_scheduled_tokens)
+            admitted = time.perf_counter() - t0
+        if not step.output.total_num_scheduled_tokens:
+            time.sleep(0.001)  # as vLLM's engine core does while requests wait for kvflow
+    h.drain(send_lent=True)
+    return admitted
+
+
+def _memory(store: Path, n: int) -> int:
+    """kvflow's bytes (its own files' allocations) per request, all N running."""
+    h = _harness(store, n)
+    try:
+        reqs = [
+            make_request(f"m{i}", prompt_of(7_000_000 + i, PROMPT), max_tokens=OUTPUT)
+            for i in range(n)
+        ]
+        kvflow = str(ROOT / "kvflow") + "/*"
+        plugin = str(ROOT / "plugins" / "kvflow_vllm") + "/*"
+        filters = [tracemalloc.Filter(True, kvflow), tracemalloc.Filter(True, plugin)]
+        tracemalloc.start()
+        before = tracemalloc.take_snapshot().filter_traces(filters)
+        for r in reqs:
+            h.scheduler.add_request(r)
+        h.lookups.wait([r.request_id for r in reqs], timeout=600)
+        h.step(send_lent=True)  # every prompt scheduled: all running
+        after = tracemalloc.take_snapshot().filter_traces(filters)
+        tracemalloc.stop()
+        grown = sum(s.size_diff for s in after.compare_to(before, "filename"))
+        while h.scheduler.has_requests():
+            h.step(send_lent=True)
+        h.drain(send_lent=True)
+        return grown // n
+    finally:
+        h.close()
+
+
+def _figures(seconds: list[float]) -> dict[str, float]:
+    s = sorted(seconds)
+    return {
+        "calls": len(s),
+        "median_us": 1e6 * statistics.median(s),
+        "p99_us": 1e6 * s[min(len(s) - 1, int(0.99 * len(s)))],
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", type=int, nargs="+", help="requests at once (default 1 64 512 4096)")
+    ap.add_argument("--quick", action="store_true", help="1, 64 and 512 requests")
+    ap.add_argument("--repeats", type=int, default=3, help="runs per size (a new batch each)")
+    ap.add_argument("--out", default=str(OUT))
+    args = ap.parse_args()
+    sizes = args.sizes or ([1, 64, 512] if args.quick else [1, 64, 512, 4096])
+    meta = record.start()
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="kvflow-sched-scale-") as tmp:
+        for n in sizes:
+            samples: dict[str, list[float]] = {}
+            lookups = []
+            h = _harness(Path(tmp) / f"kv-{n}", n)
+            try:
+                _run(h, n, 0, None)  # warm: first calls, imports, the store's directories
+                for r in range(args.repeats):  # new prompts each: misses, and saves
+                    lookups.append(_run(h, n, 2 * r + 1, None))
+                    _run(h, n, 2 * r + 2, samples)
+            finally:
+                h.close()
+            row: dict[str, Any] = {
+                "requests": n,
+                "calls": {name: _figures(s) for name, s in samples.items()},
+                "lookups_s": statistics.median(lookups),
+                "memory_per_request": _memory(Path(tmp) / f"mem-{n}", n),
+                "samples_us": {k: [round(1e6 * x, 1) for x in v] for k, v in samples.items()},
+            }
+            rows.append(row)
+            said = ", ".join(f"{k} {c['median_us']:.1f}" for k, c in row["calls"].items())
+            print(
+                f"{n:5d} requests: median us: {said}; all scheduled after "
+                f"{row['lookups_s'] * 1e3:.0f} ms; {row['memory_per_request']} B a request",
+                flush=True,
+            )
+    base = rows[0]
+    for row in rows:
+        row["ratio"] = {
+            name: f["median_us"] / base["calls"][name]["median_us"]
+            for name, f in row["calls"].items()
+        }
+    data = {"prompt_tokens": PROMPT, "output_tokens": OUTPUT, "repeats": args.repeats, "rows": rows}
+    record.save(args.out, data, meta, extra=["tests/support/vllm_scheduler.py"])
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
