@@ -10,10 +10,14 @@ prompt of 64 tokens (4 blocks of 16) and 8 output tokens, all running together
 (`max_num_seqs` N), and times each call vLLM makes into the connector, every call kept:
 
 - `get_num_new_matched_tokens` (each waiting request, each step it waits),
-  `update_state_after_alloc`, `build_connector_meta` (once a step), `request_finished`;
+  `update_state_after_alloc`, `build_connector_meta` (once a step; apart, the steps
+  that run all N, none new), `request_finished_all_groups`; in batches whose lookups
+  were answered before the steps began, so all N run together;
 - the lookups in flight: from the first request added to the step that schedules the
   last of them, the harness stepping as vLLM's engine core does (a step, and 1 ms of
   sleep after one that computed nothing, while requests wait for their lookups);
+  against the same with every lookup a miss at once (the store not asked), batches of
+  both alternating;
 - kvflow's memory per request (`tracemalloc`, kvflow's own files only, in a second run
   of the same steps, so its cost stays out of the timings).
 
@@ -58,15 +62,46 @@ FINISH = "request_finished_all_groups"
 OUT = ROOT / "bench" / "results" / "sched-scale.json"
 
 
-def _timed(into: list[float], call: Callable[..., Any]) -> Callable[..., Any]:
-    def timed(*args: Any, **kwargs: Any) -> Any:
-        t0 = time.perf_counter()
-        try:
-            return call(*args, **kwargs)
-        finally:
-            into.append(time.perf_counter() - t0)
+class Timed:
+    """Each call vLLM makes into `h`'s connector, timed while `on` (seconds by method
+    name; `DECODE`: `build_connector_meta` of the steps that schedule all `n` requests
+    and none new)."""
 
-    return timed
+    def __init__(self, h: Harness, n: int) -> None:
+        self.on = False
+        self.samples: dict[str, list[float]] = {name: [] for name in (*CALLS, DECODE, FINISH)}
+        conn = h.connector
+        for name in (*CALLS, FINISH):
+            setattr(conn, name, self._wrap(name, getattr(conn, name), n))
+
+    def _wrap(self, name: str, call: Callable[..., Any], n: int) -> Callable[..., Any]:
+        def timed(*args: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return call(*args)
+            finally:
+                if self.on:
+                    took = time.perf_counter() - t0
+                    self.samples[name].append(took)
+                    so = args[0]
+                    if name == "build_connector_meta" and _all_running(so, n):
+                        self.samples[DECODE].append(took)
+
+        return timed
+
+
+def _all_running(so: Any, n: int) -> bool:
+    """Whether the step `so` schedules `n` requests, none of them new."""
+    return len(so.num_scheduled_tokens) == n and not so.scheduled_new_reqs
+
+
+def _no_lookups(h: Harness) -> Callable[[], None]:
+    """Every kvflow lookup a miss at once, without asking the store (the baseline of
+    the requests' admission); returns what undoes it."""
+    sched = h.kvflow_sched
+    sched._start_lookup = lambda req, st: None  # type: ignore[method-assign]
+    sched.lookup = lambda req, num_computed: 0  # type: ignore[method-assign]
+    return lambda: [vars(sched).pop(k) for k in ("_start_lookup", "lookup")] and None
 
 
 def _harness(store: Path, n: int) -> Harness:
@@ -79,26 +114,10 @@ def _harness(store: Path, n: int) -> Harness:
     return h
 
 
-def _run(h: Harness, n: int, seed: int, samples: dict[str, list[float]] | None) -> float:
+def _run(h: Harness, n: int, seed: int, together: bool) -> float:
     """N requests through `h` from arrival to their end; returns how long after the
-    first arrived the last was first scheduled. `samples`: each call's seconds, by the
-    connector method's name, the steps starting once every lookup is answered."""
-    conn = h.connector
-    if samples is not None:
-        for name in (*CALLS, FINISH):
-            setattr(conn, name, _timed(samples.setdefault(name, []), getattr(conn, name)))
-        build = conn.build_connector_meta
-        by_step = samples.setdefault(DECODE, [])
-
-        def decode_step(so: Any) -> Any:  # timed apart: a step of N running, none new
-            t0 = time.perf_counter()
-            try:
-                return build(so)
-            finally:
-                if len(so.num_scheduled_tokens) == n and not so.scheduled_new_reqs:
-                    by_step.append(time.perf_counter() - t0)
-
-        conn.build_connector_meta = decode_step  # type: ignore[method-assign]
+    first arrived the last was first scheduled. `together`: the steps start once every
+    lookup is answered, so every prompt is scheduled in one step and N run together."""
     reqs = [
         make_request(f"r{seed}-{i}", prompt_of(seed * 100_000 + i, PROMPT), max_tokens=OUTPUT)
         for i in range(n)
@@ -106,7 +125,7 @@ def _run(h: Harness, n: int, seed: int, samples: dict[str, list[float]] | None) 
     t0 = time.perf_counter()
     for r in reqs:
         h.scheduler.add_request(r)
-    if samples is not None:  # every prompt in one step, then N running together
+    if together:
         h.lookups.wait([r.request_id for r in reqs], timeout=600)
     waiting, admitted = {r.request_id for r in reqs}, 0.0
     deadline = t0 + 600
@@ -171,28 +190,40 @@ def main() -> int:
     rows = []
     with tempfile.TemporaryDirectory(prefix="kvflow-sched-scale-") as tmp:
         for n in sizes:
-            samples: dict[str, list[float]] = {}
-            lookups = []
+            lookups: list[float] = []
+            none: list[float] = []
             h = _harness(Path(tmp) / f"kv-{n}", n)
+            timed = Timed(h, n)
+            seed = 0
             try:
-                _run(h, n, 0, None)  # warm: first calls, imports, the store's directories
+                _run(h, n, seed, together=False)  # warm: first calls, the store's directories
                 for r in range(args.repeats):  # new prompts each: misses, and saves
-                    lookups.append(_run(h, n, 2 * r + 1, None))
-                    _run(h, n, 2 * r + 2, samples)
+                    for mode in ("kvflow", "none") if r % 2 == 0 else ("none", "kvflow"):
+                        seed += 1
+                        undo = _no_lookups(h) if mode == "none" else None
+                        (none if undo else lookups).append(_run(h, n, seed, together=False))
+                        if undo:
+                            undo()
+                    timed.on, seed = True, seed + 1
+                    _run(h, n, seed, together=True)
+                    timed.on = False
             finally:
                 h.close()
             row: dict[str, Any] = {
                 "requests": n,
-                "calls": {name: _figures(s) for name, s in samples.items()},
-                "lookups_s": statistics.median(lookups),
+                "calls": {name: _figures(s) for name, s in timed.samples.items()},
+                "admitted_s": statistics.median(lookups),
+                "admitted_no_lookups_s": statistics.median(none),
+                "admitted_samples_s": {"kvflow": lookups, "no lookups": none},
                 "memory_per_request": _memory(Path(tmp) / f"mem-{n}", n),
-                "samples_us": {k: [round(1e6 * x, 1) for x in v] for k, v in samples.items()},
+                "samples_us": {k: [round(1e6 * x, 1) for x in v] for k, v in timed.samples.items()},
             }
             rows.append(row)
             said = ", ".join(f"{k} {c['median_us']:.1f}" for k, c in row["calls"].items())
             print(
                 f"{n:5d} requests: median us: {said}; all scheduled after "
-                f"{row['lookups_s'] * 1e3:.0f} ms; {row['memory_per_request']} B a request",
+                f"{row['admitted_s'] * 1e3:.0f} ms ({row['admitted_no_lookups_s'] * 1e3:.0f} "
+                f"without lookups); {row['memory_per_request']} B a request",
                 flush=True,
             )
     base = rows[0]
