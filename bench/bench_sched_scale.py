@@ -30,6 +30,8 @@ into docs/benchmarks.md, with a plot on log axes.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import gc
 import statistics
 import sys
 import tempfile
@@ -40,6 +42,9 @@ from pathlib import Path
 from typing import Any
 
 import record  # bench/record.py
+import trio
+
+from kvflow_fs import FsTransport
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -111,7 +116,27 @@ def _harness(store: Path, n: int) -> Harness:
     h = make_harness(cfg, blocks)
     h._check_plan = lambda step: None  # type: ignore[method-assign]  # the harness's own
     h._check_running = lambda when: None  # type: ignore[method-assign]  # checks, O(N) a step
+    step = h.step
+
+    def step_kept_not(**kwargs: Any) -> Any:  # the harness keeps every step it ran: their
+        out = step(**kwargs)  # outputs would grow each garbage collection's work
+        h.steps.clear()
+        return out
+
+    h.step = step_kept_not  # type: ignore[method-assign]
+    trio.run(_worker_opens, h)
     return h
+
+
+async def _worker_opens(h: Harness) -> None:
+    """The store as the engine's worker leaves it when it opens (its scan marks the
+    shards the namespace holds, kvflow_fs._shards): the harness has no worker."""
+    t = h.kvflow_sched.transport
+    assert isinstance(t, FsTransport)
+    worker = FsTransport(t.options, dataclasses.replace(t.context, role="worker"))
+    await worker.open()
+    await worker.usage.chores_done()
+    await worker.aclose()
 
 
 def _run(h: Harness, n: int, seed: int, together: bool) -> float:
@@ -200,6 +225,7 @@ def main() -> int:
                 for r in range(args.repeats):  # new prompts each: misses, and saves
                     for mode in ("kvflow", "none") if r % 2 == 0 else ("none", "kvflow"):
                         seed += 1
+                        gc.collect()  # each batch starts with the same garbage: none
                         undo = _no_lookups(h) if mode == "none" else None
                         (none if undo else lookups).append(_run(h, n, seed, together=False))
                         if undo:

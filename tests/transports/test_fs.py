@@ -53,8 +53,13 @@ async def saved(kv: Harness, worker: FsTransport, n: int, partial: int = 0) -> C
 
 
 def files(store: Path) -> list[Path]:
-    """Chunk and temp files (not the store's own bookkeeping: `.usage`, its locks)."""
-    return sorted(p for p in store.rglob("*") if p.is_file() and not p.name.startswith("."))
+    """Chunk and temp files (not the store's own bookkeeping: `.usage`, its locks, the
+    shard markers in `.shards`)."""
+    return sorted(
+        p
+        for p in store.rglob("*")
+        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(store).parts)
+    )
 
 
 def layer_offset(kv: Harness, chunk: Chunks, c: int, layer: int) -> int:

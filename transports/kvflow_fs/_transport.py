@@ -35,6 +35,7 @@ from kvflow.transport import (
 from . import _doctor, _perms
 from ._batch import Batched
 from ._format import HEADER_SIZE, encode_header, layer_offset, read_header
+from ._shards import KnownShards
 from ._usage import StoreUsage
 
 log = logging.getLogger("kvflow.fs")
@@ -177,6 +178,8 @@ class FsTransport(Transport):
         self._dir_mode = 0o700
         self._lookups = Batched(_count_each)
         """Lookups that come together are answered in one worker thread call (`_batch`)."""
+        self._shards = KnownShards(self._dir)
+        """The shards this namespace holds files of (`_shards`)."""
 
     # -- lifecycle ---------------------------------------------------------
     async def open(self) -> None:
@@ -210,6 +213,7 @@ class FsTransport(Transport):
                 f"{where}: {str(self.root)!r} is not a writable directory ({exc.strerror or exc})"
             ) from None
         if self.context.role == "worker":  # off the start-up path: a big store takes a while
+            self.usage.own_shards.append((self._dir, self.context.shard))
             self.usage.scan_soon()
 
     def _refuse_unsafe(self, directory: Path, where: str, *, follow: bool) -> None:
@@ -244,6 +248,10 @@ class FsTransport(Transport):
         shards = shards or self.context.shards
         if not all(is_plain_name(s) for s in shards):
             raise TransportError(f"fs: refused shard names {shown(list(shards))}")
+        if list(shards) != list(self.context.shards):  # another size's (`lookup_sources`)
+            known = await self._shards.get()
+            if known is not None and not known.issuperset(shards):
+                return 0  # no file of some shard it needs: not one `stat` (`_shards`)
         return await self._lookups([[self._file(k, s) for s in shards] for k in keys])
 
     async def touch(self, keys: Sequence[ChunkKey]) -> None:

@@ -33,6 +33,9 @@ import trio
 
 from kvflow.keys import ChunkKey
 
+from ._perms import dir_mode
+from ._shards import mark
+
 __all__ = ["LOCK_WAIT_S", "STALE_TMP_S", "USAGE_FILE", "StoreUsage"]
 
 log = logging.getLogger("kvflow.fs")
@@ -76,6 +79,8 @@ class StoreUsage:
         overwrite what a save's count added meanwhile."""
         self._queued: Callable[[], None] | None = None
         """The count to run when the running one ends (a scan covers an account)."""
+        self.own_shards: list[tuple[str, str]] = []
+        """(namespace directory, shard) of this engine: marked by the scan (`_shards`)."""
         self._chores = 0
         self._idle = trio.Event()
         self._idle.set()
@@ -184,12 +189,20 @@ class StoreUsage:
         with self._mutex:
             seen, self._pending = self._pending, 0
         usage, cutoff = 0, time.time() - STALE_TMP_S
+        shards: dict[str, set[str]] = {ns: {shard} for ns, shard in self.own_shards}
         for e in self._walk():
             with contextlib.suppress(FileNotFoundError):
                 if e.name.endswith(".kv"):
                     usage += e.stat(follow_symlinks=False).st_size
+                    namespace = os.path.dirname(os.path.dirname(e.path))
+                    shards.setdefault(namespace, set()).add(e.name.split(".")[1])
                 elif ".kv.tmp." in e.name and e.stat(follow_symlinks=False).st_mtime < cutoff:
                     os.unlink(e.path)
+        for namespace, names in shards.items():  # those it saw, and this engine's own
+            try:
+                mark(namespace, names, self.file_mode, dir_mode(self.file_mode))
+            except OSError as exc:  # lookups of other sizes ask every shard, as before
+                log.warning("kvflow fs: cannot mark the shards of %s: %s", namespace, exc)
         counted = self.add(0, total=usage)
         if counted is None:  # the old count stands: it still lacks what was deferred
             self.defer(seen)
