@@ -276,6 +276,28 @@ def plot_sched_scale(results: Path, out_dir: Path) -> Path | None:
     return _save(fig, out_dir / "bench-sched-scale.png")
 
 
+def plot_tier_scale(results: Path, out_dir: Path) -> Path | None:
+    """Each host-tier operation's median against the cache's slots, log-log, per policy."""
+    data = load(results, "tier-scale")
+    if data is None:
+        return None
+    fig, ax = plt.subplots(figsize=(WIDTH, 4))
+    for policy, style in (("s3fifo", "-"), ("lru", "--")):
+        rows = [r for r in data["rows"] if r["policy"] == policy]
+        for op in rows[0]["median_ns"]:
+            ax.plot([r["slots"] for r in rows], [r["median_ns"][op] for r in rows], style,
+                    marker="o", label=f"{policy} {op}")  # fmt: skip
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("slots (log scale)")
+    ax.set_ylabel("median per operation, ns (log scale)")
+    ax.set_title("The host tier's bookkeeping by its size", fontsize=10)
+    ax.legend(fontsize=7, ncol=2)
+    caption = f"{recorded('tier-scale', data)}; {data['command']}"
+    fig.subplots_adjust(bottom=0.12 + _caption(fig, caption), top=0.92)
+    return _save(fig, out_dir / "bench-tier-scale.png")
+
+
 PLOTS: dict[str, Callable[[Path, Path], Path | None]] = {
     "engines-hit": plot_engines_hit,
     "ttft-tiers": plot_ttft_tiers,
@@ -284,6 +306,7 @@ PLOTS: dict[str, Callable[[Path, Path], Path | None]] = {
     "pd-serve": plot_pd_serve,
     "pd-stream": plot_pd_stream,
     "sched-scale": plot_sched_scale,
+    "tier-scale": plot_tier_scale,
 }
 
 

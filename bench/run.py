@@ -91,6 +91,7 @@ BENCHES: dict[str, tuple[list[str], bool, Callable[[], str]]] = {
     "pd-serve": (["bench_pd_serve.py"], True, lambda: ""),
     "pd-stream": (["bench_pd_stream.py"], True, lambda: ""),
     "sched-scale": (["bench_sched_scale.py"], True, lambda: ""),
+    "tier-scale": (["bench_tier_scale.py"], True, lambda: ""),
     "soak": (["../scripts/soak.py", "--suite"], False, lambda: ""),
     "soak-pd": (
         ["../scripts/soak_pd.py", "--out", str(RESULTS / "soak-pd.json")],
@@ -649,6 +650,19 @@ def sched_scale_table(d: dict[str, Any]) -> list[str]:
     return [*_table(head, rows), "", f"_{note}_"]
 
 
+def tier_scale_table(d: dict[str, Any]) -> list[str]:
+    """bench_tier_scale.py: the host tier's operations by its slots, per policy."""
+    ops = list(d["rows"][0]["median_ns"])
+    head = ["policy", "slots", *(f"{op} ns (x fewest)" for op in ops), "kvflow bytes a slot"]
+    rows = []
+    for r in d["rows"]:
+        cells = [f"{r['median_ns'][op]:.0f} ({r['ratio'][op]:.2f}x)" for op in ops]
+        rows.append([r["policy"], f"{r['slots']:,}", *cells, f"{r['bytes_per_slot']:.0f}"])
+    note = f"medians of batches of {d['batch']:,} operations; slots of {d['slot_bytes']} bytes, "
+    note += f"{d['layers']} layer sizes a chunk; x fewest: against the same policy's smallest cache"
+    return [*_table(head, rows), "", f"_{note}_"]
+
+
 def tests_table(d: dict[str, Any]) -> list[str]:
     """bench_tests.py: each command of a fresh clone's set-up and test run, its wall time
     and pytest's counts."""
@@ -720,6 +734,7 @@ TABLES: dict[str, tuple[str, Callable[[dict[str, Any]], list[str]], str]] = {
     "pd-serve": ("pd-serve", pd_serve_table, ""),
     "pd-stream": ("pd-stream", pd_stream_table, ""),
     "sched-scale": ("sched-scale", sched_scale_table, ""),
+    "tier-scale": ("tier-scale", tier_scale_table, ""),
     "faults": ("faults", faults_table, ""),
     "faults-store": ("faults", faults_store_table, ""),
     "tests": ("tests", tests_table, ""),
