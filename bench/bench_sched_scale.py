@@ -22,9 +22,9 @@ prompt of 64 tokens (4 blocks of 16) and 8 output tokens, all running together
   of the same steps, so its cost stays out of the timings).
 
 The worker plays no part (tests/support/vllm_scheduler.py's harness reports its saves
-done at once). Each size's median and p99 are written with their ratio to the smallest
-size's, so the machine's speed divides out; `python bench/run.py --render` renders them
-into docs/benchmarks.md, with a plot on log axes.
+done at once). Each size's medians and p99s are written, and every sample (as each
+value and its count); `python bench/run.py --render` renders them into
+docs/benchmarks.md, with a plot on log axes.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ import sys
 import tempfile
 import time
 import tracemalloc
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -194,6 +195,14 @@ def _memory(store: Path, n: int) -> int:
         h.close()
 
 
+def _counted(seconds: list[float]) -> dict[str, list[float]]:
+    """Every sample, as each value (µs, to 0.1) and how many times it came: a size's
+    tens of thousands of calls in a few hundred numbers."""
+    counts = Counter(round(1e6 * x, 1) for x in seconds)
+    values = sorted(counts)
+    return {"us": values, "count": [counts[v] for v in values]}
+
+
 def _figures(seconds: list[float]) -> dict[str, float]:
     s = sorted(seconds)
     return {
@@ -242,7 +251,7 @@ def main() -> int:
                 "admitted_no_lookups_s": statistics.median(none),
                 "admitted_samples_s": {"kvflow": lookups, "no lookups": none},
                 "memory_per_request": _memory(Path(tmp) / f"mem-{n}", n),
-                "samples_us": {k: [round(1e6 * x, 1) for x in v] for k, v in timed.samples.items()},
+                "samples_us": {k: _counted(v) for k, v in timed.samples.items()},
             }
             rows.append(row)
             said = ", ".join(f"{k} {c['median_us']:.1f}" for k, c in row["calls"].items())
@@ -252,12 +261,6 @@ def main() -> int:
                 f"without lookups); {row['memory_per_request']} B a request",
                 flush=True,
             )
-    base = rows[0]
-    for row in rows:
-        row["ratio"] = {
-            name: f["median_us"] / base["calls"][name]["median_us"]
-            for name, f in row["calls"].items()
-        }
     data = {"prompt_tokens": PROMPT, "output_tokens": OUTPUT, "repeats": args.repeats, "rows": rows}
     record.save(args.out, data, meta, extra=["tests/support/vllm_scheduler.py"])
     print(f"wrote {args.out}")

@@ -255,25 +255,47 @@ def plot_pd_stream(results: Path, out_dir: Path) -> Path | None:
     return _save(fig, out_dir / "bench-pd-stream.png")
 
 
+def _scale_plot(
+    name: str,
+    data: dict[str, Any],
+    lines: dict[str, tuple[list[float], list[float], str]],
+    xlabel: str,
+    ylabel: str,
+    title: str,
+    out: Path,
+) -> Path:
+    """Lines (label: x, y, style) of a cost against a size, log-log, captioned."""
+    fig, ax = plt.subplots(figsize=(WIDTH, 4))
+    for label, (xs, ys, style) in lines.items():
+        ax.plot(xs, ys, style, marker="o", label=label)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=7, ncol=2)
+    caption = f"{recorded(name, data)}; {data['command']}"
+    fig.subplots_adjust(bottom=0.12 + _caption(fig, caption), top=0.92)
+    return _save(fig, out)
+
+
 def plot_sched_scale(results: Path, out_dir: Path) -> Path | None:
     """Each scheduler-side call's median against the requests held, log-log."""
     data = load(results, "sched-scale")
     if data is None:
         return None
-    sizes = [r["requests"] for r in data["rows"]]
-    fig, ax = plt.subplots(figsize=(WIDTH, 4))
-    for name in data["rows"][0]["calls"]:
-        ax.plot(sizes, [r["calls"][name]["median_us"] for r in data["rows"]], marker="o",
-                label=name)  # fmt: skip
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("requests held at once (log scale)")
-    ax.set_ylabel("median per call, µs (log scale)")
-    ax.set_title("kvflow's scheduler side in vLLM's Scheduler, by requests held", fontsize=10)
-    ax.legend(fontsize=8)
-    caption = f"{recorded('sched-scale', data)}; {data['command']}"
-    fig.subplots_adjust(bottom=0.12 + _caption(fig, caption), top=0.92)
-    return _save(fig, out_dir / "bench-sched-scale.png")
+    rows = data["rows"]
+    sizes = [r["requests"] for r in rows]
+    lines = {
+        call: (sizes, [r["calls"][call]["median_us"] for r in rows], "-")
+        for call in rows[0]["calls"]
+    }
+    return _scale_plot(
+        "sched-scale", data, lines, "requests held at once (log scale)",
+        "median per call, µs (log scale)",
+        "kvflow's scheduler side in vLLM's Scheduler, by requests held",
+        out_dir / "bench-sched-scale.png",
+    )  # fmt: skip
 
 
 def plot_tier_scale(results: Path, out_dir: Path) -> Path | None:
@@ -281,21 +303,16 @@ def plot_tier_scale(results: Path, out_dir: Path) -> Path | None:
     data = load(results, "tier-scale")
     if data is None:
         return None
-    fig, ax = plt.subplots(figsize=(WIDTH, 4))
+    lines = {}
     for policy, style in (("s3fifo", "-"), ("lru", "--")):
         rows = [r for r in data["rows"] if r["policy"] == policy]
         for op in rows[0]["median_ns"]:
-            ax.plot([r["slots"] for r in rows], [r["median_ns"][op] for r in rows], style,
-                    marker="o", label=f"{policy} {op}")  # fmt: skip
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("slots (log scale)")
-    ax.set_ylabel("median per operation, ns (log scale)")
-    ax.set_title("The host tier's bookkeeping by its size", fontsize=10)
-    ax.legend(fontsize=7, ncol=2)
-    caption = f"{recorded('tier-scale', data)}; {data['command']}"
-    fig.subplots_adjust(bottom=0.12 + _caption(fig, caption), top=0.92)
-    return _save(fig, out_dir / "bench-tier-scale.png")
+            xs = [r["slots"] for r in rows]
+            lines[f"{policy} {op}"] = (xs, [r["median_ns"][op] for r in rows], style)
+    return _scale_plot(
+        "tier-scale", data, lines, "slots (log scale)", "median per operation, ns (log scale)",
+        "The host tier's bookkeeping by its size", out_dir / "bench-tier-scale.png",
+    )  # fmt: skip
 
 
 PLOTS: dict[str, Callable[[Path, Path], Path | None]] = {

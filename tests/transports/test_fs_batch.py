@@ -12,40 +12,39 @@ import trio.testing
 from kvflow_fs._batch import Batched
 
 
-async def test_a_burst_of_calls_is_one_thread_call_after_the_first() -> None:
-    batches: list[list[int]] = []
+class Doubled:
+    """`Batched` doubling its items, each batch recorded, each answer in `got`; a
+    batch waits for `gate` to be set."""
 
-    def double(items: list[int]) -> list[int]:
-        batches.append(items)
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+        self.gate.set()
+        self.batches: list[list[int]] = []
+        self.got: dict[int, int] = {}
+        self.batched = Batched(self._double)
+
+    def _double(self, items: list[int]) -> list[int]:
+        self.gate.wait(timeout=30)
+        self.batches.append(items)
         return [2 * x for x in items]
 
-    batched = Batched(double)
-    got: dict[int, int] = {}
+    async def ask(self, x: int) -> None:
+        self.got[x] = await self.batched(x)
 
-    async def ask(x: int) -> None:
-        got[x] = await batched(x)
 
+async def test_a_burst_of_calls_is_one_thread_call_after_the_first() -> None:
+    d = Doubled()
     async with trio.open_nursery() as nursery:
         for x in range(100):
-            nursery.start_soon(ask, x)
-    assert got == {x: 2 * x for x in range(100)}
-    assert len(batches) <= 2, f"{len(batches)} thread calls for 100 lookups"  # 1, then 99
+            nursery.start_soon(d.ask, x)
+    assert d.got == {x: 2 * x for x in range(100)}
+    assert len(d.batches) <= 2, f"{len(d.batches)} thread calls for 100 lookups"  # 1, then 99
 
 
 async def test_callers_waiting_on_a_cancelled_runner_still_get_their_answers() -> None:
-    gate = threading.Event()
-    batches: list[list[int]] = []
-
-    def double(items: list[int]) -> list[int]:
-        gate.wait(timeout=30)  # the first batch holds until the runner is cancelled
-        batches.append(items)
-        return [2 * x for x in items]
-
-    batched = Batched(double)
-    got: dict[int, int] = {}
-
-    async def ask(x: int) -> None:
-        got[x] = await batched(x)
+    d = Doubled()
+    d.gate.clear()  # the first batch holds until the runner is cancelled
+    batched, ask, gate = d.batched, d.ask, d.gate
 
     with trio.fail_after(30):
         async with trio.open_nursery() as nursery:
@@ -62,8 +61,8 @@ async def test_callers_waiting_on_a_cancelled_runner_still_get_their_answers() -
             await trio.testing.wait_all_tasks_blocked()
             runner.cancel()  # while its thread runs: the next batch is left to a waiter
             gate.set()
-    assert got == {2: 4, 3: 6}
-    assert [sorted(b) for b in batches] == [[1], [2, 3]]
+    assert d.got == {2: 4, 3: 6}
+    assert [sorted(b) for b in d.batches] == [[1], [2, 3]]
 
 
 async def test_an_error_reaches_every_call_of_its_batch() -> None:
