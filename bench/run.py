@@ -92,6 +92,7 @@ BENCHES: dict[str, tuple[list[str], bool, Callable[[], str]]] = {
     "pd-stream": (["bench_pd_stream.py"], True, lambda: ""),
     "sched-scale": (["bench_sched_scale.py"], True, lambda: ""),
     "tier-scale": (["bench_tier_scale.py"], True, lambda: ""),
+    "fs-scale": (["bench_fs_scale.py"], True, lambda: ""),
     "soak": (["../scripts/soak.py", "--suite"], False, lambda: ""),
     "soak-pd": (
         ["../scripts/soak_pd.py", "--out", str(RESULTS / "soak-pd.json")],
@@ -663,6 +664,30 @@ def tier_scale_table(d: dict[str, Any]) -> list[str]:
     return [*_table(head, rows), "", f"_{note}_"]
 
 
+def fs_scale_table(d: dict[str, Any]) -> list[str]:
+    """bench_fs_scale.py: `fs`'s costs by the chunk files its store holds."""
+    head = ["files", "open ms", "scan s", "lookup hit p50 / p99 ms", "lookup miss p50 / p99 ms"]
+    head += ["save p50 / p99 ms", "load p50 / p99 ms", "load while evicting p50 / p99 ms"]
+    head += ["eviction s", "files looked at / deleted", "eviction's peak MiB"]
+
+    def pp(f: dict[str, float] | None) -> str:
+        return "-" if f is None else f"{f['p50_ms']:.2f} / {f['p99_ms']:.2f}"
+
+    rows = [
+        [
+            f"{r['files']:,}", f"{r['open_ms']:.1f}", f"{r['scan_s']:.1f}",
+            pp(r["lookup_hit"]), pp(r["lookup_miss"]), pp(r["save"]), pp(r["load"]),
+            pp(r["load_while_evicting"]), f"{r['evict_s']:.1f}",
+            f"{r['evict_looked_at']:,} / {r['evict_deleted']:,}",
+            f"{r['evict_peak_bytes'] / 2**20:.0f}",
+        ]  # fmt: skip
+        for r in d["rows"]
+    ]
+    note = f"filler files of {d['filler_bytes']} bytes; {d['samples']} samples of each "
+    note += "operation a size; eviction: a worker opening the store with `max_gb` at 95 % of it"
+    return [*_table(head, rows), "", f"_{note}_"]
+
+
 def tests_table(d: dict[str, Any]) -> list[str]:
     """bench_tests.py: each command of a fresh clone's set-up and test run, its wall time
     and pytest's counts."""
@@ -735,6 +760,7 @@ TABLES: dict[str, tuple[str, Callable[[dict[str, Any]], list[str]], str]] = {
     "pd-stream": ("pd-stream", pd_stream_table, ""),
     "sched-scale": ("sched-scale", sched_scale_table, ""),
     "tier-scale": ("tier-scale", tier_scale_table, ""),
+    "fs-scale": ("fs-scale", fs_scale_table, ""),
     "faults": ("faults", faults_table, ""),
     "faults-store": ("faults", faults_store_table, ""),
     "tests": ("tests", tests_table, ""),

@@ -1,0 +1,213 @@
+"""`fs` against the size of its store: 10^4 to 10^6 chunk files (issue 50, item 1).
+
+    python bench/bench_fs_scale.py            # 10^4, 10^5 and 10^6 files (~6 min, ~5 GB)
+    python bench/bench_fs_scale.py --quick    # 10^4 and 10^5
+
+Each size is a store whose namespace holds N chunk files of 4 KiB (filler, written
+directly and older than everything else: a real store's files would be a chunk's full
+bytes, 2 MiB for Llama-3-8B's 16 tokens; the costs here depend on how many files there
+are, not on their bytes, except the loads and saves, whose own chunks are real). With
+kvflow's conformance harness (a real `FsTransport`, a small layout):
+
+- `open`: a worker's `open()` (the store's scan runs after it, in the background), and
+  that scan to its end;
+- `lookup` of a chunk held, and of one not held (p50 / p99);
+- `save` and `load` of a one-chunk request (p50 / p99; each layer a load reads checked
+  against its checksum, as `fs` does by default);
+- `evict`: a worker whose `max_gb` is just under the store's size opens it, and its
+  scan evicts down to 90 %: the time to the end, the files it looked at and deleted,
+  and the peak memory of the walk and the eviction (`tracemalloc`, in a run of its own);
+- `load while evicting`: the same loads while that eviction runs.
+
+Writes bench/results/fs-scale.json (every sample); `python bench/run.py --render`
+renders it into docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import tracemalloc
+from pathlib import Path
+from typing import Any
+
+import record  # bench/record.py
+import trio
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from kvflow.testing.conformance import Harness, TransportConformance  # noqa: E402
+from kvflow_fs import FsOptions, FsTransport  # noqa: E402
+from tests.support.fs_store import Factory  # noqa: E402
+
+FILLER = 4096
+SAMPLES = 100
+OUT = ROOT / "bench" / "results" / "fs-scale.json"
+
+
+def fill(worker: FsTransport, n: int) -> int:
+    """`n` filler chunk files in `worker`'s namespace, a day old; their bytes."""
+    old = time.time() - 86_400
+    payload = os.urandom(FILLER)
+    made: set[str] = set()
+    for _ in range(n):
+        key = secrets.token_hex(16)
+        path = worker.path(key)
+        d = os.path.dirname(path)
+        if d not in made:
+            os.makedirs(d, exist_ok=True)
+            made.add(d)
+        with open(path, "wb") as f:
+            f.write(payload)
+        os.utime(path, (old, old))
+    return n * FILLER
+
+
+def _p(samples: list[float]) -> dict[str, float]:
+    s = sorted(samples)
+    return {
+        "p50_ms": 1e3 * statistics.median(s),
+        "p99_ms": 1e3 * s[min(len(s) - 1, int(0.99 * len(s)))],
+    }
+
+
+async def _timed(fn: Any, *args: Any) -> float:
+    t0 = time.perf_counter()
+    await fn(*args)
+    return time.perf_counter() - t0
+
+
+async def measure(kv: Harness, factory: Factory, n: int) -> dict[str, Any]:
+    first = await kv.worker()
+    assert isinstance(first, FsTransport)
+    await first.usage.chores_done()
+    store_bytes = fill(first, n)
+    factory.options["max_gb"] = 1024.0  # no eviction while the store is measured
+    t0 = time.perf_counter()
+    worker = await kv.worker()
+    assert isinstance(worker, FsTransport)
+    opened = time.perf_counter() - t0
+    await worker.usage.chores_done()
+    scanned = time.perf_counter() - t0
+    sched = await kv.scheduler()
+    saves, loads, hits, misses = [], [], [], []
+    held = []
+    for _ in range(SAMPLES):
+        chunks = kv.chunks(1)
+        saves.append(await _timed(kv.save, worker, chunks))
+        held.append(chunks)
+    await worker.usage.chores_done()
+    for chunks in held:
+        hits.append(await _timed(sched.lookup, chunks.keys))
+        misses.append(await _timed(sched.lookup, [secrets.token_hex(16)]))
+        loads.append(await _timed(kv.load, worker, chunks))
+    # a store over its cap: a worker opens it and evicts; loads run meanwhile
+    factory.options["max_gb"] = 0.95 * (store_bytes / 2**30)
+    before = sum(1 for _ in Path(worker.dir).rglob("*.kv"))
+    during: list[float] = []
+    t0 = time.perf_counter()
+    evictor = await kv.worker()
+    assert isinstance(evictor, FsTransport)
+
+    async def loads_meanwhile(cancel: trio.CancelScope) -> None:
+        with cancel:
+            for chunks in held:
+                during.append(await _timed(kv.load, worker, chunks))
+
+    async with trio.open_nursery() as nursery:
+        scope = trio.CancelScope()
+        nursery.start_soon(loads_meanwhile, scope)
+        await evictor.usage.chores_done()
+        evicted_s = time.perf_counter() - t0
+        scope.cancel()
+    after = sum(1 for _ in Path(worker.dir).rglob("*.kv"))
+    return {
+        "files": n,
+        "open_ms": 1e3 * opened,
+        "scan_s": scanned - opened,
+        "lookup_hit": _p(hits),
+        "lookup_miss": _p(misses),
+        "save": _p(saves),
+        "load": _p(loads),
+        "evict_s": evicted_s,
+        "evict_looked_at": before,
+        "evict_deleted": before - after,
+        "load_while_evicting": _p(during) if during else None,
+        "samples_ms": {
+            name: [round(1e3 * x, 3) for x in v]
+            for name, v in (
+                ("save", saves),
+                ("load", loads),
+                ("lookup_hit", hits),
+                ("lookup_miss", misses),
+                ("load_while_evicting", during),
+            )
+        },
+    }
+
+
+def evict_memory(store: Path, n: int) -> int:
+    """Peak bytes Python allocated walking and evicting a store of `n` filler files
+    (`StoreUsage.scan`, with a cap under the store's size), in this thread."""
+    from kvflow.transport import TransportContext
+
+    t = FsTransport(
+        FsOptions(path=str(store), max_gb=0.95 * n * FILLER / 2**30),
+        TransportContext("e", "scheduler", "mem", "tp0of1pp0", ["tp0of1pp0"]),
+    )
+    t.dir.mkdir(parents=True, exist_ok=True)
+    fill(t, n)
+    tracemalloc.start()
+    t.usage.scan()
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    shutil.rmtree(t.dir)
+    return peak
+
+
+async def run(sizes: list[int]) -> list[dict[str, Any]]:
+    rows = []
+    for n in sizes:
+        with tempfile.TemporaryDirectory(prefix="kvflow-fs-scale-") as tmp:
+            factory = Factory(Path(tmp) / "store")
+            suite = TransportConformance()
+            async with suite.harness(factory, suite.build_layout(False, num_blocks=256)) as kv:
+                row = await measure(kv, factory, n)
+            shutil.rmtree(factory.store, ignore_errors=True)
+            row["evict_peak_bytes"] = evict_memory(Path(tmp) / "mem", n)
+        rows.append(row)
+        print(
+            f"{n:8d} files: open {row['open_ms']:.1f} ms, scan {row['scan_s']:.1f} s; lookup "
+            f"{row['lookup_hit']['p50_ms']:.2f}/{row['lookup_hit']['p99_ms']:.2f} ms; save "
+            f"{row['save']['p50_ms']:.2f}; load {row['load']['p50_ms']:.2f} "
+            f"({(row['load_while_evicting'] or {}).get('p99_ms', 0):.2f} p99 evicting); "
+            f"evict {row['evict_s']:.1f} s, {row['evict_deleted']} of {row['evict_looked_at']} "
+            f"files, peak {row['evict_peak_bytes'] / 2**20:.0f} MiB",
+            flush=True,
+        )
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="10^4 and 10^5 files")
+    ap.add_argument("--sizes", type=int, nargs="+")
+    ap.add_argument("--out", default=str(OUT))
+    args = ap.parse_args()
+    sizes = args.sizes or ([10**4, 10**5] if args.quick else [10**4, 10**5, 10**6])
+    meta = record.start()
+    rows = trio.run(run, sizes)
+    data = {"filler_bytes": FILLER, "samples": SAMPLES, "rows": rows}
+    record.save(args.out, data, meta, extra=["tests/support/fs_store.py"])
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
