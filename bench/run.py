@@ -673,16 +673,15 @@ def fs_scale_table(d: dict[str, Any]) -> list[str]:
     def pp(f: dict[str, float] | None) -> str:
         return "-" if f is None else f"{f['p50_ms']:.2f} / {f['p99_ms']:.2f}"
 
-    rows = [
-        [
+    rows = []
+    for r in d["rows"]:
+        looked = f"{r['evict_looked_at']:,} / {r['evict_deleted']:,}"
+        rows.append([
             f"{r['files']:,}", f"{r['open_ms']:.1f}", f"{r['scan_s']:.1f}",
             pp(r["lookup_hit"]), pp(r["lookup_miss"]), pp(r["save"]), pp(r["load"]),
-            pp(r["load_while_evicting"]), f"{r['evict_s']:.1f}",
-            f"{r['evict_looked_at']:,} / {r['evict_deleted']:,}",
+            pp(r["load_while_evicting"]), f"{r['evict_s']:.1f}", looked,
             f"{r['evict_peak_bytes'] / 2**20:.0f}",
-        ]  # fmt: skip
-        for r in d["rows"]
-    ]
+        ])  # fmt: skip
     note = f"filler files of {d['filler_bytes']} bytes; {d['samples']} samples of each "
     note += "operation a size; eviction: a worker opening the store with `max_gb` at 95 % of it"
     return [*_table(head, rows), "", f"_{note}_"]
