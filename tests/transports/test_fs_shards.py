@@ -5,6 +5,7 @@ store without markers (an older kvflow's) is asked as before."""
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -55,3 +56,13 @@ async def test_a_store_without_markers_asks_every_size(tmp_path: Path) -> None:
     _plant(sched, OTHER)
     shutil.rmtree(Path(sched.path(KEY)).parents[1] / SHARDS_DIR)  # as an older kvflow left it
     assert await sched.lookup([KEY], OTHER) == 1
+
+
+async def test_a_stray_file_names_no_shard(tmp_path: Path) -> None:
+    sched = await _opened(tmp_path, "scheduler", OWN[0])
+    prefix = Path(sched.path(KEY)).parent
+    prefix.mkdir(parents=True)
+    for name in ("x..kv", "x.a.b.kv", f"{KEY}.{OTHER[0]}.kv"):  # two strays, one chunk
+        (prefix / name).write_bytes(b"chunk")
+    await _opened(tmp_path, "worker", OWN[0])
+    assert sorted(os.listdir(prefix.parent / SHARDS_DIR)) == sorted([OWN[0], OTHER[0]])

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import trio
 
-from kvflow.keys import ChunkKey
+from kvflow.keys import ChunkKey, is_plain_name
 
 from ._perms import dir_mode
 from ._shards import mark
@@ -194,8 +194,9 @@ class StoreUsage:
             with contextlib.suppress(FileNotFoundError):
                 if e.name.endswith(".kv"):
                     usage += e.stat(follow_symlinks=False).st_size
-                    namespace = os.path.dirname(os.path.dirname(e.path))
-                    shards.setdefault(namespace, set()).add(e.name.split(".")[1])
+                    namespace, shard = os.path.dirname(os.path.dirname(e.path)), _shard(e.name)
+                    if shard:
+                        shards.setdefault(namespace, set()).add(shard)
                 elif ".kv.tmp." in e.name and e.stat(follow_symlinks=False).st_mtime < cutoff:
                     os.unlink(e.path)
         for namespace, names in shards.items():  # those it saw, and this engine's own
@@ -311,3 +312,10 @@ def _flock(fd: int, wait_s: float) -> bool:
                 return False
             time.sleep(min(pause, left))
             pause = min(pause * 2, 0.05)
+
+
+def _shard(name: str) -> str:
+    """The shard a chunk file's name (`KEY.SHARD.kv`) names; "" for any other name (a
+    stray file's: never a marker)."""
+    parts = name.split(".")
+    return parts[1] if len(parts) == 3 and is_plain_name(parts[1]) else ""
