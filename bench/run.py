@@ -93,6 +93,7 @@ BENCHES: dict[str, tuple[list[str], bool, Callable[[], str]]] = {
     "sched-scale": (["bench_sched_scale.py"], True, lambda: ""),
     "tier-scale": (["bench_tier_scale.py"], True, lambda: ""),
     "fs-scale": (["bench_fs_scale.py"], True, lambda: ""),
+    "pd-scale": (["bench_pd_scale.py"], True, lambda: ""),
     "soak": (["../scripts/soak.py", "--suite"], False, lambda: ""),
     "soak-pd": (
         ["../scripts/soak_pd.py", "--out", str(RESULTS / "soak-pd.json")],
@@ -687,6 +688,25 @@ def fs_scale_table(d: dict[str, Any]) -> list[str]:
     return [*_table(head, rows), "", f"_{note}_"]
 
 
+def pd_scale_table(d: dict[str, Any]) -> list[str]:
+    """bench_pd_scale.py: a producer's offers and a consumer's renewals by offers held."""
+    head = ["offers held", "offer µs each", "renew all ms", "renew all bytes"]
+    head += ["renewal traffic bytes/s", "renew one p50 / p99 ms", "kvflow bytes an offer"]
+    every = d["lease_s"] / 3
+    rows = [
+        [
+            f"{r['offers']:,}", f"{r['offer_us']:.0f}", f"{r['renew_all_ms']:.1f}",
+            f"{r['renew_all_bytes']:,}", f"{r['renew_all_bytes'] / every:,.0f}",
+            f"{r['renew_one_ms']['p50']:.2f} / {r['renew_one_ms']['p99']:.2f}",
+            f"{r['bytes_per_offer']:.0f}",
+        ]
+        for r in d["rows"]
+    ]  # fmt: skip
+    note = f"zmq, keyed; renewal traffic: one round every lease_s / 3 = {every:g} s; "
+    note += f"renew one: {d['renew_one_samples']} renewals of one claim among all held"
+    return [*_table(head, rows), "", f"_{note}_"]
+
+
 def tests_table(d: dict[str, Any]) -> list[str]:
     """bench_tests.py: each command of a fresh clone's set-up and test run, its wall time
     and pytest's counts."""
@@ -760,6 +780,7 @@ TABLES: dict[str, tuple[str, Callable[[dict[str, Any]], list[str]], str]] = {
     "sched-scale": ("sched-scale", sched_scale_table, ""),
     "tier-scale": ("tier-scale", tier_scale_table, ""),
     "fs-scale": ("fs-scale", fs_scale_table, ""),
+    "pd-scale": ("pd-scale", pd_scale_table, ""),
     "faults": ("faults", faults_table, ""),
     "faults-store": ("faults", faults_store_table, ""),
     "tests": ("tests", tests_table, ""),
