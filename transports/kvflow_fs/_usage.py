@@ -3,11 +3,17 @@
 Every process using a store shares one byte count (`root/.usage`, under a lock
 file): saves add what they wrote, deleted corrupt chunks subtract theirs, and a
 worker's open counts the store once (off the start-up path). Past the cap, one
-process at a time deletes the least-recently-used chunk files (a load touches its
-files) down to 90% of it, and reports what it deleted by namespace (vLLM's KV
-events). Counting, scans and evictions are store-wide chores: they run as system
-tasks after the save that asked for them returned, apart from every transfer, and
-`chores_done` waits for them.
+process at a time deletes least-recently-used chunk files (a load touches its files)
+down to 99% of it, and reports what it deleted by namespace (vLLM's KV events). An
+eviction never walks the whole store (issue 50): chunk keys are hashes, so each key
+prefix directory is a random sample of it; it lists directories in a random order,
+sets a cutoff at the least recently used tenth of the first `SAMPLE_FILES` files it
+sees, and deletes files older than that, oldest first, until it freed enough.
+
+Counting, scans and evictions are store-wide chores: they run as system tasks after the
+save that asked for them returned, apart from every transfer, and `chores_done` waits
+for them. A worker's open still counts the whole store once (a scan, in the
+background).
 
 A lock is never waited on for long (issue 46): another process (another user, where
 an older kvflow left the lock file readable) may hold it for good. A chore that
@@ -19,9 +25,12 @@ the store to a directory outside it is neither counted nor evicted through.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import logging
+import math
 import os
+import random
 import secrets
 import stat
 import threading
@@ -36,7 +45,15 @@ from kvflow.keys import ChunkKey, is_plain_name
 from ._perms import dir_mode
 from ._shards import mark
 
-__all__ = ["LOCK_WAIT_S", "STALE_TMP_S", "USAGE_FILE", "StoreUsage"]
+__all__ = [
+    "EVICT_SHARE",
+    "EVICT_TO",
+    "LOCK_WAIT_S",
+    "SAMPLE_FILES",
+    "STALE_TMP_S",
+    "USAGE_FILE",
+    "StoreUsage",
+]
 
 log = logging.getLogger("kvflow.fs")
 
@@ -46,6 +63,16 @@ USAGE_LOCK = USAGE_FILE + ".lock"
 EVICT_LOCK = ".evict.lock"
 STALE_TMP_S = 3600.0
 """A temp file untouched this long belongs to a writer that died; swept at open."""
+EVICT_TO = 0.99
+"""An eviction frees down to this share of the cap: a small step, so that each one looks
+at a small part of a large store."""
+EVICT_SHARE = 0.1
+"""An eviction deletes only files among the least recently used tenth of a sample of the
+store (or the share it must free, if larger): it looks at about ten files for each one it
+deletes, never the whole store (bench/bench_fs_evict.py chose it by hit rate)."""
+SAMPLE_FILES = 1024
+"""The files an eviction looks at before it sets its cutoff; a store this small or
+smaller is evicted exactly, oldest first."""
 LOCK_WAIT_S = 2.0
 """How long a chore tries for `.usage.lock` (held for a read and a write of a few bytes
 by anyone honest) before it gives up until the next one."""
@@ -88,6 +115,8 @@ class StoreUsage:
         """Evictions this process ran."""
         self.lock_skips = 0
         """Chores this process gave up because another held the store's lock."""
+        self.last_pass: EvictPass | None = None
+        """What this process's latest eviction looked at and deleted."""
 
     # -- the loop thread ---------------------------------------------------------
     def scan_soon(self) -> None:
@@ -147,7 +176,7 @@ class StoreUsage:
 
     def _evict_past_cap(self, usage: int | None) -> None:
         if usage is not None and self.max_bytes and usage > self.max_bytes:
-            self.evict()
+            self.evict(usage)
 
     def add(self, delta: int, *, total: int | None = None) -> int | None:
         """Add `delta` bytes, and what was deferred, to the store's count, or to `total`
@@ -209,59 +238,76 @@ class StoreUsage:
             self.defer(seen)
         self._evict_past_cap(counted)
 
-    def evict(self) -> None:
-        """Delete least-recently-used chunk files until usage is 90% of the cap (one
-        process at a time: another one evicting already is enough)."""
+    def evict(self, usage: int) -> None:
+        """Free what the store's count `usage` holds over `EVICT_TO` of the cap, least
+        recently used first, as sampled, and again while saves committed meanwhile keep
+        it over the cap (one process at a time: another one evicting already is enough)."""
         with self._locked(EVICT_LOCK, wait_s=0) as mine:
-            if mine:
-                self._evict_locked()
+            while mine:
+                done = self._evict_pass(usage)
+                left = self.add(-done.freed)  # what it deleted: saves meanwhile count
+                remain = f"{left} bytes remain" if left is not None else "the count follows"
+                log.info(
+                    "kvflow fs: evicted %d chunk files of %d looked at; %s",
+                    done.deleted,
+                    done.looked_at,
+                    remain,
+                )
+                if left is None or left <= self.max_bytes or not done.deleted:
+                    return
+                usage = left
 
-    def _evict_locked(self) -> None:
-        entries = []
-        for e in self._walk():
-            if e.name.endswith(".kv"):
-                with contextlib.suppress(FileNotFoundError):
-                    st = e.stat(follow_symlinks=False)
-                    entries.append((st.st_mtime, st.st_size, e.path))
-        entries.sort()
-        usage = sum(size for _, size, _ in entries)
-        target = int(self.max_bytes * 0.9)
-        freed = 0
+    def _evict_pass(self, usage: int) -> EvictPass:
+        done = EvictPass()
+        need = usage - int(self.max_bytes * EVICT_TO)
+        if need <= 0:
+            return done
+        share = min(1.0, max(EVICT_SHARE, need / usage))
+        dirs = self._dirs()
+        random.shuffle(dirs)  # chunk keys are hashes: each directory is a random sample
+        sample: list[tuple[float, int, str]] = []
+        cutoff: float | None = None  # known once `SAMPLE_FILES` were seen
         gone: dict[str, list[ChunkKey]] = {}  # namespace -> chunks deleted
-        for _, size, path in entries:
-            if usage - freed <= target:
+        for d in dirs:
+            if done.freed >= need:
                 break
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
-                freed += size
-                namespace = os.path.basename(os.path.dirname(os.path.dirname(path)))
-                gone.setdefault(namespace, []).append(os.path.basename(path).split(".", 1)[0])
-        # what it deleted, not the walk's total: saves committed during the walk count
-        left = self.add(-freed)
+            found = _chunk_files(d)
+            done.looked_at += len(found)
+            if cutoff is None:
+                sample.extend(found)
+                if len(sample) < SAMPLE_FILES:
+                    continue
+                sample.sort()
+                cutoff = sample[max(0, math.ceil(share * len(sample)) - 1)][0]
+                found, sample = sample, []
+            _delete(sorted(found), cutoff, need, done, gone)
+        if cutoff is None:  # the whole store was the sample: exactly the oldest first
+            _delete(sorted(sample), math.inf, need, done, gone)
         self.evictions += 1
-        removed = sum(len(keys) for keys in gone.values())
-        remain = f"{left} bytes remain" if left is not None else "the count follows"
-        log.info("kvflow fs: evicted %d chunk files; %s", removed, remain)
+        self.last_pass = done
         if (evicted := self._evicted()) is not None:  # for vLLM's KV events
             for namespace, keys in gone.items():
                 evicted(namespace, keys)
+        return done
 
-    def _walk(self) -> list[os.DirEntry[str]]:
-        """The regular files two directories below the root (namespace, key prefix),
-        never through a symbolic link."""
-        out: list[os.DirEntry[str]] = []
+    def _dirs(self) -> list[str]:
+        """The directories two below the root (namespace, key prefix), never through a
+        symbolic link."""
+        out: list[str] = []
         if not self.root.is_dir():
             return out
         with os.scandir(self.root) as namespaces:
             for ns in namespaces:
-                if not ns.is_dir(follow_symlinks=False):
-                    continue
-                with os.scandir(ns.path) as subs:
-                    for sub in subs:
-                        if sub.is_dir(follow_symlinks=False):
-                            with os.scandir(sub.path) as found:
-                                out.extend(e for e in found if e.is_file(follow_symlinks=False))
+                if ns.is_dir(follow_symlinks=False):
+                    with os.scandir(ns.path) as subs:
+                        out.extend(s.path for s in subs if s.is_dir(follow_symlinks=False))
         return out
+
+    def _walk(self) -> Iterator[os.DirEntry[str]]:
+        """The regular files in `_dirs`, one directory listed at a time."""
+        for d in self._dirs():
+            with contextlib.suppress(FileNotFoundError), os.scandir(d) as found:
+                yield from (e for e in found if e.is_file(follow_symlinks=False))
 
     @contextlib.contextmanager
     def _locked(self, name: str, wait_s: float | None = None) -> Iterator[bool]:
@@ -297,6 +343,47 @@ class StoreUsage:
             was, self._stuck = self._stuck, False
         if was:
             log.warning("kvflow fs: %s is free again; the store is counted", self.root / USAGE_LOCK)
+
+
+@dataclasses.dataclass
+class EvictPass:
+    """One eviction: chunk files looked at (`stat`), deleted, and their bytes."""
+
+    looked_at: int = 0
+    deleted: int = 0
+    freed: int = 0
+
+
+def _chunk_files(directory: str) -> list[tuple[float, int, str]]:
+    """(modification time, size, path) of the chunk files in `directory`."""
+    out = []
+    with contextlib.suppress(FileNotFoundError), os.scandir(directory) as found:
+        for e in found:
+            if e.name.endswith(".kv") and e.is_file(follow_symlinks=False):
+                with contextlib.suppress(FileNotFoundError):
+                    st = e.stat(follow_symlinks=False)
+                    out.append((st.st_mtime, st.st_size, e.path))
+    return out
+
+
+def _delete(
+    oldest_first: list[tuple[float, int, str]],
+    cutoff: float,
+    need: int,
+    done: EvictPass,
+    gone: dict[str, list[ChunkKey]],
+) -> None:
+    """Delete files used at or before `cutoff`, oldest first, until `need` bytes are
+    freed in all; count them in `done` and `gone` (namespace -> keys)."""
+    for mtime, size, path in oldest_first:
+        if done.freed >= need or mtime > cutoff:
+            return
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+            done.freed += size
+            done.deleted += 1
+            namespace = os.path.basename(os.path.dirname(os.path.dirname(path)))
+            gone.setdefault(namespace, []).append(os.path.basename(path).split(".", 1)[0])
 
 
 def _flock(fd: int, wait_s: float) -> bool:
