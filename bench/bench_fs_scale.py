@@ -14,9 +14,10 @@ kvflow's conformance harness (a real `FsTransport`, a small layout):
 - `lookup` of a chunk held, and of one not held (p50 / p99);
 - `save` and `load` of a one-chunk request (p50 / p99; each layer a load reads checked
   against its checksum, as `fs` does by default);
-- `evict`: a worker whose `max_gb` is just under the store's size opens it, and its
-  scan evicts down to 90 %: the time to the end, the files it looked at and deleted,
-  and the peak memory of the walk and the eviction (`tracemalloc`, in a run of its own);
+- `evict`: the store at its cap (`max_gb` just under its size), a save crosses it and
+  its chore evicts one step (to 99 % of the cap): the time from the save to the end, the
+  files the eviction looked at and deleted, and the peak memory of the open's scan and
+  of the eviction (`tracemalloc`, in a run of their own);
 - `load while evicting`: the same loads while that eviction runs.
 
 Writes bench/results/fs-scale.json (every sample); `python bench/run.py --render`
@@ -47,6 +48,8 @@ from kvflow_fs import FsOptions, FsTransport  # noqa: E402
 from tests.support.fs_store import Factory  # noqa: E402
 
 FILLER = 4096
+STEP = 1.001
+"""The store's size over its cap for the eviction timed: a save past a store at its cap."""
 SAMPLES = 100
 OUT = ROOT / "bench" / "results" / "fs-scale.json"
 
@@ -107,26 +110,26 @@ async def measure(kv: Harness, factory: Factory, n: int) -> dict[str, Any]:
         hits.append(await _timed(sched.lookup, chunks.keys))
         misses.append(await _timed(sched.lookup, [secrets.token_hex(16)]))
         loads.append(await _timed(kv.load, worker, chunks))
-    # a store over its cap: a worker opens it and evicts; loads run meanwhile
-    factory.options["max_gb"] = 0.95 * (store_bytes / 2**30)
-    before = sum(1 for _ in Path(worker.dir).rglob("*.kv"))
+    # a store at its cap: a save crosses it and evicts one step; loads run meanwhile
+    store = sum(1 for _ in Path(worker.dir).rglob("*.kv"))
+    worker.usage.max_bytes = int(store_bytes / STEP)
     during: list[float] = []
-    t0 = time.perf_counter()
-    evictor = await kv.worker()
-    assert isinstance(evictor, FsTransport)
 
     async def loads_meanwhile(cancel: trio.CancelScope) -> None:
         with cancel:
             for chunks in held:
                 during.append(await _timed(kv.load, worker, chunks))
 
+    t0 = time.perf_counter()
     async with trio.open_nursery() as nursery:
         scope = trio.CancelScope()
         nursery.start_soon(loads_meanwhile, scope)
-        await evictor.usage.chores_done()
+        await kv.save(worker, kv.chunks(1))
+        await worker.usage.chores_done()
         evicted_s = time.perf_counter() - t0
         scope.cancel()
-    after = sum(1 for _ in Path(worker.dir).rglob("*.kv"))
+    done = worker.usage.last_pass
+    assert done is not None and worker.usage.evictions == 1
     return {
         "files": n,
         "open_ms": 1e3 * opened,
@@ -136,8 +139,9 @@ async def measure(kv: Harness, factory: Factory, n: int) -> dict[str, Any]:
         "save": _p(saves),
         "load": _p(loads),
         "evict_s": evicted_s,
-        "evict_looked_at": before,
-        "evict_deleted": before - after,
+        "evict_store_files": store,
+        "evict_looked_at": done.looked_at,
+        "evict_deleted": done.deleted,
         "load_while_evicting": _p(during) if during else None,
         "samples_ms": {
             name: [round(1e3 * x, 3) for x in v]
@@ -152,23 +156,28 @@ async def measure(kv: Harness, factory: Factory, n: int) -> dict[str, Any]:
     }
 
 
-def evict_memory(store: Path, n: int) -> int:
-    """Peak bytes Python allocated walking and evicting a store of `n` filler files
-    (`StoreUsage.scan`, with a cap under the store's size), in this thread."""
+def memory(store: Path, n: int) -> tuple[int, int]:
+    """Peak bytes Python allocated counting a store of `n` filler files
+    (`StoreUsage.scan`), then evicting it one step past its cap, in this thread."""
     from kvflow.transport import TransportContext
 
     t = FsTransport(
-        FsOptions(path=str(store), max_gb=0.95 * n * FILLER / 2**30),
+        FsOptions(path=str(store), max_gb=1024.0),
         TransportContext("e", "scheduler", "mem", "tp0of1pp0", ["tp0of1pp0"]),
     )
     t.dir.mkdir(parents=True, exist_ok=True)
     fill(t, n)
     tracemalloc.start()
     t.usage.scan()
-    peak = tracemalloc.get_traced_memory()[1]
+    scan = tracemalloc.get_traced_memory()[1]
+    tracemalloc.reset_peak()
+    t.usage.max_bytes = int(n * FILLER / STEP)
+    t.usage.account()
+    evict = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
+    assert t.usage.evictions == 1
     shutil.rmtree(t.dir)
-    return peak
+    return scan, evict
 
 
 async def run(sizes: list[int]) -> list[dict[str, Any]]:
@@ -180,15 +189,16 @@ async def run(sizes: list[int]) -> list[dict[str, Any]]:
             async with suite.harness(factory, suite.build_layout(False, num_blocks=256)) as kv:
                 row = await measure(kv, factory, n)
             shutil.rmtree(factory.store, ignore_errors=True)
-            row["evict_peak_bytes"] = evict_memory(Path(tmp) / "mem", n)
+            row["scan_peak_bytes"], row["evict_peak_bytes"] = memory(Path(tmp) / "mem", n)
         rows.append(row)
         print(
             f"{n:8d} files: open {row['open_ms']:.1f} ms, scan {row['scan_s']:.1f} s; lookup "
             f"{row['lookup_hit']['p50_ms']:.2f}/{row['lookup_hit']['p99_ms']:.2f} ms; save "
             f"{row['save']['p50_ms']:.2f}; load {row['load']['p50_ms']:.2f} "
             f"({(row['load_while_evicting'] or {}).get('p99_ms', 0):.2f} p99 evicting); "
-            f"evict {row['evict_s']:.1f} s, {row['evict_deleted']} of {row['evict_looked_at']} "
-            f"files, peak {row['evict_peak_bytes'] / 2**20:.0f} MiB",
+            f"evict {row['evict_s']:.2f} s, {row['evict_deleted']} deleted, "
+            f"{row['evict_looked_at']} looked at; peak MiB scan "
+            f"{row['scan_peak_bytes'] / 2**20:.1f}, evict {row['evict_peak_bytes'] / 2**20:.1f}",
             flush=True,
         )
     return rows

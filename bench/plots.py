@@ -315,6 +315,44 @@ def plot_tier_scale(results: Path, out_dir: Path) -> Path | None:
     )  # fmt: skip
 
 
+def plot_fs_scale(results: Path, out_dir: Path) -> Path | None:
+    """`fs`'s per-operation medians, and its eviction step, against the files it holds."""
+    data = load(results, "fs-scale")
+    if data is None:
+        return None
+    rows = data["rows"]
+    xs = [r["files"] for r in rows]
+    lines = {
+        op: (xs, [r[op]["p50_ms"] for r in rows], "-")
+        for op in ("lookup_hit", "lookup_miss", "save", "load", "load_while_evicting")
+    }
+    lines["eviction step (whole)"] = (xs, [1e3 * r["evict_s"] for r in rows], "--")
+    lines["open"] = (xs, [r["open_ms"] for r in rows], ":")
+    return _scale_plot(
+        "fs-scale", data, lines, "chunk files in the store (log scale)",
+        "median, ms (log scale)", "`fs` by the files its store holds",
+        out_dir / "bench-fs-scale.png",
+    )  # fmt: skip
+
+
+def plot_pd_scale(results: Path, out_dir: Path) -> Path | None:
+    """A producer's offer, one renewal and a round of all, against the offers held."""
+    data = load(results, "pd-scale")
+    if data is None:
+        return None
+    rows = data["rows"]
+    xs = [r["offers"] for r in rows]
+    lines = {
+        "offer (each)": (xs, [r["offer_us"] / 1e3 for r in rows], "-"),
+        "renew one (p50)": (xs, [r["renew_one_ms"]["p50"] for r in rows], "-"),
+        "renew all (a round)": (xs, [r["renew_all_ms"] for r in rows], "--"),
+    }
+    return _scale_plot(
+        "pd-scale", data, lines, "offers held (log scale)", "ms (log scale)",
+        "P/D offers by how many a producer holds", out_dir / "bench-pd-scale.png",
+    )  # fmt: skip
+
+
 PLOTS: dict[str, Callable[[Path, Path], Path | None]] = {
     "engines-hit": plot_engines_hit,
     "ttft-tiers": plot_ttft_tiers,
@@ -324,6 +362,8 @@ PLOTS: dict[str, Callable[[Path, Path], Path | None]] = {
     "pd-stream": plot_pd_stream,
     "sched-scale": plot_sched_scale,
     "tier-scale": plot_tier_scale,
+    "fs-scale": plot_fs_scale,
+    "pd-scale": plot_pd_scale,
 }
 
 

@@ -93,6 +93,7 @@ BENCHES: dict[str, tuple[list[str], bool, Callable[[], str]]] = {
     "sched-scale": (["bench_sched_scale.py"], True, lambda: ""),
     "tier-scale": (["bench_tier_scale.py"], True, lambda: ""),
     "fs-scale": (["bench_fs_scale.py"], True, lambda: ""),
+    "fs-evict": (["bench_fs_evict.py"], True, lambda: ""),
     "pd-scale": (["bench_pd_scale.py"], True, lambda: ""),
     "soak": (["../scripts/soak.py", "--suite"], False, lambda: ""),
     "soak-pd": (
@@ -669,7 +670,7 @@ def fs_scale_table(d: dict[str, Any]) -> list[str]:
     """bench_fs_scale.py: `fs`'s costs by the chunk files its store holds."""
     head = ["files", "open ms", "scan s", "lookup hit p50 / p99 ms", "lookup miss p50 / p99 ms"]
     head += ["save p50 / p99 ms", "load p50 / p99 ms", "load while evicting p50 / p99 ms"]
-    head += ["eviction s", "files looked at / deleted", "eviction's peak MiB"]
+    head += ["eviction step s", "files looked at / deleted", "peak MiB scan / eviction"]
 
     def pp(f: dict[str, float] | None) -> str:
         return "-" if f is None else f"{f['p50_ms']:.2f} / {f['p99_ms']:.2f}"
@@ -677,14 +678,39 @@ def fs_scale_table(d: dict[str, Any]) -> list[str]:
     rows = []
     for r in d["rows"]:
         looked = f"{r['evict_looked_at']:,} / {r['evict_deleted']:,}"
+        peaks = f"{r['scan_peak_bytes'] / 2**20:.1f} / {r['evict_peak_bytes'] / 2**20:.1f}"
         rows.append([
             f"{r['files']:,}", f"{r['open_ms']:.1f}", f"{r['scan_s']:.1f}",
             pp(r["lookup_hit"]), pp(r["lookup_miss"]), pp(r["save"]), pp(r["load"]),
-            pp(r["load_while_evicting"]), f"{r['evict_s']:.1f}", looked,
-            f"{r['evict_peak_bytes'] / 2**20:.0f}",
+            pp(r["load_while_evicting"]), f"{r['evict_s']:.2f}", looked, peaks,
         ])  # fmt: skip
     note = f"filler files of {d['filler_bytes']} bytes; {d['samples']} samples of each "
-    note += "operation a size; eviction: a worker opening the store with `max_gb` at 95 % of it"
+    note += "operation a size; eviction step: a save past a store at its cap (`max_gb` "
+    note += "just under its size), to the end of the eviction its chore ran"
+    return [*_table(head, rows), "", f"_{note}_"]
+
+
+def fs_evict_table(d: dict[str, Any]) -> list[str]:
+    """bench_fs_evict.py: hit rate and work of each way to evict, per trace."""
+    head = ["trace", "eviction", "chunk reads hit", "x exact in steps", "passes"]
+    head += ["looked at a file deleted", "pass median ms"]
+    rows = []
+    for r in d["rows"]:
+        exact = next(
+            x["hit_rate"] for x in d["rows"]
+            if x["trace"] == r["trace"] and x["kind"] == "exact" and x["evict_to"] == d["step"]
+        )  # fmt: skip
+        how = f"{r['kind']} to {r['evict_to']:.1%}"
+        if r["share"] is not None:
+            how += f", share {r['share']}"
+        rows.append([
+            r["trace"], how, f"{r['hit_rate']:.4f}", f"{r['hit_rate'] / exact:.3f}",
+            str(r["passes"]), f"{r['looked_per_deleted']:.1f}", f"{r['pass_ms']:.1f}",
+        ])  # fmt: skip
+    caps = ", ".join(f"{t} {c:,} files" for t, c in d["cap_files"].items())
+    distinct = ", ".join(f"{t} {c:,}" for t, c in d["distinct_chunks"].items())
+    note = f"{d['requests']:,} requests a trace; cap {caps} of {d['file_bytes']} bytes; "
+    note += f"distinct chunks {distinct}; sample {d['sample_files']} files"
     return [*_table(head, rows), "", f"_{note}_"]
 
 
@@ -780,6 +806,7 @@ TABLES: dict[str, tuple[str, Callable[[dict[str, Any]], list[str]], str]] = {
     "sched-scale": ("sched-scale", sched_scale_table, ""),
     "tier-scale": ("tier-scale", tier_scale_table, ""),
     "fs-scale": ("fs-scale", fs_scale_table, ""),
+    "fs-evict": ("fs-evict", fs_evict_table, ""),
     "pd-scale": ("pd-scale", pd_scale_table, ""),
     "faults": ("faults", faults_table, ""),
     "faults-store": ("faults", faults_store_table, ""),

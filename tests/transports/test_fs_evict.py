@@ -4,6 +4,7 @@ used of its sample, and still frees what the store holds over its cap."""
 
 from __future__ import annotations
 
+import math
 import os
 import secrets
 from pathlib import Path
@@ -12,7 +13,7 @@ import pytest
 
 from kvflow_fs._usage import EVICT_SHARE, EVICT_TO, SAMPLE_FILES, USAGE_FILE, StoreUsage
 
-FILES = 8 * SAMPLE_FILES
+FILES = 16 * SAMPLE_FILES
 SIZE = 64
 
 
@@ -32,12 +33,12 @@ def _store(root: Path, n: int = FILES) -> list[str]:
     return paths
 
 
-@pytest.mark.parametrize("over", [1.02, 2.0])
+@pytest.mark.parametrize("over", [1.001, 2.0])
 def test_an_eviction_looks_at_a_part_of_the_store_and_deletes_the_least_recently_used(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, over: float
 ) -> None:
-    """`over`: the store's size against its cap: a step past it (the steady state of a
-    store at its cap), or twice it (a cap lowered)."""
+    """`over`: the store's size against its cap: a save past it (a store at its cap, as
+    saves keep it: one step of eviction), or twice it (a cap lowered)."""
     paths = _store(tmp_path)
     usage = StoreUsage(tmp_path, int(FILES * SIZE / over), lambda: None)
     listed: list[str] = []
@@ -55,10 +56,11 @@ def test_an_eviction_looks_at_a_part_of_the_store_and_deletes_the_least_recently
     left = (FILES - len(gone)) * SIZE
     assert left <= usage.max_bytes * EVICT_TO, "it freed too little"
     assert int((tmp_path / USAGE_FILE).read_text()) == left
-    # only files among the least recently used: the share it must free, or a tenth
+    # only files among the least recently used: the share it must free, or `EVICT_SHARE`
     share = max(EVICT_SHARE, 1 - EVICT_TO / over)
-    assert max(gone) < (share + 0.05) * FILES, "a recently used file was deleted"
-    if over < 1.1:  # a step: it looked at a part of the store only
+    slack = 4 * math.sqrt(share * (1 - share) / SAMPLE_FILES)  # the sample's quantile
+    assert max(gone) < (share + slack) * FILES, "a recently used file was deleted"
+    if over < 1.01:  # a step: it looked at a part of the store only
         prefixes = {p.rsplit("/", 2)[-2] for p in paths}
         chunk_dirs = [d for d in listed if d.rsplit("/", 1)[-1] in prefixes]
         assert len(chunk_dirs) < len(prefixes) / 2, "it listed most of the store"
