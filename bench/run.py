@@ -94,6 +94,7 @@ BENCHES: dict[str, tuple[list[str], bool, Callable[[], str]]] = {
     "tier-scale": (["bench_tier_scale.py"], True, lambda: ""),
     "fs-scale": (["bench_fs_scale.py"], True, lambda: ""),
     "fs-evict": (["bench_fs_evict.py"], True, lambda: ""),
+    "fs-shared": (["bench_fs_shared.py"], True, lambda: ""),
     "pd-scale": (["bench_pd_scale.py"], True, lambda: ""),
     "soak": (["../scripts/soak.py", "--suite"], False, lambda: ""),
     "soak-pd": (
@@ -714,6 +715,28 @@ def fs_evict_table(d: dict[str, Any]) -> list[str]:
     return [*_table(head, rows), "", f"_{note}_"]
 
 
+def fs_shared_table(d: dict[str, Any]) -> list[str]:
+    """bench_fs_shared.py: processes sharing one store at its cap, against one alone."""
+    ops = ("save", "lookup", "load")
+    head = ["processes", *(f"{op} p50 / p99 ms (x alone)" for op in ops)]
+    head += ["loads right / failed cleanly / wrong", "lookups missed", "evictions"]
+    head += ["evictions at once", "count drift bytes"]
+    rows = []
+    for r in d["rows"]:
+        cells = [
+            f"{r[op]['p50_ms']:.2f} / {r[op]['p99_ms']:.2f} ({r['x_alone'][op]:.2f}x)" for op in ops
+        ]
+        rows.append([
+            str(r["processes"]), *cells, f"{r['loaded']:,} / {r['failed']} / {r['wrong']}",
+            f"{r['missed']:,}", f"{r['evictions']:,}", str(r["overlapping_passes"]),
+            ", ".join(str(x) for x in r["count_drift_bytes"]),
+        ])  # fmt: skip
+    note = f"{d['rounds']} rounds a process (a save, a lookup, a load), {d['repeats']} runs "
+    note += f"a size, alternating; the cap {d['cap_files']} chunk files of {d['file_bytes']} "
+    note += "bytes; count drift: the store's count minus its files' bytes after each run"
+    return [*_table(head, rows), "", f"_{note}_"]
+
+
 def pd_scale_table(d: dict[str, Any]) -> list[str]:
     """bench_pd_scale.py: a producer's offers and a consumer's renewals by offers held."""
     head = ["offers held", "offer µs each", "renew all ms", "renew all bytes"]
@@ -807,6 +830,7 @@ TABLES: dict[str, tuple[str, Callable[[dict[str, Any]], list[str]], str]] = {
     "tier-scale": ("tier-scale", tier_scale_table, ""),
     "fs-scale": ("fs-scale", fs_scale_table, ""),
     "fs-evict": ("fs-evict", fs_evict_table, ""),
+    "fs-shared": ("fs-shared", fs_shared_table, ""),
     "pd-scale": ("pd-scale", pd_scale_table, ""),
     "faults": ("faults", faults_table, ""),
     "faults-store": ("faults", faults_store_table, ""),

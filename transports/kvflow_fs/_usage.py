@@ -70,8 +70,8 @@ EVICT_SHARE = 0.02
 """An eviction deletes only files among the least recently used 2 % of a sample of the
 store (or the share it must free, if larger): about 50 files looked at for each one
 deleted, a quarter of a large store for a step of `EVICT_TO`, never all of it. The
-least share whose hit rate on bench/bench_fs_evict.py's traces was not below the exact
-eviction's kvflow had before (decision 97)."""
+largest share bench/bench_fs_evict.py measures as such whose hit rate on both its traces
+was not below that of the exact eviction kvflow had before (decision 97)."""
 SAMPLE_FILES = 1024
 """The files an eviction looks at before it sets its cutoff; a store this small or
 smaller is evicted exactly, oldest first."""
