@@ -4,9 +4,10 @@
     python bench/bench_fs_scale.py --quick    # 10^4 and 10^5
 
 Each size is a store whose namespace holds N chunk files of 4 KiB (filler, written
-directly and older than everything else: a real store's files would be a chunk's full
-bytes, 2 MiB for Llama-3-8B's 16 tokens; the costs here depend on how many files there
-are, not on their bytes, except the loads and saves, whose own chunks are real). With
+directly, each last used at its own time, all older than everything else: a real
+store's files would be a chunk's full bytes, 2 MiB for Llama-3-8B's 16 tokens; the
+costs here depend on how many files there are, not on their bytes, except the loads
+and saves, whose own chunks are real). With
 kvflow's conformance harness (a real `FsTransport`, a small layout):
 
 - `open`: a worker's `open()` (the store's scan runs after it, in the background), and
@@ -55,11 +56,14 @@ OUT = ROOT / "bench" / "results" / "fs-scale.json"
 
 
 def fill(worker: FsTransport, n: int) -> int:
-    """`n` filler chunk files in `worker`'s namespace, a day old; their bytes."""
-    old = time.time() - 86_400
+    """`n` filler chunk files in `worker`'s namespace, last used one after another over
+    the day before (each its own time, as a store's files are: an eviction's cutoff
+    then falls among them); their bytes."""
+    start = time.time() - 2 * 86_400
     payload = os.urandom(FILLER)
     made: set[str] = set()
-    for _ in range(n):
+    for i in range(n):
+        old = start + 86_400 * i / n
         key = secrets.token_hex(16)
         path = worker.path(key)
         d = os.path.dirname(path)
