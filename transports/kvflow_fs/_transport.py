@@ -306,7 +306,7 @@ class FsTransport(Transport):
             if not committed:
                 with trio.CancelScope(shield=True):
                     await trio.to_thread.run_sync(_discard, fds, tmps, limiter=self._save_threads)
-        self.usage.saved(written)  # counted (and evicted past the cap) after this returns
+        self.usage.saved(*written)  # counted (and evicted past the cap) after this returns
 
     def _write_chunks(
         self,
@@ -518,21 +518,23 @@ def _commit(
     tmps: list[Path],
     finals: list[Path],
     fsync: bool,
-) -> int:
+) -> tuple[int, list[int]]:
     """Make each written chunk visible under its final name (fsynced first if asked);
-    the bytes committed."""
-    written = 0
+    the bytes committed, and the files' inode numbers (`StoreUsage.saved`)."""
+    written, inodes = 0, []
     for c, (fd, h, tmp, final) in enumerate(zip(fds, headers, tmps, finals, strict=True)):
         if fd is None:
             continue
         assert h is not None, "every open chunk file was written"
         if fsync:
             os.fsync(fd)
+        inode = os.fstat(fd).st_ino
         fds[c] = None  # closed: `_discard` must not close this number again
         os.close(fd)
         if _link(tmp, final):
             written += HEADER_SIZE + h.payload_nbytes()
-    return written
+            inodes.append(inode)
+    return written, inodes
 
 
 def _link(tmp: Path, final: Path) -> bool:

@@ -35,7 +35,7 @@ import secrets
 import stat
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import trio
@@ -68,7 +68,8 @@ EVICT_TO = 0.995
 at a small part of a large store (`EVICT_SHARE`)."""
 EVICT_SHARE = 0.02
 """An eviction deletes only files among the least recently used 2 % of a sample of the
-store (or the share it must free, if larger): about 50 files looked at for each one
+store (or a quarter more than the share it must free, if larger): about 50 files
+looked at for each one
 deleted, a quarter of a large store for a step of `EVICT_TO`, never all of it. The
 largest share bench/bench_fs_evict.py measures as such whose hit rate on both its traces
 was not below that of the exact eviction kvflow had before (decision 97)."""
@@ -106,6 +107,9 @@ class StoreUsage:
         self._counting = False
         """A count (scan or account) is running: one at a time, or a scan's total would
         overwrite what a save's count added meanwhile."""
+        self._fresh: set[int] | None = None
+        """While a scan walks: the files (inode numbers) this process saved meanwhile,
+        whose bytes come with `_pending`."""
         self._queued: Callable[[], None] | None = None
         """The count to run when the running one ends (a scan covers an account)."""
         self.own_shards: list[tuple[str, str]] = []
@@ -126,11 +130,14 @@ class StoreUsage:
         cap, in the background."""
         self._count(self.scan)
 
-    def saved(self, nbytes: int) -> None:
-        """A save made `nbytes` of chunk files visible: count them, and evict if over the
-        cap, in the background, after the save returned: a save never waits for the
-        store's lock."""
-        self.defer(nbytes)
+    def saved(self, nbytes: int, inodes: Iterable[int] = ()) -> None:
+        """A save made `nbytes` of chunk files (of `inodes`) visible: count them, and
+        evict if over the cap, in the background, after the save returned: a save never
+        waits for the store's lock."""
+        with self._mutex:
+            self._pending += nbytes
+            if self._fresh is not None:  # a scan walks: it must not count them too
+                self._fresh.update(inodes)
         self._count(self.account)
 
     def _count(self, work: Callable[[], None]) -> None:
@@ -214,22 +221,34 @@ class StoreUsage:
 
     def scan(self) -> None:
         """Count the chunk files in the store into the shared count, and evict if over
-        the cap; sweep temp files a crashed writer left. What saves deferred before the
-        walk, the walk sees; what they defer during it is added to its total (counted
-        twice if the walk saw it too: an over-count evicts early, never fills the disk)."""
+        the cap; sweep temp files a crashed writer left. What this process's saves
+        deferred before the walk, the walk sees; what they defer during it is added to
+        its total, and the walk leaves out their files (`_fresh`). What other processes
+        save or delete while it walks may be missed or counted twice (until the next
+        open's scan; an over-count evicts early, never fills the disk)."""
         with self._mutex:
             seen, self._pending = self._pending, 0
-        usage, cutoff = 0, time.time() - STALE_TMP_S
+            self._fresh = set()
+        now = time.time()
+        usage, cutoff = 0, now - STALE_TMP_S
+        recent: dict[int, int] = {}  # inode -> bytes, of files written or used meanwhile
         shards: dict[str, set[str]] = {ns: {shard} for ns, shard in self.own_shards}
         for e in self._walk():
             with contextlib.suppress(FileNotFoundError):
                 if e.name.endswith(".kv"):
-                    usage += e.stat(follow_symlinks=False).st_size
+                    st = e.stat(follow_symlinks=False)
+                    usage += st.st_size
+                    if st.st_mtime >= now - 2.0:
+                        recent[st.st_ino] = st.st_size
                     namespace, shard = os.path.dirname(os.path.dirname(e.path)), _shard(e.name)
                     if shard:
                         shards.setdefault(namespace, set()).add(shard)
                 elif ".kv.tmp." in e.name and e.stat(follow_symlinks=False).st_mtime < cutoff:
                     os.unlink(e.path)
+        with self._mutex:
+            fresh, self._fresh = self._fresh, None
+        # this process's saves during the walk: counted with what they deferred, not twice
+        usage -= sum(n for inode, n in recent.items() if inode in fresh)
         for namespace, names in shards.items():  # those it saw, and this engine's own
             try:
                 mark(namespace, names, self.file_mode, dir_mode(self.file_mode))
@@ -267,7 +286,8 @@ class StoreUsage:
         done = EvictPass(need=need)
         if need <= 0:
             return done
-        share = min(1.0, max(EVICT_SHARE, need / usage))
+        # a share well above what it must free: it finds that much in a part of the store
+        share = min(1.0, max(EVICT_SHARE, 1.25 * need / usage))
         dirs = self._dirs()
         random.shuffle(dirs)  # chunk keys are hashes: each directory is a random sample
         sample: list[tuple[float, int, str]] = []
