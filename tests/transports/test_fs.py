@@ -191,6 +191,26 @@ def test_layer_groups_double(layers: int, groups: list[tuple[int, int]]) -> None
     assert [(g.start, g.stop) for g in fs_module._layer_groups(layers)] == groups
 
 
+MiB = 1 << 20
+
+
+@pytest.mark.parametrize(
+    ("sizes", "parts", "runs"),
+    [
+        ([MiB] * 32, 1, [(0, 32)]),  # 32 MiB: one thread call, as a save's
+        ([MiB] * 32, 2, [(0, 16), (16, 32)]),  # a layer of a load: on both threads
+        ([MiB] * 3, 2, [(0, 3)]),  # too little to split
+        ([8 * MiB] * 32, 2, [(0, 8), (8, 16), (16, 24), (24, 32)]),  # 64 MiB at most
+    ],
+)
+def test_batches_split_a_load_among_its_threads(
+    sizes: list[int], parts: int, runs: list[tuple[int, int]]
+) -> None:
+    """Issue 50, item 6: a layer-by-layer load's first groups (a layer or two of every
+    chunk) were read on one thread whatever `threads` said."""
+    assert [(r.start, r.stop) for r in fs_module._batches(sizes, parts)] == runs
+
+
 async def test_threads_below_one_fail_at_open_naming_the_key(tmp_path: Path) -> None:
     ctx = TransportContext("e", "worker", "ns", "tp0of1pp0", ["tp0of1pp0"])
     transport = FsTransport(FsOptions(path=str(tmp_path), threads=0), ctx)

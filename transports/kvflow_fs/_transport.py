@@ -70,15 +70,20 @@ THREADS = 32
 
 BATCH_BYTES = 64 << 20
 """Bytes one thread call writes or reads: a cancelled transfer stops between batches."""
+SPLIT_BYTES = 4 << 20
+"""The fewest bytes a thread call of a load is given when a load is split among threads."""
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 
 
-def _batches(sizes: list[int]) -> list[range]:
-    """Consecutive chunk indices in runs of about `BATCH_BYTES`."""
+def _batches(sizes: list[int], parts: int = 1) -> list[range]:
+    """Consecutive chunk indices in runs of about `BATCH_BYTES`, or in `parts` runs of
+    about equal bytes where those are smaller (of `SPLIT_BYTES` at least): a load of
+    a few layers reads on every thread it may use (issue 50, item 6)."""
+    per = min(BATCH_BYTES, max(SPLIT_BYTES, -(-sum(sizes) // parts)))
     out, start, acc = [], 0, 0
     for c, n in enumerate(sizes):
         acc += n
-        if acc >= BATCH_BYTES:
+        if acc >= per:
             out.append(range(start, c + 1))
             start, acc = c + 1, 0
     if start < len(sizes):
@@ -337,7 +342,8 @@ class FsTransport(Transport):
         A load the forward waits on (`job.layerwise`) reads layers in groups of 1, 1, 2,
         4, ... (`_layer_groups`): the first layer lands as soon as it can, and later
         ones, which the forward reaches later, come in fewer system calls. An
-        asynchronous load reads each file in one system call.
+        asynchronous load reads each file in one system call. Each group's chunks are
+        split among the `threads` it may use (`_batches`), a group of one layer too.
         """
         assert self.context.layout is not None, "fs load needs registered KV caches"
         if job.shard and not is_plain_name(job.shard):
@@ -360,7 +366,7 @@ class FsTransport(Transport):
                 sizes = [sum(h.layer_nbytes[i] for i in group) for h in headers[:intact]]
                 found += await _in_threads(
                     functools.partial(self._read_layers, fds, headers, paths, group, spans),
-                    _batches(sizes),
+                    _batches(sizes, self.options.threads),
                     self._load_threads,
                     self.options.threads,
                 )
