@@ -556,7 +556,8 @@ def _link(tmp: Path, final: Path) -> bool:
     except OSError:  # a file system without hard links: the last rename wins
         os.replace(tmp, final)
         return True
-    os.unlink(tmp)
+    with contextlib.suppress(OSError):  # committed; a temp name left is swept at open
+        os.unlink(tmp)
     return True
 
 
