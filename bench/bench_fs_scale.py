@@ -31,7 +31,6 @@ import argparse
 import os
 import secrets
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -75,14 +74,6 @@ def fill(worker: FsTransport, n: int) -> int:
             f.write(payload)
         os.utime(path, (old, old))
     return n * FILLER
-
-
-def _p(samples: list[float]) -> dict[str, float]:
-    s = sorted(samples)
-    return {
-        "p50_ms": 1e3 * statistics.median(s),
-        "p99_ms": 1e3 * s[min(len(s) - 1, int(0.99 * len(s)))],
-    }
 
 
 async def _timed(fn: Any, *args: Any) -> float:
@@ -147,16 +138,16 @@ async def measure(kv: Harness, factory: Factory, n: int) -> dict[str, Any]:
         "files": n,
         "open_ms": 1e3 * opened,
         "scan_s": scanned - opened,
-        "lookup_hit": _p(hits),
-        "lookup_miss": _p(misses),
-        "save": _p(saves),
-        "load": _p(loads),
+        "lookup_hit": record.p50_p99_ms(hits),
+        "lookup_miss": record.p50_p99_ms(misses),
+        "save": record.p50_p99_ms(saves),
+        "load": record.p50_p99_ms(loads),
         "evict_s": evicted_s,
         "evict_store_files": store,
         "evict_passes": len(passes),
         "evict_looked_at": sum(p.looked_at for p in passes),
         "evict_deleted": sum(p.deleted for p in passes),
-        "load_while_evicting": _p(during) if during else None,
+        "load_while_evicting": record.p50_p99_ms(during) if during else None,
         "samples_ms": {
             name: [round(1e3 * x, 3) for x in v]
             for name, v in (

@@ -27,7 +27,6 @@ import argparse
 import collections
 import itertools
 import json
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -79,11 +78,6 @@ def once(processes: int) -> dict[str, Any]:
     }
 
 
-def _p(samples: list[float]) -> dict[str, float]:
-    s = sorted(samples)
-    return {"p50_ms": 1e3 * statistics.median(s), "p99_ms": 1e3 * s[int(0.99 * (len(s) - 1))]}
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4])
@@ -101,7 +95,7 @@ def main() -> int:
         row["samples_ms"] = {}
         for op in ("save", "lookup", "load"):
             samples = [t for r in reports for t in r["times_s"][op]]
-            row[op] = _p(samples)
+            row[op] = record.p50_p99_ms(samples)
             counts = collections.Counter(round(1e3 * t, 2) for t in samples)
             row["samples_ms"][op] = sorted(counts.items())  # (ms, how many)
         for key in ("loaded", "failed", "missed", "wrong", "evictions"):

@@ -32,6 +32,7 @@ import json
 import os
 import platform
 import shlex
+import statistics
 import subprocess
 import sys
 from collections.abc import Iterable
@@ -172,6 +173,15 @@ def sources(extra: Iterable[str] = ()) -> dict[str, str]:
         if rel.parts[0] in CODE and "site-packages" not in rel.parts:  # not a venv in the tree
             seen.add(str(rel))
     return {f: b for f, b in fingerprint(seen).items() if f not in NOT_MEASURED}
+
+
+def p50_p99_ms(seconds: Iterable[float]) -> dict[str, float]:
+    """The median and the 99th percentile (nearest rank) of samples in seconds, in ms."""
+    s = sorted(seconds)
+    return {
+        "p50_ms": 1e3 * statistics.median(s),
+        "p99_ms": 1e3 * s[min(len(s) - 1, int(0.99 * len(s)))],
+    }
 
 
 def save(
