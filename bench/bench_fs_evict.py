@@ -54,6 +54,8 @@ ACTIVE = 1024
 CAP_FILES = 8000
 SHARES = [0.01, 0.02, 0.05, 0.1]
 OUT = ROOT / "bench" / "results" / "fs-evict.json"
+SAMPLE_FILES = _usage.SAMPLE_FILES
+"""kvflow's sample, kept before `replay` sets the module's for each variant."""
 
 
 def _key(name: str) -> str:
@@ -144,9 +146,6 @@ def replay(
         "pass_ms": 1e3 * statistics.median(pass_s) if pass_s else None,
         "evict_s": sum(pass_s),
     }
-
-
-SAMPLE_FILES = _usage.SAMPLE_FILES
 
 
 def main() -> int:

@@ -238,6 +238,8 @@ class StoreUsage:
                 if e.name.endswith(".kv"):
                     st = e.stat(follow_symlinks=False)
                     usage += st.st_size
+                    # used since the scan began, or just before: a save committed then
+                    # may defer its count past the scan's start (`_fresh`)
                     if st.st_mtime >= now - 2.0:
                         recent[st.st_ino] = st.st_size
                     namespace, shard = os.path.dirname(os.path.dirname(e.path)), _shard(e.name)
