@@ -229,6 +229,7 @@ class StoreUsage:
         with self._mutex:
             seen, self._pending = self._pending, 0
             self._fresh = set()
+            fresh = self._fresh
         now = time.time()
         usage, cutoff = 0, now - STALE_TMP_S
         recent: dict[int, int] = {}  # inode -> bytes, of files written or used meanwhile
@@ -236,6 +237,8 @@ class StoreUsage:
         for e in self._walk():
             with contextlib.suppress(FileNotFoundError):
                 if e.name.endswith(".kv"):
+                    if e.inode() in fresh:  # saved by this process since the walk began
+                        continue
                     st = e.stat(follow_symlinks=False)
                     usage += st.st_size
                     # used since the scan began, or just before: a save committed then
@@ -248,8 +251,8 @@ class StoreUsage:
                 elif ".kv.tmp." in e.name and e.stat(follow_symlinks=False).st_mtime < cutoff:
                     os.unlink(e.path)
         with self._mutex:
-            fresh, self._fresh = self._fresh, None
-        # this process's saves during the walk: counted with what they deferred, not twice
+            self._fresh = None
+        # those saved before it knew them: counted with what they deferred, not twice
         usage -= sum(n for inode, n in recent.items() if inode in fresh)
         for namespace, names in shards.items():  # those it saw, and this engine's own
             try:
