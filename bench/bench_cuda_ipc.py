@@ -62,6 +62,7 @@ from kvflow.geometry.layout import KVLayout
 from kvflow.testing.layouts import device_layout
 from kvflow.transport import LoadJob, Offer, PeerSource, TransportContext
 from kvflow_zmq import ZmqOptions, ZmqTransport
+from kvflow_zmq import _ipc as ipc
 
 BLOCK, HEADS, HEAD_DIM = 16, 8, 128
 WARMUP = 1
@@ -90,7 +91,7 @@ def _context(layout: KVLayout) -> TransportContext:
     return TransportContext("bench", "worker", "ns", "tp0of1pp0", ["tp0of1pp0"], layout)
 
 
-def producer_main(conn: Connection, layers: int, blocks: int, requests: int) -> None:
+def producer_main(conn: Connection, layers: int, blocks: int, requests: int, small: int) -> None:
     async def run() -> None:
         layout, _ = make_layout(layers, blocks, seed=1)
         t = ZmqTransport(ZmqOptions(), _context(layout))
@@ -100,8 +101,8 @@ def producer_main(conn: Connection, layers: int, blocks: int, requests: int) -> 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(t.serve)
             conn.send(t.address)
-            for r in range(requests):
-                ids = list(range(blocks // 2))
+            for r in range(requests + small):  # then pulls of one block each
+                ids = list(range(blocks // 2 if r < requests else 1))
                 offer = Offer(f"r{r}", ids, [BLOCK] * len(ids), layers, lambda layer: [])
                 outcomes.append(await t.offer(offer))
             nursery.cancel_scope.cancel()
@@ -158,26 +159,49 @@ def measured_bandwidth(nbytes: int = 2 << 30, reps: int = 5) -> float:
 # -- one run -------------------------------------------------------------------------------
 
 
-def _pull_job(args: argparse.Namespace, r: int, address: str, signalled: list[int]) -> LoadJob:
-    half = args.blocks // 2
+def _pull_job(
+    args: argparse.Namespace, r: int, address: str, signalled: list[int], n: int = 0
+) -> LoadJob:
+    """Request r's pull of `n` blocks (half the cache if 0) into other blocks, reversed."""
+    n = n or args.blocks // 2
     return LoadJob(
         f"c{r}",
-        [""] * half,
-        [BLOCK] * half,
+        [""] * n,
+        [BLOCK] * n,
         args.layers,
         lambda layer: [],
         signalled.append,
-        PeerSource("bench", [address], f"r{r}", list(range(half))),
-        list(range(args.blocks - 1, half - 1, -1)),  # other blocks, reversed
+        PeerSource("bench", [address], f"r{r}", list(range(n))),
+        list(range(args.blocks - 1, args.blocks - 1 - n, -1)),
         layerwise=args.layerwise,
     )
+
+
+def kernel_s(
+    src: KVLayout, dst: KVLayout, src_ids: list[int], dst_ids: list[int], layers: int
+) -> float:
+    """The pull's copies alone, as `_copy_ipc` queues them (every layer, one index), between
+    two caches of this process: what the pull costs beyond its messages and waits."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    index = ipc.ChunkIndex(
+        src_ids, dst_ids, [BLOCK] * len(src_ids), src.geometries[0], src.tensors[0].device,
+        dst.tensors[0].device,
+    )  # fmt: skip
+    for i in range(layers):
+        ipc.copy_chunks(
+            src.tensors[i], src.geometries[i], dst.tensors[i], dst.geometries[i], index,
+            src_ids, dst_ids, [BLOCK] * len(src_ids),
+        )  # fmt: skip
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
 
 
 def measure(args: argparse.Namespace, address: str) -> dict[str, Any]:
     """Pulls `args.requests` requests from the producer at `address` and as many copies,
     A-B-B-A; their samples, order, whether every pulled byte is equal, and the bytes."""
     layout, caches = make_layout(args.layers, args.blocks, seed=2, order=args.consumer_layout)
-    _, expected = make_layout(args.layers, args.blocks, seed=1)  # the producer's bytes
+    theirs, expected = make_layout(args.layers, args.blocks, seed=1)  # the producer's bytes
     half = args.blocks // 2
     src_ids = list(range(half))
     dst_ids = list(range(args.blocks - 1, half - 1, -1))
@@ -185,10 +209,14 @@ def measure(args: argparse.Namespace, address: str) -> dict[str, Any]:
     nbytes = sum(c[0].numel() * c.element_size() for c in caches) * half
     src = torch.ones(nbytes // caches[0].element_size(), dtype=caches[0].dtype, device="cuda")
     dst = torch.empty_like(src)
-    out: dict[str, Any] = {"pull_s": [], "copy_s": [], "order": [], "bytes_equal": True}
+    out: dict[str, Any] = {
+        "pull_s": [], "copy_s": [], "kernel_s": [], "one_block_pull_s": [], "order": [],
+        "bytes_equal": True,
+    }  # fmt: skip
 
     def copy() -> None:
         out["copy_s"].append(copy_s(src, dst))
+        out["kernel_s"].append(kernel_s(theirs, layout, src_ids, dst_ids, args.layers))
         out["order"].append("copy")
 
     async def consume() -> None:
@@ -209,6 +237,13 @@ def measure(args: argparse.Namespace, address: str) -> dict[str, Any]:
             out["bytes_equal"] &= signalled == list(range(args.layers))
             if not r % 2:
                 copy()
+        for r in range(args.requests, args.requests + args.small):
+            signalled = []
+            job = _pull_job(args, r, address, signalled, n=1)
+            out["one_block_pull_s"].append(await pull_s(t, job))
+            got = [c[args.blocks - 1] for c in caches]
+            want = [e[0] for e in expected]
+            out["bytes_equal"] &= all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
         await t.aclose()
 
     trio.run(consume)
@@ -220,7 +255,9 @@ def one_run(args: argparse.Namespace, peak: float) -> dict[str, Any]:
     """A producer process, `measure` against it, and the medians of what it measured."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=producer_main, args=(child, args.layers, args.blocks, args.requests))
+    proc = ctx.Process(
+        target=producer_main, args=(child, args.layers, args.blocks, args.requests, args.small)
+    )
     proc.start()
     run = measure(args, parent.recv())
     run["producer_outcomes"] = parent.recv()
@@ -228,12 +265,16 @@ def one_run(args: argparse.Namespace, peak: float) -> dict[str, Any]:
     nbytes = run["bytes_per_sample"]
     pull_gbs = nbytes / statistics.median(run["pull_s"][WARMUP:] or run["pull_s"]) / 1e9
     copy_gbs = nbytes / statistics.median(run["copy_s"][WARMUP:] or run["copy_s"]) / 1e9
-    offers_done = run["producer_outcomes"] == ["done"] * args.requests
+    kernel_gbs = nbytes / statistics.median(run["kernel_s"][WARMUP:] or run["kernel_s"]) / 1e9
+    offers_done = run["producer_outcomes"] == ["done"] * (args.requests + args.small)
     run |= {
         "first_pull_s": run["pull_s"][0],
         "pull_gbs": pull_gbs,
         "copy_gbs": copy_gbs,
+        "kernel_gbs": kernel_gbs,
         "ratio": pull_gbs / copy_gbs,
+        "kernel_ratio": kernel_gbs / copy_gbs,
+        "one_block_pull_ms": 1e3 * statistics.median(run["one_block_pull_s"][WARMUP:] or [0]),
         "pull_fraction": 2 * pull_gbs * 1e9 / peak,
         "copy_fraction": 2 * copy_gbs * 1e9 / peak,
         "offers_done": offers_done,
@@ -274,6 +315,7 @@ def _provenance(args: argparse.Namespace) -> dict[str, Any]:
             "blocks": args.blocks,
             "blocks_moved": args.blocks // 2,
             "requests": args.requests,
+            "one_block_pulls": args.small,
             "runs": args.runs,
         },
     }
@@ -300,6 +342,7 @@ def _parse_args() -> argparse.Namespace:
     ap.add_argument("--blocks", type=int, default=1024, help="blocks per cache; half move")
     ap.add_argument("--requests", type=int, default=12, help="pulls (and copies) per run")
     ap.add_argument("--runs", type=int, default=1, help="whole measurements, each kept")
+    ap.add_argument("--small", type=int, default=9, help="pulls of one block (fixed cost)")
     ap.add_argument("--quick", action="store_true", help="4 layers, 64 blocks, 3 requests")
     ap.add_argument("--layerwise", action="store_true", help="wait for each layer")
     ap.add_argument(
@@ -310,7 +353,7 @@ def _parse_args() -> argparse.Namespace:
     ap.add_argument("--out", help="the JSON's path (default: bench/results/cuda_ipc*.json)")
     args = ap.parse_args()
     if args.quick:
-        args.layers, args.blocks, args.requests = 4, 64, 3
+        args.layers, args.blocks, args.requests, args.small = 4, 64, 3, 3
     return args
 
 
@@ -329,7 +372,9 @@ def main() -> int:
         print(
             f"run {i + 1}/{args.runs}: pull {run['pull_gbs']:.1f} GB/s "
             f"({run['pull_fraction']:.0%} of peak), copy {run['copy_gbs']:.1f} GB/s "
-            f"({run['copy_fraction']:.0%} of peak), ratio {run['ratio']:.2f}, "
+            f"({run['copy_fraction']:.0%} of peak), ratio {run['ratio']:.2f}, copies alone "
+            f"{run['kernel_gbs']:.1f} GB/s ({run['kernel_ratio']:.2f}), one-block pull "
+            f"{run['one_block_pull_ms']:.3f} ms, "
             f"equal {'yes' if run['bytes_equal'] else 'NO'}, "
             f"offers {'all done' if run['offers_done'] else run['producer_outcomes']}",
             flush=True,

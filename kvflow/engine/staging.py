@@ -28,7 +28,8 @@ from typing import Any
 import trio
 
 from .._moved import old_names
-from ..geometry.layout import KVLayout
+from ..geometry import kernels
+from ..geometry.layout import KVLayout, LayerGeometry
 from ..geometry.views import block_views, cell_view, copy_tokens, from_token_major, to_token_major
 from ..runtime import event_done
 
@@ -77,6 +78,8 @@ class HostStage:
         self._stream = torch.cuda.Stream(self.device) if self._cuda else None
         with self._on_stream():  # allocated on the stream that uses it
             self._index = torch.tensor(self.block_ids, dtype=torch.long, device=self.device)
+        self._device_image: Any = None
+        self._maps: dict[bool, Any] = {}
 
     # -- what the transport sees ------------------------------------------------
     def spans(self, layer: int) -> list[list[memoryview]]:
@@ -90,7 +93,12 @@ class HostStage:
         """Copy the job's blocks of `layer` from the device into the host image."""
         g, flat, host = self.layout.geometries[layer], self.layout.tensors[layer], self._host[layer]
         with self._on_stream():
-            if g.block_bytes:
+            k = None if g.block_bytes else kernels.device_kernels(flat, flat)
+            if k is not None:  # one launch into a device image, one copy to the host
+                image = self._image(layer)
+                k.copy_cells(flat, g, image, self._image_geometry(g), self._tokens(gather=True))
+                host.copy_(image.view(host.shape), non_blocking=True)
+            elif g.block_bytes:
                 (view,) = block_views(flat, g)
                 host.copy_(view.index_select(0, self._index), non_blocking=True)
             else:
@@ -112,6 +120,12 @@ class HostStage:
         with self._on_stream():
             if after is not None and self._stream is not None:
                 self._stream.wait_event(after)
+            k = None if g.block_bytes else kernels.device_kernels(flat, flat)
+            if k is not None:  # one copy to a device image, one launch out of it
+                image = self._image(layer)
+                image.view(self._host[layer].shape).copy_(self._host[layer], non_blocking=True)
+                k.copy_cells(image, self._image_geometry(g), flat, g, self._tokens(gather=False))
+                return self._synchronize()
             staged = self._host[layer].to(self.device, non_blocking=True)
             chunks = torch.tensor(whole, dtype=torch.long, device=self.device)
             if g.block_bytes:
@@ -125,6 +139,42 @@ class HostStage:
             for c in partial:
                 copy_tokens(cells[self.block_ids[c]], g, theirs[c], g, self.token_counts[c])
         self._synchronize()
+
+    def _image(self, layer: int) -> Any:
+        """A device buffer of one layer's image (the kernel path; one per stage, reused
+        layer after layer: the stream orders each use after the last)."""
+        import torch
+
+        nbytes = self._host[layer].numel()
+        if self._device_image is None or self._device_image.numel() < nbytes:
+            self._device_image = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return self._device_image[:nbytes]
+
+    def _image_geometry(self, g: LayerGeometry) -> LayerGeometry:
+        """The host image's layout of `g`'s chunks: dense, token-major."""
+        return LayerGeometry(
+            num_blocks=len(self.block_ids),
+            block_size=g.block_size,
+            block_stride=g.chunk_nbytes(g.block_size),
+            heads=g.heads,
+            head_stride=g.cell_bytes,
+            token_stride=g.heads * g.cell_bytes,
+            cell_bytes=g.cell_bytes,
+        )
+
+    def _tokens(self, gather: bool) -> Any:
+        """The kernels' token map: every block whole into its chunk of the image
+        (gather), or each chunk's tokens out of it into its block (scatter)."""
+        if gather not in self._maps:
+            chunks, bs = range(len(self.block_ids)), self.layout.block_size
+            self._maps[gather] = (
+                kernels.chunk_tokens(self.block_ids, chunks, [bs] * len(chunks), bs, self.device)
+                if gather
+                else kernels.chunk_tokens(
+                    chunks, self.block_ids, self.token_counts, bs, self.device
+                )
+            )
+        return self._maps[gather]
 
     def _synchronize(self) -> None:
         if self._stream is not None:

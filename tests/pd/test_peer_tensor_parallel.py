@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import AsyncIterator, Callable
+from contextlib import nullcontext
 
 import msgspec
 import pytest
@@ -21,11 +22,12 @@ from kvflow_nixl import NixlOptions, NixlTransport
 from kvflow_zmq import ZmqOptions, ZmqTransport
 
 from ..support.nixl_standins import StridedNixl, TorchBounceNixl
-from ..support.zmq_standins import StandInIpcZmq, as_device
+from ..support.zmq_standins import StandInIpcZmq, as_device, interpreted_kernels
 
 TRANSPORTS: dict[str, tuple[type[PeerTransport], type]] = {
     "zmq": (ZmqTransport, ZmqOptions),
     "zmq-ipc": (StandInIpcZmq, ZmqOptions),  # CUDA IPC's copies, on host tensors
+    "zmq-ipc-kernel": (StandInIpcZmq, ZmqOptions),  # and its device kernels, interpreted
     "nixl": (NixlTransport, NixlOptions),
     "nixl-strided": (StridedNixl, NixlOptions),
     "nixl-torch-bounce": (TorchBounceNixl, NixlOptions),
@@ -65,7 +67,7 @@ async def make(request: pytest.FixtureRequest) -> AsyncIterator[Make]:
     opened: list[PeerTransport] = []
 
     def factory(layout: KVLayout, rank: int, size: int) -> PeerTransport:
-        if request.param == "zmq-ipc":
+        if request.param.startswith("zmq-ipc"):
             if layout.is_block_granular():
                 pytest.skip("a device cache is never block-granular")
             as_device(layout)
@@ -73,9 +75,13 @@ async def make(request: pytest.FixtureRequest) -> AsyncIterator[Make]:
         opened.append(t)
         return t
 
-    yield factory
+    kernel = interpreted_kernels() if request.param == "zmq-ipc-kernel" else nullcontext([1])
+    with kernel as ran:
+        yield factory
     for t in opened:
         await t.aclose()
+    refusal = request.node.name.startswith("test_blocks_of_other_cells_are_refused")
+    assert ran or refusal or not opened, "the device kernels copied nothing"
 
 
 async def _open(t: PeerTransport) -> PeerTransport:

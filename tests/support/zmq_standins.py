@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import uuid
+from collections.abc import Iterator
 from typing import ClassVar
 
+import pytest
 import torch
 
+from kvflow.geometry import kernels
 from kvflow.geometry.layout import KVLayout
 from kvflow_zmq import ZmqTransport
 from kvflow_zmq._ipc import Device, IpcHandle
@@ -39,3 +43,20 @@ def as_device(layout: KVLayout) -> KVLayout:
     layout.memory = "cuda"
     layout.tensors = [torch.frombuffer(b, dtype=torch.uint8) for b in layout.buffers]
     return layout
+
+
+@contextlib.contextmanager
+def interpreted_kernels() -> Iterator[list[int]]:
+    """CUDA IPC's device kernels (`kvflow.geometry.kernels`) run in Triton's interpreter on
+    host tensors in place of torch's indexing; yields a list counting the copies they
+    were asked for (so a test knows they ran)."""
+    calls: list[int] = []
+    k = kernels.build(interpret=True)
+
+    def device_kernels(src: torch.Tensor, dst: torch.Tensor) -> kernels.Kernels:
+        calls.append(1)
+        return k
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(kernels, "device_kernels", device_kernels)
+        yield calls

@@ -7,10 +7,12 @@ another layout's are a miss."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
 
+import numpy as np
 import pytest
 import torch
 import trio
@@ -27,7 +29,12 @@ pytest.importorskip("nixl_cu12", reason="NIXL is an optional extra: kvflow[nixl]
 from kvflow_nixl import NixlOptions, NixlTransport
 
 from ..support.nixl_standins import StridedNixl, TorchBounceNixl
-from ..support.zmq_standins import InProcessDevice, StandInIpcZmq, as_device
+from ..support.zmq_standins import (
+    InProcessDevice,
+    StandInIpcZmq,
+    as_device,
+    interpreted_kernels,
+)
 
 BS = 8
 SRC, DST, COUNTS = [1, 4, 6], [7, 2, 5], [BS, BS, 5]
@@ -35,6 +42,7 @@ PEERS = {
     "zmq": (ZmqTransport, ZmqOptions),
     "nixl": (NixlTransport, NixlOptions),
     "zmq-ipc": (StandInIpcZmq, ZmqOptions),
+    "zmq-ipc-kernel": (StandInIpcZmq, ZmqOptions),  # and its device kernels, interpreted
     "nixl-strided": (StridedNixl, NixlOptions),  # device memory's READs, on host memory
     "nixl-torch-bounce": (TorchBounceNixl, NixlOptions),  # and its bounce, on host memory
 }
@@ -77,7 +85,7 @@ def whole(kv: KVLayout) -> list[bytes]:
 async def pull(kind: str, prod: KVLayout, cons: KVLayout) -> None:
     """Offer SRC on `prod`'s producer; pull it into DST of `cons` (raises what load raises)."""
     cls, options = PEERS[kind]
-    if kind == "zmq-ipc":
+    if kind.startswith("zmq-ipc"):
         prod, cons = as_device(prod), as_device(cons)
     producer, consumer = cls(options(), ctx(prod)), cls(options(), ctx(cons))
     for t, kv in ((producer, prod), (consumer, cons)):
@@ -89,7 +97,8 @@ async def pull(kind: str, prod: KVLayout, cons: KVLayout) -> None:
         PeerSource("e", [producer.address], "p", SRC), DST,
     )  # fmt: skip
     failed: TransportError | None = None
-    with trio.fail_after(30):
+    kernel = interpreted_kernels() if kind == "zmq-ipc-kernel" else contextlib.nullcontext([1])
+    with trio.fail_after(30), kernel as ran:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(producer.serve)
             nursery.start_soon(producer.offer, offer)
@@ -103,6 +112,7 @@ async def pull(kind: str, prod: KVLayout, cons: KVLayout) -> None:
     await consumer.aclose()
     if failed is not None:
         raise failed
+    assert ran, "the device kernels copied nothing"
 
 
 @pytest.mark.parametrize("kind", PEERS)
@@ -110,8 +120,10 @@ async def pull(kind: str, prod: KVLayout, cons: KVLayout) -> None:
 async def test_peers_of_one_layout_move_every_byte(kind: str, same: str) -> None:
     prod, cons = layout(**SAME[same]), layout(**SAME[same])
     fill_blocks(prod, SRC, seed=3)
+    before = whole(cons)
     await pull(kind, prod, cons)
     assert chunks(cons, DST) == chunks(prod, SRC)
+    only_chunks_written(before, cons)
 
 
 @pytest.mark.parametrize("kind", PEERS)
@@ -125,18 +137,23 @@ async def test_peers_convert_between_layouts_of_the_same_cells(kind: str, pair: 
     for i in range(3):
         for a, b, n in zip(SRC, DST, COUNTS, strict=True):
             assert token_bytes(cons, i, b, n) == token_bytes(prod, i, a, n), (i, a, b)
-    written = [
-        {
-            o + j
-            for b, n in zip(DST, COUNTS, strict=True)
-            for o, m in g.ranges(b, n)
-            for j in range(m)
-        }
-        for g in cons.geometries
-    ]
-    for i, (old, new) in enumerate(zip(before, whole(cons), strict=True)):
-        changed = {j for j, (x, y) in enumerate(zip(old, new, strict=True)) if x != y}
-        assert changed <= written[i], "only the chunks' own tokens are written"
+    only_chunks_written(before, cons)
+
+
+def only_chunks_written(before: list[bytes], cons: KVLayout) -> None:
+    """No byte of `cons` changed but those of DST's first COUNTS tokens (by address: in
+    layouts with blocks outside layers, a layer's buffer spans the others' blocks)."""
+    bases = [np.frombuffer(b, np.uint8).ctypes.data for b in cons.buffers]
+    written = {
+        base + o + j
+        for base, g in zip(bases, cons.geometries, strict=True)
+        for b, n in zip(DST, COUNTS, strict=True)
+        for o, m in g.ranges(b, n)
+        for j in range(m)
+    }
+    for base, old, new in zip(bases, before, whole(cons), strict=True):
+        changed = {base + j for j, (x, y) in enumerate(zip(old, new, strict=True)) if x != y}
+        assert changed <= written, "only the chunks' own tokens are written"
 
 
 @pytest.mark.parametrize(
@@ -173,7 +190,9 @@ BLOCK_SIZES = {
 }
 
 
-@pytest.mark.parametrize("kind", ["zmq", "zmq-ipc", "nixl", "nixl-strided", "nixl-torch-bounce"])
+@pytest.mark.parametrize(
+    "kind", ["zmq", "zmq-ipc", "zmq-ipc-kernel", "nixl", "nixl-strided", "nixl-torch-bounce"]
+)
 @pytest.mark.parametrize("case", BLOCK_SIZES)
 @pytest.mark.parametrize("order", ["LBNHC-to-LBHNC", "LBHNC-to-LBNHC", "LBNHC-to-LBNHC"])
 async def test_peers_convert_between_block_sizes(kind: str, case: str, order: str) -> None:
@@ -185,7 +204,7 @@ async def test_peers_convert_between_block_sizes(kind: str, case: str, order: st
     p_name, c_name = order.split("-to-")
     prod = layout(block_size=p_bs, layout=p_name, num_blocks=9)
     cons = layout(block_size=c_bs, layout=c_name, num_blocks=9)
-    if kind == "zmq-ipc":
+    if kind.startswith("zmq-ipc"):
         prod, cons = as_device(prod), as_device(cons)
     fill_blocks(prod, p_blocks, seed=3)
     fill_blocks(cons, c_blocks, seed=4)
@@ -201,7 +220,8 @@ async def test_peers_convert_between_block_sizes(kind: str, case: str, order: st
         lambda i: [cons.spans(i, b, n) for b, n in zip(c_blocks, c_counts, strict=True)],
         lambda _: None, source, c_blocks,
     )  # fmt: skip
-    with trio.fail_after(30):
+    kernel = interpreted_kernels() if kind == "zmq-ipc-kernel" else contextlib.nullcontext([1])
+    with trio.fail_after(30), kernel as ran:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(producer.serve)
             nursery.start_soon(producer.offer, Offer("p", p_blocks, p_counts, 3, spans))
@@ -212,6 +232,7 @@ async def test_peers_convert_between_block_sizes(kind: str, case: str, order: st
     await consumer.aclose()
     want = [layer[have : have + sum(c_counts)] for layer in rows(prod, p_blocks, p_counts)]
     assert rows(cons, c_blocks, c_counts) == want
+    assert ran, "the device kernels copied nothing"
 
 
 @pytest.mark.parametrize("pair", DIFFERENT)

@@ -29,6 +29,7 @@ import msgspec
 import torch
 import trio
 
+from kvflow.geometry import kernels
 from kvflow.geometry.layout import LayerGeometry
 from kvflow.geometry.views import (
     block_views,
@@ -40,12 +41,14 @@ from kvflow.geometry.views import (
 from kvflow.runtime import event_done
 
 __all__ = [
+    "ChunkIndex",
     "CudaDevice",
     "Device",
     "IpcHandle",
     "copy_chunks",
+    "copy_stream",
     "host_id",
-    "index_tensors",
+    "stream_map",
 ]
 
 
@@ -147,21 +150,41 @@ class CudaDevice(Device):
             self._streams[device].synchronize()
 
 
-def index_tensors(
-    src_blocks: Sequence[int],
-    dst_blocks: Sequence[int],
-    token_counts: Sequence[int],
-    g: LayerGeometry,
-    src_device: torch.device,
-    dst_device: torch.device,
-) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]]:
-    """The full chunks' source and destination block indexes as device tensors (built
-    once per pull), and the chunk numbers of full and partial chunks."""
-    full = [i for i, n in enumerate(token_counts) if g.block_bytes or n == g.block_size]
-    partial = sorted(set(range(len(token_counts))) - set(full))
-    si = torch.tensor([src_blocks[i] for i in full], device=src_device)
-    di = torch.tensor([dst_blocks[i] for i in full], device=dst_device)
-    return si, di, full, partial
+class ChunkIndex:
+    """A pull's chunks as device tensors, built once per pull (`copy_chunks`): the full
+    chunks' source and destination blocks, the chunk numbers of full and partial
+    chunks, and, for the device kernels, token maps (`kvflow.geometry.kernels`)."""
+
+    def __init__(
+        self,
+        src_blocks: Sequence[int],
+        dst_blocks: Sequence[int],
+        token_counts: Sequence[int],
+        g: LayerGeometry,
+        src_device: torch.device,
+        dst_device: torch.device,
+    ) -> None:
+        full = [i for i, n in enumerate(token_counts) if g.block_bytes or n == g.block_size]
+        self.full, self.partial = full, sorted(set(range(len(token_counts))) - set(full))
+        self.si = torch.tensor([src_blocks[i] for i in full], device=src_device)
+        self.di = torch.tensor([dst_blocks[i] for i in full], device=dst_device)
+        self._chunks = (list(src_blocks), list(dst_blocks), list(token_counts), g.block_size)
+        self._device = dst_device
+        self._maps: dict[bool, torch.Tensor] = {}
+
+    def tokens(self, partial_only: bool) -> torch.Tensor:
+        """The token map of every chunk's tokens, or of the partial chunks' only."""
+        if partial_only not in self._maps:
+            src, dst, counts, block_size = self._chunks
+            which = self.partial if partial_only else range(len(counts))
+            self._maps[partial_only] = kernels.chunk_tokens(
+                [src[i] for i in which],
+                [dst[i] for i in which],
+                [counts[i] for i in which],
+                block_size,
+                self._device,
+            )
+        return self._maps[partial_only]
 
 
 def copy_chunks(
@@ -169,23 +192,34 @@ def copy_chunks(
     g_src: LayerGeometry,
     dst: torch.Tensor,
     g_dst: LayerGeometry,
-    index: tuple[torch.Tensor, torch.Tensor, list[int], list[int]],
+    index: ChunkIndex,
     src_blocks: Sequence[int],
     dst_blocks: Sequence[int],
     token_counts: Sequence[int],
     heads: tuple[int, int, int] | None = None,
 ) -> None:
     """Queue the copy of chunk i from `src_blocks[i]` to `dst_blocks[i]` (one layer; the
-    geometries hold the same cells, `layout_mismatch(..., cells=True)`; `index` from
-    `index_tensors`); with `heads` (first, into, count), heads `first..` of the source's
-    blocks into heads `into..` of the destination's, nothing else written.
+    geometries hold the same cells, `layout_mismatch(..., cells=True)`); with `heads`
+    (first, into, count), heads `first..` of the source's blocks into heads `into..` of
+    the destination's, nothing else written.
 
-    Full chunks go in one gather/scatter per run of a whole block, or, between two
-    layouts, one gather into the token-major order and one scatter out of it; a partial
-    chunk of a token-granular layer moves only its tokens, so nothing past them is
-    written.
+    On one CUDA device, one kernel launch moves the full chunks run by run, or, between
+    two layouts or for some heads, every chunk cell by cell (a second launch moves the
+    partial chunks' tokens). Elsewhere torch's indexing: full chunks in one
+    gather/scatter per run of a whole block, or, between two layouts, one gather into
+    the token-major order and one scatter out of it. Either way a partial chunk of a
+    token-granular layer moves only its tokens, so nothing past them is written.
     """
-    si, di, full, partial = index
+    si, di, full, partial = index.si, index.di, index.full, index.partial
+    kern = kernels.device_kernels(src, dst)
+    if kern is not None:
+        if heads is not None or g_src.block_shape() != g_dst.block_shape():
+            kern.copy_cells(src, g_src, dst, g_dst, index.tokens(partial_only=False), heads)
+            return
+        kern.copy_runs(src, g_src, dst, g_dst, si, di)
+        if partial:
+            kern.copy_cells(src, g_src, dst, g_dst, index.tokens(partial_only=True))
+        return
     if heads is not None:  # a consumer rank of another tensor-parallel size: these heads
         first, into, count = heads
         src_cells = cell_view(src, g_src)[:, :, first : first + count]
@@ -220,6 +254,25 @@ def copy_chunks(
             dst[d0 : d0 + length].copy_(src[s0 : s0 + length], non_blocking=True)
 
 
+def stream_map(
+    src: torch.Tensor,
+    g_src: LayerGeometry,
+    src_blocks: Sequence[int],
+    skip: int,
+    dst: torch.Tensor,
+    g_dst: LayerGeometry,
+    dst_blocks: Sequence[int],
+    token_counts: Sequence[int],
+) -> torch.Tensor | None:
+    """The token map `copy_stream`'s kernel takes (built once per pull), or None where
+    it copies with torch's indexing."""
+    if kernels.device_kernels(src, dst) is None:
+        return None
+    return kernels.stream_tokens(
+        src_blocks, g_src.block_size, skip, dst_blocks, token_counts, g_dst.block_size, dst.device
+    )
+
+
 def copy_stream(
     src: torch.Tensor,
     g_src: LayerGeometry,
@@ -230,15 +283,21 @@ def copy_stream(
     dst_blocks: Sequence[int],
     token_counts: Sequence[int],
     heads: tuple[int, int, int],
+    tokens: torch.Tensor | None = None,
 ) -> None:
     """Queue the copy of a token stream between blocks of other sizes (one layer): the
     tokens of `src_blocks` end to end from token `skip` on, `token_counts[i]` of them into
-    block `dst_blocks[i]`, heads (first, into, count) of theirs into ours; one gather
-    into the token-major order and one scatter out of it, nothing past the last
-    chunk's tokens written."""
+    block `dst_blocks[i]`, heads (first, into, count) of theirs into ours; nothing past
+    the last chunk's tokens written. With `tokens` (`stream_map`: one CUDA device), one
+    kernel launch; else one gather into the token-major order and one scatter out of it.
+    """
     first, into, count = heads
     cell, total = g_src.cell_bytes, sum(token_counts)
     if not total:
+        return
+    kern = None if tokens is None else kernels.device_kernels(src, dst)
+    if kern is not None:
+        kern.copy_cells(src, g_src, dst, g_dst, tokens, heads)
         return
     src_cells = cell_view(src, g_src)[:, :, first : first + count]
     si = torch.tensor(list(src_blocks), dtype=torch.long, device=src.device)

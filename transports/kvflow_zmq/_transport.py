@@ -397,11 +397,15 @@ class ZmqTransport(PeerTransport):
         if self._opened.get(address, (None,))[0] != first:  # new, or the producer restarted
             self._opened[address] = (first, [self._device.open(h) for h in msg.handles])
         theirs = self._opened[address][1]
+        index, tokens = None, None
         with self._device.stream(layout.tensors[0].device):  # ordered before the copies
-            index = (
-                None
-                if src.block_size
-                else ipc.index_tensors(
+            if src.block_size:  # another block size: the tokens as one stream
+                tokens = ipc.stream_map(
+                    theirs[0], msg.geometries[0], src.block_ids, src.skip,
+                    layout.tensors[0], layout.geometries[0], job.block_ids, job.token_counts,
+                )  # fmt: skip
+            else:
+                index = ipc.ChunkIndex(
                     src.block_ids,
                     job.block_ids,
                     job.token_counts,
@@ -409,16 +413,15 @@ class ZmqTransport(PeerTransport):
                     theirs[0].device,
                     layout.tensors[0].device,
                 )
-            )
         queued: list[int] = []  # layers copied, not yet waited for
         for layer in range(job.num_layers):
             ours = layout.tensors[layer]
             with self._device.stream(ours.device):
-                if index is None:  # another block size: the tokens as one stream
+                if index is None:
                     ipc.copy_stream(
                         theirs[layer], msg.geometries[layer], src.block_ids, src.skip,
                         ours, layout.geometries[layer], job.block_ids, job.token_counts,
-                        heads or (0, 0, layout.geometries[layer].heads),
+                        heads or (0, 0, layout.geometries[layer].heads), tokens,
                     )  # fmt: skip
                 else:
                     ipc.copy_chunks(
