@@ -180,19 +180,19 @@ def _pull_job(
 def kernel_s(
     src: KVLayout, dst: KVLayout, src_ids: list[int], dst_ids: list[int], layers: int
 ) -> float:
-    """The pull's copies alone, as `_copy_ipc` queues them (every layer, one index), between
-    two caches of this process: what the pull costs beyond its messages and waits."""
+    """The pull's copies alone, as `_copy_ipc` queues them (one index, one call for every
+    layer), between two caches of this process: what the pull costs beyond its messages
+    and waits."""
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     index = ipc.ChunkIndex(
         src_ids, dst_ids, [BLOCK] * len(src_ids), src.geometries[0], src.tensors[0].device,
         dst.tensors[0].device,
     )  # fmt: skip
-    for i in range(layers):
-        ipc.copy_chunks(
-            src.tensors[i], src.geometries[i], dst.tensors[i], dst.geometries[i], index,
-            src_ids, dst_ids, [BLOCK] * len(src_ids),
-        )  # fmt: skip
+    ipc.copy_chunks(
+        src.tensors[:layers], src.geometries[0], dst.tensors[:layers], dst.geometries[0],
+        index, src_ids, dst_ids, [BLOCK] * len(src_ids),
+    )  # fmt: skip
     torch.cuda.synchronize()
     return time.perf_counter() - t0
 

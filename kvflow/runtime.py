@@ -439,8 +439,13 @@ async def all_or_first_error(
         raise errors[0]
 
 
-async def event_done(event: Any) -> None:
-    """Wait for a CUDA event from trio (completion is poll-only); None: nothing to wait
-    for."""
+COPY_POLL_S = 2e-4
+"""How often at most a wait for a device copy polls its event (a copy lands in well under
+a millisecond to a few: a coarser poll adds up to its period to every copy waited on)."""
+
+
+async def event_done(event: Any, most: float = 1e-3) -> None:
+    """Wait for a CUDA event from trio (completion is poll-only), polling at most every
+    `most` seconds; None: nothing to wait for."""
     if event is not None:
-        await poll_until(event.query)
+        await poll_until(event.query, most=most)

@@ -31,7 +31,7 @@ from .._moved import old_names
 from ..geometry import kernels
 from ..geometry.layout import KVLayout, LayerGeometry
 from ..geometry.views import block_views, cell_view, copy_tokens, from_token_major, to_token_major
-from ..runtime import event_done
+from ..runtime import COPY_POLL_S, event_done
 
 __all__ = ["HostStage", "mark"]
 
@@ -96,7 +96,8 @@ class HostStage:
             k = None if g.block_bytes else kernels.device_kernels(flat, flat)
             if k is not None:  # one launch into a device image, one copy to the host
                 image = self._image(layer)
-                k.copy_cells(flat, g, image, self._image_geometry(g), self._tokens(gather=True))
+                g_image, tokens = self._image_geometry(g), self._tokens(gather=True)
+                k.copy_cells([flat], g, [image], g_image, tokens)
                 host.copy_(image.view(host.shape), non_blocking=True)
             elif g.block_bytes:
                 (view,) = block_views(flat, g)
@@ -124,7 +125,8 @@ class HostStage:
             if k is not None:  # one copy to a device image, one launch out of it
                 image = self._image(layer)
                 image.view(self._host[layer].shape).copy_(self._host[layer], non_blocking=True)
-                k.copy_cells(image, self._image_geometry(g), flat, g, self._tokens(gather=False))
+                g_image, tokens = self._image_geometry(g), self._tokens(gather=False)
+                k.copy_cells([image], g_image, [flat], g, tokens)
                 return self._synchronize()
             staged = self._host[layer].to(self.device, non_blocking=True)
             chunks = torch.tensor(whole, dtype=torch.long, device=self.device)
@@ -199,7 +201,7 @@ class HostStage:
 
         event = torch.cuda.Event()
         event.record(self._stream)
-        await event_done(event)
+        await event_done(event, most=COPY_POLL_S)
 
 
 # What 0.4 moved out of staging and renamed, by its old name until 0.5 (the other views

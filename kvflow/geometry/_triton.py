@@ -1,31 +1,41 @@
 """The Triton source of `kvflow.geometry.kernels` (imported only where Triton is; built
-there, with `triton.jit` or Triton's interpreter). Offsets and sizes are in words."""
+there, with `triton.jit` or Triton's interpreter). Offsets and sizes are in words; a
+layer's offset (`s_layer[l]`, `d_layer[l]`) is from the first layer's first word."""
 
 import triton.language as tl
 
 
-def runs(src, dst, si, di, s_off, d_off, lens, s_stride, d_stride, BLOCK: tl.constexpr):
-    """Program (p, r, t): tile t of run r of block `si[p]` into the same of `di[p]`."""
+def runs(
+    src, dst, si, di, s_layer, d_layer, s_off, d_off, lens, s_stride, d_stride, tiles,
+    BLOCK: tl.constexpr, ALIGN: tl.constexpr,
+):  # fmt: skip
+    """Program (p, r * tiles + t, l): tile t of run r of block `si[p]` of layer l into the
+    same of `di[p]`."""
     p = tl.program_id(0)
-    r = tl.program_id(1)
-    t = tl.program_id(2)
-    n = tl.load(lens + r)
-    s0 = tl.load(si + p).to(tl.int64) * s_stride + tl.load(s_off + r)
-    d0 = tl.load(di + p).to(tl.int64) * d_stride + tl.load(d_off + r)
+    r = tl.program_id(1) // tiles
+    t = tl.program_id(1) % tiles
+    layer = tl.program_id(2)
+    n = tl.multiple_of(tl.load(lens + r), ALIGN)
+    s0 = tl.load(s_layer + layer) + tl.load(si + p).to(tl.int64) * s_stride + tl.load(s_off + r)
+    d0 = tl.load(d_layer + layer) + tl.load(di + p).to(tl.int64) * d_stride + tl.load(d_off + r)
+    s0 = tl.multiple_of(s0, ALIGN)
+    d0 = tl.multiple_of(d0, ALIGN)
     offs = t * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     m = offs < n
     tl.store(dst + d0 + offs, tl.load(src + s0 + offs, mask=m), mask=m)
 
 
 def cells(
-    src, dst, tokens, rows_total, n_tokens, heads, cell,
+    src, dst, s_layer, d_layer, tokens, rows_total, n_tokens, heads, cell,
     s_bs, s_ks, s_hs, s_ts, s_kt, s_first,
     d_bs, d_ks, d_hs, d_ts, d_kt, d_first,
     ROWS: tl.constexpr,
     CELL: tl.constexpr,
 ):  # fmt: skip
-    """Program p: rows `p * ROWS ..` (a row: one token of the map, one head), each a
-    cell of `cell` words from the source's block and token into the destination's."""
+    """Program (p, l): rows `p * ROWS ..` of layer l (a row: one token of the map, one
+    head), each a cell of `cell` words from the source's block and token into the
+    destination's."""
+    layer = tl.program_id(1)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS).to(tl.int64)
     valid = rows < rows_total
     tok = rows // heads
@@ -36,6 +46,8 @@ def cells(
     dt = tl.load(tokens + 3 * n_tokens + tok, mask=valid, other=0)
     s0 = sb * s_bs + (st // s_kt) * s_ks + (st % s_kt) * s_ts + (s_first + h) * s_hs
     d0 = db * d_bs + (dt // d_kt) * d_ks + (dt % d_kt) * d_ts + (d_first + h) * d_hs
+    s0 += tl.load(s_layer + layer)
+    d0 += tl.load(d_layer + layer)
     cols = tl.arange(0, CELL).to(tl.int64)
     m = valid[:, None] & (cols[None, :] < cell)
     v = tl.load(src + s0[:, None] + cols[None, :], mask=m)

@@ -44,40 +44,51 @@ class Kernels:
         self._runs, self._cells = runs, cells
 
     def copy_runs(
-        self, src: Any, g_src: LayerGeometry, dst: Any, g_dst: LayerGeometry, si: Any, di: Any
+        self,
+        srcs: Sequence[Any],
+        g_src: LayerGeometry,
+        dsts: Sequence[Any],
+        g_dst: LayerGeometry,
+        si: Any,
+        di: Any,
     ) -> None:
-        """Queue the copy of whole block `si[i]` of `src` into block `di[i]` of `dst` (flat
-        uint8 layers of the same block shape; `si`, `di`: int64 tensors on their device,
-        checked against each side's blocks by the caller)."""
+        """Queue the copy of whole block `si[i]` of each layer of `srcs` into block `di[i]`
+        of the same layer of `dsts` (flat uint8 layers, every one of the same block shape;
+        `si`, `di`: int64 tensors on the device, checked against each side's blocks by the
+        caller), one launch for all layers."""
         runs_s, runs_d = g_src.block_runs(), g_dst.block_runs()
         if [n for _, n in runs_s] != [n for _, n in runs_d]:
             raise LayoutError(f"{g_src.describe()} and {g_dst.describe()}: other runs")
-        if not len(si):
+        if not len(si) or not srcs:
             return
         sizes = [o for o, _ in runs_s] + [o for o, _ in runs_d] + [n for _, n in runs_s]
-        w = _word(src, dst, g_src.block_stride, g_dst.block_stride, *sizes)
-        s, d = _words(src, w), _words(dst, w)
-        table = _run_table(g_src, g_dst, w, src.device)
-        longest = max(n for _, n in runs_s) // w
-        grid = (len(si), len(runs_s), math.ceil(longest / RUN_WORDS))
+        w = _word(srcs, dsts, g_src.block_stride, g_dst.block_stride, *sizes)
+        table = _run_table(g_src, g_dst, w, srcs[0].device)
+        strides = (g_src.block_stride, g_dst.block_stride)
+        align = math.gcd(16 // w, *(x // w for x in (*sizes, *strides)))
+        align = math.gcd(align, *_layer_words(srcs, w), *_layer_words(dsts, w))
+        s_layer, d_layer = _layers(srcs, w), _layers(dsts, w)
+        tiles = math.ceil(max(n for _, n in runs_s) // w / RUN_WORDS)
+        grid = (len(si), len(runs_s) * tiles, len(srcs))
         self._runs[grid](
-            s, d, si, di, table[0], table[1], table[2],
-            g_src.block_stride // w, g_dst.block_stride // w, BLOCK=RUN_WORDS,
+            _words(srcs[0], w), _words(dsts[0], w), si, di, s_layer, d_layer,
+            table[0], table[1], table[2], g_src.block_stride // w, g_dst.block_stride // w,
+            tiles, BLOCK=RUN_WORDS, ALIGN=align,
         )  # fmt: skip
 
     def copy_cells(
         self,
-        src: Any,
+        srcs: Sequence[Any],
         g_src: LayerGeometry,
-        dst: Any,
+        dsts: Sequence[Any],
         g_dst: LayerGeometry,
         tokens: Any,
         heads: tuple[int, int, int] | None = None,
     ) -> None:
         """Queue the copy of the cells `tokens` maps (`chunk_tokens`, `stream_tokens`: a
         `[4, n]` int64 tensor of source block, source token, destination block,
-        destination token) of heads (first, into, count) of `src`'s into `dst`'s (all
-        heads if None)."""
+        destination token) of heads (first, into, count) of each layer of `srcs` into the
+        same layer of `dsts` (all heads if None), one launch for all layers."""
         first, into, count = (0, 0, g_src.heads) if heads is None else heads
         for g, at, side in ((g_src, first, "source"), (g_dst, into, "destination")):
             if g.block_bytes or not 0 <= at < at + count <= g.heads:
@@ -85,17 +96,18 @@ class Kernels:
         if g_src.cell_bytes != g_dst.cell_bytes:
             raise LayoutError(f"cells of {g_src.cell_bytes} and {g_dst.cell_bytes} bytes")
         n = tokens.shape[1]
-        if not n:
+        if not n or not srcs:
             return
         strides = (g_src.block_stride, g_src.kernel_stride, g_src.head_stride, g_src.token_stride)
         strides_d = (g_dst.block_stride, g_dst.kernel_stride, g_dst.head_stride, g_dst.token_stride)
-        w = _word(src, dst, g_src.cell_bytes, *strides, *strides_d)
+        w = _word(srcs, dsts, g_src.cell_bytes, *strides, *strides_d)
         cell = g_src.cell_bytes // w
         width = 1 << max(0, (cell - 1).bit_length())
         rows = max(1, CELL_WORDS // width)
-        grid = (math.ceil(n * count / rows),)
+        grid = (math.ceil(n * count / rows), len(srcs))
         self._cells[grid](
-            _words(src, w), _words(dst, w), tokens, n * count, n, count, cell,
+            _words(srcs[0], w), _words(dsts[0], w), _layers(srcs, w), _layers(dsts, w),
+            tokens, n * count, n, count, cell,
             *(x // w for x in strides), g_src.kernel_tokens, first,
             *(x // w for x in strides_d), g_dst.kernel_tokens, into,
             ROWS=rows, CELL=width,
@@ -117,8 +129,9 @@ def build(interpret: bool = False) -> Kernels:
 
 
 def device_kernels(src: Any, dst: Any) -> Kernels | None:
-    """The compiled kernels when both tensors are on one CUDA device and Triton is here
-    (every GPU install of vLLM has it); None: copy with torch's indexing."""
+    """The compiled kernels when both tensors (a layer of each side) are on one CUDA
+    device and Triton is here (every GPU install of vLLM has it); None: copy with
+    torch's indexing."""
     if src.device.type != "cuda" or src.device != dst.device or not _have_triton():
         return None
     return build()
@@ -193,13 +206,30 @@ def _run_table(g_src: LayerGeometry, g_dst: LayerGeometry, w: int, device: Any) 
     return _torch().tensor(rows, dtype=_torch().int64).to(device)
 
 
-def _word(src: Any, dst: Any, *sizes: int) -> int:
-    """The widest word (8, 4, 2 or 1 bytes) dividing both tensors' addresses and sizes
-    and every byte offset and size given."""
+def _word(srcs: Sequence[Any], dsts: Sequence[Any], *sizes: int) -> int:
+    """The widest word (8, 4, 2 or 1 bytes) dividing every layer's address and size and
+    every byte offset and size given."""
     g = 8
-    for x in (src.data_ptr(), dst.data_ptr(), src.numel(), dst.numel(), *sizes):
-        g = math.gcd(g, x)
-    return g
+    for t in (*srcs, *dsts):
+        g = math.gcd(g, t.data_ptr(), t.numel())
+    return math.gcd(g, *sizes)
+
+
+def _layer_words(layers: Sequence[Any], w: int) -> tuple[int, ...]:
+    """Each layer's first word, counted from the first layer's."""
+    base = layers[0].data_ptr()
+    return tuple((t.data_ptr() - base) // w for t in layers)
+
+
+def _layers(layers: Sequence[Any], w: int) -> Any:
+    """`_layer_words` as an int64 tensor on the layers' device (one copy to the device per
+    set of layers: a pull's are the same every time)."""
+    return _layer_table(_layer_words(layers, w), layers[0].device)
+
+
+@functools.lru_cache(maxsize=1024)
+def _layer_table(words: tuple[int, ...], device: Any) -> Any:
+    return _torch().tensor(words, dtype=_torch().int64).to(device)
 
 
 def _words(flat: Any, w: int) -> Any:

@@ -5,6 +5,7 @@ several consumer ranks holds its blocks until every one of them is done."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 from collections.abc import AsyncIterator, Callable
 from contextlib import nullcontext
@@ -28,6 +29,7 @@ TRANSPORTS: dict[str, tuple[type[PeerTransport], type]] = {
     "zmq": (ZmqTransport, ZmqOptions),
     "zmq-ipc": (StandInIpcZmq, ZmqOptions),  # CUDA IPC's copies, on host tensors
     "zmq-ipc-kernel": (StandInIpcZmq, ZmqOptions),  # and its device kernels, interpreted
+    "zmq-ipc-kernel-all": (StandInIpcZmq, ZmqOptions),  # all layers in one launch
     "nixl": (NixlTransport, NixlOptions),
     "nixl-strided": (StridedNixl, NixlOptions),
     "nixl-torch-bounce": (TorchBounceNixl, NixlOptions),
@@ -72,10 +74,13 @@ async def make(request: pytest.FixtureRequest) -> AsyncIterator[Make]:
                 pytest.skip("a device cache is never block-granular")
             as_device(layout)
         t = kind(options(), _ctx(layout, rank, size))
+        if request.param == "zmq-ipc-kernel-all":  # an asynchronous pull: one launch
+            load = t.load
+            t.load = lambda job: load(dataclasses.replace(job, layerwise=False))  # type: ignore[method-assign]
         opened.append(t)
         return t
 
-    kernel = interpreted_kernels() if request.param == "zmq-ipc-kernel" else nullcontext([1])
+    kernel = interpreted_kernels() if "kernel" in request.param else nullcontext([1])
     with kernel as ran:
         yield factory
     for t in opened:

@@ -43,6 +43,7 @@ PEERS = {
     "nixl": (NixlTransport, NixlOptions),
     "zmq-ipc": (StandInIpcZmq, ZmqOptions),
     "zmq-ipc-kernel": (StandInIpcZmq, ZmqOptions),  # and its device kernels, interpreted
+    "zmq-ipc-kernel-all": (StandInIpcZmq, ZmqOptions),  # all layers in one launch
     "nixl-strided": (StridedNixl, NixlOptions),  # device memory's READs, on host memory
     "nixl-torch-bounce": (TorchBounceNixl, NixlOptions),  # and its bounce, on host memory
 }
@@ -82,6 +83,11 @@ def whole(kv: KVLayout) -> list[bytes]:
     return [bytes(b) for b in kv.buffers]
 
 
+def kernels(kind: str) -> contextlib.AbstractContextManager[list[int]]:
+    """The device kernels, interpreted, for their kinds; else nothing (yields `[1]`)."""
+    return interpreted_kernels() if "kernel" in kind else contextlib.nullcontext([1])
+
+
 async def pull(kind: str, prod: KVLayout, cons: KVLayout) -> None:
     """Offer SRC on `prod`'s producer; pull it into DST of `cons` (raises what load raises)."""
     cls, options = PEERS[kind]
@@ -95,9 +101,10 @@ async def pull(kind: str, prod: KVLayout, cons: KVLayout) -> None:
     job = LoadJob(
         "c", ["k"] * 3, COUNTS, cons.num_layers, chunk_spans(cons, DST), lambda _: None,
         PeerSource("e", [producer.address], "p", SRC), DST,
+        layerwise=kind != "zmq-ipc-kernel-all",
     )  # fmt: skip
     failed: TransportError | None = None
-    kernel = interpreted_kernels() if kind == "zmq-ipc-kernel" else contextlib.nullcontext([1])
+    kernel = kernels(kind)
     with trio.fail_after(30), kernel as ran:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(producer.serve)
@@ -118,7 +125,7 @@ async def pull(kind: str, prod: KVLayout, cons: KVLayout) -> None:
 @pytest.mark.parametrize("kind", PEERS)
 @pytest.mark.parametrize("same", SAME)
 async def test_peers_of_one_layout_move_every_byte(kind: str, same: str) -> None:
-    prod, cons = layout(**SAME[same]), layout(**SAME[same])
+    prod, cons = layout(**SAME[same]), layout(**SAME[same], num_blocks=12)  # layers apart
     fill_blocks(prod, SRC, seed=3)
     before = whole(cons)
     await pull(kind, prod, cons)
@@ -190,9 +197,10 @@ BLOCK_SIZES = {
 }
 
 
-@pytest.mark.parametrize(
-    "kind", ["zmq", "zmq-ipc", "zmq-ipc-kernel", "nixl", "nixl-strided", "nixl-torch-bounce"]
-)
+BLOCK_SIZE_PEERS = ["zmq", *(k for k in PEERS if k.startswith("zmq-ipc")), "nixl"]
+
+
+@pytest.mark.parametrize("kind", [*BLOCK_SIZE_PEERS, "nixl-strided", "nixl-torch-bounce"])
 @pytest.mark.parametrize("case", BLOCK_SIZES)
 @pytest.mark.parametrize("order", ["LBNHC-to-LBHNC", "LBHNC-to-LBNHC", "LBNHC-to-LBNHC"])
 async def test_peers_convert_between_block_sizes(kind: str, case: str, order: str) -> None:
@@ -218,9 +226,9 @@ async def test_peers_convert_between_block_sizes(kind: str, case: str, order: st
     job = LoadJob(
         "c", ["k"] * len(c_blocks), c_counts, cons.num_layers,
         lambda i: [cons.spans(i, b, n) for b, n in zip(c_blocks, c_counts, strict=True)],
-        lambda _: None, source, c_blocks,
+        lambda _: None, source, c_blocks, layerwise=kind != "zmq-ipc-kernel-all",
     )  # fmt: skip
-    kernel = interpreted_kernels() if kind == "zmq-ipc-kernel" else contextlib.nullcontext([1])
+    kernel = kernels(kind)
     with trio.fail_after(30), kernel as ran:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(producer.serve)

@@ -38,7 +38,7 @@ from kvflow.geometry.views import (
     from_token_major,
     to_token_major,
 )
-from kvflow.runtime import event_done
+from kvflow.runtime import COPY_POLL_S, event_done
 
 __all__ = [
     "ChunkIndex",
@@ -143,7 +143,7 @@ class CudaDevice(Device):
     async def done(self, device: torch.device) -> None:
         event = torch.cuda.Event()
         event.record(self._streams[device])
-        await event_done(event)
+        await event_done(event, most=COPY_POLL_S)
 
     def wait_idle(self, device: torch.device) -> None:
         if device in self._streams:
@@ -188,6 +188,46 @@ class ChunkIndex:
 
 
 def copy_chunks(
+    srcs: Sequence[torch.Tensor],
+    g_src: LayerGeometry,
+    dsts: Sequence[torch.Tensor],
+    g_dst: LayerGeometry,
+    index: ChunkIndex,
+    src_blocks: Sequence[int],
+    dst_blocks: Sequence[int],
+    token_counts: Sequence[int],
+    heads: tuple[int, int, int] | None = None,
+) -> None:
+    """Queue the copy of chunk i from `src_blocks[i]` to `dst_blocks[i]` in each layer of
+    `srcs` into the same of `dsts` (layers of the geometries `g_src` and `g_dst`, which
+    hold the same cells, `layout_mismatch(..., cells=True)`); with `heads` (first, into,
+    count), heads `first..` of the source's blocks into heads `into..` of the
+    destination's, nothing else written.
+
+    On one CUDA device, one kernel launch for all the layers moves the full chunks run by
+    run, or, between two layouts or for some heads, every chunk cell by cell (a second
+    launch moves the partial chunks' tokens). Elsewhere torch's indexing, layer by layer:
+    full chunks in one gather/scatter per run of a whole block, or, between two layouts,
+    one gather into the token-major order and one scatter out of it. Either way a partial
+    chunk of a token-granular layer moves only its tokens, so nothing past them is
+    written.
+    """
+    kern = kernels.device_kernels(srcs[0], dsts[0]) if srcs else None
+    if kern is None:
+        for src, dst in zip(srcs, dsts, strict=True):
+            _torch_chunks(
+                src, g_src, dst, g_dst, index, src_blocks, dst_blocks, token_counts, heads
+            )
+        return
+    if heads is not None or g_src.block_shape() != g_dst.block_shape():
+        kern.copy_cells(srcs, g_src, dsts, g_dst, index.tokens(partial_only=False), heads)
+        return
+    kern.copy_runs(srcs, g_src, dsts, g_dst, index.si, index.di)
+    if index.partial:
+        kern.copy_cells(srcs, g_src, dsts, g_dst, index.tokens(partial_only=True))
+
+
+def _torch_chunks(
     src: torch.Tensor,
     g_src: LayerGeometry,
     dst: torch.Tensor,
@@ -196,30 +236,10 @@ def copy_chunks(
     src_blocks: Sequence[int],
     dst_blocks: Sequence[int],
     token_counts: Sequence[int],
-    heads: tuple[int, int, int] | None = None,
+    heads: tuple[int, int, int] | None,
 ) -> None:
-    """Queue the copy of chunk i from `src_blocks[i]` to `dst_blocks[i]` (one layer; the
-    geometries hold the same cells, `layout_mismatch(..., cells=True)`); with `heads`
-    (first, into, count), heads `first..` of the source's blocks into heads `into..` of
-    the destination's, nothing else written.
-
-    On one CUDA device, one kernel launch moves the full chunks run by run, or, between
-    two layouts or for some heads, every chunk cell by cell (a second launch moves the
-    partial chunks' tokens). Elsewhere torch's indexing: full chunks in one
-    gather/scatter per run of a whole block, or, between two layouts, one gather into
-    the token-major order and one scatter out of it. Either way a partial chunk of a
-    token-granular layer moves only its tokens, so nothing past them is written.
-    """
+    """`copy_chunks` of one layer with torch's indexing."""
     si, di, full, partial = index.si, index.di, index.full, index.partial
-    kern = kernels.device_kernels(src, dst)
-    if kern is not None:
-        if heads is not None or g_src.block_shape() != g_dst.block_shape():
-            kern.copy_cells(src, g_src, dst, g_dst, index.tokens(partial_only=False), heads)
-            return
-        kern.copy_runs(src, g_src, dst, g_dst, si, di)
-        if partial:
-            kern.copy_cells(src, g_src, dst, g_dst, index.tokens(partial_only=True))
-        return
     if heads is not None:  # a consumer rank of another tensor-parallel size: these heads
         first, into, count = heads
         src_cells = cell_view(src, g_src)[:, :, first : first + count]
@@ -274,6 +294,35 @@ def stream_map(
 
 
 def copy_stream(
+    srcs: Sequence[torch.Tensor],
+    g_src: LayerGeometry,
+    src_blocks: Sequence[int],
+    skip: int,
+    dsts: Sequence[torch.Tensor],
+    g_dst: LayerGeometry,
+    dst_blocks: Sequence[int],
+    token_counts: Sequence[int],
+    heads: tuple[int, int, int],
+    tokens: torch.Tensor | None = None,
+) -> None:
+    """Queue the copy of a token stream between blocks of other sizes (each layer of
+    `srcs` into the same of `dsts`): the tokens of `src_blocks` end to end from token
+    `skip` on, `token_counts[i]` of them into block `dst_blocks[i]`, heads (first, into,
+    count) of theirs into ours; nothing past the last chunk's tokens written. With
+    `tokens` (`stream_map`: one CUDA device), one kernel launch for all the layers; else,
+    layer by layer, one gather into the token-major order and one scatter out of it.
+    """
+    if not sum(token_counts) or not srcs:
+        return
+    kern = None if tokens is None else kernels.device_kernels(srcs[0], dsts[0])
+    if kern is not None:
+        kern.copy_cells(srcs, g_src, dsts, g_dst, tokens, heads)
+        return
+    for src, dst in zip(srcs, dsts, strict=True):
+        _torch_stream(src, g_src, src_blocks, skip, dst, g_dst, dst_blocks, token_counts, heads)
+
+
+def _torch_stream(
     src: torch.Tensor,
     g_src: LayerGeometry,
     src_blocks: Sequence[int],
@@ -283,22 +332,10 @@ def copy_stream(
     dst_blocks: Sequence[int],
     token_counts: Sequence[int],
     heads: tuple[int, int, int],
-    tokens: torch.Tensor | None = None,
 ) -> None:
-    """Queue the copy of a token stream between blocks of other sizes (one layer): the
-    tokens of `src_blocks` end to end from token `skip` on, `token_counts[i]` of them into
-    block `dst_blocks[i]`, heads (first, into, count) of theirs into ours; nothing past
-    the last chunk's tokens written. With `tokens` (`stream_map`: one CUDA device), one
-    kernel launch; else one gather into the token-major order and one scatter out of it.
-    """
+    """`copy_stream` of one layer with torch's indexing."""
     first, into, count = heads
     cell, total = g_src.cell_bytes, sum(token_counts)
-    if not total:
-        return
-    kern = None if tokens is None else kernels.device_kernels(src, dst)
-    if kern is not None:
-        kern.copy_cells(src, g_src, dst, g_dst, tokens, heads)
-        return
     src_cells = cell_view(src, g_src)[:, :, first : first + count]
     si = torch.tensor(list(src_blocks), dtype=torch.long, device=src.device)
     picked = src_cells.index_select(0, si).permute(0, 1, 3, 2, 4)  # [k, kb, kt, heads, cell]

@@ -414,29 +414,23 @@ class ZmqTransport(PeerTransport):
                     layout.tensors[0].device,
                 )
         queued: list[int] = []  # layers copied, not yet waited for
-        for layer in range(job.num_layers):
-            ours = layout.tensors[layer]
-            with self._device.stream(ours.device):
+        for group in _layer_groups(job, msg, layout):
+            ours = [layout.tensors[i] for i in group]
+            g_src, g_dst = msg.geometries[group[0]], layout.geometries[group[0]]
+            with self._device.stream(ours[0].device):
                 if index is None:
                     ipc.copy_stream(
-                        theirs[layer], msg.geometries[layer], src.block_ids, src.skip,
-                        ours, layout.geometries[layer], job.block_ids, job.token_counts,
-                        heads or (0, 0, layout.geometries[layer].heads), tokens,
+                        [theirs[i] for i in group], g_src, src.block_ids, src.skip,
+                        ours, g_dst, job.block_ids, job.token_counts,
+                        heads or (0, 0, g_dst.heads), tokens,
                     )  # fmt: skip
                 else:
                     ipc.copy_chunks(
-                        theirs[layer],
-                        msg.geometries[layer],
-                        ours,
-                        layout.geometries[layer],
-                        index,
-                        src.block_ids,
-                        job.block_ids,
-                        job.token_counts,
-                        heads,
-                    )
-            queued.append(layer)
-            if job.layerwise or layer == job.num_layers - 1:  # else: one wait for all
+                        [theirs[i] for i in group], g_src, ours, g_dst, index,
+                        src.block_ids, job.block_ids, job.token_counts, heads,
+                    )  # fmt: skip
+            queued.extend(group)
+            if job.layerwise or group[-1] == job.num_layers - 1:  # else: one wait for all
                 await self._landed({layout.tensors[i].device for i in queued})
                 if trio.current_time() - leased > msg.lease_s:
                     raise TransportError(
@@ -458,6 +452,26 @@ class ZmqTransport(PeerTransport):
             for device in devices:
                 self._device.wait_idle(device)
             raise
+
+
+def _layer_groups(job: LoadJob, msg: wire.Ipc, layout: KVLayout) -> list[list[int]]:
+    """The layers a pull copies together: each alone when a forward waits on them layer
+    by layer (`job.layerwise`), else runs of layers of the same geometries on one device
+    (one launch each on a GPU)."""
+    groups: list[list[int]] = []
+    for i in range(job.num_layers):
+        key = (msg.geometries[i], layout.geometries[i], layout.tensors[i].device)
+        last = groups[-1][-1] if groups else None
+        same = last is not None and key == (
+            msg.geometries[last],
+            layout.geometries[last],
+            layout.tensors[last].device,
+        )
+        if same and not job.layerwise:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
 
 
 def _check_ipc_offer(
