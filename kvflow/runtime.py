@@ -38,6 +38,7 @@ __all__ = [
     "Runtime",
     "RuntimeClosed",
     "all_or_first_error",
+    "cuda_event",
     "event_done",
     "given_up",
     "poll_until",
@@ -439,13 +440,33 @@ async def all_or_first_error(
         raise errors[0]
 
 
-COPY_POLL_S = 2e-4
-"""How often at most a wait for a device copy polls its event (a copy lands in well under
-a millisecond to a few: a coarser poll adds up to its period to every copy waited on)."""
+EVENT_WAIT_THREADS = 256
+"""Threads that may wait on CUDA events at once (per trio run; one a wait)."""
+_event_waits: trio.lowlevel.RunVar[trio.CapacityLimiter] = trio.lowlevel.RunVar("kvflow_events")
 
 
-async def event_done(event: Any, most: float = 1e-3) -> None:
-    """Wait for a CUDA event from trio (completion is poll-only), polling at most every
-    `most` seconds; None: nothing to wait for."""
-    if event is not None:
-        await poll_until(event.query, most=most)
+async def event_done(event: Any) -> None:
+    """Wait for a CUDA event from trio, never blocking the loop; None: nothing to wait for.
+
+    Done already: at once. Else a thread waits in `event.synchronize()` (without the GIL;
+    an event made with `blocking=True` sleeps there rather than spin, see `cuda_event`)
+    and wakes the loop as it lands. Not polled: trio's sleeps last at least a millisecond
+    (epoll's resolution; `trio.sleep(2e-5)` measured 1.09 ms), so a poll added up to that
+    to every copy waited on, per layer where layers are waited on one by one. Cancelled,
+    the wait returns at once and its thread ends when the event lands."""
+    if event is None or event.query():
+        return
+    try:
+        limiter = _event_waits.get()
+    except LookupError:
+        limiter = trio.CapacityLimiter(EVENT_WAIT_THREADS)
+        _event_waits.set(limiter)
+    await trio.to_thread.run_sync(event.synchronize, abandon_on_cancel=True, limiter=limiter)
+
+
+def cuda_event() -> Any:
+    """A CUDA event whose `synchronize()` sleeps until it lands (`blocking=True`: a thread
+    of `event_done` waits on it without spinning a core)."""
+    import torch
+
+    return torch.cuda.Event(blocking=True)

@@ -9,7 +9,7 @@ device blocks as soon as the transport filled it, before the layer's gate
 opens (synchronously: the scatter of one layer of one request, a few hundred
 microseconds at PCIe speed, holds the worker's loop). Per layer, one strided
 gather (or scatter) on the device plus one copy between the device and pinned
-host memory, on a side stream; a gather's completion is polled from trio. The
+host memory, on a side stream; a gather's completion is awaited from trio. The
 image is token-major (`[tokens, heads, cell]` per chunk) whatever vLLM's layout,
 so bytes a store holds read back into a cache of any layout. A partial block
 moves whole to the host (a read), but only its tokens are written back into the
@@ -31,7 +31,7 @@ from .._moved import old_names
 from ..geometry import kernels
 from ..geometry.layout import KVLayout, LayerGeometry
 from ..geometry.views import block_views, cell_view, copy_tokens, from_token_major, to_token_major
-from ..runtime import COPY_POLL_S, event_done
+from ..runtime import cuda_event, event_done
 
 __all__ = ["HostStage", "mark"]
 
@@ -41,9 +41,8 @@ def mark(layout: KVLayout) -> Any:
     its thread), for staging copies to wait on; None for other memory."""
     if not layout.tensors or layout.tensors[0].device.type != "cuda":
         return None
-    import torch
 
-    event = torch.cuda.Event()
+    event = cuda_event()
     event.record()
     return event
 
@@ -193,15 +192,14 @@ class HostStage:
             yield
 
     async def _done(self) -> None:
-        """Wait (polling from trio, never blocking the loop) until the copies landed."""
+        """Wait (from trio, never blocking the loop: `event_done`) until the copies landed."""
         if self._stream is None:
             await trio.lowlevel.checkpoint()
             return
-        import torch
 
-        event = torch.cuda.Event()
+        event = cuda_event()
         event.record(self._stream)
-        await event_done(event, most=COPY_POLL_S)
+        await event_done(event)
 
 
 # What 0.4 moved out of staging and renamed, by its old name until 0.5 (the other views

@@ -26,29 +26,30 @@ def runs(
 
 
 def cells(
-    src, dst, s_layer, d_layer, tokens, rows_total, n_tokens, heads, cell,
-    s_bs, s_ks, s_hs, s_ts, s_kt, s_first,
-    d_bs, d_ks, d_hs, d_ts, d_kt, d_first,
-    ROWS: tl.constexpr,
-    CELL: tl.constexpr,
+    src, dst, s_layer, d_layer, tokens, rows_total, n_tokens,
+    s_bs, s_ks, s_hs, s_ts, s_first,
+    d_bs, d_ks, d_hs, d_ts, d_first,
+    HEADS: tl.constexpr, S_KT: tl.constexpr, D_KT: tl.constexpr, CELL: tl.constexpr,
+    WIDTH: tl.constexpr, ROWS: tl.constexpr, ALIGN: tl.constexpr,
 ):  # fmt: skip
-    """Program (p, l): rows `p * ROWS ..` of layer l (a row: one token of the map, one
-    head), each a cell of `cell` words from the source's block and token into the
-    destination's."""
+    """Program (p, l): rows `p * ROWS ..` of layer l (a row: one token of the map, one of
+    HEADS heads), each a cell of CELL words from the source's block and token into the
+    destination's (WIDTH: CELL rounded up to a power of two; ALIGN divides every
+    offset)."""
     layer = tl.program_id(1)
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS).to(tl.int64)
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     valid = rows < rows_total
-    tok = rows // heads
-    h = rows % heads
+    tok = rows // HEADS
+    h = rows % HEADS
     sb = tl.load(tokens + tok, mask=valid, other=0)
     st = tl.load(tokens + n_tokens + tok, mask=valid, other=0)
     db = tl.load(tokens + 2 * n_tokens + tok, mask=valid, other=0)
     dt = tl.load(tokens + 3 * n_tokens + tok, mask=valid, other=0)
-    s0 = sb * s_bs + (st // s_kt) * s_ks + (st % s_kt) * s_ts + (s_first + h) * s_hs
-    d0 = db * d_bs + (dt // d_kt) * d_ks + (dt % d_kt) * d_ts + (d_first + h) * d_hs
-    s0 += tl.load(s_layer + layer)
-    d0 += tl.load(d_layer + layer)
-    cols = tl.arange(0, CELL).to(tl.int64)
-    m = valid[:, None] & (cols[None, :] < cell)
+    s0 = sb * s_bs + (st // S_KT) * s_ks + (st % S_KT) * s_ts + (s_first + h) * s_hs
+    d0 = db * d_bs + (dt // D_KT) * d_ks + (dt % D_KT) * d_ts + (d_first + h) * d_hs
+    s0 = tl.multiple_of(s0 + tl.load(s_layer + layer), ALIGN)
+    d0 = tl.multiple_of(d0 + tl.load(d_layer + layer), ALIGN)
+    cols = tl.arange(0, WIDTH)
+    m = valid[:, None] & (cols[None, :] < CELL)
     v = tl.load(src + s0[:, None] + cols[None, :], mask=m)
     tl.store(dst + d0[:, None] + cols[None, :], v, mask=m)

@@ -102,15 +102,16 @@ class Kernels:
         strides_d = (g_dst.block_stride, g_dst.kernel_stride, g_dst.head_stride, g_dst.token_stride)
         w = _word(srcs, dsts, g_src.cell_bytes, *strides, *strides_d)
         cell = g_src.cell_bytes // w
+        words = [x // w for x in (*strides, *strides_d)]
+        align = math.gcd(16 // w, *words, *_layer_words(srcs, w), *_layer_words(dsts, w))
         width = 1 << max(0, (cell - 1).bit_length())
         rows = max(1, CELL_WORDS // width)
         grid = (math.ceil(n * count / rows), len(srcs))
         self._cells[grid](
             _words(srcs[0], w), _words(dsts[0], w), _layers(srcs, w), _layers(dsts, w),
-            tokens, n * count, n, count, cell,
-            *(x // w for x in strides), g_src.kernel_tokens, first,
-            *(x // w for x in strides_d), g_dst.kernel_tokens, into,
-            ROWS=rows, CELL=width,
+            tokens, n * count, n, *words[:4], first, *words[4:], into,
+            HEADS=count, S_KT=g_src.kernel_tokens, D_KT=g_dst.kernel_tokens, CELL=cell,
+            WIDTH=width, ROWS=rows, ALIGN=align,
         )  # fmt: skip
 
 

@@ -13,6 +13,7 @@ import pytest
 import trio
 import trio.testing
 
+from kvflow import runtime
 from kvflow.runtime import Runtime, RuntimeClosed, supervised
 
 MakeRuntime = Callable[..., Runtime]
@@ -437,3 +438,65 @@ def test_a_supervised_task_that_keeps_failing_is_given_up_and_reported(
     assert runs == [0, 1, 2]
     assert restarts == ["OSError: address in use 1", "OSError: address in use 2"]
     assert given_up == [("broken-task", "OSError: address in use 3")]
+
+
+class StandInEvent:
+    """A CUDA event's waiting surface (`query`, `synchronize`) over a threading.Event:
+    lands when the test says so."""
+
+    def __init__(self) -> None:
+        self.landed = threading.Event()
+        self.waited_in: list[str] = []
+
+    def query(self) -> bool:
+        return self.landed.is_set()
+
+    def synchronize(self) -> None:
+        self.waited_in.append(threading.current_thread().name)
+        self.landed.wait()
+
+
+async def test_event_done_waits_in_a_thread_while_the_loop_runs() -> None:
+    """The wait blocks a thread, not the loop (another task runs meanwhile), and ends
+    when the event lands; not polled with sleeps (trio's last a millisecond at least)."""
+    event, ticks = StandInEvent(), [0]
+
+    async def other_task() -> None:
+        while not event.waited_in:  # the loop runs while the thread waits
+            await trio.lowlevel.checkpoint()
+        for _ in range(10):
+            ticks[0] += 1
+            await trio.lowlevel.checkpoint()
+        event.landed.set()
+
+    with trio.fail_after(WAIT):  # a polled wait never calls synchronize: no hang
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(other_task)
+            await runtime.event_done(event)
+            assert event.landed.is_set()
+    assert ticks[0] == 10
+    assert event.waited_in != [threading.current_thread().name], "waited in another thread"
+
+
+async def test_event_done_of_a_landed_event_or_none_starts_no_thread() -> None:
+    event = StandInEvent()
+    event.landed.set()
+    await runtime.event_done(event)
+    await runtime.event_done(None)
+    assert event.waited_in == []
+
+
+async def test_a_cancelled_event_wait_returns_while_the_event_has_not_landed() -> None:
+    event = StandInEvent()
+    with trio.fail_after(WAIT), trio.CancelScope() as scope:
+
+        async def cancel_once_waiting() -> None:
+            while not event.waited_in:
+                await trio.lowlevel.checkpoint()
+            scope.cancel()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(cancel_once_waiting)
+            await runtime.event_done(event)
+    assert scope.cancelled_caught and not event.landed.is_set()
+    event.landed.set()  # its thread ends

@@ -17,7 +17,7 @@ import trio
 from kvflow.geometry.cells import cell_index, head_copy_runs
 from kvflow.geometry.layout import KVLayout, LayerGeometry, LayoutError, layout_mismatch
 from kvflow.geometry.topology import HeadRead
-from kvflow.runtime import Backoff, event_done
+from kvflow.runtime import Backoff, cuda_event, event_done
 from kvflow.transport import ChunkCorrupt, LoadJob, TransferStuck, TransportError
 
 from . import _wire as wire
@@ -485,6 +485,6 @@ def _record(device: Any) -> Any:
         return None
     import torch
 
-    event = torch.cuda.Event()
+    event = cuda_event()
     event.record(torch.cuda.current_stream(device))
     return event

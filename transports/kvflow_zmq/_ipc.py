@@ -5,7 +5,7 @@ The producer exports one IPC handle per layer when vLLM registers its caches
 (`export`); a consumer opens a producer's handles once and caches them
 (`open`), then copies the offered blocks straight out of the producer's
 memory into its own on a side stream, and signals a layer once the copy's
-CUDA event has completed (`Device.done`, polled from trio, never blocking
+CUDA event has completed (`Device.done`, awaited from trio, never blocking
 the loop).
 
 Handles are the fields of torch's `UntypedStorage._share_cuda_()`, the same
@@ -38,7 +38,7 @@ from kvflow.geometry.views import (
     from_token_major,
     to_token_major,
 )
-from kvflow.runtime import COPY_POLL_S, event_done
+from kvflow.runtime import cuda_event, event_done
 
 __all__ = [
     "ChunkIndex",
@@ -141,9 +141,9 @@ class CudaDevice(Device):
             yield
 
     async def done(self, device: torch.device) -> None:
-        event = torch.cuda.Event()
+        event = cuda_event()
         event.record(self._streams[device])
-        await event_done(event, most=COPY_POLL_S)
+        await event_done(event)
 
     def wait_idle(self, device: torch.device) -> None:
         if device in self._streams:
