@@ -43,6 +43,8 @@ the JSON. Needs an NVIDIA GPU; exits 2 without one.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import inspect
 import json
 import multiprocessing as mp
 import os
@@ -50,6 +52,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -246,9 +249,49 @@ def measure(args: argparse.Namespace, address: str) -> dict[str, Any]:
             out["bytes_equal"] &= all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
         await t.aclose()
 
-    trio.run(consume)
+    with phases(out) if args.phases else contextlib.nullcontext():
+        trio.run(consume)
     out["bytes_per_sample"] = nbytes
     return out
+
+
+PHASES = ("connect", "receive", "_copy_ipc", "_landed")
+"""The consumer's parts of a pull `--phases` times (`ZmqTransport` methods): the socket,
+each answer awaited, the copies queued and waited for, the wait alone."""
+
+
+@contextlib.contextmanager
+def phases(out: dict[str, Any]) -> Iterator[None]:
+    """Time each of `PHASES` in every pull (into `out["phases_s"]`, every call kept)."""
+    out["phases_s"] = {name: [] for name in PHASES}
+    saved = {}
+    for name in PHASES:
+        owner = next(c for c in ZmqTransport.__mro__ if name in c.__dict__)
+        saved[name] = (owner, orig := owner.__dict__[name])
+
+        def done(name: str, t0: float) -> None:
+            out["phases_s"][name].append(time.perf_counter() - t0)
+
+        async def timed(*a: Any, _orig: Any = orig, _name: str = name, **k: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return await _orig(*a, **k)
+            finally:
+                done(_name, t0)
+
+        def timed_sync(*a: Any, _orig: Any = orig, _name: str = name, **k: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return _orig(*a, **k)
+            finally:
+                done(_name, t0)
+
+        setattr(owner, name, timed if inspect.iscoroutinefunction(orig) else timed_sync)
+    try:
+        yield
+    finally:
+        for name, (owner, orig) in saved.items():
+            setattr(owner, name, orig)
 
 
 def one_run(args: argparse.Namespace, peak: float) -> dict[str, Any]:
@@ -316,6 +359,7 @@ def _provenance(args: argparse.Namespace) -> dict[str, Any]:
             "blocks_moved": args.blocks // 2,
             "requests": args.requests,
             "one_block_pulls": args.small,
+            "phases": args.phases,
             "runs": args.runs,
         },
     }
@@ -343,6 +387,7 @@ def _parse_args() -> argparse.Namespace:
     ap.add_argument("--requests", type=int, default=12, help="pulls (and copies) per run")
     ap.add_argument("--runs", type=int, default=1, help="whole measurements, each kept")
     ap.add_argument("--small", type=int, default=9, help="pulls of one block (fixed cost)")
+    ap.add_argument("--phases", action="store_true", help="time the consumer's parts of a pull")
     ap.add_argument("--quick", action="store_true", help="4 layers, 64 blocks, 3 requests")
     ap.add_argument("--layerwise", action="store_true", help="wait for each layer")
     ap.add_argument(
@@ -369,6 +414,8 @@ def main() -> int:
     for i in range(args.runs):
         run = one_run(args, peak)
         runs.append(run)
+        for name, v in run.get("phases_s", {}).items():
+            print(f"  {name}: {len(v)} calls, median {1e3 * statistics.median(v or [0]):.3f} ms")
         print(
             f"run {i + 1}/{args.runs}: pull {run['pull_gbs']:.1f} GB/s "
             f"({run['pull_fraction']:.0%} of peak), copy {run['copy_gbs']:.1f} GB/s "

@@ -83,12 +83,23 @@ def _version(module: str, *dists: str) -> str | None:
 
 
 def gpu() -> str:
-    """The GPU torch sees, if this process has imported torch (none is started for it)."""
+    """The GPU torch sees and its driver, if this process has imported torch (none is
+    started for it)."""
     torch = sys.modules.get("torch")
     with contextlib.suppress(Exception):
         if torch is not None and torch.cuda.is_available():
-            return f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}"
+            name = f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}"
+            return f"{name} (driver {driver()}, CUDA {torch.version.cuda})"
     return "no GPU"
+
+
+def driver() -> str:
+    """The NVIDIA driver's version (`nvidia-smi`), or "unknown"."""
+    query = ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        done = subprocess.run(query, capture_output=True, text=True, timeout=30, check=True)
+        return done.stdout.split("\n")[0].strip() or "unknown"
+    return "unknown"
 
 
 def machine() -> str:

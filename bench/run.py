@@ -125,6 +125,11 @@ BENCHES: dict[str, tuple[list[str], bool, Callable[[], str]]] = {
         True,
         lambda: "" if _has_cuda() else "no CUDA device on this machine",
     ),
+    "staging-cuda": (
+        ["bench_staging_cuda.py"],
+        True,
+        lambda: "" if _has_cuda() else "no CUDA device on this machine",
+    ),
 }
 
 
@@ -522,14 +527,38 @@ def faults_store_table(d: dict[str, Any]) -> list[str]:
 
 def cuda_ipc_table(d: dict[str, Any]) -> list[str]:
     head = ["run", "pull GB/s", "one-pass copy GB/s", "pull / copy", "pull, copy / peak"]
-    rows = [
-        [str(i + 1), f"{r['pull_gbs']:.0f}", f"{r['copy_gbs']:.0f}", f"{r['ratio']:.2f}",
-         f"{r['pull_fraction']:.2f}, {r['copy_fraction']:.2f}"]
-        for i, r in enumerate(d["runs"])
-    ]  # fmt: skip
+    alone = "kernel_gbs" in d["runs"][0]  # runs since 2026-11-29 time more
+    if alone:
+        head += ["copies alone GB/s (/ copy)", "one-block pull ms"]
+    rows = []
+    for i, r in enumerate(d["runs"]):
+        row = [str(i + 1), f"{r['pull_gbs']:.0f}", f"{r['copy_gbs']:.0f}", f"{r['ratio']:.2f}",
+               f"{r['pull_fraction']:.2f}, {r['copy_fraction']:.2f}"]  # fmt: skip
+        if alone:
+            row += [
+                f"{r['kernel_gbs']:.0f} ({r['kernel_ratio']:.2f})",
+                f"{r['one_block_pull_ms']:.2f}",
+            ]
+        rows.append(row)
     peak = f"peak {d['peak_bandwidth_gbs']:.0f} GB/s ({d['bandwidth_source']})"
     equal = "every byte equal" if d["bytes_equal"] else "**bytes differ**"
     return [*_table(head, rows), "", f"_{peak}; {equal}_"]
+
+
+def staging_cuda_table(d: dict[str, Any]) -> list[str]:
+    """Every run the file holds (the history first): host staging against pinned copies."""
+    head = ["commit", "save GB/s (/ pinned D2H)", "load GB/s (/ pinned H2D)"]
+    head += ["forward under saves", "saves during the forwards"]
+    rows = []
+    for run in [*d.get("history", []), d]:
+        s, f = run["summary"], run["run"]["forward"]
+        rows.append([
+            run["commit"], f"{s['save']:.1f} ({s['save_ratio']:.2f})",
+            f"{s['load']:.1f} ({s['load_ratio']:.2f})", f"{s['forward_slowdown']:+.1%}",
+            str(sum(f["saves_during"])),
+        ])  # fmt: skip
+    equal = all(r["run"]["bytes_equal"] for r in [*d.get("history", []), d])
+    return [*_table(head, rows), "", f"_{'every byte equal' if equal else '**bytes differ**'}_"]
 
 
 def h100_converted_table(d: dict[str, Any]) -> list[str]:
@@ -821,6 +850,7 @@ TABLES: dict[str, tuple[str, Callable[[dict[str, Any]], list[str]], str]] = {
     "cuda-ipc": ("cuda_ipc", cuda_ipc_table, ""),
     "cuda-ipc-layerwise": ("cuda_ipc_layerwise", cuda_ipc_table, ""),
     "cuda-ipc-converted-h100": ("cuda_ipc_converted_h100", h100_converted_table, ""),
+    "staging-cuda": ("staging_cuda", staging_cuda_table, ""),
     "convert-cuda-h100": ("convert_cuda_h100", convert_cuda_table, ""),
     "soak": ("soak", soak_table, ""),
     "soak-pd": ("soak-pd", soak_pd_table, ""),

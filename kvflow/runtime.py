@@ -310,8 +310,9 @@ class Runtime:
 
 class Backoff:
     """Sleeps that double from `first` to `most` seconds: how kvflow polls what no event
-    announces (a CUDA event, a NIXL transfer, a store that has not been written yet),
-    never blocking the loop, never spinning."""
+    announces (a NIXL transfer, a store that has not been written yet; CUDA events are
+    awaited in a thread, `event_done`), never blocking the loop, never spinning. A
+    sleep under a millisecond lasts a millisecond or more (epoll's resolution)."""
 
     def __init__(self, first: float = 2e-5, most: float = 1e-3) -> None:
         self.first = first
@@ -450,9 +451,9 @@ async def event_done(event: Any) -> None:
 
     Done already: at once. Else a thread waits in `event.synchronize()` (without the GIL;
     an event made with `blocking=True` sleeps there rather than spin, see `cuda_event`)
-    and wakes the loop as it lands. Not polled: trio's sleeps last at least a millisecond
-    (epoll's resolution; `trio.sleep(2e-5)` measured 1.09 ms), so a poll added up to that
-    to every copy waited on, per layer where layers are waited on one by one. Cancelled,
+    and wakes the loop as it lands. Not polled: a trio sleep under a millisecond lasts a
+    millisecond or more (epoll waits in whole milliseconds), so a poll added that to
+    every copy waited on, per layer where layers are waited on one by one. Cancelled,
     the wait returns at once and its thread ends when the event lands."""
     if event is None or event.query():
         return

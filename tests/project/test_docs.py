@@ -81,9 +81,10 @@ def test_the_gpu_suite_logs_to_docs_gpu_runs_not_bench_results(tmp_path: Path) -
     logs = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*.log"))
     assert logs and all(p.startswith("docs/gpu-runs/") for p in logs), logs
     (day,) = {p.split("/")[2] for p in logs}
+    steps = ["bench_cuda_ipc", "bench_cuda_ipc_hnd", "bench_cuda_ipc_layerwise"]
+    steps += ["bench_staging", "engines", "tests"]
     assert day.endswith("-h200") and logs == [
-        f"docs/gpu-runs/{day}/gpu-check-bench_cuda_ipc.log",
-        f"docs/gpu-runs/{day}/gpu-check-tests.log",
+        f"docs/gpu-runs/{day}/gpu-check-{step}.log" for step in steps
     ], logs
     assert not (tmp_path / "bench").exists()
 
