@@ -1,11 +1,13 @@
-"""Block copies on a CUDA device, one Triton launch per layer: the fast path of
-`kvflow.geometry.views` for copies that stay on one GPU (CUDA IPC pulls, host staging).
+"""Block copies on a CUDA device, one Triton launch for a layer or for every layer of a
+pull: the fast path of `kvflow.geometry.views` for copies that stay on one GPU (CUDA IPC
+pulls, host staging).
 
 Torch's indexing copies a layer's blocks in two passes through an intermediate image
 (`index_select`, then `index_copy_`) and moves a flat uint8 layer one byte per element:
-on an H200 a CUDA IPC pull of 1 GiB that way ran at a twentieth of one `copy_`. Here a
-launch moves every chunk of a layer straight from source to destination in the widest
-words the addresses allow (8 bytes where every offset and size is a multiple of 8):
+on an H200 a CUDA IPC pull of 1 GiB that way ran at 0.05-0.07 of one `copy_`. Here a
+launch moves every chunk of its layers straight from source to destination in the
+widest words the addresses allow (8 bytes where every offset and size is a multiple of
+8), each layer found by its offset from the first (a table on the device):
 
 - `copy_runs`: whole blocks of the same shape, run by run (`LayerGeometry.block_runs`);
 - `copy_cells`: cells (a token of a head) by a token map (`chunk_tokens`,
@@ -35,6 +37,8 @@ RUN_WORDS = 1024
 """Words a program of `copy_runs` moves (8 KiB of int64)."""
 CELL_WORDS = 4096
 """Words a program of `copy_cells` moves (rows of whole cells)."""
+MAX_GRID = 65535
+"""CUDA's bound on a launch's second and third grid dimensions."""
 
 
 class Kernels:
@@ -70,6 +74,8 @@ class Kernels:
         s_layer, d_layer = _layers(srcs, w), _layers(dsts, w)
         tiles = math.ceil(max(n for _, n in runs_s) // w / RUN_WORDS)
         grid = (len(si), len(runs_s) * tiles, len(srcs))
+        if max(grid[1:]) > MAX_GRID:
+            raise LayoutError(f"{g_src.describe()}: {grid[1]} pieces a block, {grid[2]} layers")
         self._runs[grid](
             _words(srcs[0], w), _words(dsts[0], w), si, di, s_layer, d_layer,
             table[0], table[1], table[2], g_src.block_stride // w, g_dst.block_stride // w,
@@ -107,6 +113,8 @@ class Kernels:
         width = 1 << max(0, (cell - 1).bit_length())
         rows = max(1, CELL_WORDS // width)
         grid = (math.ceil(n * count / rows), len(srcs))
+        if grid[1] > MAX_GRID:
+            raise LayoutError(f"{len(srcs)} layers in one launch")
         self._cells[grid](
             _words(srcs[0], w), _words(dsts[0], w), _layers(srcs, w), _layers(dsts, w),
             tokens, n * count, n, *words[:4], first, *words[4:], into,

@@ -414,7 +414,7 @@ class ZmqTransport(PeerTransport):
                     layout.tensors[0].device,
                 )
         queued: list[int] = []  # layers copied, not yet waited for
-        for group in _layer_groups(job, msg, layout):
+        for group in _layer_groups(job, msg, layout, theirs):
             ours = [layout.tensors[i] for i in group]
             g_src, g_dst = msg.geometries[group[0]], layout.geometries[group[0]]
             with self._device.stream(ours[0].device):
@@ -454,20 +454,21 @@ class ZmqTransport(PeerTransport):
             raise
 
 
-def _layer_groups(job: LoadJob, msg: wire.Ipc, layout: KVLayout) -> list[list[int]]:
+def _layer_groups(
+    job: LoadJob, msg: wire.Ipc, layout: KVLayout, theirs: list[Any]
+) -> list[list[int]]:
     """The layers a pull copies together: each alone when a forward waits on them layer
-    by layer (`job.layerwise`), else runs of layers of the same geometries on one device
-    (one launch each on a GPU)."""
+    by layer (`job.layerwise`), else runs of layers of the same geometries on the same
+    devices (one launch each on a GPU)."""
     groups: list[list[int]] = []
+    key = lambda i: (  # noqa: E731
+        msg.geometries[i],
+        layout.geometries[i],
+        layout.tensors[i].device,
+        theirs[i].device,
+    )
     for i in range(job.num_layers):
-        key = (msg.geometries[i], layout.geometries[i], layout.tensors[i].device)
-        last = groups[-1][-1] if groups else None
-        same = last is not None and key == (
-            msg.geometries[last],
-            layout.geometries[last],
-            layout.tensors[last].device,
-        )
-        if same and not job.layerwise:
+        if groups and not job.layerwise and key(i) == key(groups[-1][-1]):
             groups[-1].append(i)
         else:
             groups.append([i])
