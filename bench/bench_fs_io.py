@@ -22,10 +22,14 @@ Three sides, in alternating order each repeat, each with its own store:
   it is read; file load = each file in one `preadv` (an asynchronous load, vLLM's
   prefix cache on);
 - `kvflow 1 thread`: the same with `threads: 1`;
+- `kvflow unverified`: `kvflow` with `verify: false` (what the checksums cost);
 - `plain`: one thread, no checksum, no header, no rename: per chunk `open(O_CREAT)`,
   one `pwritev` of its layers, `close`; per file `open`, one `preadv` into the same
   destination blocks, `close`.
 
+The process's garbage-collected heap is frozen once the stores are open (`gc.freeze()`),
+as vLLM's engine core and GPU worker freeze theirs once started (`freeze_gc_heap`):
+otherwise a collection during a load traverses every object the process holds.
 Saves go into an empty store (the files removed and the disk synced before, untimed);
 loads read what the side saved, from the page cache. Every load is checked byte for
 byte against the source blocks (untimed). Medians of `--repeats` after one warm-up
@@ -48,6 +52,7 @@ machine may be shared). Writes bench/results/fs-store-key.json.
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import os
 import shutil
@@ -194,7 +199,9 @@ def clear(case: Case) -> None:
         np.frombuffer(buf, dtype=np.uint8)[:] = 0
 
 
-SIDES = ("kvflow", "kvflow 1 thread", "plain")
+SIDES = ("kvflow", "kvflow 1 thread", "kvflow unverified", "plain")
+"""`kvflow unverified`: `kvflow` with `verify: false` (what the checksums cost)."""
+KVFLOW_SIDES = SIDES[:3]
 OPS = (("save", "plain save"), ("layer load", "plain load"), ("file load", "plain load"))
 
 
@@ -204,9 +211,12 @@ def bench_case(case: Case, repeats: int, tmp: Path) -> dict[str, float]:
     times: dict[str, list[float]] = {}
 
     async def run() -> None:
-        ts = {side: _transport(roots[side], case, 2 if side == "kvflow" else 1) for side in SIDES}
+        ts = {side: _transport(roots[side], case, 1 if "1 thread" in side else 2) for side in SIDES}
+        ts["kvflow unverified"].options.verify = False
         for t in ts.values():
             await t.open()
+        gc.collect()  # as vLLM's engine core and workers do once started (`freeze_gc_heap`):
+        gc.freeze()  # what they hold is never traversed again by a collection
         for r in range(repeats + 1):  # round 0 warms up and is not counted
             order = SIDES if r % 2 == 0 else SIDES[::-1]
             for side in order:
@@ -232,7 +242,10 @@ def bench_case(case: Case, repeats: int, tmp: Path) -> dict[str, float]:
                         times.setdefault(f"{side} {op}", []).append(time.perf_counter() - t0)
                     check_loaded(case)
 
-    trio.run(run)
+    try:
+        trio.run(run)
+    finally:
+        gc.unfreeze()
     return {k: case.nbytes / statistics.median(v) / 1e9 for k, v in times.items()}
 
 
@@ -354,7 +367,10 @@ def bench_keyed(case: Case, repeats: int, tmp: Path) -> dict[str, float]:
                         times.setdefault(f"{side} {op}", []).append(time.perf_counter() - t0)
                     check_loaded(case)
 
-    trio.run(run)
+    try:
+        trio.run(run)
+    finally:
+        gc.unfreeze()
     return {k: case.nbytes / statistics.median(v) / 1e9 for k, v in times.items()}
 
 
@@ -429,7 +445,7 @@ def main() -> int:
             for op, base in OPS:
                 cells = [
                     f"{side} {gbs[f'{side} {op}']:.2f} ({gbs[f'{side} {op}'] / gbs[base]:.2f}x)"
-                    for side in SIDES[:2]
+                    for side in KVFLOW_SIDES
                 ]
                 print(f"  {op:<11} {base} {gbs[base]:.2f}   " + "   ".join(cells), flush=True)
     finally:
