@@ -190,8 +190,10 @@ def stream_tokens(
     `src_blocks` end to end from token `skip` on, `counts[i]` of them into block
     `dst_blocks[i]` from its first token."""
     torch = _torch()
-    if any(not 0 <= n <= dst_block_size for n in counts) or skip < 0:
+    if any(not 0 <= n <= dst_block_size for n in counts):
         raise LayoutError(f"token counts {list(counts)[:8]} outside 0..{dst_block_size}")
+    if skip < 0:
+        raise LayoutError(f"a token stream from token {skip}")
     c = torch.tensor(list(counts), dtype=torch.int64)
     total = int(c.sum())
     if skip + total > len(src_blocks) * src_block_size:
