@@ -29,17 +29,23 @@ CODE = ["kvflow", "transports", "plugins", "tests", "scripts"]
 the result older than the code."""
 
 
+FAILURE_LINES = 80
+"""At most this many lines of pytest's failure reports are kept (`why`)."""
+
+
 def timed(cmd: list[str], cwd: Path, env: dict[str, str]) -> dict[str, Any]:
-    """`cmd`'s wall time, the last line it printed, the tests pytest says failed, and its
-    exit status."""
+    """`cmd`'s wall time, the last line it printed, the tests pytest says failed, why
+    (each failure's heading and its `E` lines, the first `FAILURE_LINES`), and its exit
+    status."""
     t0 = time.monotonic()
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, check=False)
     wall = time.monotonic() - t0
     lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
     failed = [ln for ln in lines if ln.startswith(("FAILED ", "ERROR "))]
+    why = [ln for ln in lines if ln.startswith(("____", "E "))][:FAILURE_LINES]
     last = lines[-1] if lines else proc.stderr[-500:]
     run = {"command": " ".join(cmd), "wall_s": wall, "rc": proc.returncode, "last_line": last}
-    return run | ({"failed": failed} if failed else {})
+    return run | ({"failed": failed, "why": why} if failed else {})
 
 
 def main() -> int:
