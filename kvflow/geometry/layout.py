@@ -128,7 +128,7 @@ class LayerGeometry(msgspec.Struct, frozen=True, kw_only=True):
     def check_blocks(self, block_ids: Sequence[int], side: str) -> None:
         """Refuse out-of-range block ids on the host (on a device an out-of-range index
         is an assertion that takes the whole CUDA context down)."""
-        if any(not 0 <= b < self.num_blocks for b in block_ids):
+        if block_ids and (min(block_ids) < 0 or max(block_ids) >= self.num_blocks):
             raise LayoutError(
                 f"{side} block ids {list(block_ids)} outside 0..{self.num_blocks - 1}"
             )

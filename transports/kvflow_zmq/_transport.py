@@ -534,7 +534,7 @@ def _check_ipc_offer(
             f"{src.block_ids} into {len(job.block_ids)} blocks"
         )
     try:
-        for g_src, g_dst in zip(msg.geometries, layout.geometries, strict=True):
+        for g_src, g_dst in set(zip(msg.geometries, layout.geometries, strict=True)):
             g_src.check_blocks(src.block_ids, f"producer {address}")
             g_dst.check_blocks(job.block_ids, "destination")
     except LayoutError as exc:
