@@ -7,16 +7,18 @@ through a compact host image of its blocks: a save gathers a layer's blocks
 hands the transport the image's spans and scatters each layer into the
 device blocks as soon as the transport filled it, before the layer's gate
 opens (synchronously: the scatter of one layer of one request, a few hundred
-microseconds at PCIe speed, holds the worker's loop). Per layer, one strided
-gather (or scatter) on the device plus one copy between the device and pinned
-host memory, on a side stream; a gather's completion is awaited from trio. The
+microseconds at PCIe speed, holds the worker's loop). Per layer, one gather (or
+scatter) on the device (a Triton kernel on a GPU, `kvflow.geometry.kernels`) plus one
+copy between the device and pinned host memory, on a side stream; a gather's
+completion is awaited from trio (`event_done`: a thread waits on its event). The
 image is token-major (`[tokens, heads, cell]` per chunk) whatever vLLM's layout,
 so bytes a store holds read back into a cache of any layout. A partial block
 moves whole to the host (a read), but only its tokens are written back into the
 device.
 
-The copies are plain torch indexing, so they run on any device; the CPU test
-suite runs them on CPU tensors standing in for a CUDA cache.
+Off a GPU the copies are torch's indexing, which runs on any device; the CPU test
+suite runs them, and the kernels in Triton's interpreter, on CPU tensors standing in
+for a CUDA cache.
 """
 
 from __future__ import annotations
@@ -41,7 +43,6 @@ def mark(layout: KVLayout) -> Any:
     its thread), for staging copies to wait on; None for other memory."""
     if not layout.tensors or layout.tensors[0].device.type != "cuda":
         return None
-
     event = cuda_event()
     event.record()
     return event
@@ -196,7 +197,6 @@ class HostStage:
         if self._stream is None:
             await trio.lowlevel.checkpoint()
             return
-
         event = cuda_event()
         event.record(self._stream)
         await event_done(event)

@@ -10,10 +10,10 @@ the loop).
 
 Handles are the fields of torch's `UntypedStorage._share_cuda_()`, the same
 mechanism `torch.multiprocessing` uses, carried as a msgspec Struct (never
-pickle). `Device` is the one seam between this module and the GPU: the
-copies themselves are plain torch indexing and run on any device, which is
-how the CPU test suite checks them (with an in-process stand-in for the
-handles) where no GPU exists.
+pickle). `Device` is the one seam between this module and the GPU. The copies are
+Triton kernels on a GPU (`kvflow.geometry.kernels`: every layer of an asynchronous
+pull in one launch) and torch's indexing elsewhere; the CPU test suite runs both,
+the kernels in Triton's interpreter, with an in-process stand-in for the handles.
 """
 
 from __future__ import annotations
