@@ -66,7 +66,7 @@ else
 fi
 RUNS=(--runs 3)
 ((${#QUICK[@]})) && RUNS=()  # --quick: each benchmark at full size, once
-step bench_cuda_ipc "$PY" bench/bench_cuda_ipc.py "${RUNS[@]}"
+step bench_cuda_ipc "$PY" bench/bench_cuda_ipc.py --phases "${RUNS[@]}"  # and where a pull's time goes
 step bench_cuda_ipc_hnd "$PY" bench/bench_cuda_ipc.py --consumer-layout LBHNC "${RUNS[@]}"
 ((${#QUICK[@]})) || step bench_cuda_ipc_layerwise "$PY" bench/bench_cuda_ipc.py --layerwise "${RUNS[@]}"
 step bench_staging "$PY" bench/bench_staging_cuda.py
