@@ -193,9 +193,8 @@ def kernel_s(
         dst.tensors[0].device,
     )  # fmt: skip
     ipc.copy_chunks(
-        src.tensors[:layers], src.geometries[0], dst.tensors[:layers], dst.geometries[0],
-        index, src_ids, dst_ids, [BLOCK] * len(src_ids),
-    )  # fmt: skip
+        src.tensors[:layers], src.geometries[0], dst.tensors[:layers], dst.geometries[0], index
+    )
     torch.cuda.synchronize()
     return time.perf_counter() - t0
 

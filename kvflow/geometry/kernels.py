@@ -66,12 +66,13 @@ class Kernels:
         if not len(si) or not srcs:
             return
         sizes = [o for o, _ in runs_s] + [o for o, _ in runs_d] + [n for _, n in runs_s]
-        w = _word(srcs, dsts, g_src.block_stride, g_dst.block_stride, *sizes)
-        table = _run_table(g_src, g_dst, w, srcs[0].device)
         strides = (g_src.block_stride, g_dst.block_stride)
-        align = math.gcd(16 // w, *(x // w for x in (*sizes, *strides)))
-        align = math.gcd(align, *_layer_words(srcs, w), *_layer_words(dsts, w))
-        s_layer, d_layer = _layers(srcs, w), _layers(dsts, w)
+        w = _word(srcs, dsts, *strides, *sizes)
+        table = _run_table(g_src, g_dst, w, srcs[0].device)
+        s_words, d_words = _layer_words(srcs, w), _layer_words(dsts, w)
+        align = math.gcd(16 // w, *(x // w for x in (*sizes, *strides)), *s_words, *d_words)
+        s_layer = _layer_table(s_words, srcs[0].device)
+        d_layer = _layer_table(d_words, dsts[0].device)
         tiles = math.ceil(max(n for _, n in runs_s) // w / RUN_WORDS)
         grid = (len(si), len(runs_s) * tiles, len(srcs))
         if max(grid[1:]) > MAX_GRID:
@@ -109,14 +110,16 @@ class Kernels:
         w = _word(srcs, dsts, g_src.cell_bytes, *strides, *strides_d)
         cell = g_src.cell_bytes // w
         words = [x // w for x in (*strides, *strides_d)]
-        align = math.gcd(16 // w, *words, *_layer_words(srcs, w), *_layer_words(dsts, w))
+        s_words, d_words = _layer_words(srcs, w), _layer_words(dsts, w)
+        align = math.gcd(16 // w, *words, *s_words, *d_words)
         width = 1 << max(0, (cell - 1).bit_length())
         rows = max(1, CELL_WORDS // width)
         grid = (math.ceil(n * count / rows), len(srcs))
         if grid[1] > MAX_GRID:
             raise LayoutError(f"{len(srcs)} layers in one launch")
         self._cells[grid](
-            _words(srcs[0], w), _words(dsts[0], w), _layers(srcs, w), _layers(dsts, w),
+            _words(srcs[0], w), _words(dsts[0], w),
+            _layer_table(s_words, srcs[0].device), _layer_table(d_words, dsts[0].device),
             tokens, n * count, n, *words[:4], first, *words[4:], into,
             HEADS=count, S_KT=g_src.kernel_tokens, D_KT=g_dst.kernel_tokens, CELL=cell,
             WIDTH=width, ROWS=rows, ALIGN=align,
@@ -165,13 +168,7 @@ def chunk_tokens(
     """The token map (`Kernels.copy_cells`) of tokens `0..counts[i]` of `src_blocks[i]`
     into the same tokens of `dst_blocks[i]`, on `device`."""
     torch = _torch()
-    if any(not 0 <= n <= block_size for n in counts):
-        raise LayoutError(f"token counts {list(counts)[:8]} outside 0..{block_size}")
-    c = torch.tensor(list(counts), dtype=torch.int64)
-    total = int(c.sum())
-    chunk = torch.repeat_interleave(torch.arange(len(c)), c, output_size=total)
-    start = torch.cumsum(c, 0) - c
-    tok = torch.arange(total) - start[chunk]
+    chunk, tok = _positions(counts, block_size)
     src = torch.tensor(list(src_blocks), dtype=torch.int64)[chunk]
     dst = torch.tensor(list(dst_blocks), dtype=torch.int64)[chunk]
     return torch.stack([src, tok, dst, tok]).to(device)
@@ -190,22 +187,30 @@ def stream_tokens(
     `src_blocks` end to end from token `skip` on, `counts[i]` of them into block
     `dst_blocks[i]` from its first token."""
     torch = _torch()
-    if any(not 0 <= n <= dst_block_size for n in counts):
-        raise LayoutError(f"token counts {list(counts)[:8]} outside 0..{dst_block_size}")
+    chunk, tok = _positions(counts, dst_block_size)
     if skip < 0:
         raise LayoutError(f"a token stream from token {skip}")
-    c = torch.tensor(list(counts), dtype=torch.int64)
-    total = int(c.sum())
+    total = len(tok)
     if skip + total > len(src_blocks) * src_block_size:
         raise LayoutError(
             f"{total} tokens from token {skip} of {len(src_blocks)} blocks of {src_block_size}"
         )
     q = skip + torch.arange(total)
     src = torch.tensor(list(src_blocks), dtype=torch.int64)[q // src_block_size]
-    chunk = torch.repeat_interleave(torch.arange(len(c)), c, output_size=total)
-    tok = torch.arange(total) - (torch.cumsum(c, 0) - c)[chunk]
     dst = torch.tensor(list(dst_blocks), dtype=torch.int64)[chunk]
     return torch.stack([src, q % src_block_size, dst, tok]).to(device)
+
+
+def _positions(counts: Sequence[int], block_size: int) -> tuple[Any, Any]:
+    """For each of the `sum(counts)` tokens of chunks holding `counts[i]` tokens each
+    (at most `block_size`), its chunk and its place in the chunk (host tensors)."""
+    torch = _torch()
+    if any(not 0 <= n <= block_size for n in counts):
+        raise LayoutError(f"token counts {list(counts)[:8]} outside 0..{block_size}")
+    c = torch.tensor(list(counts), dtype=torch.int64)
+    total = int(c.sum())
+    chunk = torch.repeat_interleave(torch.arange(len(c)), c, output_size=total)
+    return chunk, torch.arange(total) - (torch.cumsum(c, 0) - c)[chunk]
 
 
 @functools.lru_cache(maxsize=256)
@@ -232,14 +237,10 @@ def _layer_words(layers: Sequence[Any], w: int) -> tuple[int, ...]:
     return tuple((t.data_ptr() - base) // w for t in layers)
 
 
-def _layers(layers: Sequence[Any], w: int) -> Any:
-    """`_layer_words` as an int64 tensor on the layers' device (one copy to the device per
-    set of layers: a pull's are the same every time)."""
-    return _layer_table(_layer_words(layers, w), layers[0].device)
-
-
 @functools.lru_cache(maxsize=1024)
 def _layer_table(words: tuple[int, ...], device: Any) -> Any:
+    """`_layer_words` as an int64 tensor on `device` (one copy to the device per set of
+    layers: a pull's are the same every time)."""
     return _torch().tensor(words, dtype=_torch().int64).to(device)
 
 

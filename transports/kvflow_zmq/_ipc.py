@@ -164,24 +164,24 @@ class ChunkIndex:
         src_device: torch.device,
         dst_device: torch.device,
     ) -> None:
+        self.src_blocks, self.dst_blocks = list(src_blocks), list(dst_blocks)
+        self.token_counts = list(token_counts)
         full = [i for i, n in enumerate(token_counts) if g.block_bytes or n == g.block_size]
         self.full, self.partial = full, sorted(set(range(len(token_counts))) - set(full))
         self.si = torch.tensor([src_blocks[i] for i in full], device=src_device)
         self.di = torch.tensor([dst_blocks[i] for i in full], device=dst_device)
-        self._chunks = (list(src_blocks), list(dst_blocks), list(token_counts), g.block_size)
-        self._device = dst_device
+        self._block_size, self._device = g.block_size, dst_device
         self._maps: dict[bool, torch.Tensor] = {}
 
     def tokens(self, partial_only: bool) -> torch.Tensor:
         """The token map of every chunk's tokens, or of the partial chunks' only."""
         if partial_only not in self._maps:
-            src, dst, counts, block_size = self._chunks
-            which = self.partial if partial_only else range(len(counts))
+            which = self.partial if partial_only else range(len(self.token_counts))
             self._maps[partial_only] = kernels.chunk_tokens(
-                [src[i] for i in which],
-                [dst[i] for i in which],
-                [counts[i] for i in which],
-                block_size,
+                [self.src_blocks[i] for i in which],
+                [self.dst_blocks[i] for i in which],
+                [self.token_counts[i] for i in which],
+                self._block_size,
                 self._device,
             )
         return self._maps[partial_only]
@@ -193,16 +193,14 @@ def copy_chunks(
     dsts: Sequence[torch.Tensor],
     g_dst: LayerGeometry,
     index: ChunkIndex,
-    src_blocks: Sequence[int],
-    dst_blocks: Sequence[int],
-    token_counts: Sequence[int],
     heads: tuple[int, int, int] | None = None,
 ) -> None:
-    """Queue the copy of chunk i from `src_blocks[i]` to `dst_blocks[i]` in each layer of
-    `srcs` into the same of `dsts` (layers of the geometries `g_src` and `g_dst`, which
-    hold the same cells, `layout_mismatch(..., cells=True)`); with `heads` (first, into,
-    count), heads `first..` of the source's blocks into heads `into..` of the
-    destination's, nothing else written.
+    """Queue the copy of chunk i of `index` (`index.token_counts[i]` tokens) from block
+    `index.src_blocks[i]` to `index.dst_blocks[i]` in each layer of `srcs` into the same
+    of `dsts` (layers of the geometries `g_src` and `g_dst`, which hold the same cells,
+    `layout_mismatch(..., cells=True)`); with `heads` (first, into, count), heads
+    `first..` of the source's blocks into heads `into..` of the destination's, nothing
+    else written.
 
     On one CUDA device, one kernel launch for all the layers moves the full chunks run by
     run, or, between two layouts or for some heads, every chunk cell by cell (a second
@@ -215,9 +213,7 @@ def copy_chunks(
     kern = kernels.device_kernels(srcs[0], dsts[0]) if srcs else None
     if kern is None:
         for src, dst in zip(srcs, dsts, strict=True):
-            _torch_chunks(
-                src, g_src, dst, g_dst, index, src_blocks, dst_blocks, token_counts, heads
-            )
+            _torch_chunks(src, g_src, dst, g_dst, index, heads)
         return
     if heads is not None or g_src.block_shape() != g_dst.block_shape():
         kern.copy_cells(srcs, g_src, dsts, g_dst, index.tokens(partial_only=False), heads)
@@ -233,13 +229,11 @@ def _torch_chunks(
     dst: torch.Tensor,
     g_dst: LayerGeometry,
     index: ChunkIndex,
-    src_blocks: Sequence[int],
-    dst_blocks: Sequence[int],
-    token_counts: Sequence[int],
     heads: tuple[int, int, int] | None,
 ) -> None:
     """`copy_chunks` of one layer with torch's indexing."""
     si, di, full, partial = index.si, index.di, index.full, index.partial
+    src_blocks, dst_blocks, token_counts = index.src_blocks, index.dst_blocks, index.token_counts
     if heads is not None:  # a consumer rank of another tensor-parallel size: these heads
         first, into, count = heads
         src_cells = cell_view(src, g_src)[:, :, first : first + count]

@@ -425,10 +425,7 @@ class ZmqTransport(PeerTransport):
                         heads or (0, 0, g_dst.heads), tokens,
                     )  # fmt: skip
                 else:
-                    ipc.copy_chunks(
-                        [theirs[i] for i in group], g_src, ours, g_dst, index,
-                        src.block_ids, job.block_ids, job.token_counts, heads,
-                    )  # fmt: skip
+                    ipc.copy_chunks([theirs[i] for i in group], g_src, ours, g_dst, index, heads)
             queued.extend(group)
             if job.layerwise or group[-1] == job.num_layers - 1:  # else: one wait for all
                 await self._landed({layout.tensors[i].device for i in queued})
