@@ -31,7 +31,8 @@ The process's garbage-collected heap is frozen once the stores are open (`gc.fre
 as vLLM's engine core and GPU worker freeze theirs once started (`freeze_gc_heap`):
 otherwise a collection during a load traverses every object the process holds.
 Saves go into an empty store (the files removed and the disk synced before, untimed);
-loads read what the side saved, from the page cache. Every load is checked byte for
+loads read what the side saved, from the page cache, the disk synced before each
+(untimed: no writeback of the saves runs during a load). Every load is checked byte for
 byte against the source blocks (untimed). Medians of `--repeats` after one warm-up
 round; ratios are of GB/s against plain. Writes bench/results/fs-io.json.
 
@@ -233,6 +234,7 @@ def bench_case(case: Case, repeats: int, tmp: Path) -> dict[str, float]:
             for side in order:
                 for op in ("load",) if side == "plain" else ("layer load", "file load"):
                     clear(case)
+                    os.sync()  # no writeback of the saves above runs during the load
                     t0 = time.perf_counter()
                     if side == "plain":
                         plain_read(ts[side], case)

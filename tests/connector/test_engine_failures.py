@@ -33,7 +33,7 @@ from ..support.kvflow_engines import (
     Engine,
     GatedFs,
     HangingTransport,
-    SlowCloseFs,
+    SlowEndFs,
     StuckPeer,
     StuckReadFs,
     TransportFactory,
@@ -118,18 +118,18 @@ def test_missing_chunk_reports_its_blocks_and_never_hangs(
 
 def test_load_errors_are_known_when_the_step_ends(start_engine: Callable[..., Engine]) -> None:
     """vLLM reads get_block_ids_with_load_errors right after wait_for_save (end_step)."""
-    _, b, plan = _warm_engine_missing_chunk(start_engine, worker_transport=SlowCloseFs)
+    _, b, plan = _warm_engine_missing_chunk(start_engine, worker_transport=SlowEndFs)
     fs = b.worker_transport
-    assert isinstance(fs, SlowCloseFs)
+    assert isinstance(fs, SlowEndFs)
     stepper = threading.Thread(target=run_step, args=(b, plan))
     try:
         stepper.start()
-        assert fs.closing.wait(WAIT)  # every layer is signalled; the load has not failed yet
+        assert fs.ending.wait(WAIT)  # every layer is signalled; the load has not failed yet
         stepper.join(0.5)  # an absence check: end_step must still be waiting
         ended_before_the_load = not stepper.is_alive()
         errors_then = b.worker.take_error_blocks() if ended_before_the_load else None
     finally:
-        fs.may_close.set()
+        fs.may_end.set()
     stepper.join(WAIT)
     assert not stepper.is_alive()
     assert not ended_before_the_load, f"step ended with error blocks {errors_then}"

@@ -88,18 +88,21 @@ class GatedFs(FsTransport):
         await super().save(job)
 
 
-class SlowCloseFs(FsTransport):
-    """`fs` whose load holds its files open until the test lets it close them."""
+class SlowEndFs(FsTransport):
+    """`fs` whose load, once it has signalled every layer it will, ends (returns or
+    raises) only when the test lets it."""
 
     def __init__(self, options: FsOptions, context: TransportContext) -> None:
         super().__init__(options, context)
-        self.closing = threading.Event()
-        self.may_close = threading.Event()
+        self.ending = threading.Event()
+        self.may_end = threading.Event()
 
-    def _close(self, fds: list[int]) -> None:
-        self.closing.set()
-        self.may_close.wait(WAIT)
-        super()._close(fds)
+    async def load(self, job: LoadJob) -> None:
+        try:
+            await super().load(job)
+        finally:
+            self.ending.set()
+            await trio.to_thread.run_sync(self.may_end.wait, WAIT)
 
 
 class HangingTransport(Transport):

@@ -24,7 +24,8 @@ from kvflow.transport import (
     TransportError,
 )
 from kvflow_fs import FsOptions, FsTransport
-from kvflow_fs import _transport as fs_module
+from kvflow_fs import _io as fs_io
+from kvflow_fs import _loading as fs_loading
 from kvflow_fs._format import HEADER_SIZE, encode_header, read_header
 from kvflow_fs._transport import THREADS
 from kvflow_fs._usage import EVICT_TO, StoreUsage
@@ -114,10 +115,10 @@ async def test_flipped_payload_byte_is_checksum_error_and_file_is_deleted(kv: Ha
 async def test_a_bad_chunk_in_a_later_batch_fails_there_and_every_chunk_before_it_lands(
     kv: Harness, monkeypatch: pytest.MonkeyPatch, layerwise: bool
 ) -> None:
-    """Loads move chunks in batches, two threads at once, by layer groups (0, 1, 2-3, ...)
-    or whole files: a bad last layer in chunk 4 (third batch) fails the load at chunk 4,
+    """Loads move chunks in runs, two threads at once, by layer groups (0, 1, 2-3, ...)
+    or whole files: a bad last layer in chunk 4 (fifth run) fails the load at chunk 4,
     chunks 0-3 land, and every layer is signalled once, in order."""
-    monkeypatch.setattr(fs_module, "BATCH_BYTES", 1)  # one chunk per batch
+    monkeypatch.setattr(fs_loading, "RUNS_PER_THREAD", 1000)  # one chunk per run
     worker = await fs_worker(kv)
     src = await saved(kv, worker, 6)
     last = kv.layout.num_layers - 1
@@ -139,9 +140,9 @@ async def test_a_bad_chunk_in_a_later_batch_fails_there_and_every_chunk_before_i
 async def test_the_earliest_bad_chunk_fails_the_load_whichever_batch_ends_first(
     kv: Harness, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Chunk 2 is bad in layer 0, chunk 4 in the last: batches run two at once, and the
+    """Chunk 2 is bad in layer 0, chunk 4 in the last: runs are read two at once, and the
     load fails at chunk 2 with chunks 0-1 landed, never at chunk 4."""
-    monkeypatch.setattr(fs_module, "BATCH_BYTES", 1)
+    monkeypatch.setattr(fs_loading, "RUNS_PER_THREAD", 1000)
     worker = await fs_worker(kv)
     src = await saved(kv, worker, 6)
     for c, layer in ((2, 0), (4, kv.layout.num_layers - 1)):
@@ -150,6 +151,36 @@ async def test_the_earliest_bad_chunk_fails_the_load_whichever_batch_ends_first(
             f.write(b"\xff" * 8)
     exc = await load_fails(kv, worker, src, 2, ChunkCorrupt)
     assert "checksum mismatch in layer 0" in str(exc)
+
+
+async def test_a_runs_files_stay_open_until_every_group_of_it_is_read(
+    kv: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two threads share a load's (group, run) pairs, so one may finish a run's last
+    group while the other still reads an earlier group of it: the run's files are closed
+    only after both. Here chunk 0's layer 1 is held back until some run's files are
+    closed; closing chunk 0's once its last group was read (the first version) made that
+    read fail on a closed (or reused) descriptor."""
+    monkeypatch.setattr(fs_loading, "RUNS_PER_THREAD", 1000)  # one chunk per run
+    assert kv.layout.num_layers >= 3  # groups 0, 1, 2-...
+    worker = await fs_worker(kv)
+    src = await saved(kv, worker, 3)
+    closed = threading.Event()
+    read_layers, close = FsTransport._read_layers, FsTransport._close
+
+    def held_read(self: FsTransport, *args: Any) -> Any:
+        group, c = args[3], args[5]
+        if group.start == 1 and c == 0:
+            assert closed.wait(30), "no run's files were ever closed"
+        return read_layers(self, *args)
+
+    def closing(self: FsTransport, fds: list[int]) -> None:
+        closed.set()
+        close(self, fds)
+
+    monkeypatch.setattr(FsTransport, "_read_layers", held_read)
+    monkeypatch.setattr(FsTransport, "_close", closing)
+    await kv.round_trip(worker, worker, src)
 
 
 async def test_short_reads_and_writes_are_finished(
@@ -173,7 +204,7 @@ async def test_short_reads_and_writes_are_finished(
 
     monkeypatch.setattr(os, "preadv", short(preadv))
     monkeypatch.setattr(os, "pwritev", short(pwritev))
-    monkeypatch.setattr(fs_module, "IOV_MAX", 2)
+    monkeypatch.setattr(fs_io, "IOV_MAX", 2)
     worker = await fs_worker(kv)
     await kv.round_trip(worker, worker, kv.chunks(3, partial=2))
 
@@ -188,27 +219,27 @@ async def test_short_reads_and_writes_are_finished(
     ],
 )
 def test_layer_groups_double(layers: int, groups: list[tuple[int, int]]) -> None:
-    assert [(g.start, g.stop) for g in fs_module._layer_groups(layers)] == groups
+    assert [(g.start, g.stop) for g in fs_loading.layer_groups(layers)] == groups
 
 
 MiB = 1 << 20
 
 
 @pytest.mark.parametrize(
-    ("sizes", "parts", "runs"),
+    ("tokens", "threads", "runs"),
     [
-        ([MiB] * 32, 1, [(0, 32)]),  # 32 MiB: one thread call, as a save's
-        ([MiB] * 32, 2, [(0, 16), (16, 32)]),  # a layer of a load: on both threads
-        ([MiB] * 3, 2, [(0, 3)]),  # too little to split
-        ([8 * MiB] * 32, 2, [(0, 8), (8, 16), (16, 24), (24, 32)]),  # 64 MiB at most
+        ([16] * 32, 1, [(a, a + 4) for a in range(0, 32, 4)]),
+        ([16] * 32, 2, [(a, a + 2) for a in range(0, 32, 2)]),
+        ([16] * 3, 2, [(0, 1), (1, 2), (2, 3)]),  # a run is a chunk at least
+        ([16] * 31 + [5], 2, [(a, a + 2) for a in range(0, 30, 2)] + [(30, 32)]),
     ],
 )
-def test_batches_split_a_load_among_its_threads(
-    sizes: list[int], parts: int, runs: list[tuple[int, int]]
+def test_a_load_is_cut_into_runs_for_its_threads_to_share(
+    tokens: list[int], threads: int, runs: list[tuple[int, int]]
 ) -> None:
-    """Issue 50, item 6: a layer-by-layer load's first groups (a layer or two of every
-    chunk) were read on one thread whatever `threads` said."""
-    assert [(r.start, r.stop) for r in fs_module._batches(sizes, parts)] == runs
+    """Issue 50, item 6: each thread takes about `RUNS_PER_THREAD` (8) runs of a load,
+    so one slow thread leaves its share to the others."""
+    assert [(r.start, r.stop) for r in fs_loading.load_runs(tokens, threads)] == runs
 
 
 async def test_threads_below_one_fail_at_open_naming_the_key(tmp_path: Path) -> None:

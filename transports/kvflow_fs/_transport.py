@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
-import itertools
 import logging
 import os
 import secrets
@@ -35,6 +34,8 @@ from kvflow.transport import (
 from . import _doctor, _perms
 from ._batch import Batched
 from ._format import HEADER_SIZE, encode_header, layer_offset, read_header
+from ._io import read_checked, write_all
+from ._loading import Reading, layer_groups, load_runs, runs
 from ._shards import KnownShards
 from ._usage import StoreUsage
 
@@ -69,26 +70,12 @@ THREADS = 32
 """Threads of each kind (loads, saves) one fs transport runs at once."""
 
 BATCH_BYTES = 64 << 20
-"""Bytes one thread call writes or reads: a cancelled transfer stops between batches."""
-SPLIT_BYTES = 4 << 20
-"""The fewest bytes a thread call of a load is given when a load is split among threads."""
-IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
+"""Bytes one thread call of a save writes: a cancelled save stops between batches."""
 
 
-def _batches(sizes: list[int], parts: int = 1) -> list[range]:
-    """Consecutive chunk indices in runs of about `BATCH_BYTES`, or in `parts` runs of
-    about equal bytes where those are smaller (of `SPLIT_BYTES` at least): a load of
-    a few layers reads on every thread it may use (issue 50, item 6)."""
-    per = min(BATCH_BYTES, max(SPLIT_BYTES, -(-sum(sizes) // parts)))
-    out, start, acc = [], 0, 0
-    for c, n in enumerate(sizes):
-        acc += n
-        if acc >= per:
-            out.append(range(start, c + 1))
-            start, acc = c + 1, 0
-    if start < len(sizes):
-        out.append(range(start, len(sizes)))
-    return out
+def _batches(sizes: list[int]) -> list[range]:
+    """A save's chunk indices in runs of about `BATCH_BYTES`."""
+    return runs(sizes, BATCH_BYTES)
 
 
 async def _in_threads(
@@ -116,44 +103,9 @@ async def _in_threads(
     return results
 
 
-def _layer_groups(num_layers: int) -> list[range]:
-    """Layers 0, 1, 2-3, 4-7, ...: what a layer-by-layer load reads per system call."""
-    powers = (min(1 << i, num_layers) for i in range(num_layers.bit_length()))
-    edges = sorted({0, num_layers, *powers})
-    return [range(a, b) for a, b in itertools.pairwise(edges)]
-
-
-def _move_all(
-    call: Callable[[int, Sequence[memoryview], int], int],
-    fd: int,
-    spans: Sequence[memoryview],
-    offset: int,
-) -> int:
-    """`call` (`os.preadv` or `os.pwritev`) over `spans` back to back from `offset`,
-    whatever one call moves; the bytes moved (fewer only at the end of a file read)."""
-    start = offset
-    for i in range(0, len(spans), IOV_MAX):
-        group = spans[i : i + IOV_MAX]
-        n = call(fd, group, offset)
-        for s in group:  # skip what was moved, finish what a short call left
-            done, n = min(n, len(s)), max(0, n - len(s))
-            while done < len(s):
-                moved = call(fd, [s[done:]], offset + done)
-                if not moved:
-                    return offset + done - start
-                done += moved
-            offset += len(s)
-    return offset - start
-
-
-def _write_all(fd: int, spans: Sequence[memoryview], offset: int = 0) -> None:
-    want = sum(len(s) for s in spans)
-    if (n := _move_all(os.pwritev, fd, spans, offset)) != want:
-        raise OSError(errno.EIO, f"wrote {n} of {want} bytes")
-
-
-def _read_all(fd: int, spans: Sequence[memoryview], offset: int) -> int:
-    return _move_all(os.preadv, fd, spans, offset)
+def _which(group: range) -> str:
+    """Layers `group`, in words."""
+    return f"layer {group[0]}" if len(group) == 1 else f"layers {group[0]}-{group[-1]}"
 
 
 def store_root(options: FsOptions) -> Path:
@@ -329,8 +281,8 @@ class FsTransport(Transport):
                 continue
             spans = [layer[c] for layer in layers]
             h = ChunkHeader.of(self.context, job.keys[c], job.token_counts[c], spans)
-            _write_all(fd, [s for ls in spans for s in ls], HEADER_SIZE)
-            _write_all(fd, [memoryview(encode_header(h))], 0)  # apart: see decision 35
+            write_all(fd, [s for ls in spans for s in ls], HEADER_SIZE)
+            write_all(fd, [memoryview(encode_header(h))], 0)  # apart: see decision 35
             headers[c] = h
 
     # -- load --------------------------------------------------------------
@@ -340,109 +292,135 @@ class FsTransport(Transport):
         signalled: vLLM may write into a loaded block as soon as its layer is signalled.
 
         A load the forward waits on (`job.layerwise`) reads layers in groups of 1, 1, 2,
-        4, ... (`_layer_groups`): the first layer lands as soon as it can, and later
+        4, ... (`layer_groups`): the first layer lands as soon as it can, and later
         ones, which the forward reaches later, come in fewer system calls. An
-        asynchronous load reads each file in one system call. Each group's chunks are
-        split among the `threads` it may use (`_batches`), a group of one layer too.
+        asynchronous load reads each file in one system call. Its `threads` threads
+        take runs of chunks group by group, none waiting for another (`_loading`); a
+        group's layers are signalled once every run of it is read.
         """
-        assert self.context.layout is not None, "fs load needs registered KV caches"
+        layout = job.layout or self.context.layout
+        assert layout is not None, "fs load needs registered KV caches"
         if job.shard and not is_plain_name(job.shard):
             raise TransportError(f"fs: refused shard name {shown(job.shard)}")
-        paths = [self.path(k, job.shard) for k in job.keys]
-        fds: list[int] = []
-        headers: list[ChunkHeader] = []
-        found: list[ChunkFailure | None] = []
-        groups = _layer_groups(job.num_layers) if job.layerwise else [range(job.num_layers)]
+        paths = [self._file(k, job.shard or self.context.shard) for k in job.keys]
+        groups = layer_groups(job.num_layers) if job.layerwise else [range(job.num_layers)]
+        chunk_runs = load_runs(job.token_counts, self.options.threads)
+        # every span made first: made while the threads read, they held the GIL from them
+        spans = [[job.spans(layer) for layer in g] for g in groups] if job.keys else []
+        reading = Reading(groups, chunk_runs, spans, len(job.keys))
         try:
-            found.append(
-                await trio.to_thread.run_sync(
-                    self._open_chunks, job, paths, fds, headers, limiter=self._load_threads
-                )
-            )
-            for group in groups:
-                first = first_failure(found)
-                intact = len(fds) if first is None else first.chunk
-                spans = [job.spans(layer) for layer in group]
-                sizes = [sum(h.layer_nbytes[i] for i in group) for h in headers[:intact]]
-                found += await _in_threads(
-                    functools.partial(self._read_layers, fds, headers, paths, group, spans),
-                    _batches(sizes, self.options.threads),
-                    self._load_threads,
-                    self.options.threads,
-                )
-                for layer in group:
-                    job.layer_loaded(layer)
+            async with trio.open_nursery() as nursery:
+                for _ in range(min(self.options.threads, len(chunk_runs))):
+                    nursery.start_soon(self._read_in_thread, job, paths, reading)
+                try:
+                    for g, group in enumerate(groups):
+                        if chunk_runs:
+                            await reading.done[g].wait()
+                        if reading.error is not None:
+                            break
+                        for layer in group:
+                            job.layer_loaded(layer)
+                finally:
+                    reading.end()
         finally:
-            with trio.CancelScope(shield=True):
-                await trio.to_thread.run_sync(self._close, fds, limiter=self._load_threads)
-        failure = first_failure(found)
+            if left := reading.still_open():  # it stopped early: every thread has ended
+                with trio.CancelScope(shield=True):
+                    await trio.to_thread.run_sync(self._close, left, limiter=self._load_threads)
+        if reading.error is not None:
+            raise reading.error
+        failure = first_failure(reading.failures)
         if failure is not None:
             raise failure.error(job.keys[failure.chunk])
 
-    def _open_chunks(
-        self, job: LoadJob, paths: list[Path], fds: list[int], headers: list[ChunkHeader]
-    ) -> ChunkFailure | None:
-        """Open and validate each chunk's file into `fds` / `headers`, up to the first bad one."""
-        for c, (key, count, path) in enumerate(zip(job.keys, job.token_counts, paths, strict=True)):
+    async def _read_in_thread(self, job: LoadJob, paths: list[str], reading: Reading) -> None:
+        try:
+            await trio.to_thread.run_sync(
+                self._read_runs, job, paths, reading, limiter=self._load_threads
+            )
+        except Exception as exc:  # kept for `load` to raise, not wrapped in a group
+            reading.raised(exc)
+
+    def _read_runs(self, job: LoadJob, paths: list[str], reading: Reading) -> None:
+        """In a thread: read what `reading` hands out, run by run: a run's files opened
+        and checked in the first group, each of its chunks read and checked in each,
+        its files closed once every group of it is read."""
+        for g, r in reading.take():
+            run = reading.runs[r]
+            if g == 0:
+                self._open_chunks(job, paths, run, reading)
+            spans = reading.spans[g]
+            for c in run:
+                fd, h = reading.fds[c], reading.headers[c]
+                if reading.stop or c >= reading.limit or fd is None or h is None:
+                    break
+                mine = [layer[c] for layer in spans]
+                if failure := self._read_layers(fd, h, paths[c], reading.groups[g], mine, c):
+                    reading.failed(failure)
+                    break
+            if reading.read(g, r):  # every group of the run is read: its files are done
+                self._close([fd for c in run if (fd := reading.fds[c]) is not None])
+                reading.fds[run.start : run.stop] = [None] * len(run)
+
+    def _open_chunks(self, job: LoadJob, paths: list[str], run: range, reading: Reading) -> None:
+        """Open and validate each of `run`'s files into `reading.fds` / `headers`, up to
+        the first bad one (told to `reading`)."""
+        for c in run:
+            if c >= reading.limit:
+                return
+            key, count, path = job.keys[c], job.token_counts[c], paths[c]
             try:
                 fd = os.open(path, os.O_RDONLY)
             except FileNotFoundError:
-                return ChunkFailure(c, ChunkMissing, f"missing file {path}")
+                return reading.failed(ChunkFailure(c, ChunkMissing, f"missing file {path}"))
             except OSError as exc:
-                return ChunkFailure(c, TransportError, f"cannot open {path}: {exc}")
+                return reading.failed(ChunkFailure(c, TransportError, f"cannot open {path}: {exc}"))
             try:
                 h = read_header(fd)
                 problem = h.problem(self.context, key, count, job)
                 if problem and job.shard:  # another shape's chunk, not ours: left alone
                     os.close(fd)
-                    return ChunkFailure(c, ChunkCorrupt, f"{problem} in {path}")
+                    return reading.failed(ChunkFailure(c, ChunkCorrupt, f"{problem} in {path}"))
                 if not problem and os.fstat(fd).st_size < HEADER_SIZE + h.payload_nbytes():
                     problem = "truncated payload"
             except BadHeader as exc:
                 problem = str(exc)
             except OSError as exc:
                 os.close(fd)
-                return ChunkFailure(c, TransportError, f"cannot read {path}: {exc}")
+                return reading.failed(ChunkFailure(c, TransportError, f"cannot read {path}: {exc}"))
             if problem:
                 failure = self._corrupt(c, fd, path, problem)
                 os.close(fd)
-                return failure
-            fds.append(fd)
-            headers.append(h)
+                return reading.failed(failure)
+            reading.fds[c], reading.headers[c] = fd, h
         return None
 
     def _read_layers(
         self,
-        fds: list[int],
-        headers: list[ChunkHeader],
-        paths: list[Path],
+        fd: int,
+        h: ChunkHeader,
+        path: str,
         group: range,
-        spans: list[list[list[memoryview]]],
-        chunks: range,
+        spans: list[list[memoryview]],
+        c: int,
     ) -> ChunkFailure | None:
-        """Read layers `group` of each chunk in `chunks` (adjacent in the file: one system
-        call), then check each of them; `spans[i]` are the spans of layer `group[i]`."""
-        for c in chunks:
-            fd, h = fds[c], headers[c]
-            mine = [layer[c] for layer in spans]
-            want = sum(h.layer_nbytes[i] for i in group)
-            where = f"layer {group[0]}" if len(group) == 1 else f"layers {group[0]}-{group[-1]}"
-            try:
-                got = _read_all(fd, [s for ls in mine for s in ls], layer_offset(h, group[0]))
-            except OSError as exc:
-                return ChunkFailure(c, TransportError, f"cannot read {where} of {paths[c]}: {exc}")
-            if got != want:
-                return self._corrupt(
-                    c, fd, paths[c], f"short read ({got} of {want} bytes) in {where}"
-                )
-            sk = self.context.store_key  # a store key's checksums are always checked
-            if self.options.verify or sk is not None:
-                for layer, s in zip(group, mine, strict=True):
-                    if not h.layer_intact(layer, s, sk):
-                        return self._corrupt(c, fd, paths[c], f"checksum mismatch in layer {layer}")
+        """Read layers `group` of chunk `c` (adjacent in its file) and check each of
+        them as it lands (`read_checked`); `spans[i]` are the spans of layer `group[i]`."""
+        want = sum(h.layer_nbytes[group.start : group.stop])
+        offset = layer_offset(h, group.start)
+        sk = self.context.store_key  # a store key's checksums are always checked
+        check = h if self.options.verify or sk is not None else None
+        try:
+            got, bad = read_checked(fd, offset, group, spans, check, sk)
+        except OSError as exc:
+            return ChunkFailure(c, TransportError, f"cannot read {_which(group)} of {path}: {exc}")
+        if got != want:
+            why = f"short read ({got} of {want} bytes) in {_which(group)}"
+            return self._corrupt(c, fd, path, why)
+        if bad is not None:
+            return self._corrupt(c, fd, path, f"checksum mismatch in layer {bad}")
         return None
 
-    def _corrupt(self, chunk: int, fd: int, path: Path, problem: str) -> ChunkFailure:
+    def _corrupt(self, chunk: int, fd: int, path: str, problem: str) -> ChunkFailure:
         """A chunk file that failed validation: delete it, so that the next save of its key
         writes it again instead of every later load failing on it."""
         deleted = False
