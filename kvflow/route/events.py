@@ -105,4 +105,3 @@ def _in_bounds(event: Event) -> bool:
 
 def _hash_ok(h: BlockHash) -> bool:
     return len(h) <= MAX_HASH_BYTES if isinstance(h, bytes) else 0 <= h < 1 << 256
-
