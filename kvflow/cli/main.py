@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import sys
 from importlib.metadata import entry_points
+from typing import Any
 
 __all__ = ["main"]
 
@@ -49,25 +50,42 @@ def _cmd_proxy(args: argparse.Namespace) -> int:
     return run(args)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from .. import __version__
-
-    p = argparse.ArgumentParser(prog="kvflow", description=__doc__)
-    p.add_argument("--version", action="version", version=f"kvflow {__version__}")
-    sub = p.add_subparsers(dest="command", required=True)
-    t = sub.add_parser("transports", help="list installed transports")
-    t.set_defaults(fn=_cmd_transports)
-    k = sub.add_parser(
-        "keygen", help="write a new deployment key for the P/D side channel (docs/security.md)"
-    )
-    k.add_argument("path", help="file to create (refused if it exists)")
-    k.set_defaults(fn=_cmd_keygen)
+def _add_proxy_parser(sub: Any) -> None:
     x = sub.add_parser(
         "proxy",
         help="a prefill/decode proxy following vLLM's convention, between OpenAI servers",
     )
-    x.add_argument("--prefill", nargs="+", required=True, help="prefill server base URL(s)")
-    x.add_argument("--decode", nargs="+", required=True, help="decode server base URL(s)")
+    x.add_argument("--prefill", nargs="+", default=[], help="prefill server base URL(s)")
+    x.add_argument("--decode", nargs="+", default=[], help="decode server base URL(s)")
+    x.add_argument(
+        "--server",
+        nargs="+",
+        default=[],
+        help="instead of --prefill and --decode: servers each serving whole requests, "
+        "chosen by --route",
+    )
+    x.add_argument(
+        "--route",
+        choices=["prefix", "round-robin", "random"],
+        default="round-robin",
+        help="with --server: prefix (where the prompt's leading blocks are, by the servers' "
+        "KV events: --kv-events), round-robin (default) or random",
+    )
+    x.add_argument(
+        "--kv-events",
+        nargs="+",
+        default=[],
+        metavar="ENDPOINT[,REPLAY]",
+        help="with --route prefix, one per --server in order: its --kv-events-config "
+        "endpoint (tcp://host:port), and its replay_endpoint after a comma",
+    )
+    x.add_argument(
+        "--max-skew",
+        type=int,
+        default=None,
+        help="with --route prefix: a server with this many more requests in flight than "
+        "the least loaded is not chosen for its prefix (default 4)",
+    )
     x.add_argument("--host", default="127.0.0.1")
     x.add_argument("--port", type=int, default=8000)
     x.add_argument(
@@ -104,6 +122,22 @@ def build_parser() -> argparse.ArgumentParser:
         "decode server pulls each layer as the prefill computes it (docs/pd.md#streamed)",
     )
     x.set_defaults(fn=_cmd_proxy)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .. import __version__
+
+    p = argparse.ArgumentParser(prog="kvflow", description=__doc__)
+    p.add_argument("--version", action="version", version=f"kvflow {__version__}")
+    sub = p.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("transports", help="list installed transports")
+    t.set_defaults(fn=_cmd_transports)
+    k = sub.add_parser(
+        "keygen", help="write a new deployment key for the P/D side channel (docs/security.md)"
+    )
+    k.add_argument("path", help="file to create (refused if it exists)")
+    k.set_defaults(fn=_cmd_keygen)
+    _add_proxy_parser(sub)
     from .scaffold import add_parser as add_scaffold_parser
 
     add_scaffold_parser(sub)

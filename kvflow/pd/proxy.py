@@ -15,6 +15,12 @@ that stops arriving answered 408.
 Nothing here is kvflow-specific, but `--stream`: it drives any connector that follows
 the convention. It imports no vLLM.
 
+`--server` (instead of `--prefill` and `--decode`): each request goes whole to one of the
+servers, chosen by `--route` (`kvflow.route`): `prefix`, the one holding the longest run
+of the prompt's leading blocks as its KV events (`--kv-events`) announced them, within a
+bound on load (`--max-skew`); `round-robin`; `random`. `GET /routes` shows the servers,
+the index and the latest choices.
+
 `--stream` (kvflow's connector only, decision 93): once a prefill server's answer named
 its workers (`kv_transfer_params["kvflow"]["addresses"]`), each request goes to it and to
 a decode server at once, the prefill's with `kvflow_offer` (an id the proxy draws), the
@@ -60,6 +66,9 @@ from collections.abc import Iterator, Sequence
 from email.message import Message
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+
+from kvflow.route.router import MAX_SKEW
+from kvflow.route.service import Routing
 
 __all__ = [
     "CLIENT_TIMEOUT_S",
@@ -128,8 +137,14 @@ class PdProxy:
         max_clients: int = MAX_CLIENTS,
         request_timeout_s: float = REQUEST_TIMEOUT_S,
         stream: bool = False,
+        servers: Sequence[str] = (),
+        route: str = "round-robin",
+        kv_events: Sequence[str] = (),
+        max_skew: int = MAX_SKEW,
     ) -> None:
-        if not prefill or not decode:
+        if servers and (prefill or decode):
+            raise ValueError("give --server (whole requests) or --prefill and --decode, not both")
+        if not servers and (not prefill or not decode):
             raise ValueError("a P/D proxy needs at least one prefill and one decode server")
         if max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be at least 1, not {max_body_bytes}")
@@ -149,6 +164,11 @@ class PdProxy:
         self.stream = stream
         self._producers: dict[str, list[str]] = {}
         """Streaming: a prefill server's workers, from its latest answer (under the lock)."""
+        self.routing: Routing | None = None
+        """With `servers`: which one serves each request (`kvflow.route`)."""
+        if servers:
+            urls = [u.rstrip("/") for u in servers]
+            self.routing = Routing(urls, route, kv_events, open_post, max_skew)
         self.httpd = _Server((host, port), self._handler(), max_clients)
         self._thread: threading.Thread | None = None
 
@@ -159,16 +179,22 @@ class PdProxy:
 
     def start(self) -> PdProxy:
         """Serve in a background thread."""
+        if self.routing is not None:
+            self.routing.start()
         self._thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
         self._thread.start()
         return self
 
     def serve_forever(self) -> None:
+        if self.routing is not None:
+            self.routing.start()
         self.httpd.serve_forever()
 
     def close(self) -> None:
         self.httpd.shutdown()
         self.httpd.server_close()
+        if self.routing is not None:
+            self.routing.close()
 
     def _servers(self) -> tuple[str, str]:
         with self._next_lock:
@@ -252,6 +278,9 @@ class _Handler(BaseHTTPRequestHandler):
         body = self._body()
         if body is None:
             return
+        if self.proxy.routing is not None:
+            self._routed(self.proxy.routing, body)
+            return
         prefill, decode = self.proxy._servers()
         if workers := self.proxy.producer(prefill):
             offer = secrets.token_hex(16)
@@ -278,8 +307,21 @@ class _Handler(BaseHTTPRequestHandler):
             self.proxy.learn(prefill, params)
             body["kv_transfer_params"] = params
         upstream = self._upstream("decode", decode, body)
-        if upstream is None:
-            return
+        if upstream is not None:
+            self._relay(upstream)
+
+    def _routed(self, routing: Routing, body: dict[str, Any]) -> None:
+        """A request to the server `routing` chooses, its answer relayed."""
+        server = routing.choose(self.path, body).server
+        try:
+            upstream = self._upstream("chosen", server, body, lambda: routing.failed(server))
+            if upstream is not None:
+                self._relay(upstream)
+        finally:
+            routing.done(server)
+
+    def _relay(self, upstream: Any) -> None:
+        """The upstream server's answer, as it comes."""
         with upstream:  # closing it early (client gone) makes vLLM abort the request
             self.send_response(upstream.status)
             self.send_header("Content-Type", upstream.headers.get("Content-Type", ""))
@@ -322,19 +364,27 @@ class _Handler(BaseHTTPRequestHandler):
             return None
         return body
 
-    def _upstream(self, which: str, base: str, body: dict[str, Any]) -> Any:
-        """POST `body` to a server; on failure answer the client and return None."""
+    def _upstream(
+        self, which: str, base: str, body: dict[str, Any], unreachable: Any = None
+    ) -> Any:
+        """POST `body` to a server; on failure answer the client and return None (and
+        call `unreachable()` if the server could not be reached at all)."""
         try:
             return open_post(base + self.path, body, self.proxy.timeout_s)
         except urllib.error.HTTPError as exc:
             self._reply(exc.code, _error_body(exc, which))
         except OSError as exc:  # the URL to the log, not to the client (internal addresses)
+            if unreachable is not None:
+                unreachable()
             log.warning("kvflow proxy: the %s server %s could not be reached: %s", which, base, exc)
             error = f"the {which} server could not be reached ({_reason(exc)})"
             self._reply(502, {"error": error})
         return None
 
     def do_GET(self) -> None:
+        if self.path == "/routes" and self.proxy.routing is not None:
+            self._reply(200, self.proxy.routing.view(), close=self._length > 0)
+            return
         code = 200 if self.path == "/health" else 404
         self._reply(code, {}, close=self._length > 0)  # a body left unread
 
@@ -547,11 +597,20 @@ def run(args: Any) -> int:
             max_clients=clients,
             request_timeout_s=deadline,
             stream=args.stream,
+            servers=args.server,
+            route=args.route,
+            kv_events=args.kv_events,
+            max_skew=MAX_SKEW if args.max_skew is None else args.max_skew,
         )
     except ValueError as exc:
         print(f"kvflow proxy: {exc}", file=sys.stderr)
         return 2
-    print(f"kvflow proxy on {proxy.url}: prefill {args.prefill}, decode {args.decode}", flush=True)
+    if args.server:
+        print(f"kvflow proxy on {proxy.url}: {args.route} over {args.server}", flush=True)
+    else:
+        print(
+            f"kvflow proxy on {proxy.url}: prefill {args.prefill}, decode {args.decode}", flush=True
+        )
     with contextlib.suppress(KeyboardInterrupt):
         proxy.serve_forever()
     return 0

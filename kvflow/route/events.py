@@ -15,6 +15,17 @@ from typing import Any
 
 import msgspec
 
+__all__ = [
+    "MAX_BLOCKS",
+    "MAX_FRAME_BYTES",
+    "AllBlocksCleared",
+    "BlockHash",
+    "BlockRemoved",
+    "BlockStored",
+    "Event",
+    "decode_batch",
+]
+
 MAX_FRAME_BYTES = 16 << 20
 """The longest batch decoded; a longer one is skipped (vLLM's are a step's events)."""
 MAX_BLOCKS = 8192

@@ -23,6 +23,8 @@ from ..zmqio import TrioSocket
 from .events import decode_batch
 from .index import PrefixIndex
 
+__all__ = ["REPLAY_TIMEOUT_S", "FeedState", "follow"]
+
 REPLAY_TIMEOUT_S = 2.0
 MAX_REPLAY_FRAMES = 1 << 17
 """The most frames one replay is read for (vLLM buffers 10,000 batches by default)."""

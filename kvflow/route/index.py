@@ -25,6 +25,19 @@ from hashlib import blake2b
 
 from .events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, Event
 
+__all__ = [
+    "MAX_BLOCKS",
+    "MEDIUM_WEIGHTS",
+    "STORE_WEIGHT",
+    "IndexStats",
+    "Match",
+    "PrefixIndex",
+    "block_key",
+    "prompt_keys",
+    "root_key",
+    "weight",
+]
+
 GPU = "GPU"
 MEDIUM_WEIGHTS = {GPU: 1.0, "CPU": 0.8, "kvflow:cpu": 0.8}
 """How much a block held in a medium is worth to a request: vLLM's GPU cache most, host
@@ -33,6 +46,7 @@ memory (vLLM's CPU offloading, kvflow's host tier) next; any other (a kvflow sto
 STORE_WEIGHT = 0.5
 MAX_BLOCKS = 1 << 20
 """Blocks indexed by default (about 0.3 GB with two instances each)."""
+MAX_LORAS = 4096
 
 
 def weight(medium: str) -> float:
@@ -86,6 +100,8 @@ class PrefixIndex:
         self._theirs: dict[str, OrderedDict[BlockHash, bytes]] = {}
         """Per instance: vLLM's hash of each block it announced -> its key."""
         self.block_sizes: set[int] = set()
+        self.loras: set[str] = set()
+        """Adapter names blocks were stored under (a request's `model` among them names one)."""
         self.stats = IndexStats()
         self._lock = threading.Lock()
 
@@ -156,6 +172,8 @@ class PrefixIndex:
             self.stats.skipped += n
             return
         self.block_sizes.add(size)
+        if event.lora_name and len(self.loras) < MAX_LORAS:
+            self.loras.add(event.lora_name)
         medium = event.medium or GPU
         for i, h in enumerate(event.block_hashes):
             parent = block_key(parent, event.token_ids[i * size : (i + 1) * size])

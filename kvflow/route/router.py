@@ -21,6 +21,8 @@ from dataclasses import asdict, dataclass, field
 
 from .index import Match, PrefixIndex
 
+__all__ = ["MAX_SKEW", "POLICIES", "Decision", "Router", "ServerState"]
+
 POLICIES = ("prefix", "round-robin", "random")
 MAX_SKEW = 4
 """Requests in flight an instance may have above the least loaded one and still be
@@ -118,6 +120,12 @@ class Router:
                 self._turn = (self._turn + i + 1) % n
                 return server
         raise AssertionError("no server to choose from")  # `among` is never empty
+
+    def least_loaded(self) -> str:
+        """A healthy server with the fewest requests in flight (any, if none is healthy)."""
+        with self._lock:
+            up = [s for s in self._order if self.servers[s].healthy] or self._order
+            return min(up, key=lambda s: self.servers[s].in_flight)
 
     def done(self, server: str, cached_tokens: int | None = None) -> None:
         with self._lock:

@@ -23,6 +23,7 @@ from kvflow.pd.proxy import (
     REQUEST_TIMEOUT_S,
     PdProxy,
     prefill_request,
+    run,
 )
 from kvflow_vllm.apiserver import free_port
 
@@ -227,3 +228,25 @@ def test_a_streaming_proxy_streams_only_to_a_prefill_server_whose_workers_it_lea
         plain.httpd.server_close()
     finally:
         proxy.httpd.server_close()
+
+
+def test_the_proxy_command_routes_over_servers_and_says_what_is_missing(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`--server` instead of `--prefill`/`--decode` (issue 52); `--route prefix` needs each
+    server's KV event endpoint, and the command says so before it serves."""
+    args = build_parser().parse_args(["proxy", "--server", "http://a", "http://b"])
+    assert (args.route, args.kv_events, args.max_skew) == ("round-robin", [], None)
+    args = build_parser().parse_args(
+        ["proxy", "--server", "http://a", "http://b", "--route", "prefix", "--port", "0"]
+    )
+    assert run(args) == 2
+    err = capsys.readouterr().err
+    assert "--route prefix needs --kv-events for each --server" in err
+    assert "2 servers, 0 --kv-events" in err
+    args.kv_events = ["tcp://127.0.0.1:1", "http://b"]
+    assert run(args) == 2
+    assert "give ENDPOINT or ENDPOINT,REPLAY_ENDPOINT" in capsys.readouterr().err
+    args.prefill = ["http://p"]
+    assert run(args) == 2
+    assert "not both" in capsys.readouterr().err

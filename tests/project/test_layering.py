@@ -55,9 +55,14 @@ def _kvflow(*args: str) -> subprocess.Popen[str]:
     )
 
 
-def test_kvflow_proxy_serves_without_vllm() -> None:
+@pytest.mark.parametrize("mode", ["pd", "routed"])
+def test_kvflow_proxy_serves_without_vllm(mode: str) -> None:
     dead = "http://127.0.0.1:9"
-    proc = _kvflow("proxy", "--prefill", dead, "--decode", dead, "--port", "0")
+    servers = ["--prefill", dead, "--decode", dead]
+    if mode == "routed":  # kvflow.route: its index, event followers and health checks
+        events = "tcp://127.0.0.1:9"
+        servers = ["--server", dead, "--route", "prefix", "--kv-events", events]
+    proc = _kvflow("proxy", *servers, "--port", "0")
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline()  # "kvflow proxy on http://127.0.0.1:PORT: ..."

@@ -1,0 +1,200 @@
+"""Routing as `kvflow proxy --server ... --route ...` runs it: the router, its index fed by
+every instance's KV events, health checks, and a request's prompt as token ids.
+
+The followers (`kvflow.route.feeds`) and health checks run as trio tasks in one thread of
+the proxy's (`start`, `close`); a follower that fails is restarted after a second with
+its instance forgotten. An instance whose `/health` does not answer 200 within
+`HEALTH_TIMEOUT_S` is left out of routing (and forgotten) until it does again, checked
+every `health_s`. A request's prompt is its token ids where it gives them, else what an
+instance's `/tokenize` makes of it (chat messages through the model's chat template, as
+the instance will): a tokenizer the router need not have.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import threading
+import urllib.request
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
+from typing import Any
+
+import trio
+import zmq
+
+from .feeds import FeedState, follow
+from .index import PrefixIndex
+from .router import MAX_SKEW, Decision, Router
+
+__all__ = ["HEALTH_S", "Routing", "parse_events"]
+
+log = logging.getLogger("kvflow.route")
+
+HEALTH_S = 2.0
+HEALTH_TIMEOUT_S = 5.0
+TOKENIZE_TIMEOUT_S = 30.0
+MAX_PROMPT_TOKENS = 1 << 21
+CHAT_KEYS = (
+    "add_generation_prompt",
+    "continue_final_message",
+    "add_special_tokens",
+    "chat_template",
+    "chat_template_kwargs",
+    "tools",
+    "documents",
+)
+"""What a chat request's `/tokenize` call takes from it beside `model` and `messages`."""
+
+Post = Callable[[str, dict[str, Any], float], Any]
+"""POST a JSON body, returning the open response (the proxy's `open_post`)."""
+
+
+def parse_events(spec: str) -> tuple[str, str | None]:
+    """`ENDPOINT[,REPLAY_ENDPOINT]` (`--kv-events`) as (endpoint, replay endpoint)."""
+    parts = spec.split(",")
+    if not 1 <= len(parts) <= 2 or not all(p.startswith(("tcp://", "ipc://")) for p in parts):
+        raise ValueError(
+            f"--kv-events {spec!r}: give ENDPOINT or ENDPOINT,REPLAY_ENDPOINT, each "
+            "tcp://host:port (the instance's --kv-events-config endpoint and replay_endpoint)"
+        )
+    return parts[0], parts[1] if len(parts) == 2 else None
+
+
+class Routing:
+    def __init__(
+        self,
+        servers: Sequence[str],
+        policy: str,
+        kv_events: Sequence[str],
+        post: Post,
+        max_skew: int = MAX_SKEW,
+        max_blocks: int | None = None,
+        health_s: float = HEALTH_S,
+    ) -> None:
+        index = PrefixIndex(max_blocks) if max_blocks else PrefixIndex()
+        self.router = Router(servers, policy, index, max_skew)
+        if policy == "prefix" and len(kv_events) != len(servers):
+            raise ValueError(
+                f"--route prefix needs --kv-events for each --server, in the same order "
+                f"({len(servers)} servers, {len(kv_events)} --kv-events)"
+            )
+        self.feeds = [
+            FeedState(server, *parse_events(spec))
+            for server, spec in zip(servers, kv_events, strict=False)
+        ]
+        self.post = post
+        self.health_s = health_s
+        self._thread: threading.Thread | None = None
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._cancel: trio.CancelScope | None = None
+        self._started = threading.Event()
+
+    # -- the background thread -----------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=trio.run, args=(self._run,), daemon=True)
+        self._thread.start()
+        self._started.wait()
+
+    def close(self) -> None:
+        if self._token is not None and self._cancel is not None:
+            with contextlib.suppress(trio.RunFinishedError):
+                self._token.run_sync_soon(self._cancel.cancel)
+        if self._thread is not None:
+            self._thread.join()
+
+    async def _run(self) -> None:
+        ctx: zmq.Context[Any] = zmq.Context()
+        try:
+            async with trio.open_nursery() as nursery:
+                self._token, self._cancel = trio.lowlevel.current_trio_token(), nursery.cancel_scope
+                for state in self.feeds:
+                    nursery.start_soon(self._follow, state, ctx)
+                for server in self.router.servers:
+                    nursery.start_soon(self._check, server)
+                self._started.set()
+        finally:
+            self._started.set()
+            ctx.destroy(linger=0)
+
+    async def _follow(self, state: FeedState, ctx: zmq.Context[Any]) -> None:
+        while True:
+            try:
+                await follow(state, self.router.index, ctx)
+            except Exception:
+                log.exception("kvflow proxy: following %s's KV events failed", state.name)
+                self.router.index.forget(state.name)
+                state.restarts += 1
+                await trio.sleep(1.0)
+
+    async def _check(self, server: str) -> None:
+        while True:
+            healthy = await trio.to_thread.run_sync(_healthy, server)
+            self.router.set_healthy(server, healthy)
+            await trio.sleep(self.health_s)
+
+    # -- requests ----------------------------------------------------------------------
+    def choose(self, path: str, body: dict[str, Any]) -> Decision:
+        """The server for `body` (a request to `path`), counted in flight until `done`."""
+        if self.router.policy != "prefix":
+            return self.router.choose()
+        tokens = self.prompt_tokens(path, body)
+        model = body.get("model")
+        lora = model if isinstance(model, str) and model in self.router.index.loras else None
+        return self.router.choose(tokens, lora)
+
+    def done(self, server: str) -> None:
+        self.router.done(server)
+
+    def failed(self, server: str) -> None:
+        """`server` could not be reached: left out until its health check passes."""
+        self.router.set_healthy(server, False)
+
+    def prompt_tokens(self, path: str, body: dict[str, Any]) -> list[int] | None:
+        """The prompt's token ids: as given, or an instance's `/tokenize` of it; None where
+        it is neither (a batch of prompts, no instance answering)."""
+        prompt: Any = body.get("prompt")
+        if _token_ids(prompt):
+            return list(prompt)
+        if path.endswith("/chat/completions"):
+            if not isinstance(body.get("messages"), list):
+                return None
+            ask = {k: body[k] for k in CHAT_KEYS if k in body}
+            ask |= {"model": body.get("model"), "messages": body["messages"]}
+        elif isinstance(prompt, str):
+            ask = {"model": body.get("model"), "prompt": prompt}
+            if "add_special_tokens" in body:
+                ask["add_special_tokens"] = body["add_special_tokens"]
+        else:
+            return None
+        server = self.router.least_loaded()
+        try:
+            with self.post(server + "/tokenize", ask, TOKENIZE_TIMEOUT_S) as answer:
+                tokens = json.loads(answer.read()).get("tokens")
+        except (OSError, ValueError, AttributeError) as exc:
+            log.info("kvflow proxy: %s/tokenize: %s; routed by load", server, exc)
+            return None
+        return list(tokens) if _token_ids(tokens) else None
+
+    def view(self) -> dict[str, Any]:
+        return self.router.view() | {"feeds": [asdict(f) for f in self.feeds]}
+
+
+def _token_ids(value: Any) -> bool:
+    return (
+        isinstance(value, list)
+        and 0 < len(value) <= MAX_PROMPT_TOKENS
+        and all(type(t) is int and 0 <= t < 1 << 32 for t in value)
+    )
+
+
+def _healthy(server: str) -> bool:
+    try:
+        with _DIRECT.open(server + "/health", timeout=HEALTH_TIMEOUT_S) as answer:
+            return bool(answer.status == 200)
+    except OSError:
+        return False
+
+
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))

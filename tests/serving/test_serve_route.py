@@ -1,0 +1,164 @@
+"""`kvflow proxy --server A B --route prefix` in front of two real vLLM servers (kvflow's
+connector, `fs`, KV events on, one core each): a prompt returning to the proxy goes where
+its prefix is, and that server then serves it from its cache; completions as token ids
+and as text, and chat (both through a server's `/tokenize`). Issue 52.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvflow.pd.proxy import PdProxy
+from kvflow.route.index import Match
+from kvflow_vllm.apiserver import ApiServer, free_port, post
+
+pytestmark = [pytest.mark.engine]
+
+_rng = random.Random(52)
+SMALL = ("--num-gpu-blocks-override", "64", "--max-model-len", "1024", "--max-num-seqs", "8")
+TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+def _tokens(n: int) -> list[int]:
+    return [_rng.randrange(3, 1000) for _ in range(n)]
+
+
+def _words(n: int) -> str:
+    return " ".join(
+        _rng.choice(["kv", "cache", "route", "block", "prefix", "vllm"]) for _ in range(n)
+    )
+
+
+class Instance:
+    def __init__(self, tmp: Path, name: str, core: str) -> None:
+        self.events, self.replay = free_port(), free_port()
+        template = tmp / "chat.jinja"
+        template.write_text(TEMPLATE)
+        events = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://*:{self.events}",
+            "replay_endpoint": f"tcp://*:{self.replay}",
+        }
+        config = {
+            "kv_connector": "KVFlowConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"transport": "fs", "options": {"path": str(tmp / name)}},
+        }
+        self.server = ApiServer(
+            tmp, name, config, *SMALL, "--kv-events-config", json.dumps(events),
+            "--enable-prompt-tokens-details", "--chat-template", str(template), cores=core,
+        )  # fmt: skip
+
+    @property
+    def spec(self) -> str:
+        return f"tcp://127.0.0.1:{self.events},tcp://127.0.0.1:{self.replay}"
+
+
+@pytest.fixture(scope="module")
+def routed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[PdProxy, list[Instance]]]:
+    tmp = tmp_path_factory.mktemp("serve-route")
+    instances = [Instance(tmp, "a", "0"), Instance(tmp, "b", "1")]
+    proxy = None
+    try:
+        for i in instances:
+            i.server.wait_ready()
+        proxy = PdProxy(
+            [], [], servers=[i.server.url for i in instances], route="prefix",
+            kv_events=[i.spec for i in instances], max_skew=2,
+        ).start()  # fmt: skip
+        yield proxy, instances
+    finally:
+        if proxy is not None:
+            proxy.close()
+        for i in instances:
+            i.server.close()
+
+
+def _request(proxy: PdProxy, path: str, body: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """The answer through the proxy, and the server it went to."""
+    assert proxy.routing is not None
+    before = len(proxy.routing.router.decisions)
+    answer = post(proxy.url + path, body)
+    assert "choices" in answer, answer
+    return proxy.routing.router.decisions[before].server, answer
+
+
+def _cached(answer: dict[str, Any]) -> int:
+    return int((answer["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+
+
+def _held(proxy: PdProxy, server: str, tokens: list[int], want: int) -> None:
+    """Until the index says `server` holds `want` leading tokens of `tokens` (its KV
+    events come from another process, a step after the blocks were cached)."""
+    assert proxy.routing is not None
+    index = proxy.routing.router.index
+    deadline = time.monotonic() + 30
+    while (held := index.match(tokens, None).get(server, Match()).tokens) < want:
+        assert time.monotonic() < deadline, f"{server} holds {held} of {want} tokens by its events"
+        time.sleep(0.05)  # polls what another process publishes
+
+
+def test_a_prompt_goes_where_its_prefix_is_and_is_served_from_that_cache(
+    routed: tuple[PdProxy, list[Instance]],
+) -> None:
+    proxy, instances = routed
+    model = instances[0].server.model
+    prefix = _tokens(320)
+
+    def body(prompt: list[int]) -> dict[str, Any]:
+        return {"model": model, "prompt": prompt, "max_tokens": 2}
+
+    first, _ = _request(proxy, "/v1/completions", body(prefix))
+    _held(proxy, first, prefix, 288)  # 9 full blocks of 32 (the last token is recomputed)
+    for k in range(4):
+        for _ in range(1 + k % 2):  # other prompts between: 1, 2, 1, 2 (no round robin's turn)
+            _request(proxy, "/v1/completions", body(_tokens(100)))
+        server, answer = _request(proxy, "/v1/completions", body(prefix + _tokens(40)))
+        assert server == first, f"request {k}: the prefix is on {first}, routed to {server}"
+        assert _cached(answer) >= 288, answer["usage"]
+    servers = {d.server for d in proxy.routing.router.decisions}  # type: ignore[union-attr]
+    assert servers == {i.server.url for i in instances}  # the fresh prompts went to both
+    view = proxy.routing.view()  # type: ignore[union-attr]
+    assert [f["lost"] for f in view["feeds"]] == [0, 0]
+    assert all(f["batches"] > 0 for f in view["feeds"])
+    routed_ones = [d for d in view["decisions"] if d["predicted_tokens"] >= 288]
+    assert len(routed_ones) == 4
+
+
+@pytest.mark.parametrize("kind", ["text", "chat"])
+def test_text_and_chat_prompts_are_tokenized_by_a_server_and_routed_by_prefix(
+    routed: tuple[PdProxy, list[Instance]], kind: str
+) -> None:
+    proxy, instances = routed
+    model = instances[0].server.model
+    system = _words(120)
+
+    def body(tail: str) -> tuple[str, dict[str, Any]]:
+        if kind == "text":
+            return "/v1/completions", {"model": model, "prompt": system + tail, "max_tokens": 2}
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": tail}]
+        return "/v1/chat/completions", {"model": model, "messages": messages, "max_tokens": 2}
+
+    first, answer = _request(proxy, *body(_words(20)))
+    prompt_tokens = answer["usage"]["prompt_tokens"]
+    assert 200 < prompt_tokens < 900, prompt_tokens
+    tokens = proxy.routing.prompt_tokens(*body(""))  # type: ignore[union-attr]
+    assert tokens is not None
+    _held(proxy, first, tokens, 32 * (len(tokens) // 32) - 32)
+    for _ in range(2):  # (under round robin, the turn would be elsewhere)
+        fresh = {"model": model, "prompt": _tokens(100), "max_tokens": 2}
+        _request(proxy, "/v1/completions", fresh)
+    again, answer = _request(proxy, *body(_words(20)))
+    assert again == first
+    assert _cached(answer) >= 32 * (len(tokens) // 32) - 32, answer["usage"]
