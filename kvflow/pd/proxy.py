@@ -98,6 +98,9 @@ PREFILL_PARAMS: dict[str, Any] = {
 """What vLLM's proxies put in the prefill request's `kv_transfer_params`."""
 
 PATHS = ("/v1/completions", "/v1/chat/completions")
+KEPT_ANSWER_BYTES = 1 << 20
+"""A routed answer this long or shorter, not streamed, is read for its `usage` (the prompt
+tokens the server served from its cache, against what the router predicted)."""
 MAX_BODY_BYTES = 32 << 20
 """The longest request body the proxy reads by default (a long prompt as token ids in
 JSON is a few MiB); a longer one is answered 413 before any of it is read."""
@@ -313,27 +316,37 @@ class _Handler(BaseHTTPRequestHandler):
     def _routed(self, routing: Routing, body: dict[str, Any]) -> None:
         """A request to the server `routing` chooses, its answer relayed."""
         server = routing.choose(self.path, body).server
+        answer = None
         try:
             upstream = self._upstream("chosen", server, body, lambda: routing.failed(server))
             if upstream is not None:
-                self._relay(upstream)
+                answer = self._relay(upstream)
         finally:
-            routing.done(server)
+            routing.done(server, answer)
 
-    def _relay(self, upstream: Any) -> None:
-        """The upstream server's answer, as it comes."""
+    def _relay(self, upstream: Any) -> bytes | None:
+        """The upstream server's answer, as it comes; its bytes where it was one JSON
+        document (not a stream) of at most `KEPT_ANSWER_BYTES`, else None."""
+        kind = upstream.headers.get("Content-Type", "")
+        kept: bytearray | None = bytearray() if kind.startswith("application/json") else None
         with upstream:  # closing it early (client gone) makes vLLM abort the request
             self.send_response(upstream.status)
-            self.send_header("Content-Type", upstream.headers.get("Content-Type", ""))
+            self.send_header("Content-Type", kind)
             self.send_header("Transfer-Encoding", "chunked")
             self.end_headers()
             try:
                 for chunk in _chunks(upstream):
                     self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
                     self.wfile.flush()
+                    if kept is not None and len(kept) + len(chunk) <= KEPT_ANSWER_BYTES:
+                        kept += chunk
+                    else:
+                        kept = None
                 self.wfile.write(b"0\r\n\r\n")
             except (BrokenPipeError, ConnectionResetError, TimeoutError):
-                log.info("kvflow proxy: client went away; aborting the decode request")
+                log.info("kvflow proxy: client went away; aborting the upstream request")
+                return None
+        return None if kept is None else bytes(kept)
 
     def _prefill(self, prefill: str, body: dict[str, Any]) -> None:
         """Streaming: the prefill of a request sent to its decode server meanwhile. Its
@@ -384,6 +397,14 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         if self.path == "/routes" and self.proxy.routing is not None:
             self._reply(200, self.proxy.routing.view(), close=self._length > 0)
+            return
+        if self.path == "/metrics" and self.proxy.routing is not None:
+            data = self.proxy.routing.metrics().encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
             return
         code = 200 if self.path == "/health" else 404
         self._reply(code, {}, close=self._length > 0)  # a body left unread

@@ -144,8 +144,10 @@ class Routing:
         lora = model if isinstance(model, str) and model in self.router.index.loras else None
         return self.router.choose(tokens, lora)
 
-    def done(self, server: str) -> None:
-        self.router.done(server)
+    def done(self, server: str, answer: bytes | None = None) -> None:
+        """`server`'s request ended; `answer`: its JSON answer, if the proxy kept it
+        (the prompt tokens it served from its cache are counted from its `usage`)."""
+        self.router.done(server, _cached_tokens(answer))
 
     def failed(self, server: str) -> None:
         """`server` could not be reached: left out until its health check passes."""
@@ -179,6 +181,77 @@ class Routing:
 
     def view(self) -> dict[str, Any]:
         return self.router.view() | {"feeds": [asdict(f) for f in self.feeds]}
+
+    def metrics(self) -> str:
+        """Prometheus text: per server, requests, in flight, health, the prompt tokens
+        the router predicted it held and those it reported from its cache; the index's
+        size and evictions; per event stream, batches, bad events and lost gaps."""
+        lines: list[str] = []
+
+        def metric(name: str, kind: str, what: str, samples: list[tuple[str, float]]) -> None:
+            lines.extend(
+                [f"# HELP kvflow_proxy_{name} {what}", f"# TYPE kvflow_proxy_{name} {kind}"]
+            )
+            lines.extend(f"kvflow_proxy_{name}{labels} {value:g}" for labels, value in samples)
+
+        view = self.view()
+        servers = view["servers"]
+        per = [(f'{{server="{s["url"]}"}}', s) for s in servers]
+        metric("requests_total", "counter", "Requests routed", [(k, s["requests"]) for k, s in per])
+        metric("in_flight", "gauge", "Requests in flight", [(k, s["in_flight"]) for k, s in per])
+        metric(
+            "healthy",
+            "gauge",
+            "1 if the last health check passed",
+            [(k, s["healthy"]) for k, s in per],
+        )
+        metric(
+            "predicted_tokens_total", "counter", "Prompt tokens the index said the server held",
+            [(k, s["predicted_tokens"]) for k, s in per],
+        )  # fmt: skip
+        metric(
+            "cached_tokens_total", "counter", "Prompt tokens the server reported from its cache",
+            [(k, s["cached_tokens"]) for k, s in per],
+        )  # fmt: skip
+        index = view["index"]
+        metric("index_blocks", "gauge", "Blocks in the prefix index", [("", index["blocks"])])
+        metric(
+            "index_evicted_total",
+            "counter",
+            "Blocks dropped for the bound",
+            [("", index["evicted"])],
+        )
+        feeds = [(f'{{server="{f["name"]}"}}', f) for f in view["feeds"]]
+        metric(
+            "event_batches_total",
+            "counter",
+            "KV event batches applied",
+            [(k, f["batches"]) for k, f in feeds],
+        )
+        metric(
+            "events_bad_total",
+            "counter",
+            "KV events out of bounds",
+            [(k, f["bad"]) for k, f in feeds],
+        )
+        metric(
+            "events_lost_total",
+            "counter",
+            "Event gaps no replay filled",
+            [(k, f["lost"]) for k, f in feeds],
+        )
+        return "\n".join(lines) + "\n"
+
+
+def _cached_tokens(answer: bytes | None) -> int | None:
+    """`usage.prompt_tokens_details.cached_tokens` of a JSON answer (vLLM reports it with
+    `--enable-prompt-tokens-details`), or None."""
+    try:
+        details = json.loads(answer or b"null")["usage"]["prompt_tokens_details"]
+        cached = details["cached_tokens"]
+    except (ValueError, TypeError, KeyError):
+        return None
+    return cached if type(cached) is int and 0 <= cached < 1 << 31 else None
 
 
 def _token_ids(value: Any) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import random
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -134,6 +135,14 @@ def test_a_prompt_goes_where_its_prefix_is_and_is_served_from_that_cache(
     assert all(f["batches"] > 0 for f in view["feeds"])
     routed_ones = [d for d in view["decisions"] if d["predicted_tokens"] >= 288]
     assert len(routed_ones) == 4
+    with urllib.request.urlopen(proxy.url + "/metrics", timeout=30) as answer:
+        metrics = dict(
+            line.rsplit(" ", 1) for line in answer.read().decode().splitlines() if line[:1] != "#"
+        )
+    on = f'{{server="{first}"}}'
+    assert float(metrics[f"kvflow_proxy_predicted_tokens_total{on}"]) >= 4 * 288
+    assert float(metrics[f"kvflow_proxy_cached_tokens_total{on}"]) >= 4 * 288  # the server's word
+    assert float(metrics["kvflow_proxy_index_blocks"]) > 0
 
 
 @pytest.mark.parametrize("kind", ["text", "chat"])
