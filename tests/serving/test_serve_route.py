@@ -41,8 +41,11 @@ def _words(n: int) -> str:
 
 
 class Instance:
-    def __init__(self, tmp: Path, name: str, core: str) -> None:
-        self.events, self.replay = free_port(), free_port()
+    def __init__(self, tmp: Path, name: str, core: str, again: Instance | None = None) -> None:
+        """`again`: in that one's place (its HTTP and event ports), a restarted server."""
+        self.events, self.replay = (
+            (again.events, again.replay) if again else (free_port(), free_port())
+        )
         template = tmp / "chat.jinja"
         template.write_text(TEMPLATE)
         events = {
@@ -59,6 +62,7 @@ class Instance:
         self.server = ApiServer(
             tmp, name, config, *SMALL, "--kv-events-config", json.dumps(events),
             "--enable-prompt-tokens-details", "--chat-template", str(template), cores=core,
+            port=again.server.port if again else 0,
         )  # fmt: skip
 
     @property
@@ -171,3 +175,63 @@ def test_text_and_chat_prompts_are_tokenized_by_a_server_and_routed_by_prefix(
     again, answer = _request(proxy, *body(_words(20)))
     assert again == first
     assert _cached(answer) >= 32 * (len(tokens) // 32) - 32, answer["usage"]
+
+
+@pytest.mark.slow
+def test_a_dead_server_is_dropped_within_seconds_and_comes_back_empty(
+    tmp_path: Path,
+) -> None:
+    """Issue 52, faults: the server holding a prefix is killed: its health check fails
+    within seconds, its blocks are forgotten, and its prefix's requests are served by the
+    other; started again in its place, it is routed to again, holding nothing."""
+    a, b = Instance(tmp_path, "a", "0"), Instance(tmp_path, "b", "1")
+    proxy = None
+    try:
+        for i in (a, b):
+            i.server.wait_ready()
+        proxy = PdProxy(
+            [], [], servers=[a.server.url, b.server.url], route="prefix",
+            kv_events=[a.spec, b.spec],
+        ).start()  # fmt: skip
+        assert proxy.routing is not None
+        router, model = proxy.routing.router, a.server.model
+        prefix = _tokens(320)
+        first, _ = _request(
+            proxy, "/v1/completions", {"model": model, "prompt": prefix, "max_tokens": 2}
+        )
+        assert first == a.server.url  # both idle: the first in order
+        _held(proxy, first, prefix, 288)
+        a.server.close()  # killed
+        deadline = time.monotonic() + 20
+        while router.servers[first].healthy:
+            assert time.monotonic() < deadline, "the dead server is still routed to"
+            time.sleep(0.1)  # polls the proxy's health checker (its own thread)
+        assert router.index.match(prefix, None) == {}
+        server, answer = _request(
+            proxy, "/v1/completions", {"model": model, "prompt": prefix, "max_tokens": 2}
+        )
+        assert server == b.server.url and answer["usage"]["completion_tokens"] == 2
+        again = Instance(tmp_path, "a-again", "0", again=a)
+        try:
+            again.server.wait_ready()
+            deadline = time.monotonic() + 20
+            while not router.servers[first].healthy:
+                assert time.monotonic() < deadline, "the restarted server is not routed to"
+                time.sleep(0.1)
+            assert first not in router.index.match(prefix, None)  # it starts empty
+            fresh = [
+                _request(
+                    proxy,
+                    "/v1/completions",
+                    {"model": model, "prompt": _tokens(64), "max_tokens": 2},
+                )[0]
+                for _ in range(2)
+            ]
+            assert first in fresh
+        finally:
+            again.server.close()
+    finally:
+        if proxy is not None:
+            proxy.close()
+        for i in (a, b):
+            i.server.close()
