@@ -1,15 +1,16 @@
 """Benchmark: `kvflow proxy --route prefix` against round robin and random routing over
 two vLLM servers, on multi-turn conversations (issue 52).
 
-    python bench/bench_route.py [--users 8] [--turns 4] [--concurrency 4] [--quick]
+    python bench/bench_route.py [--users 8] [--turns 6] [--concurrency 4] [--quick]
 
 Two OpenAI servers of bench-llama (8 layers, 64 KiB of KV a token, vLLM's prefix cache
-on, 128 KV blocks of 32 tokens each: 4096 tokens), one core each, each with kvflow
+on, 256 KV blocks of 32 tokens each: 8192 tokens), one core each, each with kvflow
 (`kv_both`, a host tier of 1 GiB over its own `fs` store) and its KV events on, behind
 one `kvflow proxy --server` per policy. The workload, per run: `users` conversations of
-`turns` turns, half of them on each of two 512-token system prompts; turn t's prompt is
-the system prompt, every earlier turn (a 64-token user message and a 32-token answer
-appended as if the model had written it) and a new user message: up to ~900 tokens.
+`turns` turns, half of them on each of two 256-token system prompts; turn t's prompt is
+the system prompt, every earlier turn (a 128-token user message and a 256-token answer
+appended as if the model had written it) and a new user message: up to 2304 tokens at
+6 turns.
 `concurrency` conversations run at once, each turn after the one before it ended; every
 request streams (`stream_options.include_usage`), 8 tokens. Each run has its own random
 system prompts and messages (no run finds another's in a cache).
@@ -46,7 +47,7 @@ from kvflow_vllm.apiserver import ApiServer, free_port  # noqa: E402
 from kvflow_vllm.engine_process import model_dir  # noqa: E402
 
 POLICIES = ("prefix", "round-robin", "random", "one server")
-SYSTEM, USER, ANSWER, MAX_TOKENS = 512, 64, 32, 8
+SYSTEM, USER, ANSWER, MAX_TOKENS = 256, 128, 256, 8
 EXTRA_SOURCES = ("kvflow", "plugins/kvflow_vllm", "transports/kvflow_fs")
 """What the servers run, in other processes (for `record.save`)."""
 
@@ -71,8 +72,8 @@ class Server:
         }
         self.api = ApiServer(
             work, name, kv, "--kv-events-config", json.dumps(events),
-            "--enable-prompt-tokens-details", "--num-gpu-blocks-override", "128",
-            "--max-model-len", "2048", "--max-num-seqs", "8",
+            "--enable-prompt-tokens-details", "--num-gpu-blocks-override", "256",
+            "--max-model-len", "2560", "--max-num-seqs", "8",
             model=model_dir("bench-llama"), cores=core,
         )  # fmt: skip
 
@@ -202,7 +203,7 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--users", type=int, default=8)
-    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--turns", type=int, default=6)
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="4 users, 3 turns, 1 round")
