@@ -353,6 +353,31 @@ def plot_pd_scale(results: Path, out_dir: Path) -> Path | None:
     )  # fmt: skip
 
 
+def plot_route(results: Path, out_dir: Path) -> Path | None:
+    """TTFT p50 and p90 by routing policy, two servers, multi-turn conversations."""
+    data = load(results, "route")
+    if data is None:
+        return None
+    series = {
+        f"{name} ({p['cached_share']:.2f})": [p["ttft_p50_ms"], p["ttft_p90_ms"]]
+        for name, p in data["policies"].items()
+    }
+    fig, ax = plt.subplots(figsize=(WIDTH, 4))
+    _grouped_log_bars(ax, ["TTFT p50", "TTFT p90"], series)
+    ax.set_ylabel("client TTFT, ms (log scale)")
+    ax.set_title(
+        f"Routing over two servers (labels: {next(iter(series)).split(' ')[0]} / each)",
+        fontsize=10,
+    )
+    caption = (
+        f"{recorded('route', data)}; {data['users']} conversations of {data['turns']} turns, "
+        f"{data['concurrency']} at once, {data['rounds']} rounds; (n): the share of prompt "
+        f"tokens the servers served from cache; {data['command']}"
+    )
+    fig.subplots_adjust(bottom=0.08 + _caption(fig, caption), top=0.92)
+    return _save(fig, out_dir / "bench-route.png")
+
+
 PLOTS: dict[str, Callable[[Path, Path], Path | None]] = {
     "engines-hit": plot_engines_hit,
     "ttft-tiers": plot_ttft_tiers,
@@ -364,6 +389,7 @@ PLOTS: dict[str, Callable[[Path, Path], Path | None]] = {
     "tier-scale": plot_tier_scale,
     "fs-scale": plot_fs_scale,
     "pd-scale": plot_pd_scale,
+    "route": plot_route,
 }
 
 

@@ -96,6 +96,7 @@ BENCHES: dict[str, tuple[list[str], bool, Callable[[], str]]] = {
     "fs-evict": (["bench_fs_evict.py"], True, lambda: ""),
     "fs-shared": (["bench_fs_shared.py"], True, lambda: ""),
     "pd-scale": (["bench_pd_scale.py"], True, lambda: ""),
+    "route": (["bench_route.py"], True, lambda: ""),
     "soak": (["../scripts/soak.py", "--suite"], False, lambda: ""),
     "soak-pd": (
         ["../scripts/soak_pd.py", "--out", str(RESULTS / "soak-pd.json")],
@@ -786,6 +787,40 @@ def pd_scale_table(d: dict[str, Any]) -> list[str]:
     return [*_table(head, rows), "", f"_{note}_"]
 
 
+def route_table(d: dict[str, Any]) -> list[str]:
+    rows = [
+        [
+            name,
+            f"{p['ttft_p50_ms']:.0f}",
+            f"{p['ttft_p90_ms']:.0f}",
+            f"{p['later_turns_ttft_p90_ms']:.0f}",
+            f"{p['cached_share']:.2f}",
+            " / ".join("-".join(str(n) for n in run) for run in p["requests_by_server"]),
+        ]
+        for name, p in d["policies"].items()
+    ]
+    g = d["goals"]
+    rows.append(
+        [
+            "**prefix / round robin, prefix / one server**",
+            "",
+            f"{g['p90_vs_round_robin']:.2f}x",
+            "",
+            f"{g['cached_vs_one_server']:.2f}x",
+            "",
+        ]
+    )
+    head = [
+        "routing",
+        "TTFT p50 ms",
+        "TTFT p90 ms",
+        "turns 2+ p90 ms",
+        "cached share",
+        "requests by server (each run)",
+    ]
+    return _table(head, rows)
+
+
 def tests_table(d: dict[str, Any]) -> list[str]:
     """bench_tests.py: each command of a fresh clone's set-up and test run, its wall time
     and pytest's counts."""
@@ -863,6 +898,7 @@ TABLES: dict[str, tuple[str, Callable[[dict[str, Any]], list[str]], str]] = {
     "fs-evict": ("fs-evict", fs_evict_table, ""),
     "fs-shared": ("fs-shared", fs_shared_table, ""),
     "pd-scale": ("pd-scale", pd_scale_table, ""),
+    "route": ("route", route_table, ""),
     "faults": ("faults", faults_table, ""),
     "faults-store": ("faults", faults_store_table, ""),
     "tests": ("tests", tests_table, ""),
