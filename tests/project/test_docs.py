@@ -42,6 +42,33 @@ def test_the_readmes_server_and_proxy_commands_are_the_ones_the_tests_run() -> N
     assert args.prefill == ["http://127.0.0.1:8100"] and args.decode == ["http://127.0.0.1:8200"]
 
 
+def test_the_routing_pages_commands_parse_and_name_each_servers_events() -> None:
+    """docs/routing.md's server and proxy commands: the proxy's parses, one --kv-events
+    per --server, each naming the endpoints its server's --kv-events-config binds."""
+    import json
+    import re
+    import shlex
+
+    from kvflow.cli.main import build_parser
+
+    page = (ROOT / "docs" / "routing.md").read_text()
+    block = page.split("```")[1].replace("\\\n", " ")
+    lines = [ln.strip() for ln in block.splitlines() if ln.strip()]
+    servers = [ln for ln in lines if ln.startswith("python -m vllm.entrypoints.openai.api_server")]
+    (proxy,) = [ln for ln in lines if ln.startswith("kvflow proxy ")]
+    args = build_parser().parse_args(shlex.split(proxy)[1:])
+    assert args.route == "prefix" and len(args.server) == len(args.kv_events) == len(servers)
+    for server, url, events in zip(servers, args.server, args.kv_events, strict=True):
+        words = shlex.split(server)
+        assert url.endswith(":" + words[words.index("--port") + 1])
+        config = json.loads(words[words.index("--kv-events-config") + 1])
+        ports = [re.sub(r".*:", "", e) for e in events.split(",")]
+        assert ports == [
+            config["endpoint"].split(":")[-1],
+            config["replay_endpoint"].split(":")[-1],
+        ]
+
+
 def test_the_gpu_suite_runs_files_that_exist_and_says_when_there_is_no_gpu() -> None:
     import re
 
