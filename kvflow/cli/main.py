@@ -66,18 +66,19 @@ def _add_proxy_parser(sub: Any) -> None:
     )
     x.add_argument(
         "--route",
-        choices=["prefix", "round-robin", "random"],
+        choices=["prefix", "least-loaded", "round-robin", "random"],
         default="round-robin",
-        help="with --server: prefix (where the prompt's leading blocks are, by the servers' "
-        "KV events: --kv-events), round-robin (default) or random",
+        help="prefix (where the prompt's leading blocks are, by the servers' KV events: "
+        "--kv-events; with --prefill, the prefill server so and the decode server by load), "
+        "least-loaded, round-robin (default) or random",
     )
     x.add_argument(
         "--kv-events",
         nargs="+",
         default=[],
         metavar="ENDPOINT[,REPLAY]",
-        help="with --route prefix, one per --server in order: its --kv-events-config "
-        "endpoint (tcp://host:port), and its replay_endpoint after a comma",
+        help="with --route prefix, one per --server (or --prefill) in order: its "
+        "--kv-events-config endpoint (tcp://host:port), and its replay_endpoint after a comma",
     )
     x.add_argument(
         "--max-skew",

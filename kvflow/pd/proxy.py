@@ -18,8 +18,10 @@ the convention. It imports no vLLM.
 `--server` (instead of `--prefill` and `--decode`): each request goes whole to one of the
 servers, chosen by `--route` (`kvflow.route`): `prefix`, the one holding the longest run
 of the prompt's leading blocks as its KV events (`--kv-events`) announced them, within a
-bound on load (`--max-skew`); `round-robin`; `random`. `GET /routes` shows the servers,
-the index and the latest choices.
+bound on load (`--max-skew`); `least-loaded`; `round-robin`; `random`. With `--prefill`
+and `--decode`, `--route prefix` chooses the prefill server so (`--kv-events`: the
+prefill servers') and the decode server by load, another than the prefill server where
+there is one. `GET /routes` shows the servers, the index and the latest choices.
 
 `--stream` (kvflow's connector only, decision 93): once a prefill server's answer named
 its workers (`kv_transfer_params["kvflow"]["addresses"]`), each request goes to it and to
@@ -67,7 +69,7 @@ from email.message import Message
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from kvflow.route.router import MAX_SKEW
+from kvflow.route.router import MAX_SKEW, Router
 from kvflow.route.service import Routing
 
 __all__ = [
@@ -168,10 +170,19 @@ class PdProxy:
         self._producers: dict[str, list[str]] = {}
         """Streaming: a prefill server's workers, from its latest answer (under the lock)."""
         self.routing: Routing | None = None
-        """With `servers`: which one serves each request (`kvflow.route`)."""
+        """With `servers`: which one serves each request (`kvflow.route`); P/D under
+        another route than round robin: which prefill server."""
+        self.decode_load: Router | None = None
+        """P/D under another route than round robin: which decode server (by load, under
+        `prefix`; at random under `random`)."""
         if servers:
             urls = [u.rstrip("/") for u in servers]
             self.routing = Routing(urls, route, kv_events, open_post, max_skew)
+        elif route != "round-robin":
+            pre = [u.rstrip("/") for u in prefill]
+            self.routing = Routing(pre, route, kv_events, open_post, max_skew)
+            policy = "least-loaded" if route == "prefix" else route
+            self.decode_load = Router([u.rstrip("/") for u in decode], policy, max_skew=max_skew)
         self.httpd = _Server((host, port), self._handler(), max_clients)
         self._thread: threading.Thread | None = None
 
@@ -281,37 +292,65 @@ class _Handler(BaseHTTPRequestHandler):
         body = self._body()
         if body is None:
             return
-        if self.proxy.routing is not None:
-            self._routed(self.proxy.routing, body)
-            return
-        prefill, decode = self.proxy._servers()
+        routing, decoding = self.proxy.routing, self.proxy.decode_load
+        if routing is not None and decoding is None:
+            self._routed(routing, body)
+        elif routing is None or decoding is None:
+            self._pd(body, *self.proxy._servers(), None)
+        else:
+            prefill = routing.choose(self.path, body).server
+            decode = decoding.choose(avoid=prefill).server
+            try:
+                self._pd(body, prefill, decode, routing)
+            finally:
+                decoding.done(decode)
+
+    def _pd(self, body: dict[str, Any], prefill: str, decode: str, routing: Routing | None) -> None:
+        """`body` prefilled by `prefill`, then decoded by `decode`; `routing` (what chose
+        the prefill server) is told once the prefill's part ended."""
         if workers := self.proxy.producer(prefill):
             offer = secrets.token_hex(16)
             pre = prefill_request(body)
             pre["kv_transfer_params"][OFFER_KEY] = offer
-            threading.Thread(target=self._prefill, args=(prefill, pre), daemon=True).start()
+            prefilling = threading.Thread(
+                target=self._prefill, args=(prefill, pre, routing), daemon=True
+            )
+            prefilling.start()
             body["kv_transfer_params"] = {
                 "do_remote_prefill": True,
                 "do_remote_decode": False,
                 STREAM_KEY: {"offer": offer, "addresses": workers},
             }
         else:
-            answer = self._upstream("prefill", prefill, prefill_request(body))
-            if answer is None:
+            try:
+                params = self._prefilled(prefill, body, routing)
+            finally:
+                if routing is not None:
+                    routing.done(prefill)
+            if params is None:
                 return
-            with answer:
-                try:
-                    params = json.loads(answer.read()).get("kv_transfer_params")
-                except (OSError, http.client.HTTPException, ValueError, AttributeError) as exc:
-                    log.warning("kvflow proxy: the prefill server %s answered: %s", prefill, exc)
-                    error = f"the prefill server's answer could not be read ({type(exc).__name__})"
-                    self._reply(502, {"error": error})
-                    return
-            self.proxy.learn(prefill, params)
             body["kv_transfer_params"] = params
         upstream = self._upstream("decode", decode, body)
         if upstream is not None:
             self._relay(upstream)
+
+    def _prefilled(self, prefill: str, body: dict[str, Any], routing: Routing | None) -> Any:
+        """The prefill server's `kv_transfer_params` for `body`; None once the client was
+        answered (the server failed)."""
+        unreachable = None if routing is None else (lambda: routing.failed(prefill))
+        answer = self._upstream("prefill", prefill, prefill_request(body), unreachable)
+        if answer is None:
+            return None
+        with answer:
+            try:
+                params = json.loads(answer.read()).get("kv_transfer_params")
+            except (OSError, http.client.HTTPException, ValueError, AttributeError) as exc:
+                log.warning("kvflow proxy: the prefill server %s answered: %s", prefill, exc)
+                error = f"the prefill server's answer could not be read ({type(exc).__name__})"
+                self._reply(502, {"error": error})
+                return None
+        self.proxy.learn(prefill, params)
+        return params
 
     def _routed(self, routing: Routing, body: dict[str, Any]) -> None:
         """A request to the server `routing` chooses, its answer relayed."""
@@ -348,7 +387,7 @@ class _Handler(BaseHTTPRequestHandler):
                 return None
         return None if kept is None else bytes(kept)
 
-    def _prefill(self, prefill: str, body: dict[str, Any]) -> None:
+    def _prefill(self, prefill: str, body: dict[str, Any], routing: Routing | None) -> None:
         """Streaming: the prefill of a request sent to its decode server meanwhile. Its
         failure is the decode server's to find (the claim goes unanswered: it computes
         the prompt); the server's workers are learned again from its answer."""
@@ -358,6 +397,9 @@ class _Handler(BaseHTTPRequestHandler):
                 params = json.loads(answer.read()).get("kv_transfer_params")
         except (OSError, http.client.HTTPException, ValueError, AttributeError) as exc:
             log.warning("kvflow proxy: the prefill server %s (streamed): %s", prefill, exc)
+        finally:
+            if routing is not None:
+                routing.done(prefill)
         self.proxy.learn(prefill, params)
 
     def _body(self) -> dict[str, Any] | None:
@@ -396,7 +438,10 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         if self.path == "/routes" and self.proxy.routing is not None:
-            self._reply(200, self.proxy.routing.view(), close=self._length > 0)
+            view = self.proxy.routing.view()
+            if self.proxy.decode_load is not None:  # P/D: `view` is the prefill servers'
+                view["decode"] = self.proxy.decode_load.view()
+            self._reply(200, view, close=self._length > 0)
             return
         if self.path == "/metrics" and self.proxy.routing is not None:
             data = self.proxy.routing.metrics().encode()

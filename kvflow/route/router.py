@@ -1,6 +1,9 @@
 """Which instance a request goes to: by prefix (`kvflow.route.index`) within a bound on
 load, round robin, or at random.
 
+`least-loaded`: the healthy instance with the fewest requests in flight, then in turn
+(a P/D proxy's decode servers under `--route prefix`).
+
 `prefix`: among the healthy instances with at most `max_skew` requests in flight more
 than the least loaded one, the one holding the longest weighted run of the prompt's
 leading blocks (GPU above host memory above a store: `kvflow.route.index.weight`); ties,
@@ -23,7 +26,7 @@ from .index import Match, PrefixIndex
 
 __all__ = ["MAX_SKEW", "POLICIES", "Decision", "Router", "ServerState"]
 
-POLICIES = ("prefix", "round-robin", "random")
+POLICIES = ("prefix", "least-loaded", "round-robin", "random")
 MAX_SKEW = 4
 """Requests in flight an instance may have above the least loaded one and still be
 chosen for its prefix, by default (`--max-skew`)."""
@@ -80,17 +83,21 @@ class Router:
         self.decisions: deque[Decision] = deque(maxlen=KEPT_DECISIONS)
         self._lock = threading.Lock()
 
-    def choose(self, tokens: Sequence[int] | None = None, lora: str | None = None) -> Decision:
+    def choose(
+        self, tokens: Sequence[int] | None = None, lora: str | None = None, avoid: str = ""
+    ) -> Decision:
         """The server for a request whose prompt is `tokens` (None: not known), counted
-        in flight until `done`."""
+        in flight until `done`; not `avoid` if another is healthy (a P/D request's
+        decode server, other than its prefill server)."""
         found = self.index.match(tokens, lora) if tokens and self.policy == "prefix" else {}
         with self._lock:
             up = [s for s in self._order if self.servers[s].healthy] or self._order
+            up = [s for s in up if s != avoid] or up
             if self.policy == "random":
                 server = self._random.choice(up)
             elif self.policy == "round-robin":
                 server = self._next(up)
-            else:
+            else:  # prefix; least-loaded, which has no index: `found` is empty
                 server = self._by_prefix(up, found)
             state = self.servers[server]
             loads = {s: self.servers[s].in_flight for s in self._order}

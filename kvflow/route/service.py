@@ -77,8 +77,9 @@ class Routing:
         self.router = Router(servers, policy, index, max_skew)
         if policy == "prefix" and len(kv_events) != len(servers):
             raise ValueError(
-                f"--route prefix needs --kv-events for each --server, in the same order "
-                f"({len(servers)} servers, {len(kv_events)} --kv-events)"
+                f"--route prefix needs --kv-events for each server it chooses among (each "
+                f"--server, or each --prefill), in the same order ({len(servers)} servers, "
+                f"{len(kv_events)} --kv-events)"
             )
         self.feeds = [
             FeedState(server, *parse_events(spec))

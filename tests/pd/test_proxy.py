@@ -242,7 +242,7 @@ def test_the_proxy_command_routes_over_servers_and_says_what_is_missing(
     )
     assert run(args) == 2
     err = capsys.readouterr().err
-    assert "--route prefix needs --kv-events for each --server" in err
+    assert "--route prefix needs --kv-events for each server it chooses among" in err
     assert "2 servers, 0 --kv-events" in err
     args.kv_events = ["tcp://127.0.0.1:1", "http://b"]
     assert run(args) == 2

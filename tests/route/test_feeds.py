@@ -61,6 +61,12 @@ class Stream:
             )  # fmt: skip
             self.pub.publish(KVEventBatch(ts=0.0, events=[event]))
 
+    def feed(self) -> FeedState:
+        """A follower's state for this stream (instance `a`)."""
+        return FeedState(
+            "a", f"tcp://127.0.0.1:{self.pub_port}", f"tcp://127.0.0.1:{self.replay_port}"
+        )
+
     def tokens(self) -> list[int]:
         return [self.base + t for t in range(4, 4 * self.blocks + 4)]
 
@@ -92,10 +98,7 @@ async def following(stream: Stream) -> AsyncIterator[tuple[FeedState, PrefixInde
 
 
 async def _following(stream: Stream) -> AsyncIterator[tuple[FeedState, PrefixIndex]]:
-    state = FeedState(
-        "a", f"tcp://127.0.0.1:{stream.pub_port}", f"tcp://127.0.0.1:{stream.replay_port}"
-    )
-    index = PrefixIndex()
+    state, index = stream.feed(), PrefixIndex()
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     async with trio.open_nursery() as nursery:
         nursery.start_soon(follow, state, index, ctx)
@@ -127,10 +130,7 @@ async def test_a_late_follower_is_filled_by_a_replay(
 
 
 async def test_a_gap_the_replay_cannot_fill_forgets_the_instance(stream: Stream) -> None:
-    state = FeedState(
-        "a", f"tcp://127.0.0.1:{stream.pub_port}", f"tcp://127.0.0.1:{stream.replay_port}"
-    )
-    index = PrefixIndex()
+    state, index = stream.feed(), PrefixIndex()
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     async with trio.open_nursery() as nursery:
         nursery.start_soon(follow, state, index, ctx)

@@ -41,8 +41,16 @@ def _words(n: int) -> str:
 
 
 class Instance:
-    def __init__(self, tmp: Path, name: str, core: str, again: Instance | None = None) -> None:
-        """`again`: in that one's place (its HTTP and event ports), a restarted server."""
+    def __init__(
+        self,
+        tmp: Path,
+        name: str,
+        core: str,
+        again: Instance | None = None,
+        transport: str = "fs",
+    ) -> None:
+        """`again`: in that one's place (its HTTP and event ports), a restarted server;
+        `transport`: kvflow's (`zmq`: P/D between the instances)."""
         self.events, self.replay = (
             (again.events, again.replay) if again else (free_port(), free_port())
         )
@@ -57,7 +65,11 @@ class Instance:
         config = {
             "kv_connector": "KVFlowConnector",
             "kv_role": "kv_both",
-            "kv_connector_extra_config": {"transport": "fs", "options": {"path": str(tmp / name)}},
+            "kv_connector_extra_config": (
+                {"transport": "fs", "options": {"path": str(tmp / name)}}
+                if transport == "fs"
+                else {"transport": transport}
+            ),
         }
         self.server = ApiServer(
             tmp, name, config, *SMALL, "--kv-events-config", json.dumps(events),
@@ -235,3 +247,56 @@ def test_a_dead_server_is_dropped_within_seconds_and_comes_back_empty(
             proxy.close()
         for i in (a, b):
             i.server.close()
+
+
+@pytest.mark.slow
+def test_pd_chooses_the_prefill_server_by_prefix_and_the_decode_server_by_load(
+    tmp_path: Path,
+) -> None:
+    """`kvflow proxy --prefill A B --decode A B --route prefix` (kvflow's `zmq`, both
+    servers `kv_both`): each prefill goes to a server holding the prompt's prefix once
+    one does, each decode to the other server, the tokens are one server's, and every
+    request's count in flight is given back on both sides."""
+    a, b = (
+        Instance(tmp_path, "a", "0", transport="zmq"),
+        Instance(tmp_path, "b", "1", transport="zmq"),
+    )
+    proxy = None
+    try:
+        for i in (a, b):
+            i.server.wait_ready()
+        urls = [a.server.url, b.server.url]
+        proxy = PdProxy(urls, urls, route="prefix", kv_events=[a.spec, b.spec]).start()
+        assert proxy.routing is not None and proxy.decode_load is not None
+        prefill, decode = proxy.routing.router, proxy.decode_load
+        prefix = _tokens(320)
+        prompts = [prefix + _tokens(40) for _ in range(3)]
+        got = [post(proxy.url + "/v1/completions", _greedy(a, prefix))]
+        first = prefill.decisions[0].server
+        _held(proxy, first, prefix, 288)
+        got += [post(proxy.url + "/v1/completions", _greedy(a, p)) for p in prompts]
+        assert [d.predicted_tokens >= 288 for d in prefill.decisions] == [False, True, True, True]
+        pairs = zip(prefill.decisions, decode.decisions, strict=True)
+        assert all(p.server != d.server for p, d in pairs)
+        loads = [s.in_flight for r in (prefill, decode) for s in r.servers.values()]
+        assert loads == [0, 0, 0, 0]
+        proxy.close()
+        proxy = None
+        for prompt, answer in zip([prefix, *prompts], got, strict=True):
+            want = post(a.server.url + "/v1/completions", _greedy(a, prompt))
+            assert answer["choices"][0]["text"] == want["choices"][0]["text"]
+    finally:
+        if proxy is not None:
+            proxy.close()
+        for i in (a, b):
+            i.server.close()
+
+
+def _greedy(i: Instance, prompt: list[int]) -> dict[str, Any]:
+    return {
+        "model": i.server.model,
+        "prompt": prompt,
+        "max_tokens": 4,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
