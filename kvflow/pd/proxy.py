@@ -312,10 +312,8 @@ class _Handler(BaseHTTPRequestHandler):
             offer = secrets.token_hex(16)
             pre = prefill_request(body)
             pre["kv_transfer_params"][OFFER_KEY] = offer
-            prefilling = threading.Thread(
-                target=self._prefill, args=(prefill, pre, routing), daemon=True
-            )
-            prefilling.start()
+            args = (prefill, pre, routing)
+            threading.Thread(target=self._prefill, args=args, daemon=True).start()
             body["kv_transfer_params"] = {
                 "do_remote_prefill": True,
                 "do_remote_decode": False,
