@@ -100,6 +100,8 @@ PREFILL_PARAMS: dict[str, Any] = {
 """What vLLM's proxies put in the prefill request's `kv_transfer_params`."""
 
 PATHS = ("/v1/completions", "/v1/chat/completions")
+_ANSWERED = object()
+"""A prefill that failed: its client was answered (`_Handler._prefilled`)."""
 KEPT_ANSWER_BYTES = 1 << 20
 """A routed answer this long or shorter, not streamed, is read for its `usage` (the prompt
 tokens the server served from its cache, against what the router predicted)."""
@@ -325,20 +327,21 @@ class _Handler(BaseHTTPRequestHandler):
             finally:
                 if routing is not None:
                     routing.done(prefill)
-            if params is None:
+            if params is _ANSWERED:
                 return
-            body["kv_transfer_params"] = params
+            body["kv_transfer_params"] = params  # None too: the decode server computes it
         upstream = self._upstream("decode", decode, body)
         if upstream is not None:
             self._relay(upstream)
 
     def _prefilled(self, prefill: str, body: dict[str, Any], routing: Routing | None) -> Any:
-        """The prefill server's `kv_transfer_params` for `body`; None once the client was
-        answered (the server failed)."""
+        """The prefill server's `kv_transfer_params` for `body` (None where it gave none:
+        the decode server then computes the prompt); `_ANSWERED` once the client was
+        answered instead (the server failed)."""
         unreachable = None if routing is None else (lambda: routing.failed(prefill))
         answer = self._upstream("prefill", prefill, prefill_request(body), unreachable)
         if answer is None:
-            return None
+            return _ANSWERED
         with answer:
             try:
                 params = json.loads(answer.read()).get("kv_transfer_params")
@@ -346,7 +349,7 @@ class _Handler(BaseHTTPRequestHandler):
                 log.warning("kvflow proxy: the prefill server %s answered: %s", prefill, exc)
                 error = f"the prefill server's answer could not be read ({type(exc).__name__})"
                 self._reply(502, {"error": error})
-                return None
+                return _ANSWERED
         self.proxy.learn(prefill, params)
         return params
 

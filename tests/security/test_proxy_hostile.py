@@ -187,6 +187,29 @@ def test_a_completion_goes_through_and_the_connection_stays_open(
     assert len(seen) == 4 and seen[1]["kv_transfer_params"] == {"offer": "o1"}
 
 
+@pytest.mark.parametrize("route", ["round-robin", "random"])
+def test_a_prefill_that_gives_no_params_is_still_decoded(route: str) -> None:
+    """vLLM's prefill server answers `kv_transfer_params: null` when it offers nothing
+    (kvflow's: its offers already hold all the blocks they may): the request still goes
+    to the decode server, which computes the prompt. (A refactoring of the proxy once
+    took that answer for a failed prefill and answered the client nothing: found by
+    tests/compat/test_serving_load.py's 64 requests under load.)"""
+    none = json.dumps({"kv_transfer_params": None}).encode()
+    with upstream(none) as (url, seen):
+        proxy = PdProxy([url], [url], route=route).start()
+        try:
+            body = {"model": "m", "prompt": [1, 2, 3], "max_tokens": 4}
+            with urllib.request.urlopen(
+                urllib.request.Request(proxy.url + "/v1/completions", json.dumps(body).encode()),
+                timeout=WAIT_S,
+            ) as answer:
+                got = json.loads(answer.read())
+        finally:
+            proxy.close()
+    assert got["choices"] == [{"text": "decoded"}] and got["params"] == {}
+    assert len(seen) == 2 and seen[1].get("kv_transfer_params") is None
+
+
 # 1: Transfer-Encoding
 
 
