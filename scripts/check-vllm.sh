@@ -3,7 +3,8 @@
 # that version's sources are installed without their dependencies into a directory of
 # their own and imported next to the installed (CPU) torch; harnesses built on vLLM's own
 # objects (its Scheduler, its runners' connector wrappers, its create_kv_cache_views,
-# the snapshot of its connector contract) then drive kvflow. No GPU kernel runs.
+# the snapshot of its connector contract, its KV event publisher and events, which
+# `kvflow proxy --route prefix` reads) then drive kvflow. No GPU kernel runs.
 #
 #     bash scripts/check-vllm.sh 0.33.0
 #
@@ -25,7 +26,8 @@ echo "check-vllm: kvflow against vLLM $got's Python code ($target)"
 modules=(tests/connector/test_vllm_versions.py tests/connector/test_gpu_layouts.py
   tests/connector/test_adapter.py tests/connector/test_vllm_scheduler.py
   tests/pd/test_vllm_scheduler_pd.py tests/connector/test_vllm_runner.py
-  tests/connector/test_hidden_states_io.py tests/pd/test_topology.py tests/pd/test_pp.py)
+  tests/connector/test_hidden_states_io.py tests/pd/test_topology.py tests/pd/test_pp.py
+  tests/route/test_index.py tests/route/test_feeds.py)
 report=$(mktemp)
 trap 'rm -f "$report"' EXIT
 PYTHONPATH="$target" "$PY" -m pytest -q -p no:cacheprovider -m '' -rs \
