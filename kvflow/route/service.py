@@ -130,8 +130,10 @@ class Routing:
                 await trio.sleep(1.0)
 
     async def _check(self, server: str) -> None:
+        """`server`'s health every `health_s` (a check under way when the proxy closes is
+        left to end on its own: `close` does not wait `HEALTH_TIMEOUT_S` for it)."""
         while True:
-            healthy = await trio.to_thread.run_sync(_healthy, server)
+            healthy = await trio.to_thread.run_sync(_healthy, server, abandon_on_cancel=True)
             self.router.set_healthy(server, healthy)
             await trio.sleep(self.health_s)
 
