@@ -34,7 +34,7 @@ from kvflow.transport import (
 from . import _doctor, _perms
 from ._batch import Batched
 from ._format import HEADER_SIZE, encode_header, layer_offset, read_header
-from ._io import read_checked, write_all
+from ._io import read_all, write_all
 from ._loading import Reading, layer_groups, load_runs, runs
 from ._shards import KnownShards
 from ._usage import StoreUsage
@@ -403,21 +403,22 @@ class FsTransport(Transport):
         spans: list[list[memoryview]],
         c: int,
     ) -> ChunkFailure | None:
-        """Read layers `group` of chunk `c` (adjacent in its file) and check each of
-        them as it lands (`read_checked`); `spans[i]` are the spans of layer `group[i]`."""
+        """Read layers `group` of chunk `c` (adjacent in its file: one system call), then
+        check each of them; `spans[i]` are the spans of layer `group[i]`."""
         want = sum(h.layer_nbytes[group.start : group.stop])
-        offset = layer_offset(h, group.start)
-        sk = self.context.store_key  # a store key's checksums are always checked
-        check = h if self.options.verify or sk is not None else None
+        flat = [s for ls in spans for s in ls]
         try:
-            got, bad = read_checked(fd, offset, group, spans, check, sk)
+            got = read_all(fd, flat, layer_offset(h, group.start))
         except OSError as exc:
             return ChunkFailure(c, TransportError, f"cannot read {_which(group)} of {path}: {exc}")
         if got != want:
             why = f"short read ({got} of {want} bytes) in {_which(group)}"
             return self._corrupt(c, fd, path, why)
-        if bad is not None:
-            return self._corrupt(c, fd, path, f"checksum mismatch in layer {bad}")
+        sk = self.context.store_key  # a store key's checksums are always checked
+        if self.options.verify or sk is not None:
+            for layer, s in zip(group, spans, strict=True):
+                if not h.layer_intact(layer, s, sk):
+                    return self._corrupt(c, fd, path, f"checksum mismatch in layer {layer}")
         return None
 
     def _corrupt(self, chunk: int, fd: int, path: str, problem: str) -> ChunkFailure:
