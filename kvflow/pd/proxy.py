@@ -179,10 +179,10 @@ class PdProxy:
         `prefix`; at random under `random`)."""
         if servers:
             urls = [u.rstrip("/") for u in servers]
-            self.routing = Routing(urls, route, kv_events, open_post, max_skew)
+            self.routing = Routing(urls, route, kv_events, open_post, open_get, max_skew)
         elif route != "round-robin":
             pre = [u.rstrip("/") for u in prefill]
-            self.routing = Routing(pre, route, kv_events, open_post, max_skew)
+            self.routing = Routing(pre, route, kv_events, open_post, open_get, max_skew)
             policy = "least-loaded" if route == "prefix" else route
             self.decode_load = Router([u.rstrip("/") for u in decode], policy, max_skew=max_skew)
         self.httpd = _Server((host, port), self._handler(), max_clients)
@@ -626,6 +626,11 @@ def open_post(url: str, body: dict[str, Any], timeout: float) -> Any:
         url, json.dumps(body).encode(), {"Content-Type": "application/json"}
     )
     return _DIRECT.open(req, timeout=timeout)
+
+
+def open_get(url: str, timeout: float) -> Any:
+    """GET `url`, directly as `open_post` does; the open response."""
+    return _DIRECT.open(url, timeout=timeout)
 
 
 def _chunks(resp: Any) -> Iterator[bytes]:

@@ -16,7 +16,6 @@ import contextlib
 import json
 import logging
 import threading
-import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from typing import Any
@@ -49,6 +48,8 @@ CHAT_KEYS = (
 
 Post = Callable[[str, dict[str, Any], float], Any]
 """POST a JSON body, returning the open response (the proxy's `open_post`)."""
+Get = Callable[[str, float], Any]
+"""GET a URL, returning the open response (the proxy's `open_get`)."""
 
 
 def parse_events(spec: str) -> tuple[str, str | None]:
@@ -69,6 +70,7 @@ class Routing:
         policy: str,
         kv_events: Sequence[str],
         post: Post,
+        get: Get,
         max_skew: int = MAX_SKEW,
         max_blocks: int | None = None,
         health_s: float = HEALTH_S,
@@ -85,7 +87,7 @@ class Routing:
             FeedState(server, *parse_events(spec))
             for server, spec in zip(servers, kv_events, strict=False)
         ]
-        self.post = post
+        self.post, self.get = post, get
         self.health_s = health_s
         self._thread: threading.Thread | None = None
         self._token: trio.lowlevel.TrioToken | None = None
@@ -133,7 +135,9 @@ class Routing:
         """`server`'s health every `health_s` (a check under way when the proxy closes is
         left to end on its own: `close` does not wait `HEALTH_TIMEOUT_S` for it)."""
         while True:
-            healthy = await trio.to_thread.run_sync(_healthy, server, abandon_on_cancel=True)
+            healthy = await trio.to_thread.run_sync(
+                _healthy, self.get, server, abandon_on_cancel=True
+            )
             self.router.set_healthy(server, healthy)
             await trio.sleep(self.health_s)
 
@@ -265,12 +269,9 @@ def _token_ids(value: Any) -> bool:
     )
 
 
-def _healthy(server: str) -> bool:
+def _healthy(get: Get, server: str) -> bool:
     try:
-        with _DIRECT.open(server + "/health", timeout=HEALTH_TIMEOUT_S) as answer:
+        with get(server + "/health", HEALTH_TIMEOUT_S) as answer:
             return bool(answer.status == 200)
     except OSError:
         return False
-
-
-_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
