@@ -1,9 +1,9 @@
 """Routing as `kvflow proxy --server ... --route ...` runs it: the router, its index fed by
 every instance's KV events, health checks, and a request's prompt as token ids.
 
-The followers (`kvflow.route.feeds`) and health checks run as trio tasks in one thread of
-the proxy's (`start`, `close`); a follower that fails is restarted after a second with
-its instance forgotten. An instance whose `/health` does not answer 200 within
+The followers (`kvflow.route.feeds`) and health checks run as trio tasks of the proxy's
+loop (`run`); a follower that fails is restarted after a second with its instance
+forgotten. An instance whose `/health` does not answer 200 within
 `HEALTH_TIMEOUT_S` is left out of routing (and forgotten) until it does again, checked
 every `health_s`. A request's prompt is its token ids where it gives them, else what an
 instance's `/tokenize` makes of it (chat messages through the model's chat template, as
@@ -12,14 +12,13 @@ the instance will): a tokenizer the router need not have.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
+import httpx
 import trio
 import zmq
 
@@ -46,11 +45,6 @@ CHAT_KEYS = (
 )
 """What a chat request's `/tokenize` call takes from it beside `model` and `messages`."""
 
-Post = Callable[[str, dict[str, Any], float], Any]
-"""POST a JSON body, returning the open response (the proxy's `open_post`)."""
-Get = Callable[[str, float], Any]
-"""GET a URL, returning the open response (the proxy's `open_get`)."""
-
 
 def parse_events(spec: str) -> tuple[str, str | None]:
     """`ENDPOINT[,REPLAY_ENDPOINT]` (`--kv-events`) as (endpoint, replay endpoint)."""
@@ -69,8 +63,6 @@ class Routing:
         servers: Sequence[str],
         policy: str,
         kv_events: Sequence[str],
-        post: Post,
-        get: Get,
         max_skew: int = MAX_SKEW,
         max_blocks: int | None = None,
         health_s: float = HEALTH_S,
@@ -87,38 +79,28 @@ class Routing:
             FeedState(server, *parse_events(spec))
             for server, spec in zip(servers, kv_events, strict=False)
         ]
-        self.post, self.get = post, get
         self.health_s = health_s
-        self._thread: threading.Thread | None = None
-        self._token: trio.lowlevel.TrioToken | None = None
-        self._cancel: trio.CancelScope | None = None
-        self._started = threading.Event()
+        self._client: httpx.AsyncClient | None = None
 
-    # -- the background thread -----------------------------------------------------
-    def start(self) -> None:
-        self._thread = threading.Thread(target=trio.run, args=(self._run,), daemon=True)
-        self._thread.start()
-        self._started.wait()
-
-    def close(self) -> None:
-        if self._token is not None and self._cancel is not None:
-            with contextlib.suppress(trio.RunFinishedError):
-                self._token.run_sync_soon(self._cancel.cancel)
-        if self._thread is not None:
-            self._thread.join()
-
-    async def _run(self) -> None:
+    # -- the proxy's tasks -----------------------------------------------------------
+    async def run(
+        self,
+        client: httpx.AsyncClient,
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Follow every instance's events and check its health until cancelled; `client`
+        calls the instances (the proxy's)."""
+        self._client = client
         ctx: zmq.Context[Any] = zmq.Context()
         try:
             async with trio.open_nursery() as nursery:
-                self._token, self._cancel = trio.lowlevel.current_trio_token(), nursery.cancel_scope
                 for state in self.feeds:
                     nursery.start_soon(self._follow, state, ctx)
                 for server in self.router.servers:
-                    nursery.start_soon(self._check, server)
-                self._started.set()
+                    nursery.start_soon(self._check, client, server)
+                task_status.started()
         finally:
-            self._started.set()
             ctx.destroy(linger=0)
 
     async def _follow(self, state: FeedState, ctx: zmq.Context[Any]) -> None:
@@ -131,22 +113,23 @@ class Routing:
                 state.restarts += 1
                 await trio.sleep(1.0)
 
-    async def _check(self, server: str) -> None:
-        """`server`'s health every `health_s` (a check under way when the proxy closes is
-        left to end on its own: `close` does not wait `HEALTH_TIMEOUT_S` for it)."""
+    async def _check(self, client: httpx.AsyncClient, server: str) -> None:
+        """`server`'s health every `health_s`."""
         while True:
-            healthy = await trio.to_thread.run_sync(
-                _healthy, self.get, server, abandon_on_cancel=True
-            )
+            try:
+                answer = await client.get(server + "/health", timeout=HEALTH_TIMEOUT_S)
+                healthy = answer.status_code == 200
+            except Exception:  # unreachable, or no HTTP server there: not healthy
+                healthy = False
             self.router.set_healthy(server, healthy)
             await trio.sleep(self.health_s)
 
     # -- requests ----------------------------------------------------------------------
-    def choose(self, path: str, body: dict[str, Any]) -> Decision:
+    async def choose(self, path: str, body: dict[str, Any]) -> Decision:
         """The server for `body` (a request to `path`), counted in flight until `done`."""
         if self.router.policy != "prefix":
             return self.router.choose()
-        tokens = self.prompt_tokens(path, body)
+        tokens = await self.prompt_tokens(path, body)
         model = body.get("model")
         lora = model if isinstance(model, str) and model in self.router.index.loras else None
         return self.router.choose(tokens, lora)
@@ -160,7 +143,7 @@ class Routing:
         """`server` could not be reached: left out until its health check passes."""
         self.router.set_healthy(server, False)
 
-    def prompt_tokens(self, path: str, body: dict[str, Any]) -> list[int] | None:
+    async def prompt_tokens(self, path: str, body: dict[str, Any]) -> list[int] | None:
         """The prompt's token ids: as given, or an instance's `/tokenize` of it; None where
         it is neither (a batch of prompts, no instance answering)."""
         prompt: Any = body.get("prompt")
@@ -179,9 +162,12 @@ class Routing:
             return None
         server = self.router.least_loaded()
         try:
-            with self.post(server + "/tokenize", ask, TOKENIZE_TIMEOUT_S) as answer:
-                tokens = json.loads(answer.read()).get("tokens")
-        except (OSError, ValueError, AttributeError) as exc:
+            assert self._client is not None, "run() first"
+            url, wait = server + "/tokenize", TOKENIZE_TIMEOUT_S
+            answer = await self._client.post(url, json=ask, timeout=wait)
+            answer.raise_for_status()
+            tokens = json.loads(answer.content).get("tokens")
+        except (httpx.HTTPError, ValueError, AttributeError) as exc:
             log.info("kvflow proxy: %s/tokenize: %s; routed by load", server, exc)
             return None
         return list(tokens) if _token_ids(tokens) else None
@@ -251,14 +237,24 @@ class Routing:
 
 
 def _cached_tokens(answer: bytes | None) -> int | None:
-    """`usage.prompt_tokens_details.cached_tokens` of a JSON answer (vLLM reports it with
-    `--enable-prompt-tokens-details`), or None."""
-    try:
-        details = json.loads(answer or b"null")["usage"]["prompt_tokens_details"]
-        cached = details["cached_tokens"]
-    except (ValueError, TypeError, KeyError):
+    """`usage.prompt_tokens_details.cached_tokens` of a JSON answer, or of the last events
+    of a streamed one (vLLM reports it with `--enable-prompt-tokens-details`, in a stream
+    where the client asked for `stream_options.include_usage`), or None."""
+    if not answer:
         return None
-    return cached if type(cached) is int and 0 <= cached < 1 << 31 else None
+    if answer[:1] == b"{":
+        documents = [answer]
+    else:  # server-sent events: `data: {...}` lines, the usage last before `data: [DONE]`
+        lines = [line for line in answer.rsplit(b"\n", 8) if line.startswith(b"data:")]
+        documents = [line[5:] for line in reversed(lines)]
+    for document in documents:
+        try:
+            details = json.loads(document)["usage"]["prompt_tokens_details"]
+            cached = details["cached_tokens"]
+        except (ValueError, TypeError, KeyError):
+            continue
+        return cached if type(cached) is int and 0 <= cached < 1 << 31 else None
+    return None
 
 
 def _token_ids(value: Any) -> bool:
@@ -267,11 +263,3 @@ def _token_ids(value: Any) -> bool:
         and 0 < len(value) <= MAX_PROMPT_TOKENS
         and all(type(t) is int and 0 <= t < 1 << 32 for t in value)
     )
-
-
-def _healthy(get: Get, server: str) -> bool:
-    try:
-        with get(server + "/health", HEALTH_TIMEOUT_S) as answer:
-            return bool(answer.status == 200)
-    except OSError:
-        return False

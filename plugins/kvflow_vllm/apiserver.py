@@ -24,8 +24,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kvflow.pd.proxy import open_post
-
 __all__ = ["ApiServer", "free_port", "server_command"]
 
 
@@ -177,9 +175,19 @@ class ApiServer:
             os.killpg(self.proc.pid, signal.SIGKILL)
 
 
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+"""urllib's opener without proxies: servers are called directly (the default opener
+follows `HTTP(S)_PROXY`)."""
+
+
 def post(url: str, body: dict[str, Any], timeout: float = 300) -> dict[str, Any]:
+    """POST `body` as JSON, directly whatever the environment's proxy settings: the JSON
+    answer, or the error status and its body."""
+    req = urllib.request.Request(
+        url, json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
     try:
-        with open_post(url, body, timeout) as r:
+        with _DIRECT.open(req, timeout=timeout) as r:
             result: dict[str, Any] = json.loads(r.read())
             return result
     except urllib.error.HTTPError as exc:

@@ -87,10 +87,16 @@ def test_a_proxy_needs_both_kinds_of_server() -> None:
         PdProxy([], ["http://127.0.0.1:1"])
 
 
+@pytest.mark.parametrize("url", ["127.0.0.1:8100", "http://", "ftp://host", ""])
+def test_a_server_that_is_no_base_url_is_refused_at_start_naming_its_flag(url: str) -> None:
+    with pytest.raises(ValueError, match=r"--decode '.*': give a base URL, http://HOST:PORT"):
+        PdProxy(["http://127.0.0.1:1"], [url])
+
+
 def raw_post(proxy: PdProxy, content_length: str, body: bytes = b"") -> tuple[int, str, bool]:
     """POST `body` over a real socket under a declared `Content-Length`, the socket left
     open for more; the status, the error the proxy answered, whether it closes."""
-    host, port = proxy.httpd.server_address[:2]
+    host, port = proxy.address
     with socket.create_connection((str(host), int(port)), timeout=60) as sock:
         head = (
             f"POST /v1/completions HTTP/1.1\r\nHost: proxy\r\n"
@@ -170,7 +176,7 @@ def test_a_connection_left_idle_is_closed_by_the_proxy() -> None:
     """A client that connects and sends nothing holds no thread past `client_timeout_s`."""
     dead = f"http://127.0.0.1:{free_port()}"
     proxy = PdProxy([dead], [dead], client_timeout_s=0.5).start()
-    host, port = proxy.httpd.server_address[:2]
+    host, port = proxy.address
     try:
         with socket.create_connection((str(host), int(port)), timeout=60) as sock:
             assert sock.recv(1) == b""  # the proxy closed it (recv would wait 60 s, then raise)
@@ -225,9 +231,9 @@ def test_a_streaming_proxy_streams_only_to_a_prefill_server_whose_workers_it_lea
         plain = PdProxy([dead], [dead])  # not streaming: learns nothing
         plain.learn(dead, {"kvflow": {"addresses": ["tcp://127.0.0.1:5555"]}})
         assert plain.producer(dead) == []
-        plain.httpd.server_close()
+        plain.close()
     finally:
-        proxy.httpd.server_close()
+        proxy.close()
 
 
 def test_the_proxy_command_routes_over_servers_and_says_what_is_missing(

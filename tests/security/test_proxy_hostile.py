@@ -96,7 +96,7 @@ def proxy_to(prefill: str, decode: str, **options: Any) -> Iterator[PdProxy]:
 
 
 def connect(proxy: PdProxy) -> socket.socket:
-    host, port = proxy.httpd.server_address[:2]
+    host, port = proxy.address
     return socket.create_connection((str(host), int(port)), timeout=WAIT_S)
 
 

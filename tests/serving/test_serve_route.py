@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import trio
 
 from kvflow.pd.proxy import PdProxy
 from kvflow.route.index import Match
@@ -113,14 +114,14 @@ def _request(proxy: PdProxy, path: str, body: dict[str, Any]) -> tuple[str, dict
 
 
 def _settled(*routers: Router) -> None:
-    """Until every request's count in flight is given back: a proxy's handler thread does
+    """Until every request's count in flight is given back: a proxy's request task does
     that just after it wrote the answer's last byte, which the client may see first."""
     deadline = time.monotonic() + 10
     while any(s.in_flight for r in routers for s in r.servers.values()):
         assert time.monotonic() < deadline, [
             s.in_flight for r in routers for s in r.servers.values()
         ]
-        time.sleep(0.01)  # polls the proxy's handler threads
+        time.sleep(0.01)  # polls the proxy's request tasks
 
 
 def _cached(answer: dict[str, Any]) -> int:
@@ -156,6 +157,16 @@ def test_a_prompt_goes_where_its_prefix_is_and_is_served_from_that_cache(
         server, answer = _request(proxy, "/v1/completions", body(prefix + _tokens(40)))
         assert server == first, f"request {k}: the prefix is on {first}, routed to {server}"
         assert _cached(answer) >= 288, answer["usage"]
+    streamed = dict(body(prefix + _tokens(40)), stream=True)
+    streamed["stream_options"] = {"include_usage": True}
+    request = urllib.request.Request(
+        proxy.url + "/v1/completions", json.dumps(streamed).encode(), {"Content-Type": "x"}
+    )
+    with urllib.request.urlopen(request, timeout=60) as answer:
+        events = [line[6:] for line in answer.read().split(b"\n") if line.startswith(b"data: {")]
+    usage = json.loads(events[-1])["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] >= 288, usage
+    assert proxy.routing.router.decisions[-1].server == first  # type: ignore[union-attr]
     servers = {d.server for d in proxy.routing.router.decisions}  # type: ignore[union-attr]
     assert servers == {i.server.url for i in instances}  # the fresh prompts went to both
     _settled(proxy.routing.router)  # type: ignore[union-attr]
@@ -163,14 +174,15 @@ def test_a_prompt_goes_where_its_prefix_is_and_is_served_from_that_cache(
     assert [f["lost"] for f in view["feeds"]] == [0, 0]
     assert all(f["batches"] > 0 for f in view["feeds"])
     routed_ones = [d for d in view["decisions"] if d["predicted_tokens"] >= 288]
-    assert len(routed_ones) == 4
+    assert len(routed_ones) == 5
     with urllib.request.urlopen(proxy.url + "/metrics", timeout=30) as answer:
         metrics = dict(
             line.rsplit(" ", 1) for line in answer.read().decode().splitlines() if line[:1] != "#"
         )
     on = f'{{server="{first}"}}'
-    assert float(metrics[f"kvflow_proxy_predicted_tokens_total{on}"]) >= 4 * 288
-    assert float(metrics[f"kvflow_proxy_cached_tokens_total{on}"]) >= 4 * 288  # the server's word
+    assert float(metrics[f"kvflow_proxy_predicted_tokens_total{on}"]) >= 5 * 288
+    # the server's word, from four answers and a stream's last event
+    assert float(metrics[f"kvflow_proxy_cached_tokens_total{on}"]) >= 5 * 288
     assert float(metrics["kvflow_proxy_index_blocks"]) > 0
 
 
@@ -191,7 +203,8 @@ def test_text_and_chat_prompts_are_tokenized_by_a_server_and_routed_by_prefix(
     first, answer = _request(proxy, *body(_words(20)))
     prompt_tokens = answer["usage"]["prompt_tokens"]
     assert 200 < prompt_tokens < 900, prompt_tokens
-    tokens = proxy.routing.prompt_tokens(*body(""))  # type: ignore[union-attr]
+    assert proxy.routing is not None
+    tokens = trio.from_thread.run(proxy.routing.prompt_tokens, *body(""), trio_token=proxy.token)
     assert tokens is not None
     _held(proxy, first, tokens, 32 * (len(tokens) // 32) - 32)
     for _ in range(2):  # (under round robin, the turn would be elsewhere)
