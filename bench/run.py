@@ -97,6 +97,7 @@ BENCHES: dict[str, tuple[list[str], bool, Callable[[], str]]] = {
     "fs-shared": (["bench_fs_shared.py"], True, lambda: ""),
     "pd-scale": (["bench_pd_scale.py"], True, lambda: ""),
     "route": (["bench_route.py"], True, lambda: ""),
+    "proxy": (["bench_proxy.py", "--against", "37a1fed"], True, lambda: ""),
     "soak": (["../scripts/soak.py", "--suite"], False, lambda: ""),
     "soak-pd": (
         ["../scripts/soak_pd.py", "--out", str(RESULTS / "soak-pd.json")],
@@ -821,6 +822,24 @@ def route_table(d: dict[str, Any]) -> list[str]:
     return _table(head, rows)
 
 
+def proxy_table(d: dict[str, Any]) -> list[str]:
+    rows = [
+        [
+            name,
+            workload,
+            f"{r['p50_ms']:.2f}",
+            f"{r['p90_ms']:.2f}",
+            f"{r['requests_per_s']:.0f}",
+            f"{r['added_p50_ms']:+.2f}",
+            f"{r['p50_over_direct']:.2f}x",
+        ]
+        for name, by in d["table"].items()
+        for workload, r in by.items()
+    ]
+    head = ["client to", "workload", "p50 ms", "p90 ms", "req/s", "p50 - direct ms", "p50 / direct"]
+    return _table(head, rows, left=2)
+
+
 def tests_table(d: dict[str, Any]) -> list[str]:
     """bench_tests.py: each command of a fresh clone's set-up and test run, its wall time
     and pytest's counts."""
@@ -899,6 +918,7 @@ TABLES: dict[str, tuple[str, Callable[[dict[str, Any]], list[str]], str]] = {
     "fs-shared": ("fs-shared", fs_shared_table, ""),
     "pd-scale": ("pd-scale", pd_scale_table, ""),
     "route": ("route", route_table, ""),
+    "proxy": ("proxy", proxy_table, ""),
     "faults": ("faults", faults_table, ""),
     "faults-store": ("faults", faults_store_table, ""),
     "tests": ("tests", tests_table, ""),
