@@ -73,6 +73,7 @@ EXTRA_SOURCES = [
 
 class _Standin(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True  # its head and body are two writes: no 40 ms delayed ACK
 
     def log_message(self, format: str, *args: Any) -> None:
         pass
@@ -103,10 +104,13 @@ class _Standin(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
 
+class _StandinServer(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 1024  # the listen backlog: a burst of new connections is not reset
+
+
 def serve_standin(port_file: str) -> None:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Standin)
-    server.daemon_threads = True
-    server.request_queue_size = 1024
+    server = _StandinServer(("127.0.0.1", 0), _Standin)
     Path(port_file).write_text(str(server.server_address[1]))
     server.serve_forever()
 
@@ -158,7 +162,8 @@ def proxy(standin: str, tree: Path | None) -> Iterator[int]:
 
 
 def _read(conn: http.client.HTTPConnection, body: dict[str, Any]) -> bytes:
-    conn.request("POST", PATH, json.dumps(body), {"Content-Type": "application/json"})
+    data = json.dumps(body).encode()  # bytes: head and body in one send
+    conn.request("POST", PATH, data, {"Content-Type": "application/json"})
     answer = conn.getresponse()
     data = answer.read()
     if answer.status != 200:

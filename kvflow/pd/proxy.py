@@ -31,11 +31,11 @@ prefill's answer is read in a task of its own, and the workers it names are lear
 again (a restarted server's new ones); one that fails makes the next request to that
 server go the convention's way, which learns them anew.
 
-It runs on trio (decision 103): its HTTP server is `kvflow.pd.httpd` (h11, with the
-limits a client it does not trust meets, docs/security.md: `--max-body-bytes`,
-`--client-timeout-s`, `--max-clients`, `--request-timeout-s`), its calls to the servers
-go through one httpx client (connections kept alive), and a client that goes away
-cancels its request's task, which closes the upstream request: vLLM aborts it.
+It runs on trio (decision 103): its HTTP is h11's (`kvflow.web`): the server, with the
+limits a client it does not trust meets (docs/security.md: `--max-body-bytes`,
+`--client-timeout-s`, `--max-clients`, `--request-timeout-s`), and the client that calls
+the servers, connections kept alive; a client that goes away cancels its request's
+task, which closes the server's request: vLLM aborts it. JSON is msgspec's.
 
 Upstream servers are called directly, whatever `HTTP(S)_PROXY` says, and a 502 names
 the role that failed (prefill or decode), never its URL, which goes to the log.
@@ -45,22 +45,22 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import json
 import logging
 import secrets
 import socket
 import sys
 import threading
+import urllib.parse
 from collections.abc import Sequence
 from typing import Any
 
-import httpx
+import msgspec
 import trio
 
 from kvflow.route.router import MAX_SKEW, Router
 from kvflow.route.service import Routing
-
-from .httpd import Limits, Reply, Request, serve
+from kvflow.web.client import Answer, Client, UpstreamError
+from kvflow.web.server import Limits, Reply, Request, serve
 
 __all__ = [
     "CLIENT_TIMEOUT_S",
@@ -112,8 +112,8 @@ REQUEST_TIMEOUT_S = 60.0
 few KiB is sent in milliseconds."""
 
 
-KEPT_ALIVE = 64
-"""Idle connections to the servers kept open for the next request."""
+MAX_PREFILL_ANSWER_BYTES = 256 << 20
+"""The longest prefill answer read (one token; its prompt logprobs, if asked for)."""
 
 
 def prefill_request(body: dict[str, Any]) -> dict[str, Any]:
@@ -183,7 +183,7 @@ class PdProxy:
             policy = "least-loaded" if route == "prefix" else route
             self.decode_load = Router([u.rstrip("/") for u in decode], policy, max_skew=max_skew)
         self._sock = socket.create_server((host, port), backlog=1024)
-        self._client: httpx.AsyncClient | None = None
+        self._client = Client(timeout_s)
         self._tasks: trio.Nursery | None = None
         self._token: trio.lowlevel.TrioToken | None = None
         self._thread: threading.Thread | None = None
@@ -227,15 +227,16 @@ class PdProxy:
         self._sock.close()
 
     async def _serve(self) -> None:
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=KEPT_ALIVE)
-        client = httpx.AsyncClient(trust_env=False, timeout=self.timeout_s, limits=limits)
-        async with client, trio.open_nursery() as nursery:
-            self._client, self._tasks = client, nursery
-            self._token = trio.lowlevel.current_trio_token()
-            if self.routing is not None:
-                await nursery.start(self.routing.run, client)
-            await nursery.start(serve, self._sock, self._handle, self.limits, PATHS)
-            self._serving.set()
+        try:
+            async with trio.open_nursery() as nursery:
+                self._tasks, self._token = nursery, trio.lowlevel.current_trio_token()
+                if self.routing is not None:
+                    await nursery.start(self.routing.run, self._client)
+                await nursery.start(serve, self._sock, self._handle, self.limits, PATHS)
+                self._serving.set()
+        finally:
+            with trio.CancelScope(shield=True):
+                await self._client.aclose()
 
     def _servers(self) -> tuple[str, str]:
         return next(self._prefill), next(self._decode)
@@ -270,8 +271,8 @@ class PdProxy:
             await reply.json(404, {"error": f"the proxy serves {', '.join(PATHS)}"})
             return
         try:
-            body = json.loads(request.body)
-        except ValueError:
+            body = msgspec.json.decode(request.body)
+        except msgspec.DecodeError:
             body = None
         if not isinstance(body, dict):
             await reply.json(400, {"error": "the body is not a JSON object"})
@@ -336,8 +337,9 @@ class PdProxy:
         if answer is None:
             return _ANSWERED
         try:
-            params = json.loads(await answer.aread()).get("kv_transfer_params")
-        except (httpx.HTTPError, ValueError, AttributeError) as exc:
+            data = await answer.read(MAX_PREFILL_ANSWER_BYTES)
+            params = msgspec.json.decode(data).get("kv_transfer_params")
+        except (UpstreamError, ValueError, AttributeError) as exc:
             log.warning("kvflow proxy: the prefill server %s answered: %r", prefill, exc)
             error = f"the prefill server's answer could not be read ({type(exc).__name__})"
             await reply.json(502, {"error": error})
@@ -361,18 +363,18 @@ class PdProxy:
         finally:
             routing.done(server, answer)
 
-    async def _relay(self, reply: Reply, upstream: httpx.Response) -> bytes | None:
+    async def _relay(self, reply: Reply, upstream: Answer) -> bytes | None:
         """The upstream server's answer, as it comes; its bytes where it was one JSON
         document of at most `KEPT_ANSWER_BYTES`, the last `KEPT_STREAM_BYTES` of a stream
         of events, else None. Closing it early (the client gone: this task cancelled)
         makes vLLM abort the request."""
-        kind = upstream.headers.get("Content-Type", "")
+        kind = upstream.content_type
         events = kind.startswith("text/event-stream")
         kept = bytearray() if events or kind.startswith("application/json") else None
         try:
-            await reply.start(upstream.status_code, kind)
+            await reply.start(upstream.status, kind)
             try:
-                async for chunk in upstream.aiter_bytes():
+                while chunk := await upstream.next_chunk():
                     await reply.send(chunk)
                     if kept is None:
                         continue
@@ -381,7 +383,7 @@ class PdProxy:
                         del kept[:-KEPT_STREAM_BYTES]
                     elif len(kept) > KEPT_ANSWER_BYTES:
                         kept = None
-            except httpx.HTTPError as exc:  # the client's answer is cut short: closed
+            except UpstreamError as exc:  # the client's answer is cut short: closed
                 log.warning("kvflow proxy: a server's answer broke off: %r", exc)
                 return None
             await reply.end()
@@ -397,9 +399,9 @@ class PdProxy:
         the prompt); the server's workers are learned again from its answer."""
         params: Any = None
         try:
-            assert self._client is not None
-            answer = await self._client.post(prefill + path, json=body)
-            params = json.loads(answer.content).get("kv_transfer_params")
+            async with await self._client.post(prefill + path, msgspec.json.encode(body)) as answer:
+                data = await answer.read(MAX_PREFILL_ANSWER_BYTES)
+            params = msgspec.json.decode(data).get("kv_transfer_params")
         except Exception as exc:  # a task of the proxy's own: never its end
             log.warning("kvflow proxy: the prefill server %s (streamed): %r", prefill, exc)
         finally:
@@ -409,27 +411,25 @@ class PdProxy:
 
     async def _upstream(
         self, reply: Reply, which: str, url: str, body: dict[str, Any], unreachable: Any = None
-    ) -> httpx.Response | None:
+    ) -> Answer | None:
         """POST `body` to a server: its open answer; on failure answer the client and
         return None (and call `unreachable()` if the server could not be reached)."""
-        assert self._client is not None
-        request = self._client.build_request("POST", url, json=body)
         try:
-            answer = await self._client.send(request, stream=True)
-        except httpx.HTTPError as exc:  # the URL to the log, not to the client (internal addresses)
+            answer = await self._client.post(url, msgspec.json.encode(body))
+        except UpstreamError as exc:  # the URL to the log, not to the client (internal addresses)
             if unreachable is not None:
                 unreachable()
             log.warning("kvflow proxy: the %s server %s could not be reached: %r", which, url, exc)
-            error = f"the {which} server could not be reached ({_reason(exc)})"
+            error = f"the {which} server could not be reached ({exc.reason})"
             await reply.json(502, {"error": error})
             return None
-        if answer.status_code < 400:
+        if answer.status < 400:
             return answer
         try:
             payload = await _error_body(answer, which)
         finally:
             await _closed(answer)
-        await reply.json(answer.status_code, payload)
+        await reply.json(answer.status, payload)
         return None
 
     async def _get(self, path: str, reply: Reply) -> None:
@@ -446,41 +446,28 @@ class PdProxy:
 
 
 def _base_url(url: str) -> bool:
+    parts = urllib.parse.urlsplit(url)
     try:
-        parsed = httpx.URL(url)
-    except (httpx.InvalidURL, TypeError):
+        parts.port  # noqa: B018  (a port that is no number raises)
+    except ValueError:
         return False
-    return parsed.scheme in ("http", "https") and bool(parsed.host)
+    return parts.scheme in ("http", "https") and bool(parts.hostname)
 
 
-async def _closed(answer: httpx.Response) -> None:
+async def _closed(answer: Answer) -> None:
     """Close a server's answer, cancelled or not (its connection closes if unread)."""
-    with trio.CancelScope(deadline=trio.current_time() + 5, shield=True):
+    with trio.CancelScope(shield=True):
         await answer.aclose()
 
 
-def _reason(exc: BaseException) -> str:
-    """What went wrong calling a server, with no address in it: the innermost error's
-    kind (`ConnectionRefusedError` under httpx's `ConnectError` and trio's group of the
-    addresses tried)."""
-    for _ in range(16):
-        if isinstance(exc, BaseExceptionGroup):
-            exc = exc.exceptions[0]
-        elif (inner := exc.__cause__ or exc.__context__) is not None:
-            exc = inner
-        else:
-            break
-    return type(exc).__name__
-
-
-async def _error_body(answer: httpx.Response, which: str) -> dict[str, Any]:
+async def _error_body(answer: Answer, which: str) -> dict[str, Any]:
     try:
-        payload = json.loads(await answer.aread())
-    except (httpx.HTTPError, ValueError):
+        payload = msgspec.json.decode(await answer.read(1 << 20))
+    except (UpstreamError, ValueError):
         payload = None
     if not isinstance(payload, dict):
-        payload = {"error": f"HTTP {answer.status_code}"}
-    payload.setdefault("kvflow_proxy", f"the {which} server answered {answer.status_code}")
+        payload = {"error": f"HTTP {answer.status}"}
+    payload.setdefault("kvflow_proxy", f"the {which} server answered {answer.status}")
     return payload
 
 

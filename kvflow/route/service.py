@@ -18,9 +18,10 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
-import httpx
 import trio
 import zmq
+
+from kvflow.web.client import Client, UpstreamError
 
 from .feeds import FeedState, follow
 from .index import PrefixIndex
@@ -34,6 +35,9 @@ HEALTH_S = 2.0
 HEALTH_TIMEOUT_S = 5.0
 TOKENIZE_TIMEOUT_S = 30.0
 MAX_PROMPT_TOKENS = 1 << 21
+MAX_TOKENIZE_ANSWER_BYTES = 64 << 20
+"""The longest `/tokenize` answer read: `MAX_PROMPT_TOKENS` token ids of up to 10 digits
+and a separator each, with room to spare."""
 CHAT_KEYS = (
     "add_generation_prompt",
     "continue_final_message",
@@ -80,12 +84,12 @@ class Routing:
             for server, spec in zip(servers, kv_events, strict=False)
         ]
         self.health_s = health_s
-        self._client: httpx.AsyncClient | None = None
+        self._client: Client | None = None
 
     # -- the proxy's tasks -----------------------------------------------------------
     async def run(
         self,
-        client: httpx.AsyncClient,
+        client: Client,
         *,
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
@@ -113,12 +117,13 @@ class Routing:
                 state.restarts += 1
                 await trio.sleep(1.0)
 
-    async def _check(self, client: httpx.AsyncClient, server: str) -> None:
+    async def _check(self, client: Client, server: str) -> None:
         """`server`'s health every `health_s`."""
         while True:
             try:
-                answer = await client.get(server + "/health", timeout=HEALTH_TIMEOUT_S)
-                healthy = answer.status_code == 200
+                async with await client.get(server + "/health", HEALTH_TIMEOUT_S) as answer:
+                    await answer.read(1 << 16)
+                healthy = answer.status == 200
             except Exception:  # unreachable, or no HTTP server there: not healthy
                 healthy = False
             self.router.set_healthy(server, healthy)
@@ -163,11 +168,13 @@ class Routing:
         server = self.router.least_loaded()
         try:
             assert self._client is not None, "run() first"
-            url, wait = server + "/tokenize", TOKENIZE_TIMEOUT_S
-            answer = await self._client.post(url, json=ask, timeout=wait)
-            answer.raise_for_status()
-            tokens = json.loads(answer.content).get("tokens")
-        except (httpx.HTTPError, ValueError, AttributeError) as exc:
+            url, data = server + "/tokenize", json.dumps(ask).encode()
+            async with await self._client.post(url, data, TOKENIZE_TIMEOUT_S) as answer:
+                said = await answer.read(MAX_TOKENIZE_ANSWER_BYTES)
+            if answer.status != 200:
+                raise ValueError(f"answered {answer.status}")
+            tokens = json.loads(said).get("tokens")
+        except (UpstreamError, ValueError, AttributeError) as exc:
             log.info("kvflow proxy: %s/tokenize: %s; routed by load", server, exc)
             return None
         return list(tokens) if _token_ids(tokens) else None

@@ -38,6 +38,11 @@ class _Held(ThreadingHTTPServer):
     aborted: threading.Event
     go: threading.Event
     """A streamed decode answer's second event waits for this."""
+    drop: bool = False
+    """Close each connection after its answer, without saying so (as a server does with a
+    connection idle past its keep-alive timeout)."""
+    peers: list[int]
+    """The client port of each request: one per connection the proxy opened."""
 
 
 class _Upstream(BaseHTTPRequestHandler):
@@ -49,6 +54,8 @@ class _Upstream(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.server.peers.append(self.client_address[1])
+        self.close_connection = self.server.drop
         prefill = bool((body.get("kv_transfer_params") or {}).get("do_remote_decode"))
         if self.server.hold == ("prefill" if prefill else "decode"):
             self.server.arrived.set()
@@ -87,11 +94,8 @@ class _Upstream(BaseHTTPRequestHandler):
 def held(**setting: Any) -> Iterator[tuple[_Held, PdProxy]]:
     """An upstream server (prefill and decode) set up as `setting` says, and a proxy."""
     server = _Held(("127.0.0.1", 0), _Upstream)
-    server.arrived, server.aborted, server.go = (
-        threading.Event(),
-        threading.Event(),
-        threading.Event(),
-    )
+    server.arrived, server.aborted, server.go = (threading.Event() for _ in range(3))
+    server.peers = []
     for name, value in setting.items():
         setattr(server, name, value)
     threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -159,3 +163,26 @@ def test_a_streamed_answer_reaches_the_client_as_it_is_made() -> None:
         server.go.set()
         assert answer.read() == b"data: 2\n\n"
         conn.close()
+
+
+def complete(proxy: PdProxy) -> str:
+    req = urllib.request.Request(proxy.url + "/v1/completions", b'{"prompt": "hi"}')
+    with urllib.request.urlopen(req, timeout=WAIT_S) as answer:
+        return str(json.loads(answer.read())["choices"][0]["text"])
+
+
+def test_connections_to_a_server_are_kept_alive() -> None:
+    """Ten P/D requests one after another: twenty calls to the server, over one
+    connection (urllib opened one a call)."""
+    with held() as (server, proxy):
+        assert [complete(proxy) for _ in range(10)] == ["decoded"] * 10
+    assert len(server.peers) == 20 and len(set(server.peers)) == 1, server.peers
+
+
+def test_a_kept_connection_the_server_closed_is_not_used_again() -> None:
+    """The server closes every connection once it answered, without saying so: each call
+    still succeeds, on a new connection (a kept one it closed is dropped, or the call
+    sent once more)."""
+    with held(drop=True) as (server, proxy):
+        assert [complete(proxy) for _ in range(10)] == ["decoded"] * 10
+    assert len(set(server.peers)) == 20
