@@ -62,8 +62,11 @@ EVENTS = 16
 EXTRA_SOURCES = [
     "kvflow/cli/main.py",
     "kvflow/pd/proxy.py",
-    "kvflow/pd/httpd.py",
-    *(str(p.relative_to(ROOT)) for p in sorted((ROOT / "kvflow" / "route").glob("*.py"))),
+    *(
+        str(p.relative_to(ROOT))
+        for room in ("route", "web")
+        for p in sorted((ROOT / "kvflow" / room).glob("*.py"))
+    ),
 ]
 """What `kvflow proxy` runs, in a process of its own (for `record.save`)."""
 

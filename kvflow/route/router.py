@@ -57,7 +57,7 @@ class ServerState:
 
 
 class Router:
-    """Thread-safe: request threads `choose` and `done`, a health checker `set_healthy`."""
+    """Thread-safe (the proxy calls it from its trio loop, tests from their threads)."""
 
     def __init__(
         self,

@@ -12,11 +12,14 @@ import contextlib
 import http.client
 import json
 import socket
+import ssl
+import subprocess
 import threading
 import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -135,8 +138,8 @@ def test_a_client_that_goes_away_aborts_the_servers_request(stage: str) -> None:
 def test_many_slow_requests_are_served_at_once() -> None:
     """160 clients whose decode answers wait until all 160 are held together: served
     only if the proxy has them all under way at once, each with its own connection to
-    the server (a pool bounded at httpx's default of 100 would hold the rest back, and
-    the barrier would never open)."""
+    the server (a pool bounded below 160, as httpx's is at 100 by default, would hold
+    the rest back, and the barrier would never open)."""
     n = 160
     with held(barrier=threading.Barrier(n)) as (_, proxy):
 
@@ -186,3 +189,32 @@ def test_a_kept_connection_the_server_closed_is_not_used_again() -> None:
     with held(drop=True) as (server, proxy):
         assert [complete(proxy) for _ in range(10)] == ["decoded"] * 10
     assert len(set(server.peers)) == 20
+
+
+def test_servers_behind_https_are_called_over_tls(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An `https://` server, its certificate checked against the trusted ones
+    (`SSL_CERT_FILE` here: a certificate made for the test)."""
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+         "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+         "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    monkeypatch.setenv("SSL_CERT_FILE", str(cert))
+    server = _Held(("127.0.0.1", 0), _Upstream)
+    server.peers = []
+    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    tls.load_cert_chain(cert, key)
+    server.socket = tls.wrap_socket(server.socket, server_side=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"https://127.0.0.1:{server.server_address[1]}"
+    proxy = PdProxy([url], [url]).start()
+    try:
+        assert complete(proxy) == "decoded" and len(server.peers) == 2
+    finally:
+        proxy.close()
+        server.shutdown()
+        server.server_close()
