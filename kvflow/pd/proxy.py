@@ -15,9 +15,10 @@ Nothing here is kvflow-specific, but `--stream`: it drives any connector that fo
 the convention. It imports no vLLM.
 
 `--server` (instead of `--prefill` and `--decode`): each request goes whole to one of the
-servers, chosen by `--route` (`kvflow.route`): `prefix`, the one holding the longest run
-of the prompt's leading blocks as its KV events (`--kv-events`) announced them, within a
-bound on load (`--max-skew`); `least-loaded`; `round-robin`; `random`. With `--prefill`
+servers, chosen by `--route` (`kvflow.route`): `prefix`, the one with the least prompt
+work ahead (the prompt's leading blocks it holds, as its KV events (`--kv-events`)
+announced them, against the requests it has in flight), within a bound on load
+(`--max-skew`); `least-loaded`; `round-robin`; `random`. With `--prefill`
 and `--decode`, `--route prefix` chooses the prefill server so (`--kv-events`: the
 prefill servers') and the decode server by load, another than the prefill server where
 there is one. `GET /routes` shows the servers, the index and the latest choices.

@@ -5,12 +5,17 @@ load, round robin, or at random.
 (a P/D proxy's decode servers under `--route prefix`).
 
 `prefix`: among the healthy instances with at most `max_skew` requests in flight more
-than the least loaded one, the one holding the longest weighted run of the prompt's
-leading blocks (GPU above host memory above a store: `kvflow.route.index.weight`); ties,
-and prompts no instance holds, go to the least loaded, then in turn. So a hot prefix
-held by one instance never gives it more than `max_skew` + 1 requests in flight above the
-least loaded. An instance found unhealthy is left out until it is healthy again, and
-its blocks are forgotten (a restarted instance starts empty).
+than the least loaded one, the one with the least prompt work ahead of the request's
+first token: the prompt tokens it would compute (those not in its weighted run of the
+prompt's leading blocks: GPU above host memory above a store,
+`kvflow.route.index.weight`) plus, for each request in flight there, the prompt tokens
+a request routed recently computed (the mean of the last `RECENT`). So a long history
+outweighs a short queue, and a short shared prefix (a system prompt) does not pile
+requests on the instance holding it. Ties go in turn. A hot prefix held by one instance
+never gives it more than `max_skew` + 1 requests in flight above the least loaded.
+
+An instance found unhealthy is left out until it is healthy again, and its blocks are
+forgotten (a restarted instance starts empty).
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ MAX_SKEW = 4
 """Requests in flight an instance may have above the least loaded one and still be
 chosen for its prefix, by default (`--max-skew`)."""
 KEPT_DECISIONS = 256
+RECENT = 64
+"""How many routed requests' computed prompt tokens weigh a request in flight."""
 
 
 @dataclass
@@ -81,6 +88,8 @@ class Router:
         self._turn = 0
         self._random = random.Random(seed)
         self.decisions: deque[Decision] = deque(maxlen=KEPT_DECISIONS)
+        self._computed: deque[int] = deque(maxlen=RECENT)
+        """Prompt tokens each recent request was predicted to compute where it went."""
         self._lock = threading.Lock()
 
     def choose(
@@ -98,10 +107,12 @@ class Router:
             elif self.policy == "round-robin":
                 server = self._next(up)
             else:  # prefix; least-loaded, which has no index: `found` is empty
-                server = self._by_prefix(up, found)
+                server = self._by_prefix(up, found, len(tokens or ()))
             state = self.servers[server]
             loads = {s: self.servers[s].in_flight for s in self._order}
             predicted = found.get(server, Match()).tokens
+            if tokens and self.policy == "prefix":
+                self._computed.append(len(tokens) - predicted)
             state.in_flight += 1
             state.requests += 1
             state.predicted_tokens += predicted
@@ -109,14 +120,16 @@ class Router:
             self.decisions.append(decision)
             return decision
 
-    def _by_prefix(self, up: list[str], found: dict[str, Match]) -> str:
+    def _by_prefix(self, up: list[str], found: dict[str, Match], prompt: int) -> str:
         least = min(self.servers[s].in_flight for s in up)
         fair = [s for s in up if self.servers[s].in_flight <= least + self.max_skew]
-        best = max(found.get(s, Match()).weighted for s in fair)
-        if best > 0:
-            fair = [s for s in fair if found.get(s, Match()).weighted == best]
-        low = min(self.servers[s].in_flight for s in fair)
-        return self._next([s for s in fair if self.servers[s].in_flight == low])
+        queued = max(1.0, sum(self._computed) / len(self._computed)) if self._computed else 1.0
+
+        def ahead(s: str) -> float:  # prompt tokens computed before this one's first token
+            return prompt - found.get(s, Match()).weighted + self.servers[s].in_flight * queued
+
+        low = min(ahead(s) for s in fair)
+        return self._next([s for s in fair if ahead(s) == low])
 
     def _next(self, among: list[str]) -> str:
         """The first of `among` from the current turn on, in configured order."""

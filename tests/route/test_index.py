@@ -133,6 +133,25 @@ def test_a_hot_prefix_never_puts_more_than_max_skew_above_the_least_loaded() -> 
     assert router.choose(PROMPT).server == "a"  # idle again: the prefix decides
 
 
+def test_a_prefix_draws_a_request_to_a_busier_server_only_if_it_saves_more() -> None:
+    """Within the bound, a server holding a prefix is chosen over a less loaded one only
+    where the prompt tokens it saves outweigh the work queued there (its requests in
+    flight, each weighing the prompt tokens recent requests computed): a short shared
+    prefix (a system prompt) does not pile requests on one server, a long history does.
+    (Choosing the longest prefix within `max_skew` sent the short one to `a` too.)"""
+    router = Router(["a", "b"], max_skew=8)
+    for i in range(4):  # four requests that computed 16 tokens each, done
+        router.done(router.choose([1000 + 16 * i + k for k in range(16)]).server)
+    apply(router.index, "a", stored([11, 12, 13, 14], PROMPT))  # a holds all 16 tokens
+    assert [router.choose(PROMPT).server for _ in range(2)] == ["a", "a"]  # 0 to compute
+    short = PROMPT[:4] + list(range(500, 512))  # a holds its first 4 tokens
+    assert router.choose(short).server == "b"  # a saves 4 with 2 requests queued: b
+    router.done("a")
+    long = [*PROMPT, 7, 8, 9, 10]  # a holds 16 of its 20 tokens, with 1 request queued
+    assert router.choose(long).server == "a"
+    assert router.servers["a"].in_flight == 2 and router.servers["b"].in_flight == 1
+
+
 def test_an_unhealthy_server_is_left_out_and_its_blocks_forgotten() -> None:
     router = Router(["a", "b"])
     apply(router.index, "a", stored([11], PROMPT[:4]))
