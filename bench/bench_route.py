@@ -16,8 +16,9 @@ request streams (`stream_options.include_usage`), 8 tokens. Each run has its own
 system prompts and messages (no run finds another's in a cache).
 
 Policies: `prefix`, `round-robin`, `random`, and `one server` (the first server alone:
-what an instance holding every conversation serves from cache). Two rounds, the second
-in the reverse order. TTFT is the client's: request sent to the first streamed token.
+what an instance holding every conversation serves from cache). Four rounds (`--rounds`),
+the order reversed every other one: 192 requests a policy (one round's p90 is a few
+requests, and round robin's moved by a third between runs of two rounds). TTFT is the client's: request sent to the first streamed token.
 Cached tokens are what each server reported (`usage.prompt_tokens_details`). Goal
 (issue 52): p90 TTFT of `prefix` at most half of round robin's; its cached prompt tokens
 within 10 % of `one server`'s. Writes every request to bench/results/route.json.
@@ -205,7 +206,7 @@ def main() -> int:
     ap.add_argument("--users", type=int, default=8)
     ap.add_argument("--turns", type=int, default=6)
     ap.add_argument("--concurrency", type=int, default=4)
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--quick", action="store_true", help="4 users, 3 turns, 1 round")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "route.json"))
