@@ -18,10 +18,11 @@ system prompts and messages (no run finds another's in a cache).
 Policies: `prefix`, `round-robin`, `random`, and `one server` (the first server alone:
 what an instance holding every conversation serves from cache). Four rounds (`--rounds`),
 the order reversed every other one: 192 requests a policy (one round's p90 is a few
-requests, and round robin's moved by a third between runs of two rounds). TTFT is the client's: request sent to the first streamed token.
-Cached tokens are what each server reported (`usage.prompt_tokens_details`). Goal
-(issue 52): p90 TTFT of `prefix` at most half of round robin's; its cached prompt tokens
-within 10 % of `one server`'s. Writes every request to bench/results/route.json.
+requests, and round robin's moved by a third between runs of two rounds). TTFT is the
+client's: request sent to the first streamed token. Cached tokens are what each server
+reported (`usage.prompt_tokens_details`). Goal (issue 52): p90 TTFT of `prefix` at most
+half of round robin's; its cached prompt tokens within 10 % of `one server`'s. Writes
+every request to bench/results/route.json.
 """
 
 from __future__ import annotations

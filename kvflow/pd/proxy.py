@@ -207,17 +207,26 @@ class PdProxy:
         return f"http://{host}:{port}"
 
     def start(self) -> PdProxy:
-        """Serve in a background thread."""
-        self._thread = threading.Thread(target=self.serve_forever, daemon=True)
+        """Serve in a background thread (what stopped it from serving raised here)."""
+        failed: list[BaseException] = []
+
+        def serve() -> None:
+            try:
+                self.serve_forever()
+            except BaseException as exc:
+                failed.append(exc)
+            finally:
+                self._serving.set()
+
+        self._thread = threading.Thread(target=serve, daemon=True)
         self._thread.start()
         self._serving.wait()
+        if failed:
+            raise RuntimeError(f"kvflow proxy did not start: {failed[0]!r}") from failed[0]
         return self
 
     def serve_forever(self) -> None:
-        try:
-            trio.run(self._serve)
-        finally:
-            self._serving.set()
+        trio.run(self._serve)
 
     def close(self) -> None:
         if self._token is not None and self._tasks is not None:

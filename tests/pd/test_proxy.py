@@ -256,3 +256,19 @@ def test_the_proxy_command_routes_over_servers_and_says_what_is_missing(
     args.prefill = ["http://p"]
     assert run(args) == 2
     assert "not both" in capsys.readouterr().err
+
+
+def test_a_proxy_that_cannot_serve_says_why_at_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What stops the proxy's loop as it starts (here: its router's tasks) is raised by
+    `start`, not left in a thread while `start` returns a proxy that serves nothing."""
+    dead = f"http://127.0.0.1:{free_port()}"
+    proxy = PdProxy([], [], servers=[dead], route="least-loaded")
+    assert proxy.routing is not None
+
+    async def broken(*args: object, **kwargs: object) -> None:
+        raise OSError("no events for you")
+
+    monkeypatch.setattr(proxy.routing, "run", broken)
+    with pytest.raises(RuntimeError, match=r"kvflow proxy did not start: .*no events for you"):
+        proxy.start()
+    proxy.close()
