@@ -135,7 +135,8 @@ class Client:
         read; `UpstreamError` if the server could not be reached or did not answer."""
         wait = self.timeout_s if timeout_s is None else timeout_s
         origin, target = _split(url)
-        headers = [("Host", f"{origin[1]}:{origin[2]}")]
+        host = f"[{origin[1]}]" if ":" in origin[1] else origin[1]  # an IPv6 address
+        headers = [("Host", f"{host}:{origin[2]}")]
         if method == "POST":
             headers += [("Content-Type", "application/json"), ("Content-Length", str(len(body)))]
         for _ in range(2):

@@ -218,3 +218,33 @@ def test_servers_behind_https_are_called_over_tls(
         proxy.close()
         server.shutdown()
         server.server_close()
+
+
+def test_a_server_at_an_ipv6_address_is_called_with_its_host_in_brackets() -> None:
+    """`http://[::1]:PORT`: the `Host` header a server checks is `[::1]:PORT`."""
+
+    class _Held6(_Held):
+        address_family = socket.AF_INET6
+
+    try:
+        server = _Held6(("::1", 0), _Upstream)
+    except OSError:
+        pytest.skip("no IPv6 loopback on this host")
+    server.peers, hosts = [], []
+    handle = _Upstream.do_POST
+
+    def seen(self: _Upstream) -> None:
+        hosts.append(self.headers["Host"])
+        handle(self)
+
+    server.RequestHandlerClass = type("_Seen", (_Upstream,), {"do_POST": seen})
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://[::1]:{server.server_address[1]}"
+    proxy = PdProxy([url], [url]).start()
+    try:
+        assert complete(proxy) == "decoded"
+    finally:
+        proxy.close()
+        server.shutdown()
+        server.server_close()
+    assert hosts == [f"[::1]:{server.server_address[1]}"] * 2
