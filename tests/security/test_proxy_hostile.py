@@ -456,3 +456,41 @@ def test_a_prefill_answer_that_is_no_json_object_is_a_502(
     assert answers[0].error().startswith("the prefill server's answer could not be read")
     assert len(seen) == 1  # no decode
     assert any(url in r.getMessage() for r in caplog.records)
+
+
+# 6: what real clients send
+
+
+def test_a_client_that_waits_for_100_continue_gets_it_then_its_answer(
+    servers: tuple[PdProxy, list[dict[str, Any]]],
+) -> None:
+    """curl sends `Expect: 100-continue` before a body over 1 KiB and waits (a second)
+    for the go-ahead: the proxy gives it, then reads the body and answers."""
+    proxy, seen = servers
+    body = json.dumps({"prompt": "hi " * 600, "max_tokens": 4}).encode()
+    head = completion(f"Content-Length: {len(body)}\r\nExpect: 100-continue\r\n", b"")
+    with connect(proxy) as sock:
+        sock.sendall(head)
+        fp = sock.makefile("rb")
+        assert fp.readline().split()[1] == b"100"
+        assert fp.readline() == b"\r\n"
+        sock.sendall(body)
+        answer = read_answer(fp)
+    assert answer is not None and answer.status == 200
+    assert len(seen) == 2 and seen[0]["prompt"] == "hi " * 600
+
+
+def test_a_head_request_is_answered_without_a_body(
+    servers: tuple[PdProxy, list[dict[str, Any]]],
+) -> None:
+    proxy, seen = servers
+    with connect(proxy) as sock:
+        sock.sendall(b"HEAD /health HTTP/1.1\r\nHost: p\r\n\r\n")
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: p\r\n\r\n")
+        fp = sock.makefile("rb")
+        status = fp.readline().split()[1]
+        headers = http.client.parse_headers(fp)  # then no body: the next answer follows
+        answer = read_answer(fp)
+    assert status == b"501" and int(headers["Content-Length"]) > 0
+    assert answer is not None and (answer.status, answer.body) == (200, b"{}")
+    assert seen == []
