@@ -117,6 +117,15 @@ MAX_PREFILL_ANSWER_BYTES = 256 << 20
 """The longest prefill answer read (one token; its prompt logprobs, if asked for)."""
 
 
+class _Prefilled(msgspec.Struct):
+    """What the proxy reads of a prefill's answer (the rest is skipped, never built)."""
+
+    kv_transfer_params: Any = None
+
+
+_PREFILLED = msgspec.json.Decoder(_Prefilled)
+
+
 def prefill_request(body: dict[str, Any]) -> dict[str, Any]:
     """The prefill server's copy of a client request: one token, no stream."""
     pre = dict(body, max_tokens=1, stream=False, kv_transfer_params=dict(PREFILL_PARAMS))
@@ -282,7 +291,7 @@ class PdProxy:
             return
         try:
             body = msgspec.json.decode(request.body)
-        except msgspec.DecodeError:
+        except (msgspec.DecodeError, RecursionError):  # (nested too deep: RecursionError)
             body = None
         if not isinstance(body, dict):
             await reply.json(400, {"error": "the body is not a JSON object"})
@@ -348,8 +357,8 @@ class PdProxy:
             return _ANSWERED
         try:
             data = await answer.read(MAX_PREFILL_ANSWER_BYTES)
-            params = msgspec.json.decode(data).get("kv_transfer_params")
-        except (UpstreamError, ValueError, AttributeError) as exc:
+            params = _PREFILLED.decode(data).kv_transfer_params
+        except (UpstreamError, ValueError, RecursionError) as exc:
             log.warning("kvflow proxy: the prefill server %s answered: %r", prefill, exc)
             error = f"the prefill server's answer could not be read ({type(exc).__name__})"
             await reply.json(502, {"error": error})
@@ -411,7 +420,7 @@ class PdProxy:
         try:
             async with await self._client.post(prefill + path, msgspec.json.encode(body)) as answer:
                 data = await answer.read(MAX_PREFILL_ANSWER_BYTES)
-            params = msgspec.json.decode(data).get("kv_transfer_params")
+            params = _PREFILLED.decode(data).kv_transfer_params
         except Exception as exc:  # a task of the proxy's own: never its end
             log.warning("kvflow proxy: the prefill server %s (streamed): %r", prefill, exc)
         finally:

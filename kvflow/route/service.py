@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
+import msgspec
 import trio
 import zmq
 
@@ -38,6 +39,15 @@ MAX_PROMPT_TOKENS = 1 << 21
 MAX_TOKENIZE_ANSWER_BYTES = 64 << 20
 """The longest `/tokenize` answer read: `MAX_PROMPT_TOKENS` token ids of up to 10 digits
 and a separator each, with room to spare."""
+
+
+class _Tokenized(msgspec.Struct):
+    """What the router reads of a `/tokenize` answer."""
+
+    tokens: Any = None
+
+
+_TOKENIZED = msgspec.json.Decoder(_Tokenized)
 CHAT_KEYS = (
     "add_generation_prompt",
     "continue_final_message",
@@ -168,13 +178,13 @@ class Routing:
         server = self.router.least_loaded()
         try:
             assert self._client is not None, "run() first"
-            url, data = server + "/tokenize", json.dumps(ask).encode()
+            url, data = server + "/tokenize", msgspec.json.encode(ask)
             async with await self._client.post(url, data, TOKENIZE_TIMEOUT_S) as answer:
                 said = await answer.read(MAX_TOKENIZE_ANSWER_BYTES)
             if answer.status != 200:
                 raise ValueError(f"answered {answer.status}")
-            tokens = json.loads(said).get("tokens")
-        except (UpstreamError, ValueError, AttributeError) as exc:
+            tokens = _TOKENIZED.decode(said).tokens
+        except (UpstreamError, ValueError, RecursionError) as exc:
             log.info("kvflow proxy: %s/tokenize: %s; routed by load", server, exc)
             return None
         return list(tokens) if _token_ids(tokens) else None

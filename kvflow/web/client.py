@@ -3,11 +3,12 @@ alive per server (decision 103).
 
 A connection whose answer was read to its end goes back to its server's idle stack (at
 most `KEPT` a server, the newest taken first); one idle for `IDLE_S` or more, or that
-the server closed (readable while idle), is dropped when next taken. A request that
-fails on a kept connection before any byte of an answer came back is sent once more on
-a new one (the server had closed it as it was taken). An answer closed before its end
-closes its connection: the server sees its client gone (vLLM aborts the request).
-Every wait (connect, each read, each write) is at most `timeout_s`.
+the server closed (readable while idle), is dropped when next taken. A request whose
+kept connection was closed or reset before any byte of an answer came back is sent once
+more, on a new connection (the server had closed it as it was taken); a timeout is
+never retried. An answer closed before its end closes its connection: the server sees
+its client gone (vLLM aborts the request). Every wait (connect, each read, each write)
+is at most the request's timeout (the client's `timeout_s` by default).
 """
 
 from __future__ import annotations
@@ -71,8 +72,10 @@ class _Connection:
 class Answer:
     """A server's answer, its body to read (`chunks`, `read`) or to close (`aclose`)."""
 
-    def __init__(self, client: Client, conn: _Connection, head: h11.Response) -> None:
-        self._client, self._conn = client, conn
+    def __init__(
+        self, client: Client, conn: _Connection, head: h11.Response, timeout_s: float
+    ) -> None:
+        self._client, self._conn, self._timeout_s = client, conn, timeout_s
         self.status = head.status_code
         self.headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in head.headers}
         self._done = False
@@ -88,7 +91,7 @@ class Answer:
             return b""
         try:
             while True:
-                event = await self._conn.next_event(self._client.timeout_s)
+                event = await self._conn.next_event(self._timeout_s)
                 if isinstance(event, h11.Data) and event.data:
                     return bytes(event.data)
                 if isinstance(event, h11.EndOfMessage):
@@ -139,8 +142,8 @@ class Client:
         headers = [("Host", f"{host}:{origin[2]}")]
         if method == "POST":
             headers += [("Content-Type", "application/json"), ("Content-Length", str(len(body)))]
-        for _ in range(2):
-            conn, kept = await self._take(origin, wait)
+        for attempt in range(2):
+            conn, kept = await self._take(origin, wait, fresh=attempt > 0)
             try:
                 await conn.send(h11.Request(method=method, target=target, headers=headers), wait)
                 if body:
@@ -149,17 +152,18 @@ class Client:
                 while isinstance(head := await conn.next_event(wait), h11.InformationalResponse):
                     pass
                 if isinstance(head, h11.Response):
-                    return Answer(self, conn, head)
+                    return Answer(self, conn, head, wait)
                 raise h11.RemoteProtocolError("the connection closed before an answer")
             except (OSError, trio.BrokenResourceError, trio.TooSlowError, h11.ProtocolError) as exc:
                 await trio.aclose_forcefully(conn.stream)
-                if kept and not conn.answered:
-                    continue  # the server closed it as it was taken: once more, anew
+                closed = not isinstance(exc, trio.TooSlowError)  # a slow server is not retried
+                if kept and closed and not conn.answered and attempt == 0:
+                    continue  # the server closed it as it was taken: once more, on a new one
                 raise UpstreamError(_reason(exc)) from exc
             except BaseException:  # cancelled (the client gone): the server sees it too
                 await trio.aclose_forcefully(conn.stream)
                 raise
-        raise AssertionError("unreachable: a new connection is not retried")
+        raise UpstreamError("a new connection failed")  # (not reached: a new one is not retried)
 
     async def post(self, url: str, body: bytes, timeout_s: float | None = None) -> Answer:
         return await self.request("POST", url, body, timeout_s)
@@ -174,12 +178,12 @@ class Client:
         self._idle.clear()
 
     async def _take(
-        self, origin: tuple[str, str, int], timeout_s: float
+        self, origin: tuple[str, str, int], timeout_s: float, fresh: bool = False
     ) -> tuple[_Connection, bool]:
-        """A kept connection to `origin` (True), or a new one (False)."""
+        """A kept connection to `origin` (True), or a new one (False; always if `fresh`)."""
         idle = self._idle.get(origin, [])
         now = trio.current_time()
-        while idle:
+        while idle and not fresh:
             conn = idle.pop()
             if now - conn.idle_since < IDLE_S and not conn.readable():
                 return conn, True
@@ -202,7 +206,13 @@ class Client:
         can be."""
         h = conn.h11
         idle = self._idle.setdefault(conn.origin, [])
-        if h.our_state is h11.DONE and h.their_state is h11.DONE and len(idle) < self.kept:
+        clean = h.trailing_data == (b"", False)  # nothing the server sent beyond its answer
+        if (
+            h.our_state is h11.DONE
+            and h.their_state is h11.DONE
+            and clean
+            and len(idle) < self.kept
+        ):
             h.start_next_cycle()
             conn.idle_since, conn.answered = trio.current_time(), False
             idle.append(conn)

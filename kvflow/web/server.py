@@ -230,30 +230,47 @@ class _Connection:
             return False
         unread = framing > 0 and not reads
         if not unread:
-            if body:  # (h11 takes no bytes as the end of the client's stream)
-                self.h11.receive_data(body)
-            while (event := self.h11.next_event()) is not h11.NEED_DATA:
-                if isinstance(event, h11.EndOfMessage):
-                    break
+            self._through_h11(body)
         reply = Reply(self, method, close=unread)
         if not await self._handle(Request(method, path, body), reply):
             return False
         return not reply.close and self.h11.our_state is h11.DONE
 
+    def _through_h11(self, body: bytes) -> None:
+        """Give h11 the body already read, a slice at a time (its events unkept: the body
+        is `body`), to the request's end."""
+
+        def drain() -> bool:  # whether the request ended
+            while (event := self.h11.next_event()) not in (h11.NEED_DATA, h11.PAUSED):
+                if isinstance(event, h11.EndOfMessage):
+                    return True
+            return False
+
+        view = memoryview(body)
+        for at in range(0, len(body), 1 << 16):  # (no bytes: the client's stream ended)
+            if drain():
+                return
+            self.h11.receive_data(bytes(view[at : at + (1 << 16)]))
+        drain()
+
     async def _head(self) -> bytes | None:
         """One request's line and headers (None: the client left, or went idle, between
         requests); from its first byte, within `request_timeout_s`."""
         self.deadline = None
+        skipped = scanned = 0
         while True:
-            while self.buf.startswith((b"\r\n", b"\n")):  # empty lines first: RFC 9112 2.2
-                del self.buf[: 2 if self.buf.startswith(b"\r\n") else 1]
-            if self.buf and self.deadline is None:
+            if self.buf and self.deadline is None:  # from its first byte, an empty line's too
                 self.deadline = trio.current_time() + self.limits.request_timeout_s
-            if found := _HEAD_END.search(self.buf, 0, MAX_HEAD_BYTES + 4):
+            if not scanned and (empty := len(self.buf) - len(self.buf.lstrip(b"\r\n"))):
+                del self.buf[:empty]  # empty lines before a request: RFC 9112 2.2
+                skipped += empty
+            found = _HEAD_END.search(self.buf, max(0, scanned - 3), MAX_HEAD_BYTES + 4)
+            if found:
                 head = bytes(self.buf[: found.end()])
                 del self.buf[: found.end()]
                 return head
-            if len(self.buf) > MAX_HEAD_BYTES:
+            scanned = len(self.buf)  # the next search starts where this one ended
+            if scanned + skipped > MAX_HEAD_BYTES:
                 await self.write_raw(_raw_answer(431, "a request head over 64 KiB"))
                 return None
             if not await self._fill(self.deadline):

@@ -15,6 +15,7 @@ import socket
 import ssl
 import subprocess
 import threading
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -94,8 +95,10 @@ class _Upstream(BaseHTTPRequestHandler):
 
 
 @contextlib.contextmanager
-def held(**setting: Any) -> Iterator[tuple[_Held, PdProxy]]:
-    """An upstream server (prefill and decode) set up as `setting` says, and a proxy."""
+def held(options: dict[str, Any] | None = None, **setting: Any) -> Iterator[tuple[_Held, PdProxy]]:
+    """An upstream server (prefill and decode) set up as `setting` says, and a proxy
+    (with `options`)."""
+    options = options or {}
     server = _Held(("127.0.0.1", 0), _Upstream)
     server.arrived, server.aborted, server.go = (threading.Event() for _ in range(3))
     server.peers = []
@@ -103,7 +106,7 @@ def held(**setting: Any) -> Iterator[tuple[_Held, PdProxy]]:
         setattr(server, name, value)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     url = f"http://127.0.0.1:{server.server_address[1]}"
-    proxy = PdProxy([url], [url]).start()
+    proxy = PdProxy([url], [url], **options).start()
     try:
         yield server, proxy
     finally:
@@ -248,3 +251,18 @@ def test_a_server_at_an_ipv6_address_is_called_with_its_host_in_brackets() -> No
         server.shutdown()
         server.server_close()
     assert hosts == [f"[::1]:{server.server_address[1]}"] * 2
+
+
+def test_a_server_that_does_not_answer_in_time_is_asked_once() -> None:
+    """A kept connection whose server does not answer within the proxy's timeout: a 502
+    naming the timeout, and the request was sent once (a retry would send the server a
+    POST it is working on a second time)."""
+    with held({"timeout_s": 1.0}) as (server, proxy):
+        assert complete(proxy) == "decoded"  # its connection kept
+        server.hold = "prefill"
+        with pytest.raises(urllib.error.HTTPError) as err:
+            complete(proxy)
+        assert err.value.code == 502
+        assert "the prefill server could not be reached (TimeoutError)" in err.value.read().decode()
+        assert server.aborted.wait(WAIT_S)
+    assert len(server.peers) == 3  # prefill, decode, and the held prefill once

@@ -345,11 +345,13 @@ def test_past_max_clients_a_connection_is_answered_503_and_closed() -> None:
             PdProxy([dead], [dead], max_clients=bad)
 
 
-def trickle(sock: socket.socket, data: bytes, deadline_s: float = WAIT_S) -> list[Answer]:
-    """Send `data` a byte at a time, a pause after each, until the proxy answers."""
+def trickle(
+    sock: socket.socket, data: bytes, deadline_s: float = WAIT_S, unit: int = 1
+) -> list[Answer]:
+    """Send `data` `unit` bytes at a time, a pause after each, until the proxy answers."""
     deadline = time.monotonic() + deadline_s
-    for byte in data:
-        sock.sendall(bytes([byte]))
+    for at in range(0, len(data), unit):
+        sock.sendall(data[at : at + unit])
         if select.select([sock], [], [], 0.05)[0]:
             return read_answers(sock)
         if time.monotonic() > deadline:
@@ -357,7 +359,7 @@ def trickle(sock: socket.socket, data: bytes, deadline_s: float = WAIT_S) -> lis
     raise AssertionError(f"no answer to a trickled request within {deadline_s} s")
 
 
-@pytest.mark.parametrize("where", ["head", "body"])
+@pytest.mark.parametrize("where", ["head", "body", "empty lines"])
 def test_a_trickled_request_is_answered_408_at_request_timeout_s(where: str) -> None:
     """A client sends a byte every 50 ms, never silent for `client_timeout_s` (60 s):
     the whole request must still arrive within `request_timeout_s` (0.5 s here), else
@@ -367,6 +369,8 @@ def test_a_trickled_request_is_answered_408_at_request_timeout_s(where: str) -> 
         with connect(proxy) as sock:
             if where == "head":
                 answers = trickle(sock, honest("X-Pad: " + "a" * 60000 + "\r\n"))
+            elif where == "empty lines":  # before a request line: they start its deadline too
+                answers = trickle(sock, b"\r\n" * 30000, unit=2)
             else:
                 sock.sendall(completion("Content-Length: 60000\r\n", b""))
                 answers = trickle(sock, b" " * 60000)
@@ -493,4 +497,19 @@ def test_a_head_request_is_answered_without_a_body(
         answer = read_answer(fp)
     assert status == b"501" and int(headers["Content-Length"]) > 0
     assert answer is not None and (answer.status, answer.body) == (200, b"{}")
+    assert seen == []
+
+
+def test_a_body_nested_too_deep_is_a_400_not_a_failure(
+    servers: tuple[PdProxy, list[dict[str, Any]]],
+) -> None:
+    """JSON nested 100,000 deep: the decoder's recursion limit is a bad body (400), not
+    an error of the proxy's (500 and a traceback in its log for each such request)."""
+    proxy, seen = servers
+    body = b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    answers = exchange(
+        proxy, completion(f"Content-Length: {len(body)}\r\nConnection: close\r\n", body)
+    )
+    assert [a.status for a in answers] == [400], answers
+    assert answers[0].error() == "the body is not a JSON object"
     assert seen == []
