@@ -12,8 +12,9 @@ process's own), then loads one of the chunks this process saved (picked at rando
 another process's eviction may have deleted it) into fresh blocks and checks every
 byte. Prints one JSON object: the counts (saved, loaded, not found by the lookup,
 loads that failed with a `TransportError`, loads with a wrong byte), each operation's
-times, and the start and end of each eviction pass this process ran
-(`time.monotonic`, one clock for every process of the machine)."""
+times, how often it found the store over its cap and tried to evict (`tried`), and the
+start and end of each eviction pass it ran (`time.monotonic`, one clock for every
+process of the machine)."""
 
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ async def run(store: Path, max_gb: float, rounds: int, seed: int) -> dict[str, A
     factory.options["max_gb"] = max_gb
     suite = TransportConformance()
     out: dict[str, Any] = {"saved": 0, "loaded": 0, "missed": 0, "failed": 0, "wrong": 0}
+    out["tried"] = 0
     times: dict[str, list[float]] = {"save": [], "lookup": [], "load": []}
     passes: list[tuple[float, float, int]] = []
     async with suite.harness(factory, suite.build_layout(False, num_blocks=2 * rounds + 8)) as kv:
@@ -55,6 +57,13 @@ async def run(store: Path, max_gb: float, rounds: int, seed: int) -> dict[str, A
             return done
 
         worker.usage._evict_pass = timed_pass  # type: ignore[method-assign]
+        evict = worker.usage.evict
+
+        def counted_evict(usage: int) -> None:  # a try: another process may be evicting
+            out["tried"] += 1
+            evict(usage)
+
+        worker.usage.evict = counted_evict  # type: ignore[method-assign]
         await worker.usage.chores_done()
         print("ready", flush=True)
         await trio.to_thread.run_sync(sys.stdin.readline)

@@ -63,4 +63,8 @@ def test_processes_at_a_shared_cap_lose_no_count_evict_one_at_a_time_and_load_ri
     passes = sorted((start, end) for r in reports for start, end, _ in r["passes"])
     overlaps = [(a, b) for a, b in itertools.pairwise(passes) if b[0] < a[1]]
     assert not overlaps, f"{len(overlaps)} evictions ran at once"
-    assert len({i for i, r in enumerate(reports) if r["passes"]}) >= 2, "one process evicted"
+    # the check above means something: several processes found the store over its cap
+    # and tried to evict (which of them then held the lock and ran the passes is chance:
+    # once in a fresh-clone run one process ran them all)
+    assert len({i for i, r in enumerate(reports) if r["tried"]}) >= 2, "one process tried"
+    assert any(r["passes"] for r in reports)
