@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -31,18 +32,22 @@ the result older than the code."""
 
 FAILURE_LINES = 80
 """At most this many lines of pytest's failure reports are kept (`why`)."""
+_RAISED = re.compile(r"^[\s|+>]*[\w.]*(Error|Exception|ExceptionGroup|Failed|Timeout)\w*: ")
+"""An exception's line outside pytest's `E` lines: an exception group's members (pytest
+prints a group's traceback as Python does, `| AssertionError: ...`), a teardown's."""
 
 
 def timed(cmd: list[str], cwd: Path, env: dict[str, str]) -> dict[str, Any]:
     """`cmd`'s wall time, the last line it printed, the tests pytest says failed, why
-    (each failure's heading and its `E` lines, the first `FAILURE_LINES`), and its exit
-    status."""
+    (each failure's heading, its `E` lines and the exceptions' lines of its groups, the
+    first `FAILURE_LINES`), and its exit status."""
     t0 = time.monotonic()
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, check=False)
     wall = time.monotonic() - t0
     lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
     failed = [ln for ln in lines if ln.startswith(("FAILED ", "ERROR "))]
-    why = [ln for ln in lines if ln.startswith(("____", "E "))][:FAILURE_LINES]
+    why = [ln for ln in lines if ln.startswith(("____", "E ")) or _RAISED.match(ln)]
+    why = why[:FAILURE_LINES]
     last = lines[-1] if lines else proc.stderr[-500:]
     run = {"command": " ".join(cmd), "wall_s": wall, "rc": proc.returncode, "last_line": last}
     return run | ({"failed": failed, "why": why} if failed else {})
