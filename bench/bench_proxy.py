@@ -32,7 +32,6 @@ import contextlib
 import http.client
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -49,6 +48,8 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 import record  # noqa: E402
+
+from kvflow_vllm.apiserver import free_port  # noqa: E402
 
 OUT = HERE / "results" / "proxy.json"
 PATH = "/v1/completions"
@@ -121,12 +122,6 @@ def serve_standin(port_file: str) -> None:
 # -- processes --------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextlib.contextmanager
 def process(args: list[str], env: dict[str, str] | None = None) -> Iterator[None]:
     proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL)
@@ -141,7 +136,7 @@ def process(args: list[str], env: dict[str, str] | None = None) -> Iterator[None
 def proxy(standin: str, tree: Path | None) -> Iterator[int]:
     """`kvflow proxy` in a process of its own (of the `kvflow/` under `tree` if given);
     its port once it answers."""
-    port = _free_port()
+    port = free_port()
     code = "import sys; sys.path.insert(0, sys.argv.pop(1)) if sys.argv[1] else sys.argv.pop(1)\n"
     code += "from kvflow.cli.main import main; sys.exit(main(sys.argv[1:]))"
     args = [sys.executable, "-c", code, str(tree or ""), "proxy"]

@@ -364,7 +364,7 @@ class PdProxy:
             await reply.json(502, {"error": error})
             return _ANSWERED
         finally:
-            await _closed(answer)
+            await answer.aclose()
         self.learn(prefill, params)
         return params
 
@@ -407,7 +407,7 @@ class PdProxy:
                 return None
             await reply.end()
         finally:
-            await _closed(upstream)
+            await upstream.aclose()
         return None if kept is None else bytes(kept)
 
     async def _prefill_streamed(
@@ -447,7 +447,7 @@ class PdProxy:
         try:
             payload = await _error_body(answer, which)
         finally:
-            await _closed(answer)
+            await answer.aclose()
         await reply.json(answer.status, payload)
         return None
 
@@ -471,12 +471,6 @@ def _base_url(url: str) -> bool:
     except ValueError:
         return False
     return parts.scheme in ("http", "https") and bool(parts.hostname)
-
-
-async def _closed(answer: Answer) -> None:
-    """Close a server's answer, cancelled or not (its connection closes if unread)."""
-    with trio.CancelScope(shield=True):
-        await answer.aclose()
 
 
 async def _error_body(answer: Answer, which: str) -> dict[str, Any]:

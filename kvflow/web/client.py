@@ -28,6 +28,8 @@ keep-alive, vLLM's server's)."""
 KEPT = 64
 """Idle connections kept per server."""
 MAX_HEAD_BYTES = 64 << 10
+_FAILED = (OSError, trio.BrokenResourceError, trio.TooSlowError, h11.ProtocolError)
+"""What a call to a server raises when the server cannot be reached or breaks off."""
 
 
 class UpstreamError(Exception):
@@ -70,7 +72,8 @@ class _Connection:
 
 
 class Answer:
-    """A server's answer, its body to read (`chunks`, `read`) or to close (`aclose`)."""
+    """A server's answer, its body to read (`next_chunk`, `read`) or to close (`aclose`:
+    closed even in a cancelled scope, `trio.aclose_forcefully`)."""
 
     def __init__(
         self, client: Client, conn: _Connection, head: h11.Response, timeout_s: float
@@ -98,7 +101,7 @@ class Answer:
                     self._done = True
                     await self._client._release(self._conn)
                     return b""
-        except (OSError, trio.BrokenResourceError, trio.TooSlowError, h11.ProtocolError) as exc:
+        except _FAILED as exc:
             await self.aclose()
             raise UpstreamError(_reason(exc)) from exc
 
@@ -154,7 +157,7 @@ class Client:
                 if isinstance(head, h11.Response):
                     return Answer(self, conn, head, wait)
                 raise h11.RemoteProtocolError("the connection closed before an answer")
-            except (OSError, trio.BrokenResourceError, trio.TooSlowError, h11.ProtocolError) as exc:
+            except _FAILED as exc:
                 await trio.aclose_forcefully(conn.stream)
                 closed = not isinstance(exc, trio.TooSlowError)  # a slow server is not retried
                 if kept and closed and not conn.answered and attempt == 0:
@@ -197,7 +200,7 @@ class Client:
                         self._tls = ssl.create_default_context()
                     stream = trio.SSLStream(stream, self._tls, server_hostname=host)
                     await stream.do_handshake()
-        except (OSError, trio.BrokenResourceError, trio.TooSlowError, ssl.SSLError) as exc:
+        except (*_FAILED, ssl.SSLError) as exc:
             raise UpstreamError(_reason(exc)) from exc
         return _Connection(stream, origin), False
 
