@@ -61,6 +61,26 @@ class Stream:
             )  # fmt: skip
             self.pub.publish(KVEventBatch(ts=0.0, events=[event]))
 
+    def sent(self) -> None:
+        """Return once the publisher's thread has sent every batch published (`publish`
+        only queues them): asks its replay endpoint for the last until it is there."""
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.RCVTIMEO, 20_000)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(f"tcp://127.0.0.1:{self.replay_port}")
+        last = (self.blocks - 1).to_bytes(8, "big")
+        try:
+            for _ in range(1000):
+                sock.send_multipart([b"", last])
+                seqs = []
+                while (seq := sock.recv_multipart()[2]) != ZmqEventPublisher.END_SEQ:
+                    seqs.append(seq)
+                if last in seqs:
+                    return
+            raise AssertionError("the publisher never sent its last batch")
+        finally:
+            sock.close()
+
     def feed(self) -> FeedState:
         """A follower's state for this stream (instance `a`)."""
         return FeedState(
@@ -137,6 +157,7 @@ async def test_a_gap_the_replay_cannot_fill_forgets_the_instance(stream: Stream)
         assert await seen(stream, state, index) == len(stream.tokens())
         nursery.cancel_scope.cancel()
     stream.publish(10)  # unseen, and more than the publisher's buffer (4) holds
+    stream.sent()  # before the follower is back (else it may see them all live)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(follow, state, index, ctx)
         held = await seen(stream, state, index)
