@@ -76,6 +76,28 @@ class ChunkHeader(msgspec.Struct, frozen=True, array_like=True):
         (under `store_key`: `TransportContext.store_key`)."""
         return layer_hash(spans, store_key, self.key, self.shard, layer) == self.layer_hash[layer]
 
+    def first_bad_layer(
+        self,
+        layers: range,
+        spans: Sequence[Sequence[memoryview]],
+        store_key: StoreKey | None = None,
+    ) -> int | None:
+        """The first of `layers` (`spans[i]`: layer `layers[i]`'s spans) that is not
+        `layer_intact`; None when all are. One tight loop, for the threads of a load that
+        hash a layer at a time: each runs Python between its hashes holding the GIL, time
+        the others wait to take it back from a read (what `layer_intact` per layer cost:
+        issue 50 item 6, docs/benchmarks.md)."""
+        want = self.layer_hash
+        if store_key is None:
+            for layer, s in zip(layers, spans, strict=True):
+                if (_xxh3(s[0]) if len(s) == 1 else layer_hash(s)) != want[layer]:
+                    return layer
+            return None
+        for layer, s in zip(layers, spans, strict=True):
+            if layer_hash(s, store_key, self.key, self.shard, layer) != want[layer]:
+                return layer
+        return None
+
     def payload_nbytes(self) -> int:
         return sum(self.layer_nbytes)
 
@@ -103,7 +125,7 @@ class ChunkHeader(msgspec.Struct, frozen=True, array_like=True):
         layout = job.layout if job is not None and job.layout is not None else context.layout
         shard = job.shard if job is not None and job.shard else context.shard
         assert layout is not None, "a store reads chunks into registered KV caches"
-        expect = [layout.chunk_nbytes(i, num_tokens) for i in range(layout.num_layers)]
+        expect = layout.layer_nbytes(num_tokens)
         if self.key != key:
             return f"key mismatch (header names {self.key})"
         if self.namespace != context.namespace:
@@ -159,11 +181,14 @@ def layer_hash(
             keyed.update(s)
         return int.from_bytes(keyed.digest(8), "little")
     if len(spans) == 1:  # the common case (a block-granular or dense chunk): one call
-        return xxhash.xxh3_64_intdigest(spans[0])
+        return _xxh3(spans[0])
     h = xxhash.xxh3_64()
     for s in spans:
         h.update(s)
     return h.intdigest()
+
+
+_xxh3 = xxhash.xxh3_64_intdigest
 
 
 def _binding(key: ChunkKey, shard: str, layer: int) -> bytes:

@@ -490,6 +490,8 @@ class KVLayout:
 
     def __post_init__(self) -> None:
         self.index = {name: i for i, name in enumerate(self.names)}
+        self._described = ""
+        self._layer_nbytes: dict[int, list[int]] = {}
 
     @property
     def num_layers(self) -> int:
@@ -499,12 +501,15 @@ class KVLayout:
         """Stable text for chunk headers: what makes the bytes a store holds incompatible.
         Host memory is stored as it lies; device memory is staged token-major
         (`kvflow.engine.staging`), so only its cells count, not the order vLLM keeps them in nor
-        its block size (chunks of any block size line up: `kvflow.shapes.reblock`)."""
-        if self.memory == "cpu":
-            kinds = sorted({g.describe() for g in self.geometries})
-        else:
-            kinds = sorted({g.describe_cells(block=False) for g in self.geometries})
-        return f"{self.memory};layers={self.num_layers};" + "|".join(kinds)
+        its block size (chunks of any block size line up: `kvflow.shapes.reblock`).
+        Made once (a store's reader checks it for every chunk)."""
+        if not self._described:
+            if self.memory == "cpu":
+                kinds = sorted({g.describe() for g in self.geometries})
+            else:
+                kinds = sorted({g.describe_cells(block=False) for g in self.geometries})
+            self._described = f"{self.memory};layers={self.num_layers};" + "|".join(kinds)
+        return self._described
 
     block_size: int = 0
     tensors: list[Any] = field(default_factory=list)
@@ -535,6 +540,17 @@ class KVLayout:
 
     def chunk_nbytes(self, layer: int, num_tokens: int) -> int:
         return self.geometries[layer].chunk_nbytes(num_tokens)
+
+    def layer_nbytes(self, num_tokens: int) -> list[int]:
+        """`chunk_nbytes` of every layer, made once per token count (a store's reader
+        checks it for every chunk; a few counts occur: full chunks and a prompt's
+        tail). Not to be changed by the caller."""
+        sizes = self._layer_nbytes.get(num_tokens)
+        if sizes is None:
+            sizes = [g.chunk_nbytes(num_tokens) for g in self.geometries]
+            if len(self._layer_nbytes) < 1024:
+                self._layer_nbytes[num_tokens] = sizes
+        return sizes
 
     def chunk_spans(
         self, layer: int, block_ids: Sequence[int], token_counts: Sequence[int]

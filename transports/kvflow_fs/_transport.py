@@ -20,6 +20,7 @@ from kvflow.chunks import BadHeader, ChunkFailure, ChunkHeader, first_failure
 from kvflow.config import default_cache_dir
 from kvflow.findings import Findings
 from kvflow.keys import ChunkKey, is_chunk_key, is_plain_name, shown
+from kvflow.threads import in_new_thread
 from kvflow.transport import (
     Capabilities,
     ChunkCorrupt,
@@ -333,10 +334,8 @@ class FsTransport(Transport):
             raise failure.error(job.keys[failure.chunk])
 
     async def _read_in_thread(self, job: LoadJob, paths: list[str], reading: Reading) -> None:
-        try:
-            await trio.to_thread.run_sync(
-                self._read_runs, job, paths, reading, limiter=self._load_threads
-            )
+        try:  # a new thread each: see kvflow.threads
+            await in_new_thread(self._read_runs, job, paths, reading, limiter=self._load_threads)
         except Exception as exc:  # kept for `load` to raise, not wrapped in a group
             reading.raised(exc)
 
@@ -415,10 +414,9 @@ class FsTransport(Transport):
             why = f"short read ({got} of {want} bytes) in {_which(group)}"
             return self._corrupt(c, fd, path, why)
         sk = self.context.store_key  # a store key's checksums are always checked
-        if self.options.verify or sk is not None:
-            for layer, s in zip(group, spans, strict=True):
-                if not h.layer_intact(layer, s, sk):
-                    return self._corrupt(c, fd, path, f"checksum mismatch in layer {layer}")
+        bad = h.first_bad_layer(group, spans, sk) if self.options.verify or sk is not None else None
+        if bad is not None:
+            return self._corrupt(c, fd, path, f"checksum mismatch in layer {bad}")
         return None
 
     def _corrupt(self, chunk: int, fd: int, path: str, problem: str) -> ChunkFailure:
