@@ -79,3 +79,20 @@ async def test_a_limiter_bounds_the_threads_running_at_once() -> None:
         assert limiter.statistics().tasks_waiting == 1
         let_go.set()
     assert order == ["first in", "first out", "second"]
+
+
+async def test_a_call_in_a_cancelled_scope_starts_nothing() -> None:
+    ran: list[int] = []
+    with trio.CancelScope() as scope:
+        scope.cancel()
+        await in_new_thread(ran.append, 1)
+    assert scope.cancelled_caught
+    assert ran == []
+
+
+async def test_a_task_holding_the_limiter_may_still_call() -> None:
+    """Each call borrows the limiter for itself, as `trio.to_thread.run_sync` does."""
+    limiter = trio.CapacityLimiter(2)
+    async with limiter:
+        assert await in_new_thread(len, "abc", limiter=limiter) == 3
+    assert limiter.borrowed_tokens == 0
