@@ -83,10 +83,9 @@ class ChunkHeader(msgspec.Struct, frozen=True, array_like=True):
         store_key: StoreKey | None = None,
     ) -> int | None:
         """The first of `layers` (`spans[i]`: layer `layers[i]`'s spans) that is not
-        `layer_intact`; None when all are. One tight loop, for the threads of a load that
-        hash a layer at a time: each runs Python between its hashes holding the GIL, time
-        the others wait to take it back from a read (what `layer_intact` per layer cost:
-        issue 50 item 6, docs/benchmarks.md)."""
+        `layer_intact`; None when all are. One tight loop, for the reader threads of a
+        load: the Python they run between hashes holds the GIL the other readers wait
+        for after each read (decision 105)."""
         want = self.layer_hash
         if store_key is None:
             for layer, s in zip(layers, spans, strict=True):
