@@ -13,7 +13,7 @@ geometries:
 - `bench-llama`: the engine benchmarks' model, 8 layers, 8 KV heads x 128, fp32,
   block 128: 64 KiB per token; one request of 4096 tokens = 32 files, 256 MiB.
 
-Three sides, in alternating order each repeat, each with its own store:
+Four sides, in alternating order each repeat, each with its own store:
 
 - `kvflow`: `FsTransport` as configured by default (`threads: 2`, `verify: true`):
   save = temp files, each file's header and layers (each hashed with XXH3-64 just
@@ -33,8 +33,12 @@ otherwise a collection during a load traverses every object the process holds.
 Saves go into an empty store (the files removed and the disk synced before, untimed);
 loads read what the side saved, from the page cache, the disk synced before each
 (untimed: no writeback of the saves runs during a load). Every load is checked byte for
-byte against the source blocks (untimed). Medians of `--repeats` after one warm-up
-round; ratios are of GB/s against plain. Writes bench/results/fs-io.json.
+byte against the source blocks (untimed). Each load of a kvflow side is timed next to a
+plain load, first or second in turn (the machine's memory bandwidth drifts with what
+else runs on it, and a neighbour sees the same); a load's ratio is
+the median of its ratios to those plain loads, a save's of median GB/s. Medians of
+`--repeats` after one warm-up round; every time is kept (`samples`). Writes
+bench/results/fs-io.json.
 
 `--store-key` measures what a store key (`store_key_file`) costs instead, on
 `bench-llama` alone (a run under 2 minutes on 2 cores): three sides, `unkeyed`, `keyed`
@@ -66,6 +70,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import blake3
 import numpy as np
@@ -204,12 +209,27 @@ SIDES = ("kvflow", "kvflow 1 thread", "kvflow unverified", "plain")
 """`kvflow unverified`: `kvflow` with `verify: false` (what the checksums cost)."""
 KVFLOW_SIDES = SIDES[:3]
 OPS = (("save", "plain save"), ("layer load", "plain load"), ("file load", "plain load"))
+LOADS = ("layer load", "file load")
 
 
-def bench_case(case: Case, repeats: int, tmp: Path) -> dict[str, float]:
-    """Medians of each side's save and loads, in GB/s."""
+def bench_case(case: Case, repeats: int, tmp: Path) -> dict[str, Any]:
+    """Each side's saves and loads: `gbs` (medians, GB/s), `ratios` (medians of each
+    load's ratio to the plain load timed next to it) and `samples` (every time, s)."""
     roots = {side: tmp / f"{case.name}-{i}" for i, side in enumerate(SIDES)}
     times: dict[str, list[float]] = {}
+    paired: dict[str, list[float]] = {}
+
+    async def load(side: str, op: str, t: FsTransport) -> float:
+        clear(case)
+        os.sync()  # no writeback of the saves above runs during the load
+        t0 = time.perf_counter()
+        if side == "plain":
+            plain_read(t, case)
+        else:
+            await kvflow_load(t, case, layerwise=op == "layer load")
+        took = time.perf_counter() - t0
+        check_loaded(case)
+        return took
 
     async def run() -> None:
         ts = {side: _transport(roots[side], case, 1 if "1 thread" in side else 2) for side in SIDES}
@@ -231,24 +251,28 @@ def bench_case(case: Case, repeats: int, tmp: Path) -> dict[str, float]:
                     await kvflow_save(ts[side], case)
                 if r:
                     times.setdefault(f"{side} save", []).append(time.perf_counter() - t0)
-            for side in order:
-                for op in ("load",) if side == "plain" else ("layer load", "file load"):
-                    clear(case)
-                    os.sync()  # no writeback of the saves above runs during the load
-                    t0 = time.perf_counter()
-                    if side == "plain":
-                        plain_read(ts[side], case)
-                    else:
-                        await kvflow_load(ts[side], case, layerwise=op == "layer load")
-                    if r:
-                        times.setdefault(f"{side} {op}", []).append(time.perf_counter() - t0)
-                    check_loaded(case)
+            # each load next to a plain load, first or second in turn: the machine's
+            # memory bandwidth drifts (other tenants), a neighbour sees the same
+            pairs = [(side, op) for side in order if side != "plain" for op in LOADS]
+            for i, (side, op) in enumerate(pairs):
+                both = [("plain", "load"), (side, op)]
+                took = {k: await load(*k, ts[k[0]]) for k in (both if (r + i) % 2 else both[::-1])}
+                if r:
+                    for (s, o), v in took.items():
+                        times.setdefault(f"{s} {o}", []).append(v)
+                    paired.setdefault(f"{side} {op}", []).append(
+                        took["plain", "load"] / took[side, op]
+                    )
 
     try:
         trio.run(run)
     finally:
         gc.unfreeze()
-    return {k: case.nbytes / statistics.median(v) / 1e9 for k, v in times.items()}
+    return {
+        "gbs": {k: case.nbytes / statistics.median(v) / 1e9 for k, v in times.items()},
+        "ratios": {k: statistics.median(v) for k, v in paired.items()},
+        "samples": times,
+    }
 
 
 KEYED_SIDES = ("unkeyed", "keyed", "keyed AUTO")
@@ -441,13 +465,14 @@ def main() -> int:
     try:
         for name, geo in GEOMETRIES.items():
             case = make_case(name, geo)
-            gbs = bench_case(case, repeats, tmp)
-            cases[name] = {"mib": case.nbytes / 2**20, "files": len(case.keys), "gbs": gbs}
+            got = bench_case(case, repeats, tmp)
+            cases[name] = {"mib": case.nbytes / 2**20, "files": len(case.keys), **got}
+            gbs, ratios = got["gbs"], got["ratios"]
             print(f"{name}: {case.nbytes / 2**20:.0f} MiB in {len(case.keys)} files, GB/s:")
             for op, base in OPS:
+                keys = [f"{side} {op}" for side in KVFLOW_SIDES]
                 cells = [
-                    f"{side} {gbs[f'{side} {op}']:.2f} ({gbs[f'{side} {op}'] / gbs[base]:.2f}x)"
-                    for side in KVFLOW_SIDES
+                    f"{k} {gbs[k]:.2f} ({ratios.get(k, gbs[k] / gbs[base]):.2f}x)" for k in keys
                 ]
                 print(f"  {op:<11} {base} {gbs[base]:.2f}   " + "   ".join(cells), flush=True)
     finally:

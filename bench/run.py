@@ -146,6 +146,8 @@ def _table(head: list[str], rows: list[list[str]], left: int = 1) -> list[str]:
 
 
 def fs_io_table(d: dict[str, Any]) -> list[str]:
+    from plots import fs_io_ratio  # matplotlib's import, only when rendering
+
     ops = (("save", "plain save"), ("layer load", "plain load"), ("file load", "plain load"))
     rows = []
     for name, case in d["cases"].items():
@@ -154,11 +156,12 @@ def fs_io_table(d: dict[str, Any]) -> list[str]:
             cells = [f"{name}, {case['mib']:.0f} MiB, {case['files']} files", op, f"{g[base]:.2f}"]
             for side in ("kvflow", "kvflow 1 thread", "kvflow unverified"):
                 v = g.get(f"{side} {op}")  # runs before 2026-11-29 had no unverified side
-                cells.append("" if v is None else f"{v:.2f} ({v / g[base]:.2f}x)")
+                cells.append("" if v is None else f"{v:.2f} ({fs_io_ratio(case, side, op):.2f}x)")
             rows.append(cells)
     head = ["KV", "operation", "plain GB/s", "kvflow GB/s (x plain)", "kvflow 1 thread"]
     head += ["kvflow, verify off"]
-    return _table(head, rows)
+    note = "medians; a load's ratio is the median of its ratios to the plain load timed next to it"
+    return [*_table(head, rows), "", f"_{note if 'ratios' in d['cases'][name] else 'medians'}_"]
 
 
 def fs_store_key_table(d: dict[str, Any]) -> list[str]:
