@@ -33,10 +33,13 @@ otherwise a collection during a load traverses every object the process holds.
 Saves go into an empty store (the files removed and the disk synced before, untimed);
 loads read what the side saved, from the page cache, the disk synced before each
 (untimed: no writeback of the saves runs during a load). Every load is checked byte for
-byte against the source blocks (untimed). Each load of a kvflow side is timed next to a
-plain load, first or second in turn (the machine's memory bandwidth drifts with what
-else runs on it, and a neighbour sees the same); a load's ratio is
-the median of its ratios to those plain loads, a save's of median GB/s. Medians of
+byte against the source blocks (untimed). Each side's files are read once, untimed,
+before its timed loads: in experiments a file's first read after its write varied
+most from one load to the next, and it fell on whichever load came first. Each load of
+a kvflow side is timed next to a plain load, first or second in turn (the machine's
+memory bandwidth drifts with what else runs on it, and a neighbour sees the same); a
+load's ratio is the median of its ratios to those plain loads, a save's of median GB/s.
+Medians of
 `--repeats` after one warm-up round; every time is kept (`samples`). Writes
 bench/results/fs-io.json.
 
@@ -251,6 +254,8 @@ def bench_case(case: Case, repeats: int, tmp: Path) -> dict[str, Any]:
                     await kvflow_save(ts[side], case)
                 if r:
                     times.setdefault(f"{side} save", []).append(time.perf_counter() - t0)
+            for side in order:  # untimed: a file's first read after its write varies most
+                plain_read(ts[side], case)
             # each load next to a plain load, first or second in turn: the machine's
             # memory bandwidth drifts (other tenants), a neighbour sees the same
             pairs = [(side, op) for side in order if side != "plain" for op in LOADS]
