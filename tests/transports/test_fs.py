@@ -166,19 +166,19 @@ async def test_a_runs_files_stay_open_until_every_group_of_it_is_read(
     worker = await fs_worker(kv)
     src = await saved(kv, worker, 3)
     closed = threading.Event()
-    read_layers, close = FsTransport._read_layers, FsTransport._close
+    read_group, close = FsTransport._read_group, FsTransport._close
 
     def held_read(self: FsTransport, *args: Any) -> Any:
-        group, c = args[3], args[5]
-        if group.start == 1 and c == 0:
+        g, run = args[4], args[5]
+        if g == 1 and 0 in run:
             assert closed.wait(30), "no run's files were ever closed"
-        return read_layers(self, *args)
+        return read_group(self, *args)
 
     def closing(self: FsTransport, fds: list[int]) -> None:
         closed.set()
         close(self, fds)
 
-    monkeypatch.setattr(FsTransport, "_read_layers", held_read)
+    monkeypatch.setattr(FsTransport, "_read_group", held_read)
     monkeypatch.setattr(FsTransport, "_close", closing)
     await kv.round_trip(worker, worker, src)
 

@@ -21,9 +21,13 @@ HEADER_SIZE = 4096
 _PREFIX = struct.Struct("<8sI")  # magic, header length
 
 
-def layer_offset(h: ChunkHeader, layer: int) -> int:
-    """Where `layer`'s bytes start in the chunk file."""
-    return HEADER_SIZE + sum(h.layer_nbytes[:layer])
+def group_extents(layer_nbytes: list[int], groups: list[range]) -> list[tuple[int, int]]:
+    """Where each group's layers start in a chunk file whose layers are `layer_nbytes`
+    long, and how many bytes they are (adjacent: one read each)."""
+    return [
+        (HEADER_SIZE + sum(layer_nbytes[: g.start]), sum(layer_nbytes[g.start : g.stop]))
+        for g in groups
+    ]
 
 
 def encode_header(h: ChunkHeader) -> bytes:

@@ -34,14 +34,16 @@ from kvflow.transport import (
 
 from . import _doctor, _perms
 from ._batch import Batched
-from ._format import HEADER_SIZE, encode_header, layer_offset, read_header
-from ._io import read_all, write_all
+from ._format import HEADER_SIZE, encode_header, group_extents, read_header
+from ._io import IOV_MAX, read_all, write_all
 from ._loading import Reading, layer_groups, load_runs, runs
 from ._shards import KnownShards
 from ._usage import StoreUsage
 
 log = logging.getLogger("kvflow.fs")
 T = TypeVar("T")
+Extents = dict[int, list[tuple[int, int]]]
+"""Of each token count of a load's chunks: each layer group's offset and size in the file."""
 
 
 class FsOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -308,11 +310,14 @@ class FsTransport(Transport):
         chunk_runs = load_runs(job.token_counts, self.options.threads)
         # every span made first: made while the threads read, they held the GIL from them
         spans = [[job.spans(layer) for layer in g] for g in groups] if job.keys else []
+        # a chunk's header must give its layout's sizes (`ChunkHeader.problem`): where its
+        # groups lie depends on its token count alone
+        extents = {n: group_extents(layout.layer_nbytes(n), groups) for n in set(job.token_counts)}
         reading = Reading(groups, chunk_runs, spans, len(job.keys))
         try:
             async with trio.open_nursery() as nursery:
                 for _ in range(min(self.options.threads, len(chunk_runs))):
-                    nursery.start_soon(self._read_in_thread, job, paths, reading)
+                    nursery.start_soon(self._read_in_thread, job, paths, extents, reading)
                 try:
                     for g, group in enumerate(groups):
                         if chunk_runs:
@@ -333,13 +338,19 @@ class FsTransport(Transport):
         if failure is not None:
             raise failure.error(job.keys[failure.chunk])
 
-    async def _read_in_thread(self, job: LoadJob, paths: list[str], reading: Reading) -> None:
+    async def _read_in_thread(
+        self, job: LoadJob, paths: list[str], extents: Extents, reading: Reading
+    ) -> None:
         try:  # a new thread each: see kvflow.threads
-            await in_new_thread(self._read_runs, job, paths, reading, limiter=self._load_threads)
+            await in_new_thread(
+                self._read_runs, job, paths, extents, reading, limiter=self._load_threads
+            )
         except Exception as exc:  # kept for `load` to raise, not wrapped in a group
             reading.raised(exc)
 
-    def _read_runs(self, job: LoadJob, paths: list[str], reading: Reading) -> None:
+    def _read_runs(
+        self, job: LoadJob, paths: list[str], extents: Extents, reading: Reading
+    ) -> None:
         """In a thread: read what `reading` hands out, run by run: a run's files opened
         and checked in the first group, each of its chunks read and checked in each,
         its files closed once every group of it is read."""
@@ -347,15 +358,7 @@ class FsTransport(Transport):
             run = reading.runs[r]
             if g == 0:
                 self._open_chunks(job, paths, run, reading)
-            spans = reading.spans[g]
-            for c in run:
-                fd, h = reading.fds[c], reading.headers[c]
-                if reading.stop or c >= reading.limit or fd is None or h is None:
-                    break
-                mine = [layer[c] for layer in spans]
-                if failure := self._read_layers(fd, h, paths[c], reading.groups[g], mine, c):
-                    reading.failed(failure)
-                    break
+            self._read_group(job, paths, extents, reading, g, run)
             if reading.read(g, r):  # every group of the run is read: its files are done
                 self._close([fd for c in run if (fd := reading.fds[c]) is not None])
                 reading.fds[run.start : run.stop] = [None] * len(run)
@@ -393,30 +396,49 @@ class FsTransport(Transport):
             reading.fds[c], reading.headers[c] = fd, h
         return None
 
-    def _read_layers(
+    def _read_group(
         self,
-        fd: int,
-        h: ChunkHeader,
-        path: str,
-        group: range,
-        spans: list[list[memoryview]],
-        c: int,
-    ) -> ChunkFailure | None:
-        """Read layers `group` of chunk `c` (adjacent in its file: one system call), then
-        check each of them; `spans[i]` are the spans of layer `group[i]`."""
-        want = sum(h.layer_nbytes[group.start : group.stop])
-        flat = [s for ls in spans for s in ls]
-        try:
-            got = read_all(fd, flat, layer_offset(h, group.start))
-        except OSError as exc:
-            return ChunkFailure(c, TransportError, f"cannot read {_which(group)} of {path}: {exc}")
-        if got != want:
-            why = f"short read ({got} of {want} bytes) in {_which(group)}"
-            return self._corrupt(c, fd, path, why)
-        sk = self.context.store_key  # a store key's checksums are always checked
-        bad = h.first_bad_layer(group, spans, sk) if self.options.verify or sk is not None else None
-        if bad is not None:
-            return self._corrupt(c, fd, path, f"checksum mismatch in layer {bad}")
+        job: LoadJob,
+        paths: list[str],
+        extents: Extents,
+        reading: Reading,
+        g: int,
+        run: range,
+    ) -> None:
+        """Group `g`'s layers of each chunk of `run` (adjacent in its file: one system
+        call), then each layer checked, up to the first bad chunk (told to `reading`).
+
+        The loop a load's readers spend their time in: the Python it runs between reads
+        holds the GIL the other readers wait for after theirs (decision 105), so what
+        is the same for every chunk is worked out before it (`extents`, these locals)."""
+        group, by_layer, fds, headers = (
+            reading.groups[g],
+            reading.spans[g],
+            reading.fds,
+            reading.headers,
+        )
+        counts, sk = job.token_counts, self.context.store_key
+        check = self.options.verify or sk is not None  # a store key's checksums always are
+        for c in run:
+            fd, h = fds[c], headers[c]
+            if reading.stop or c >= reading.limit or fd is None or h is None:
+                return
+            offset, want = extents[counts[c]][g]
+            mine = [layer[c] for layer in by_layer]
+            flat = mine[0] if len(mine) == 1 else [s for spans in mine for s in spans]
+            try:
+                got = os.preadv(fd, flat, offset) if len(flat) <= IOV_MAX else 0
+                if got != want:  # cut short (or more spans than one call takes): all of it
+                    got = read_all(fd, flat, offset)
+            except OSError as exc:
+                what = f"cannot read {_which(group)} of {paths[c]}: {exc}"
+                return reading.failed(ChunkFailure(c, TransportError, what))
+            if got != want:
+                why = f"short read ({got} of {want} bytes) in {_which(group)}"
+                return reading.failed(self._corrupt(c, fd, paths[c], why))
+            if check and (bad := h.first_bad_layer(group, mine, sk)) is not None:
+                why = f"checksum mismatch in layer {bad}"
+                return reading.failed(self._corrupt(c, fd, paths[c], why))
         return None
 
     def _corrupt(self, chunk: int, fd: int, path: str, problem: str) -> ChunkFailure:
