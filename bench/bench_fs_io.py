@@ -39,6 +39,9 @@ most from one load to the next, and it fell on whichever load came first. Each l
 a kvflow side is timed next to a plain load, first or second in turn (the machine's
 memory bandwidth drifts with what else runs on it, and a neighbour sees the same); a
 load's ratio is the median of its ratios to those plain loads, a save's of median GB/s.
+One more pair each round, `layer load, first read`: `kvflow`'s and plain's stores
+written again (untimed), then `kvflow`'s layer load and a plain load, each its files'
+first read since their write (a prefix saved, then loaded a moment later).
 Medians of
 `--repeats` after one warm-up round; every time is kept (`samples`). Writes
 bench/results/fs-io.json.
@@ -213,6 +216,8 @@ SIDES = ("kvflow", "kvflow 1 thread", "kvflow unverified", "plain")
 KVFLOW_SIDES = SIDES[:3]
 OPS = (("save", "plain save"), ("layer load", "plain load"), ("file load", "plain load"))
 LOADS = ("layer load", "file load")
+FIRST_READ = ", first read"
+"""Of a load that is its files' first read since they were written."""
 
 
 def bench_case(case: Case, repeats: int, tmp: Path) -> dict[str, Any]:
@@ -234,6 +239,32 @@ def bench_case(case: Case, repeats: int, tmp: Path) -> dict[str, Any]:
         check_loaded(case)
         return took
 
+    async def save(side: str, t: FsTransport) -> float:
+        shutil.rmtree(Path(t.options.path) / "ns")
+        (Path(t.options.path) / "ns").mkdir()
+        os.sync()  # every side starts with no deletes or writes pending on the disk
+        t0 = time.perf_counter()
+        if side == "plain":
+            plain_write(t, case)
+        else:
+            await kvflow_save(t, case)
+        return time.perf_counter() - t0
+
+    async def pair(
+        r: int, i: int, side: str, op: str, ts: dict[str, FsTransport], tag: str = ""
+    ) -> None:
+        """Round `r`'s `i`th load, `side`'s `op`, and a plain load, first or second in
+        turn: the machine's memory bandwidth drifts with what else runs on it, and a
+        neighbour sees the same."""
+        both = [("plain", "load"), (side, op)]
+        took = {k: await load(*k, ts[k[0]]) for k in (both if (r + i) % 2 else both[::-1])}
+        if r:
+            for (s, o), v in took.items():
+                times.setdefault(f"{s} {o}{tag}", []).append(v)
+            paired.setdefault(f"{side} {op}{tag}", []).append(
+                took["plain", "load"] / took[side, op]
+            )
+
     async def run() -> None:
         ts = {side: _transport(roots[side], case, 1 if "1 thread" in side else 2) for side in SIDES}
         ts["kvflow unverified"].options.verify = False
@@ -244,30 +275,19 @@ def bench_case(case: Case, repeats: int, tmp: Path) -> dict[str, Any]:
         for r in range(repeats + 1):  # round 0 warms up and is not counted
             order = SIDES if r % 2 == 0 else SIDES[::-1]
             for side in order:
-                shutil.rmtree(roots[side] / "ns")
-                (roots[side] / "ns").mkdir()
-                os.sync()  # every side starts with no deletes or writes pending on the disk
-                t0 = time.perf_counter()
-                if side == "plain":
-                    plain_write(ts[side], case)
-                else:
-                    await kvflow_save(ts[side], case)
+                took = await save(side, ts[side])
                 if r:
-                    times.setdefault(f"{side} save", []).append(time.perf_counter() - t0)
+                    times.setdefault(f"{side} save", []).append(took)
             for side in order:  # untimed: a file's first read after its write varies most
                 plain_read(ts[side], case)
-            # each load next to a plain load, first or second in turn: the machine's
-            # memory bandwidth drifts (other tenants), a neighbour sees the same
-            pairs = [(side, op) for side in order if side != "plain" for op in LOADS]
-            for i, (side, op) in enumerate(pairs):
-                both = [("plain", "load"), (side, op)]
-                took = {k: await load(*k, ts[k[0]]) for k in (both if (r + i) % 2 else both[::-1])}
-                if r:
-                    for (s, o), v in took.items():
-                        times.setdefault(f"{s} {o}", []).append(v)
-                    paired.setdefault(f"{side} {op}", []).append(
-                        took["plain", "load"] / took[side, op]
-                    )
+            loads = [(side, op) for side in order if side != "plain" for op in LOADS]
+            for i, (side, op) in enumerate(loads):
+                await pair(r, i, side, op, ts)
+            # as configured, the first read of files written a moment before (a prefix
+            # saved, then loaded), against plain's first read of its own: both written again
+            for side in ("kvflow", "plain"):
+                await save(side, ts[side])
+            await pair(r, 0, "kvflow", "layer load", ts, FIRST_READ)
 
     try:
         trio.run(run)
@@ -474,8 +494,8 @@ def main() -> int:
             cases[name] = {"mib": case.nbytes / 2**20, "files": len(case.keys), **got}
             gbs, ratios = got["gbs"], got["ratios"]
             print(f"{name}: {case.nbytes / 2**20:.0f} MiB in {len(case.keys)} files, GB/s:")
-            for op, base in OPS:
-                keys = [f"{side} {op}" for side in KVFLOW_SIDES]
+            for op, base in (*OPS, ("layer load" + FIRST_READ, "plain load" + FIRST_READ)):
+                keys = [k for side in KVFLOW_SIDES if (k := f"{side} {op}") in gbs]
                 cells = [
                     f"{k} {gbs[k]:.2f} ({ratios.get(k, gbs[k] / gbs[base]):.2f}x)" for k in keys
                 ]

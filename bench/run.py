@@ -149,10 +149,11 @@ def fs_io_table(d: dict[str, Any]) -> list[str]:
     from plots import fs_io_ratio  # matplotlib's import, only when rendering
 
     ops = (("save", "plain save"), ("layer load", "plain load"), ("file load", "plain load"))
+    ops += (("layer load, first read", "plain load, first read"),)  # since 2026-11-30
     rows = []
     for name, case in d["cases"].items():
         g = case["gbs"]
-        for op, base in ops:
+        for op, base in (o for o in ops if o[1] in g):
             cells = [f"{name}, {case['mib']:.0f} MiB, {case['files']} files", op, f"{g[base]:.2f}"]
             for side in ("kvflow", "kvflow 1 thread", "kvflow unverified"):
                 v = g.get(f"{side} {op}")  # runs before 2026-11-29 had no unverified side
@@ -160,8 +161,10 @@ def fs_io_table(d: dict[str, Any]) -> list[str]:
             rows.append(cells)
     head = ["KV", "operation", "plain GB/s", "kvflow GB/s (x plain)", "kvflow 1 thread"]
     head += ["kvflow, verify off"]
-    note = "medians; a load's ratio is the median of its ratios to the plain load timed next to it"
-    return [*_table(head, rows), "", f"_{note if 'ratios' in d['cases'][name] else 'medians'}_"]
+    note = "medians"
+    if all("ratios" in case for case in d["cases"].values()):
+        note += "; a load's ratio is the median of its ratios to the plain load timed next to it"
+    return [*_table(head, rows), "", f"_{note}_"]
 
 
 def fs_store_key_table(d: dict[str, Any]) -> list[str]:
