@@ -1,7 +1,7 @@
 """Benchmark: `fs` save and load throughput against plain file writes and reads of the
 same bytes, in the same run, alternating.
 
-    python bench/bench_fs_io.py [--repeats 7] [--quick]
+    python bench/bench_fs_io.py [--repeats 9] [--quick]
     python bench/bench_fs_io.py --store-key [--repeats 5] [--quick]
 
 No engine: the transport is driven directly, as kvflow's worker drives it, over KV
@@ -477,7 +477,7 @@ def main_store_key(args: argparse.Namespace, meta: dict[str, object]) -> int:
 def main() -> int:
     meta = record.start()
     ap = argparse.ArgumentParser()
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--quick", action="store_true", help="3 repeats")
     ap.add_argument("--dir", default="", help="where the stores go (default: the temp dir)")
     ap.add_argument(
