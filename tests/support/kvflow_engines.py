@@ -139,10 +139,10 @@ class StuckReadFs(FsTransport):
         self.reading = threading.Event()
         self.unstick = threading.Event()
 
-    def _read_layers(self, *args: Any) -> Any:
+    def _read(self, *args: Any) -> Any:
         self.reading.set()
         self.unstick.wait(60.0)
-        return super()._read_layers(*args)
+        return super()._read(*args)
 
 
 class StuckPeer(HangingTransport):

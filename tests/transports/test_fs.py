@@ -26,6 +26,7 @@ from kvflow.transport import (
 from kvflow_fs import FsOptions, FsTransport
 from kvflow_fs import _io as fs_io
 from kvflow_fs import _loading as fs_loading
+from kvflow_fs import _transport as fs_transport
 from kvflow_fs._format import HEADER_SIZE, encode_header, read_header
 from kvflow_fs._transport import THREADS
 from kvflow_fs._usage import EVICT_TO, StoreUsage
@@ -205,6 +206,7 @@ async def test_short_reads_and_writes_are_finished(
     monkeypatch.setattr(os, "preadv", short(preadv))
     monkeypatch.setattr(os, "pwritev", short(pwritev))
     monkeypatch.setattr(fs_io, "IOV_MAX", 2)
+    monkeypatch.setattr(fs_transport, "IOV_MAX", 2)  # its reads' one-call path
     worker = await fs_worker(kv)
     await kv.round_trip(worker, worker, kv.chunks(3, partial=2))
 

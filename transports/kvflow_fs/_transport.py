@@ -427,9 +427,7 @@ class FsTransport(Transport):
             mine = [layer[c] for layer in by_layer]
             flat = mine[0] if len(mine) == 1 else [s for spans in mine for s in spans]
             try:
-                got = os.preadv(fd, flat, offset) if len(flat) <= IOV_MAX else 0
-                if got != want:  # cut short (or more spans than one call takes): all of it
-                    got = read_all(fd, flat, offset)
+                got = self._read(fd, flat, offset, want)
             except OSError as exc:
                 what = f"cannot read {_which(group)} of {paths[c]}: {exc}"
                 return reading.failed(ChunkFailure(c, TransportError, what))
@@ -440,6 +438,13 @@ class FsTransport(Transport):
                 why = f"checksum mismatch in layer {bad}"
                 return reading.failed(self._corrupt(c, fd, paths[c], why))
         return None
+
+    def _read(self, fd: int, spans: list[memoryview], offset: int, want: int) -> int:
+        """Read `want` bytes at `offset` into `spans` in one `preadv`, or, if that call is
+        cut short (or the spans are more than one call takes), with `read_all`; the
+        bytes read (fewer: the file ended)."""
+        got = os.preadv(fd, spans, offset) if len(spans) <= IOV_MAX else -1
+        return got if got == want else read_all(fd, spans, offset)
 
     def _corrupt(self, chunk: int, fd: int, path: str, problem: str) -> ChunkFailure:
         """A chunk file that failed validation: delete it, so that the next save of its key
