@@ -41,8 +41,7 @@ memory bandwidth drifts with what else runs on it, and a neighbour sees the same
 load's ratio is the median of its ratios to those plain loads, a save's of median GB/s.
 One more pair each round, `layer load, first read`: `kvflow`'s and plain's stores
 written again (untimed), then `kvflow`'s layer load and a plain load, each its files'
-first read since their write (a prefix saved, then loaded a moment later).
-Medians of
+first read since their write (a prefix saved, then loaded a moment later). Medians of
 `--repeats` after one warm-up round; every time is kept (`samples`). Writes
 bench/results/fs-io.json.
 

@@ -409,7 +409,7 @@ class FsTransport(Transport):
         call), then each layer checked, up to the first bad chunk (told to `reading`).
 
         The loop a load's readers spend their time in: the Python it runs between reads
-        holds the GIL the other readers wait for after theirs (decision 105), so what
+        holds the GIL the other readers wait for after theirs (decision 106), so what
         is the same for every chunk is worked out before it (`extents`, these locals)."""
         group, by_layer, fds, headers = (
             reading.groups[g],
