@@ -1,7 +1,7 @@
 """Benchmark: `kvflow proxy --route prefix` against round robin and random routing over
 two vLLM servers, on multi-turn conversations (issue 52).
 
-    python bench/bench_route.py [--users 8] [--turns 6] [--concurrency 4] [--quick]
+    python bench/bench_route.py [--users 8] [--turns 6] [--concurrency 4] [--think 2] [--quick]
 
 Two OpenAI servers of bench-llama (8 layers, 64 KiB of KV a token, vLLM's prefix cache
 on, 256 KV blocks of 32 tokens each: 8192 tokens), one core each, each with kvflow
@@ -11,16 +11,22 @@ one `kvflow proxy --server` per policy. The workload, per run: `users` conversat
 the system prompt, every earlier turn (a 128-token user message and a 256-token answer
 appended as if the model had written it) and a new user message: up to 2304 tokens at
 6 turns.
-`concurrency` conversations run at once, each turn after the one before it ended; every
-request streams (`stream_options.include_usage`), 8 tokens. Each run has its own random
-system prompts and messages (no run finds another's in a cache).
+`concurrency` conversations run at once, each turn sent a pause after the one before it
+ended (the user reading and typing: exponential, mean `think` seconds, drawn per run);
+every request streams (`stream_options.include_usage`), 8 tokens. Without pauses
+(`--think 0`, the runs before 2026-11-30 in the results file's `history`) two
+conversations on one core that once computed together finish together and send their
+next turns together, turn after turn: under `prefix` the slowest turns of a run were
+those of two users of one system prompt, slow at turn after turn. Each run has its own
+random system prompts and messages (no run finds another's in a cache).
 
 Policies: `prefix`, `round-robin`, `random`, and `one server` (the first server alone:
 what an instance holding every conversation serves from cache). Four rounds (`--rounds`),
 the order reversed every other one: 192 requests a policy (one round's p90 is a few
 requests, and round robin's moved by a third between runs of two rounds). TTFT is the
-client's: request sent to the first streamed token. Cached tokens are what each server
-reported (`usage.prompt_tokens_details`). Goal (issue 52): p90 TTFT of `prefix` at most
+client's: request sent to the first streamed token; `server`, where the proxy sent it
+(its routing decision). Cached tokens are what each server reported
+(`usage.prompt_tokens_details`). Goal (issue 52): p90 TTFT of `prefix` at most
 half of round robin's; its cached prompt tokens within 10 % of `one server`'s. Writes
 every request to bench/results/route.json.
 """
@@ -102,6 +108,12 @@ def conversations(rng: random.Random, users: int, turns: int) -> list[list[list[
     return out
 
 
+def pauses(rng: random.Random, users: int, turns: int, mean: float) -> list[list[float]]:
+    """Each user's pause before each turn, seconds (exponential of `mean`; 0: none)."""
+    draw = (lambda: rng.expovariate(1 / mean)) if mean else (lambda: 0.0)
+    return [[draw() for _ in range(turns)] for _ in range(users)]
+
+
 def ask(url: str, model: str, prompt: list[int]) -> dict[str, Any]:
     """One streamed completion: the client's TTFT, prompt and cached tokens."""
     host, port = url.removeprefix("http://").split(":")
@@ -133,7 +145,11 @@ def ask(url: str, model: str, prompt: list[int]) -> dict[str, Any]:
 
 
 def one_run(
-    policy: str, servers: list[Server], convs: list[list[list[int]]], concurrency: int
+    policy: str,
+    servers: list[Server],
+    convs: list[list[list[int]]],
+    concurrency: int,
+    think: list[list[float]],
 ) -> dict[str, Any]:
     urls = [s.api.url for s in servers]
     specs = [s.spec for s in servers]
@@ -146,6 +162,7 @@ def one_run(
     todo = list(range(len(convs)))
     lock = threading.Lock()
     failed: list[BaseException] = []
+    start = time.perf_counter()
 
     def user_loop() -> None:
         while True:
@@ -154,13 +171,16 @@ def one_run(
                     return
                 u = todo.pop(0)
             for t, prompt in enumerate(convs[u]):
+                if t:  # the user reads the answer and writes the next message
+                    time.sleep(think[u][t])
+                sent, wall = time.perf_counter() - start, time.time()
                 try:
                     got = ask(proxy.url, model, prompt)
                 except BaseException as exc:
                     failed.append(exc)
                     return
                 with lock:
-                    samples.append({"user": u, "turn": t, **got})
+                    samples.append({"user": u, "turn": t, "sent_s": sent, "wall": wall, **got})
 
     try:
         threads = [threading.Thread(target=user_loop) for _ in range(concurrency)]
@@ -169,12 +189,32 @@ def one_run(
         for th in threads:
             th.join()
         assert proxy.routing is not None
-        requests = {s.url: s.requests for s in proxy.routing.router.servers.values()}
+        router = proxy.routing.router
+        requests = {s.url: s.requests for s in router.servers.values()}
+        decisions = list(router.decisions)
     finally:
         proxy.close()
     if failed:
         raise failed[0]
-    return {"policy": policy, "samples": samples, "requests_by_server": requests}
+    return {
+        "policy": policy,
+        "samples": placed(samples, decisions, urls),
+        "requests_by_server": requests,
+    }
+
+
+def placed(samples: list[dict[str, Any]], decisions: list[Any], urls: list[str]) -> list[Any]:
+    """Each sample with the server it went to (`server`: its index in `urls`): the proxy's
+    decision for a prompt of its length made nearest to its sending."""
+    left = list(decisions)
+    for s in sorted(samples, key=lambda s: s["sent_s"]):
+        wall = s.pop("wall")
+        same = [d for d in left if d.prompt_tokens == s["prompt_tokens"]]
+        if same:
+            d = min(same, key=lambda d: abs(d.at - wall))
+            left.remove(d)
+            s["server"] = urls.index(d.server)
+    return samples
 
 
 def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -208,6 +248,10 @@ def main() -> int:
     ap.add_argument("--turns", type=int, default=6)
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument(
+        "--think", type=float, default=2.0,
+        help="mean seconds between a conversation's turns (exponential; 0: none)",
+    )  # fmt: skip
     ap.add_argument("--quick", action="store_true", help="4 users, 3 turns, 1 round")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "route.json"))
@@ -229,7 +273,8 @@ def main() -> int:
             for policy in order:
                 print(f"round {r + 1}: {policy} ...", flush=True)
                 convs = conversations(rng, args.users, args.turns)
-                runs.append(one_run(policy, servers, convs, args.concurrency) | {"round": r})
+                think = pauses(rng, args.users, args.turns, args.think)
+                runs.append(one_run(policy, servers, convs, args.concurrency, think) | {"round": r})
     finally:
         for s in servers:
             s.api.close()
@@ -240,6 +285,7 @@ def main() -> int:
         "users": args.users,
         "turns": args.turns,
         "concurrency": args.concurrency,
+        "think_s": args.think,
         "rounds": args.rounds,
         "orders": orders,
         "policies": {p: figures[p] for p in POLICIES},
