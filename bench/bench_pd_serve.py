@@ -19,6 +19,12 @@ alternates (A-B-C-D, D-C-B-A, ...):
 - `kvflow zmq streamed`: `kvflow zmq`'s servers behind `kvflow proxy --stream` (both
   servers at once; the decode server pulls as the prefill computes: its TTFT's parts
   are the prefill, to the prefill server's finish, and what came after it);
+- `kvflow nixl streamed`: `kvflow nixl`'s servers behind `kvflow proxy --stream` (the
+  decode server's claim is answered once the prefill's forward is over, then it READs);
+- `kvflow zmq, no proxy`: `kvflow zmq`'s servers, the client making the proxy's two
+  calls itself (`kvflow.pd.proxy.prefill_request`, then the decode request with the
+  params the prefill answered): what vLLM's own path takes between the prefill's offer
+  and the decode server's arrival, cut where the client had the answer;
 - `vLLM NixlConnector`: vLLM's own connector behind the same proxy, `kv_producer` on
   the prefill server and `kv_consumer` on the decode server, `kv_buffer_device: cpu`,
   each server its own `VLLM_NIXL_SIDE_CHANNEL_PORT`; it needs the `nixl` meta package
@@ -111,6 +117,7 @@ from soak_pd import Proxy  # noqa: E402  # scripts/soak_pd.py
 
 from kvflow.observe.log import read_event_log  # noqa: E402
 from kvflow.observe.timeline import SPANS, Timeline, timelines  # noqa: E402
+from kvflow.pd.proxy import prefill_request  # noqa: E402
 from kvflow_vllm.apiserver import ApiServer, free_port  # noqa: E402
 from kvflow_vllm.engine_process import model_dir  # noqa: E402
 
@@ -148,6 +155,8 @@ class Setup:
     """Server log lines that make a run invalid (the configuration is then skipped)."""
     proxy_flags: tuple[str, ...] = ()
     """`kvflow proxy`'s options for it (`--stream`)."""
+    direct: bool = False
+    """No proxy: the client makes the proxy's two calls itself (vLLM's own path)."""
 
 
 def nixl_connector(_key: str, which: str) -> dict[str, Any]:
@@ -161,6 +170,12 @@ SETUPS = (
     Setup("kvflow zmq", lambda key, _which: faults.config(key)),
     Setup("kvflow nixl", lambda key, _which: faults.config(key, transport="nixl")),
     Setup("kvflow zmq streamed", lambda key, _which: faults.config(key), proxy_flags=("--stream",)),
+    Setup(
+        "kvflow nixl streamed",
+        lambda key, _which: faults.config(key, transport="nixl"),
+        proxy_flags=("--stream",),
+    ),
+    Setup("kvflow zmq, no proxy", lambda key, _which: faults.config(key), direct=True),
     Setup(
         NIXL_CONNECTOR,
         nixl_connector,
@@ -187,6 +202,8 @@ class Sample:
     """When it was sent, and its first token came (`time.monotonic()`, the clock of
     kvflow's events)."""
     first: float = math.nan
+    answered: float = math.nan
+    """No proxy: when the prefill server's answer came."""
     id: str = ""
     """The answer's id (`cmpl-...`): the decode server's request id starts with it."""
 
@@ -251,9 +268,10 @@ def pin(server: ApiServer, core: int) -> int:
 
 @contextlib.contextmanager
 def deployment(setup: Setup, work: Path, opts: Opts) -> Iterator[tuple[int, list[ApiServer]]]:
-    """`setup`'s servers (and proxy), fresh: the port that takes the requests and the
-    servers, the one that computes the output tokens last (its metrics say where the
-    prompt's KV came from). Everything started is shut down on the way out."""
+    """`setup`'s servers (and proxy), fresh: the port that takes the requests (`direct`:
+    the decode server's) and the servers, the one that computes the output tokens last
+    (its metrics say where the prompt's KV came from). Everything started is shut down
+    on the way out."""
     work.mkdir(parents=True)
     with contextlib.ExitStack() as stack:
         if setup.kv is None:
@@ -265,14 +283,21 @@ def deployment(setup: Setup, work: Path, opts: Opts) -> Iterator[tuple[int, list
             return
         pair = BenchPair(work, setup, opts)
         stack.callback(pair.close)
+        if setup.direct:
+            yield pair.decode.port, [pair.prefill, pair.decode]
+            return
         proxy = Proxy(pair.prefill, pair.decode, work / "proxy.log", *setup.proxy_flags)
         stack.callback(proxy.close)
         yield proxy.port, [pair.prefill, pair.decode]
 
 
-def stream(port: int, model: str, prompt: list[int], sample: Sample) -> Sample:
-    """Send one streamed completion of `prompt` to `port`, timing it into `sample`."""
-    body = {
+def stream(
+    port: int, model: str, prompt: list[int], sample: Sample, prefill_port: int = 0
+) -> Sample:
+    """Send one streamed completion of `prompt` to `port`, timing it into `sample`;
+    `prefill_port`: first to that prefill server as `kvflow proxy` would, then to `port`
+    with the params it answered."""
+    body: dict[str, Any] = {
         "model": model,
         "prompt": prompt,
         "max_tokens": MAX_TOKENS,
@@ -287,6 +312,19 @@ def stream(port: int, model: str, prompt: list[int], sample: Sample) -> Sample:
     sample.sent = time.monotonic()
     try:
         headers = {"Content-Type": "application/json"}
+        if prefill_port:
+            pre = http.client.HTTPConnection("127.0.0.1", prefill_port, timeout=HANG_S)
+            try:
+                pre.request("POST", "/v1/completions", json.dumps(prefill_request(body)), headers)
+                got = pre.getresponse()
+                answer = got.read()
+            finally:
+                pre.close()
+            sample.answered = time.monotonic()
+            if got.status != 200:
+                sample.error = f"prefill: HTTP {got.status}: {answer[:300]!r}"
+                return sample
+            body["kv_transfer_params"] = json.loads(answer).get("kv_transfer_params")
         conn.request("POST", "/v1/completions", json.dumps(body), headers)
         resp = conn.getresponse()
         if resp.status != 200:
@@ -324,6 +362,14 @@ PARTS = (
 )
 """A P/D request's TTFT in consecutive parts, from the client's send to its first token,
 on one clock: the client's marks (`sent`, `first`) and the request's kvflow timeline."""
+DIRECT_PARTS = (
+    PARTS[0],
+    ("offer to answer", "offered", "answered"),
+    ("answer to arrival", "answered", "arrived"),
+    *PARTS[2:],
+)
+"""No proxy: offer to arrival cut where the client had the prefill server's answer (the
+answer's way out of vLLM, then the decode request's way in)."""
 
 
 def split(sample: Sample, lines: list[Timeline]) -> dict[str, float]:
@@ -335,12 +381,14 @@ def split(sample: Sample, lines: list[Timeline]) -> dict[str, float]:
     if (done := t.first("prefill done")) is not None:  # streamed: the pull ran meanwhile
         return {"prefill": done - sample.sent, "after the prefill": sample.first - done}
     at = {"sent": sample.sent, "first": sample.first}
-    for stage in {a for _, a, _ in PARTS} | {b for _, _, b in PARTS}:
+    parts = PARTS if math.isnan(sample.answered) else DIRECT_PARTS
+    at["answered"] = sample.answered
+    for stage in {a for _, a, _ in parts} | {b for _, _, b in parts}:
         if stage not in at and (ts := t.last(stage) if stage == "pull done" else t.first(stage)):
             at[stage] = ts
-    if not all(a in at and b in at for _, a, b in PARTS):
+    if not all(a in at and b in at for _, a, b in parts):
         return {}
-    return {name: at[b] - at[a] for name, a, b in PARTS}
+    return {name: at[b] - at[a] for name, a, b in parts}
 
 
 def sources(server: ApiServer) -> dict[str, float]:
@@ -356,13 +404,19 @@ def sources(server: ApiServer) -> dict[str, float]:
 
 
 def batch(
-    port: int, model: str, prompts: list[list[int]], repeat: int, concurrency: int
+    port: int,
+    model: str,
+    prompts: list[list[int]],
+    repeat: int,
+    concurrency: int,
+    prefill_port: int = 0,
 ) -> tuple[list[Sample], float]:
     """Every prompt once, `concurrency` in flight at once: the samples and the wall time."""
     t0 = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as ex:
         futures = [
-            ex.submit(stream, port, model, p, Sample(i, repeat)) for i, p in enumerate(prompts)
+            ex.submit(stream, port, model, p, Sample(i, repeat), prefill_port)
+            for i, p in enumerate(prompts)
         ]
         samples = [f.result() for f in futures]
     return samples, time.perf_counter() - t0
@@ -376,11 +430,12 @@ def run_setup(
     warm = prompts[-1][::-1]  # a prompt of the same length, not timed
     with deployment(setup, work, opts) as (port, servers):
         decode = servers[-1]
-        first = stream(port, opts.model, warm, Sample(-1, repeat))
+        prefill = servers[0].port if setup.direct else 0
+        first = stream(port, opts.model, warm, Sample(-1, repeat), prefill)
         if first.error:
             raise RuntimeError(f"the warm-up request failed: {first.error}")
         before = sources(decode)
-        samples, wall = batch(port, opts.model, prompts, repeat, concurrency)
+        samples, wall = batch(port, opts.model, prompts, repeat, concurrency, prefill)
         want = before.get("vllm:prompt_tokens_total", 0.0) + sum(map(len, prompts))
         # vLLM publishes a step's stats after the step
         decode.metrics_once(lambda m: m.get("vllm:prompt_tokens_total", 0.0) >= want, 10)
