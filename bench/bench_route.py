@@ -205,11 +205,12 @@ def one_run(
 
 def placed(samples: list[dict[str, Any]], decisions: list[Any], urls: list[str]) -> list[Any]:
     """Each sample with the server it went to (`server`: its index in `urls`): the proxy's
-    decision for a prompt of its length made nearest to its sending."""
+    decision for a prompt of its length (or of no known length: routed without reading
+    the prompt) made nearest to its sending."""
     left = list(decisions)
     for s in sorted(samples, key=lambda s: s["sent_s"]):
         wall = s.pop("wall")
-        same = [d for d in left if d.prompt_tokens == s["prompt_tokens"]]
+        same = [d for d in left if d.prompt_tokens in (s["prompt_tokens"], 0)]
         if same:
             d = min(same, key=lambda d: abs(d.at - wall))
             left.remove(d)

@@ -794,6 +794,35 @@ def pd_scale_table(d: dict[str, Any]) -> list[str]:
     return [*_table(head, rows), "", f"_{note}_"]
 
 
+def _route_sharing(d: dict[str, Any], policy: str) -> list[str]:
+    """bench_route.py's samples of `policy`: how many requests computed while another was
+    computing on their server (the send to the first token of each overlapping), of all;
+    the median TTFT of those that did not; of the requests at or above the p90 TTFT, how
+    many shared. Blank cells for runs that did not record each request's server."""
+    samples = [(r["round"], s) for r in d["runs"] if r["policy"] == policy for s in r["samples"]]
+    if not samples or any("server" not in s for _, s in samples):
+        return ["", "", ""]
+
+    def shared(run: int, s: dict[str, Any]) -> bool:
+        end = s["sent_s"] + s["ttft_s"]
+        return any(
+            o is not s and r == run and o["server"] == s["server"]
+            and o["sent_s"] < end and o["sent_s"] + o["ttft_s"] > s["sent_s"]
+            for r, o in samples
+        )  # fmt: skip
+
+    flags = [(s["ttft_s"], shared(r, s)) for r, s in samples]
+    ttft = sorted(t for t, _ in flags)
+    p90 = ttft[int(0.9 * (len(ttft) - 1))]  # as bench_route.summarise
+    slow = [f for t, f in flags if t >= p90]
+    alone = [t for t, f in flags if not f]
+    return [
+        f"{sum(f for _, f in flags)} of {len(flags)}",
+        f"{1e3 * statistics.median(alone):.0f}" if alone else "",
+        f"{sum(slow)} of {len(slow)}",
+    ]
+
+
 def route_table(d: dict[str, Any]) -> list[str]:
     rows = [
         [
@@ -802,6 +831,7 @@ def route_table(d: dict[str, Any]) -> list[str]:
             f"{p['ttft_p90_ms']:.0f}",
             f"{p['later_turns_ttft_p90_ms']:.0f}",
             f"{p['cached_share']:.2f}",
+            *_route_sharing(d, name),
             " / ".join("-".join(str(n) for n in run) for run in p["requests_by_server"]),
         ]
         for name, p in d["policies"].items()
@@ -815,6 +845,9 @@ def route_table(d: dict[str, Any]) -> list[str]:
             "",
             f"{g['cached_vs_one_server']:.2f}x",
             "",
+            "",
+            "",
+            "",
         ]
     )
     head = [
@@ -823,9 +856,16 @@ def route_table(d: dict[str, Any]) -> list[str]:
         "TTFT p90 ms",
         "turns 2+ p90 ms",
         "cached share",
+        "requests sharing their server",
+        "TTFT p50 ms, not sharing",
+        "p90 and slower, sharing",
         "requests by server (each run)",
     ]
-    return _table(head, rows)
+    note = f"{d['users']} conversations of {d['turns']} turns, {d['concurrency']} at once, "
+    note += f"pauses between turns of {d.get('think_s', 0):g} s mean, {d['rounds']} rounds; "
+    note += "sharing: computing while another request was computing on the same server "
+    note += "(its send to its first token)"
+    return [*_table(head, rows), "", f"_{note}_"]
 
 
 def proxy_table(d: dict[str, Any]) -> list[str]:
