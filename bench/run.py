@@ -621,6 +621,24 @@ def pd_serve_table(d: dict[str, Any]) -> list[str]:
     return [*_table(head, rows), "", f"_{note}_", *_pd_split_table(d)]
 
 
+PD_PARTS = (
+    "prefill",
+    "offer to arrival",
+    "offer to answer",
+    "answer to arrival",
+    "claim",
+    "claim to pull",
+    "pull",
+    "pull to report",
+    "report to schedule",
+    "first step",
+    "to the client",
+    "after the prefill",
+)
+"""The order of bench_pd_serve.py's parts of TTFT in the table (its `PARTS`, its no-proxy
+rows' cut of offer to arrival, a streamed request's part after the prefill)."""
+
+
 def _pd_split_table(d: dict[str, Any]) -> list[str]:
     """Where a P/D request's TTFT goes (bench_pd_serve.py's `split`): each part's median
     over the requests whose kvflow timeline is whole, what P/D added over the prefill,
@@ -629,6 +647,7 @@ def _pd_split_table(d: dict[str, Any]) -> list[str]:
     if not splits:
         return []
     parts = list(dict.fromkeys(p for s in splits.values() for p in s["median_s"]))
+    parts.sort(key=lambda p: PD_PARTS.index(p) if p in PD_PARTS else len(PD_PARTS))
     head = ["configuration", "requests", *parts, "added over the prefill", "goal"]
     rows = [
         [name, str(s["n"]),
