@@ -1,5 +1,6 @@
 """P/D serving on real vLLM OpenAI servers: TTFT and latency per request through `kvflow
-proxy` (kvflow over `zmq`, over `nixl`, vLLM's own NixlConnector) against one server.
+proxy` (kvflow over `zmq`, over `nixl`, streamed or not, vLLM's own NixlConnector) and
+without a proxy, against one server.
 
     python bench/bench_pd_serve.py [--quick] [--repeats 2] [--only "kvflow zmq"]
 
@@ -67,10 +68,11 @@ the prefill server's queue and prefill, until its offer is made), offer to arriv
 prefill's answer back through the proxy to the decode server's scheduler), the claim,
 claim to pull (blocks, the step that starts it), the pull, pull to report (vLLM hears
 of it at its next step), report to schedule, the first step, and the first token's
-way to the client. Per configuration: each part's median, what P/D added over the
-prefill (the median sum of the parts after it), and issue 49's goal for that (the
-median pull, one decode step at the median TPOT, 10 ms). vLLM's NixlConnector writes no
-such events: its TTFT is the client's only.
+way to the client; without a proxy, offer to arrival is cut where the client had the
+prefill's answer (offer to answer, answer to arrival). Per configuration: each part's
+median, what P/D added over the prefill (the median sum of the parts after it), and
+issue 49's goal for that (the median pull, one decode step at the median TPOT, 10 ms).
+vLLM's NixlConnector writes no such events: its TTFT is the client's only.
 
 What this machine can show: the pair shares one 2-core host, a core each (prefill 0,
 decode 1: every thread of a server, its API server and engine core too, `pin`; runs
@@ -324,7 +326,9 @@ def stream(
             if got.status != 200:
                 sample.error = f"prefill: HTTP {got.status}: {answer[:300]!r}"
                 return sample
-            body["kv_transfer_params"] = json.loads(answer).get("kv_transfer_params")
+            doc = json.loads(answer)
+            params = doc.get("kv_transfer_params") if isinstance(doc, dict) else None
+            body["kv_transfer_params"] = params  # None: the decode server computes it
         conn.request("POST", "/v1/completions", json.dumps(body), headers)
         resp = conn.getresponse()
         if resp.status != 200:
@@ -373,7 +377,8 @@ answer's way out of vLLM, then the decode request's way in)."""
 
 
 def split(sample: Sample, lines: list[Timeline]) -> dict[str, float]:
-    """`sample`'s TTFT in `PARTS` (seconds), or {} where its timeline lacks a stage."""
+    """`sample`'s TTFT in `PARTS` (`DIRECT_PARTS` without a proxy; a streamed request's
+    two: the prefill and after it), seconds, or {} where its timeline lacks a stage."""
     found = [t for t in lines if sample.id and t.req.startswith(sample.id + "-")]
     if not found or sample.error:
         return {}
@@ -524,7 +529,7 @@ def split_figures(runs: list[dict[str, Any]], good: list[Sample]) -> dict[str, A
     splits = [d for run in runs for d in run.get("split", []) if d]
     if not splits:
         return {}
-    names = list(splits[0])  # PARTS, or a streamed request's two
+    names = list(splits[0])  # PARTS, DIRECT_PARTS, or a streamed request's two
     med = {name: statistics.median(d[name] for d in splits if name in d) for name in names}
     added = statistics.median(sum(v for k, v in d.items() if k != "prefill") for d in splits)
     tpot = statistics.median(

@@ -14,21 +14,21 @@ appended as if the model had written it) and a new user message: up to 2304 toke
 `concurrency` conversations run at once, each turn sent a pause after the one before it
 ended (the user reading and typing: exponential, mean `think` seconds, drawn per run);
 every request streams (`stream_options.include_usage`), 8 tokens. Without pauses
-(`--think 0`, the runs before 2026-11-30 in the results file's `history`) two
-conversations on one core that once computed together finish together and send their
-next turns together, turn after turn: under `prefix` the slowest turns of a run were
-those of two users of one system prompt, slow at turn after turn. Each run has its own
-random system prompts and messages (no run finds another's in a cache).
+(`--think 0`: the results file's `history` runs without `think_s`) two conversations on
+one core that once computed together finish together and send their next turns
+together, turn after turn: under `prefix` the slowest turns of a run were those of two
+users of one system prompt, slow at several turns each. Each run has its own random
+system prompts and messages (no run finds another's in a cache).
 
 Policies: `prefix`, `round-robin`, `random`, and `one server` (the first server alone:
 what an instance holding every conversation serves from cache). Four rounds (`--rounds`),
 the order reversed every other one: 192 requests a policy (one round's p90 is a few
 requests, and round robin's moved by a third between runs of two rounds). TTFT is the
 client's: request sent to the first streamed token; `server`, where the proxy sent it
-(its routing decision). Cached tokens are what each server reported
-(`usage.prompt_tokens_details`). Goal (issue 52): p90 TTFT of `prefix` at most
-half of round robin's; its cached prompt tokens within 10 % of `one server`'s. Writes
-every request to bench/results/route.json.
+(its routing decision, matched to the request by prompt length and time: `placed`).
+Cached tokens are what each server reported (`usage.prompt_tokens_details`). Goal (issue
+52): p90 TTFT of `prefix` at most half of round robin's; its cached prompt tokens within
+10 % of `one server`'s. Writes every request to bench/results/route.json.
 """
 
 from __future__ import annotations
@@ -204,15 +204,18 @@ def one_run(
 
 
 def placed(samples: list[dict[str, Any]], decisions: list[Any], urls: list[str]) -> list[Any]:
-    """Each sample with the server it went to (`server`: its index in `urls`): the proxy's
-    decision for a prompt of its length (or of no known length: routed without reading
-    the prompt) made nearest to its sending."""
-    left = list(decisions)
+    """Each sample with the server it went to (`server`: its index in `urls`): in the
+    order they were sent, the proxy's first decision not yet taken, made after the send,
+    for a prompt of its length (or of no known length: routed without reading the
+    prompt). Approximate: two requests of one length sent in the same millisecond may be
+    swapped (a run's first turns are sent together)."""
+    left = sorted(decisions, key=lambda d: d.at)
     for s in sorted(samples, key=lambda s: s["sent_s"]):
         wall = s.pop("wall")
-        same = [d for d in left if d.prompt_tokens in (s["prompt_tokens"], 0)]
-        if same:
-            d = min(same, key=lambda d: abs(d.at - wall))
+        fits = [d for d in left if d.prompt_tokens in (s["prompt_tokens"], 0)]
+        after = [d for d in fits if d.at >= wall]
+        if fits:
+            d = (after or fits)[0]
             left.remove(d)
             s["server"] = urls.index(d.server)
     return samples
